@@ -1,0 +1,121 @@
+"""Canonical JSON, content hashes and atomic writes: the primitives every stage shares."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+#: Read size for hashing. Large reads keep hashlib in its fast path and cut syscalls;
+#: 4 MiB measured best here (see bench/).
+READ_SIZE = 4 * 1024 * 1024
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Sorted keys, fixed separators, UTF-8: the same object gives the same bytes on any machine."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def pretty_json(obj: Any) -> bytes:
+    """Stable, human-readable JSON (sorted, 2-space indent, trailing newline) for files people read."""
+    return (json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def address(obj: Any) -> str:
+    """Content address of a JSON-able object: sha256 of its canonical JSON."""
+    return sha256_bytes(canonical_json(obj))
+
+
+def sha256_file(path: str | os.PathLike[str]) -> tuple[str, int]:
+    """Return (sha256 hex, size) of a file, streaming it in large reads.
+
+    Uses hashlib.file_digest-style readinto into one reusable buffer: no per-read
+    allocation, and hashlib releases the GIL for large updates, so several files
+    hash in parallel across threads.
+    """
+    h = hashlib.sha256()
+    buf = bytearray(READ_SIZE)
+    view = memoryview(buf)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)  # type: ignore[attr-defined]
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
+    return h.hexdigest(), size
+
+
+def sha256_tree(root: Path) -> str:
+    """Hash of a directory tree: relative paths, modes (exec bit), link targets and file hashes.
+
+    Independent of mtimes, owners and the filesystem's listing order.
+    """
+    entries: list[list[str]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in sorted(filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]):
+            full = os.path.join(dirpath, name)
+            rel = os.path.normpath(os.path.join(rel_dir, name)).replace(os.sep, "/")
+            if os.path.islink(full):
+                entries.append([rel, "link", os.readlink(full)])
+            else:
+                digest, _ = sha256_file(full)
+                mode = "755" if os.access(full, os.X_OK) else "644"
+                entries.append([rel, mode, digest])
+    return address(sorted(entries))
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
+    """Write a file so that readers see either the old bytes or the new, never a part."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(p.parent)
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """An exclusive advisory lock (flock) held for the block; released if the process dies."""
+    import fcntl
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

@@ -1,0 +1,138 @@
+"""The `builder` command: a click group whose subcommands load lazily.
+
+Each subcommand lives in its own module under builder/cli/, parses its flags, calls one
+core function and prints through builder.output. Heavy imports (docker, pydantic models,
+huggingface_hub, rich) happen inside those modules so `builder --help` starts fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from builder import __version__
+
+# name -> (module, attribute, one-line help). The help is here so --help needs no import.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "lock": ("builder.cli.lock", "lock", "Resolve every input of pins.toml to an immutable id in the lock."),
+    "diff": ("builder.cli.diff", "diff", "Show what moved between two locks."),
+    "image": ("builder.cli.image", "image", "Build (or plan) a content-addressed, reproducible image."),
+    "why": ("builder.cli.image", "why", "Print an image's closure and input address."),
+    "gc": ("builder.cli.image", "gc", "Remove store entries no lock refers to."),
+    "keygen": ("builder.cli.bundle", "keygen", "Make an Ed25519 (minisign-compatible) signing key pair."),
+    "bundle": ("builder.cli.bundle", "bundle", "Render a signed per-host launch bundle."),
+    "verify": ("builder.cli.bundle", "verify", "Verify a bundle folder against its signature and hashes."),
+    "ship": ("builder.cli.ship", "ship", "Copy a bundle to a host (or a folder) and install it."),
+    "hosts": ("builder.cli.hosts", "hosts", "List fleets and hosts; write an Ansible inventory."),
+    "audit": ("builder.cli.audit", "audit", "Check that hosts match the pins (testinfra)."),
+}
+
+
+@dataclass
+class Ctx:
+    pins: Path
+    lock: Path
+    store: Path
+    root: Path
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        spec = COMMANDS.get(name)
+        if spec is None:
+            return None
+        mod = importlib.import_module(spec[0])
+        cmd = getattr(mod, spec[1])
+        assert isinstance(cmd, click.Command)
+        return cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][2]) for name in sorted(COMMANDS)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="builder")
+@click.option(
+    "--pins",
+    "pins",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="BUILDER_PINS",
+    default="pins.toml",
+    show_default=True,
+    help="The pins file (its folder is the project root).",
+)
+@click.option(
+    "--lock",
+    "lock",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="BUILDER_LOCK",
+    default=None,
+    help="The lock file [default: pins.lock beside the pins].",
+)
+@click.option(
+    "--store",
+    "store",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="BUILDER_STORE",
+    default=None,
+    help="The content-addressed store and caches [default: .cache/builder under the project root].",
+)
+@click.pass_context
+def cli(ctx: click.Context, pins: Path, lock: Path | None, store: Path | None) -> None:
+    """builder: make a DGX Spark lane reproducible and checkable.
+
+    pins.toml -> lock -> image -> bundle -> install -> audit.
+    """
+    root = pins.resolve().parent
+    ctx.obj = Ctx(
+        pins=pins,
+        lock=lock if lock is not None else pins.parent / "pins.lock",
+        store=store if store is not None else root / ".cache" / "builder",
+        root=root,
+    )
+
+
+def get_ctx() -> Ctx:
+    obj = click.get_current_context().find_object(Ctx)
+    assert obj is not None
+    return obj
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Entry point: expected failures become one line on stderr and an exit code."""
+    from builder.errors import EXIT_INTERRUPTED, BuilderError
+
+    try:
+        rv = cli.main(args=argv, prog_name="builder", standalone_mode=False)
+    except BuilderError as e:
+        from builder import output
+
+        output.error(str(e))
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        sys.stderr.write("interrupted\n")
+        sys.exit(EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        sys.exit(EXIT_INTERRUPTED)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except BrokenPipeError:
+        os._exit(1)
+    if isinstance(rv, int):
+        sys.exit(rv)
+    sys.exit(0)

@@ -1,0 +1,54 @@
+"""The one exception family builder raises for expected failures.
+
+Every expected failure carries an exit code (see DESIGN.md):
+0 done; 1 the work failed or drift was found; 2 usage or configuration error
+(raised before anything was changed); 3 a host could not be reached.
+The CLI turns these into one line on stderr; nothing else is printed.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+EXIT_UNREACHABLE = 3
+EXIT_INTERRUPTED = 130
+
+
+class BuilderError(Exception):
+    """An expected failure: one line for the user and an exit code."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, message: str, *, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.message = " ".join(message.split()) if "\n" in message else message
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(BuilderError):
+    """Bad input (a file, a key, a flag): exit 2, nothing was changed."""
+
+    exit_code = EXIT_CONFIG
+
+
+class ResolveError(BuilderError):
+    """An input could not be resolved or did not match its pin: exit 1."""
+
+    exit_code = EXIT_FAILED
+
+
+class VerifyError(BuilderError):
+    """Bytes did not match their recorded hash or signature: exit 1."""
+
+    exit_code = EXIT_FAILED
+
+
+class UnreachableError(BuilderError):
+    """A host could not be reached: exit 3."""
+
+    exit_code = EXIT_UNREACHABLE

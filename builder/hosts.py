@@ -1,0 +1,190 @@
+"""Host inventories under hosts/: fleets, their lane, and each host's rank, fabric, paths and expectations.
+
+One TOML file per fleet. Everything is validated before any host is contacted: an
+unknown lane, a host without a rank, two hosts with one rank, a missing head, a value
+of the wrong type each give one line naming the file and key, and exit 2.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from builder.errors import ConfigError
+from builder.loader import read_toml, validate
+
+Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+
+
+class HStrict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Fabric(HStrict):
+    """The RoCE fabric of one host: one IPv4 per rail, RDMA device names, the GID index."""
+
+    rails: list[str] = []
+    interfaces: list[str] = []
+    rdma_devices: list[str] = []
+    gid_index: int | Literal["auto"] = "auto"
+    mtu: int = Field(default=9000, ge=576, le=9216)
+
+    @field_validator("rails")
+    @classmethod
+    def _ipv4(cls, v: list[str]) -> list[str]:
+        for a in v:
+            try:
+                ipaddress.IPv4Address(a)
+            except ValueError:
+                raise ValueError(f"not an IPv4 address: {a!r}") from None
+        return v
+
+
+class Paths(HStrict):
+    models: str = "/srv/models"
+    engram: str = "/srv/engram"
+    bundles: str = "/var/lib/builder"
+
+    @field_validator("models", "engram", "bundles")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/") or ".." in Path(v).parts:
+            raise ValueError("must be an absolute path without '..'")
+        return v
+
+
+class Expect(HStrict):
+    """What the audit expects of the host (never read from the host itself)."""
+
+    gpu_name: str | None = None
+    gpu_count: int = Field(default=1, ge=0)
+    compute_cap: str | None = None
+    driver_version: str | None = None
+    cuda_version: str | None = None
+    persistence_mode: bool | None = True
+    gpu_clock_mhz: int | None = Field(default=None, ge=0, description="sustained SM clock target")
+    min_free_memory_gib: float = Field(default=0, ge=0)
+    max_swap_used_gib: float | None = Field(default=None, ge=0)
+    min_free_disk_gib: float = Field(default=0, ge=0)
+    nfs_mounts: list[str] = []
+    docker: bool = True
+    nvidia_runtime: bool = True
+    rdma: bool = True
+
+
+class Host(HStrict):
+    name: Name
+    ssh: str = Field(min_length=1, description="ssh target: [user@]host[:port] or an ssh_config alias")
+    connection: Literal["ssh", "docker", "local"] = "ssh"
+    rank: int = Field(ge=0, le=63)
+    role: Literal["head", "worker"]
+    address: str | None = Field(default=None, description="the address other ranks use (rendezvous)")
+    fabric: Fabric = Fabric()
+    paths: Paths = Paths()
+    expect: Expect = Expect()
+
+
+class FleetInfo(HStrict):
+    name: Name
+    lane: Name
+    trusted_key: str | None = Field(default=None, description="minisign public key file for bundles")
+    ssh_config: str | None = None
+    note: str | None = None
+
+
+class Fleet(HStrict):
+    fleet: FleetInfo
+    hosts: list[Host] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _ranks(self) -> Fleet:
+        names: set[str] = set()
+        ranks: dict[int, str] = {}
+        for i, h in enumerate(self.hosts):
+            if h.name in names:
+                raise ValueError(f"hosts[{i}].name: two hosts named {h.name!r}")
+            names.add(h.name)
+            if h.rank in ranks:
+                raise ValueError(f"hosts[{i}].rank: rank {h.rank} is also host {ranks[h.rank]!r}")
+            ranks[h.rank] = h.name
+        n = len(self.hosts)
+        if sorted(ranks) != list(range(n)):
+            raise ValueError(f"hosts: ranks must be 0..{n - 1}, got {sorted(ranks)}")
+        for i, h in enumerate(self.hosts):
+            if (h.rank == 0) != (h.role == "head"):
+                raise ValueError(f"hosts[{i}].role: rank 0 is the head and only rank 0 (got rank {h.rank} "
+                                 f"as {h.role})")
+        return self
+
+    def by_rank(self) -> list[Host]:
+        return sorted(self.hosts, key=lambda h: h.rank)
+
+    def head(self) -> Host:
+        return self.by_rank()[0]
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise ConfigError(f"fleet {self.fleet.name}: no host named {name!r}")
+
+
+def load_fleet(path: Path) -> Fleet:
+    raw = read_toml(path)
+    try:
+        return validate(Fleet, raw, path)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace(": (top level): Value error, ", ": ")) from None
+
+
+def fleet_files(hosts_dir: Path) -> list[Path]:
+    if not hosts_dir.is_dir():
+        raise ConfigError(f"{hosts_dir}: no hosts folder")
+    return sorted(p for p in hosts_dir.glob("*.toml") if p.is_file())
+
+
+def load_fleets(hosts_dir: Path) -> dict[str, tuple[Path, Fleet]]:
+    out: dict[str, tuple[Path, Fleet]] = {}
+    for p in fleet_files(hosts_dir):
+        f = load_fleet(p)
+        if f.fleet.name in out:
+            raise ConfigError(f"{p}: fleet.name: {f.fleet.name!r} is also defined in {out[f.fleet.name][0]}")
+        out[f.fleet.name] = (p, f)
+    return out
+
+
+def find_fleet(hosts_dir: Path, name: str) -> tuple[Path, Fleet]:
+    fleets = load_fleets(hosts_dir)
+    if name not in fleets:
+        raise ConfigError(f"{hosts_dir}: no fleet named {name!r} (have: {', '.join(sorted(fleets)) or 'none'})")
+    return fleets[name]
+
+
+def find_host(hosts_dir: Path, name: str) -> tuple[Path, Fleet, Host]:
+    """A host by name across every fleet; `fleet/host` disambiguates."""
+    fleets = load_fleets(hosts_dir)
+    if "/" in name:
+        fname, hname = name.split("/", 1)
+        if fname not in fleets:
+            raise ConfigError(f"{hosts_dir}: no fleet named {fname!r}")
+        p, f = fleets[fname]
+        return p, f, f.host(hname)
+    found = [(p, f, h) for p, f in fleets.values() for h in f.hosts if h.name == name]
+    if not found:
+        raise ConfigError(f"{hosts_dir}: no host named {name!r}")
+    if len(found) > 1:
+        names = ", ".join(f"{f.fleet.name}/{name}" for _, f, _ in found)
+        raise ConfigError(f"{hosts_dir}: host {name!r} is in several fleets; say which: {names}")
+    return found[0]
+
+
+def check_against_pins(path: Path, fleet: Fleet, lanes: set[str], lock_lanes: set[str] | None = None) -> None:
+    """The fleet's lane must exist in the pins (and in the lock, when given)."""
+    if fleet.fleet.lane not in lanes:
+        raise ConfigError(f"{path}: fleet.lane: unknown lane {fleet.fleet.lane!r} (pins has: "
+                          f"{', '.join(sorted(lanes)) or 'none'})")
+    if lock_lanes is not None and fleet.fleet.lane not in lock_lanes:
+        raise ConfigError(f"{path}: fleet.lane: lane {fleet.fleet.lane!r} is not in the lock (run `builder lock`)")

@@ -1,0 +1,67 @@
+"""What a build produced, recorded beside its input address.
+
+The input address names what went in (sha256 of the closure's canonical JSON); the
+ImageID (sha256 of the config) and the ordered DiffIDs name what came out. Bundles and
+audits refer to these, never to tags or RepoDigests (which `docker save | load` drops).
+Records live in the store under images/<input_address>.json.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from builder.canon import atomic_write, pretty_json
+from builder.errors import ConfigError
+from builder.loader import load_json
+
+Digest = Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+REPO = "builder"  # images are tagged builder/<name>:<input address[:32]> ... see tag_for()
+
+
+class ImageRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: int = 1
+    name: str
+    input_address: Sha256
+    image_id: Digest
+    diff_ids: list[Digest]
+    tag: str
+    lock_hash: Sha256
+    platform: str
+    source_date_epoch: int
+    labels: dict[str, str] = {}
+
+
+def tag_for(name: str, input_address: str) -> str:
+    return f"{REPO}/{name}:{input_address[:32]}"
+
+
+def record_path(store: Path, input_address: str) -> Path:
+    return store / "images" / f"{input_address}.json"
+
+
+def write_record(store: Path, rec: ImageRecord) -> Path:
+    p = record_path(store, rec.input_address)
+    atomic_write(p, pretty_json(rec.model_dump(mode="json")))
+    return p
+
+
+def read_record(store: Path, input_address: str) -> ImageRecord | None:
+    p = record_path(store, input_address)
+    if not p.exists():
+        return None
+    return load_json(ImageRecord, p)
+
+
+def require_record(store: Path, name: str, input_address: str) -> ImageRecord:
+    rec = read_record(store, input_address)
+    if rec is None:
+        raise ConfigError(f"images.{name}: not built for the current lock (input address "
+                          f"{input_address[:16]}); run `builder image {name}`")
+    return rec

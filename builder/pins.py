@@ -1,0 +1,288 @@
+"""The pins.toml schema: every input a lane needs, named once.
+
+pydantic models are the only schema; unknown keys are refused everywhere. Load with
+`load_pins(path)`, which turns any error into one line naming the file and the key path.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from builder.errors import ConfigError
+from builder.loader import read_toml, validate
+
+PINS_FORMAT = 1
+
+NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+SHA256_RE = r"^[0-9a-f]{64}$"
+DIGEST_RE = r"^sha256:[0-9a-f]{64}$"
+REV_RE = r"^[0-9a-f]{7,40}$"
+PLATFORM_RE = r"^linux/(amd64|arm64)(/v8)?$"
+
+Name = Annotated[str, Field(pattern=NAME_RE)]
+Sha256 = Annotated[str, Field(pattern=SHA256_RE)]
+Digest = Annotated[str, Field(pattern=DIGEST_RE)]
+Platform = Annotated[str, Field(pattern=PLATFORM_RE)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Patch(Strict):
+    """One patch of an ordered series: a file in this repo and why it is there."""
+
+    file: str = Field(min_length=1)
+    reason: str = Field(min_length=1)
+
+    @field_validator("file")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        if v.startswith("/") or ".." in Path(v).parts:
+            raise ValueError("must be a path inside the project (relative, no '..')")
+        return v
+
+    @field_validator("reason")
+    @classmethod
+    def _one_line(cls, v: str) -> str:
+        if "\n" in v.strip():
+            raise ValueError("must be one line")
+        return v.strip()
+
+
+class GitSource(Strict):
+    """An engine (or any) git source: a ref to follow, an optional pinned rev, a patch series."""
+
+    url: str = Field(min_length=1)
+    ref: str = Field(min_length=1, description="branch or tag the rev must be on")
+    rev: Annotated[str, Field(pattern=REV_RE)] | None = None
+    patches: list[Patch] = []
+    note: str | None = None
+
+
+class ZigPlatform(Strict):
+    url: str = Field(min_length=1)
+    sha256: Sha256
+    size: int | None = Field(default=None, ge=0)
+
+
+class ZigToolchain(Strict):
+    kind: Literal["zig"]
+    version: Annotated[str, Field(pattern=r"^\d+\.\d+\.\d+$")]
+    platforms: dict[Platform, ZigPlatform] = Field(min_length=1)
+
+
+class CudaToolchain(Strict):
+    """The CUDA version the image must report (`nvcc --version`); None while nobody has published it."""
+
+    kind: Literal["cuda"]
+    version: Annotated[str, Field(pattern=r"^\d+\.\d+(\.\d+)?$")] | None = None
+    note: str | None = None
+
+
+class WheelFile(Strict):
+    filename: str = Field(pattern=r"^[A-Za-z0-9_.+-]+\.whl$")
+    sha256: Sha256
+    url: str | None = None
+
+
+class WheelToolchain(Strict):
+    """A Python wheel by name and version, one file (and sha256) per platform."""
+
+    kind: Literal["wheel"]
+    package: str = Field(min_length=1)
+    version: str = Field(min_length=1)
+    platforms: dict[Platform, WheelFile] = Field(min_length=1)
+
+
+Toolchain = Annotated[ZigToolchain | CudaToolchain | WheelToolchain, Field(discriminator="kind")]
+
+
+class BaseImage(Strict):
+    """A base image by tag; the lock adds the index digest and each platform's manifest digest.
+
+    `platform_digests` are digests already published (the lock must agree with them).
+    `ref = "scratch"` means no base.
+    """
+
+    ref: str = Field(min_length=1)
+    platforms: list[Platform] = Field(min_length=1)
+    digest: Digest | None = None
+    platform_digests: dict[Platform, Digest] = {}
+    note: str | None = None
+
+    @model_validator(mode="after")
+    def _known_platforms(self) -> BaseImage:
+        extra = set(self.platform_digests) - set(self.platforms)
+        if extra:
+            raise ValueError(f"platform_digests names platforms not in platforms: {sorted(extra)}")
+        return self
+
+
+class HfModel(Strict):
+    """A Hugging Face model repo at a revision, narrowed by include/exclude globs.
+
+    `local` (a snapshot folder or an HF cache folder, relative to the project or absolute)
+    lets the lock hash files already on disk instead of asking the Hub.
+    """
+
+    repo: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+    revision: str = Field(min_length=1, description="a branch, tag or 40-hex commit")
+    include: list[str] = []
+    exclude: list[str] = []
+    local: str | None = None
+    expect_files: int | None = Field(default=None, ge=1, description="e.g. the shard count")
+    role: Literal["weights", "engram", "tokenizer", "other"] = "weights"
+    note: str | None = None
+
+
+class PlainFile(Strict):
+    """A plain file by URL (https://, file://, or a path inside the project) and its sha256."""
+
+    url: str = Field(min_length=1)
+    sha256: Sha256
+    size: int | None = Field(default=None, ge=0)
+    note: str | None = None
+
+
+class ImageRecipe(Strict):
+    recipe: str = Field(min_length=1, description="folder under images/")
+    base: Name | None = None
+    sources: list[Name] = []
+    toolchains: list[Name] = []
+    files: list[Name] = []
+    build_args: dict[str, str] = {}
+    platform: Platform = "linux/arm64"
+    note: str | None = None
+
+    @field_validator("recipe")
+    @classmethod
+    def _in_images(cls, v: str) -> str:
+        p = Path(v)
+        if p.is_absolute() or ".." in p.parts or not v.startswith("images/"):
+            raise ValueError("must be a folder under images/")
+        return v
+
+
+class Serve(Strict):
+    tensor_parallel: int = Field(ge=1, le=64)
+    context: int = Field(ge=1)
+    streams: int = Field(ge=1)
+    port: int = Field(ge=1, le=65535)
+    served_name: str = Field(min_length=1)
+    rendezvous_port: int = Field(default=29760, ge=1, le=65535)
+    host: str = "0.0.0.0"
+    args: list[str] = []
+    env: dict[str, str] = {}
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", k):
+                raise ValueError(f"not an environment variable name: {k!r}")
+        return v
+
+
+class Lane(Strict):
+    image: Name
+    models: list[Name] = []
+    serve: Serve
+    note: str | None = None
+
+
+class Pins(Strict):
+    format: Literal[1]
+    sources: dict[Name, GitSource] = {}
+    toolchains: dict[Name, Toolchain] = {}
+    bases: dict[Name, BaseImage] = {}
+    models: dict[Name, HfModel] = {}
+    files: dict[Name, PlainFile] = {}
+    images: dict[Name, ImageRecipe] = {}
+    lanes: dict[Name, Lane] = {}
+
+    @model_validator(mode="after")
+    def _references(self) -> Pins:
+        for name, img in self.images.items():
+            if img.base is not None and img.base not in self.bases:
+                raise _Ref(f"images.{name}.base", img.base, "bases")
+            for i, s in enumerate(img.sources):
+                if s not in self.sources:
+                    raise _Ref(f"images.{name}.sources[{i}]", s, "sources")
+            for i, t in enumerate(img.toolchains):
+                if t not in self.toolchains:
+                    raise _Ref(f"images.{name}.toolchains[{i}]", t, "toolchains")
+            for i, f in enumerate(img.files):
+                if f not in self.files:
+                    raise _Ref(f"images.{name}.files[{i}]", f, "files")
+        for name, lane in self.lanes.items():
+            if lane.image not in self.images:
+                raise _Ref(f"lanes.{name}.image", lane.image, "images")
+            for i, m in enumerate(lane.models):
+                if m not in self.models:
+                    raise _Ref(f"lanes.{name}.models[{i}]", m, "models")
+        return self
+
+    # ---- closure helpers -------------------------------------------------------------
+
+    def kind_of(self, name: str) -> str | None:
+        for kind in ("lanes", "images", "sources", "toolchains", "bases", "models", "files"):
+            if name in getattr(self, kind):
+                return kind
+        return None
+
+    def closure(self, names: list[str]) -> dict[str, set[str]]:
+        """The inputs (by kind) that the named lanes, images or inputs need."""
+        out: dict[str, set[str]] = {k: set() for k in ("sources", "toolchains", "bases", "models", "files")}
+        for n in names:
+            kind = self.kind_of(n)
+            if kind is None:
+                raise ConfigError(f"no lane, image or input named {n!r} in pins")
+            if kind == "lanes":
+                lane = self.lanes[n]
+                out["models"].update(lane.models)
+                self._image_closure(lane.image, out)
+            elif kind == "images":
+                self._image_closure(n, out)
+            else:
+                out[kind].add(n)
+        return out
+
+    def _image_closure(self, name: str, out: dict[str, set[str]]) -> None:
+        img = self.images[name]
+        if img.base:
+            out["bases"].add(img.base)
+        out["sources"].update(img.sources)
+        out["toolchains"].update(img.toolchains)
+        out["files"].update(img.files)
+
+    def all_inputs(self) -> dict[str, set[str]]:
+        return {k: set(getattr(self, k)) for k in ("sources", "toolchains", "bases", "models", "files")}
+
+
+class _Ref(ValueError):
+    def __init__(self, where: str, name: str, kind: str) -> None:
+        super().__init__(f"{where}: {name!r} is not defined in [{kind}]")
+
+
+def load_pins(path: Path) -> Pins:
+    """Load and validate pins.toml; every problem is one ConfigError line naming file and key."""
+    raw = read_toml(path)
+    try:
+        return validate(Pins, raw, path)
+    except ConfigError as e:
+        # cross-reference errors come through pydantic as "(top level): Value error, images.x: ..."
+        msg = str(e).replace(": (top level): Value error, ", ": ")
+        raise ConfigError(msg) from None
+
+
+def check_patch_files(pins: Pins, root: Path, pins_path: Path) -> None:
+    """Every patch named in the pins must exist in the project."""
+    for name, src in sorted(pins.sources.items()):
+        for i, p in enumerate(src.patches):
+            if not (root / p.file).is_file():
+                raise ConfigError(f"{pins_path}: sources.{name}.patches[{i}].file: no such file: {p.file}")

@@ -1,0 +1,106 @@
+"""Image plans: the closure of locked inputs an image needs, and its input address.
+
+The closure holds exactly what goes into the image (base digest for the platform,
+source commits and tree hashes, patch hashes in order, toolchain artifact hashes for
+the platform, file hashes, build args, platform, the recipe folder's files by relative
+path, SOURCE_DATE_EPOCH and builder's assembly format). Its canonical JSON's sha256 is
+the input address: same closure, same address, on any machine. The image name, the
+project's absolute path and unrelated lock entries are deliberately not in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from builder import ASSEMBLY_FORMAT
+from builder.canon import address
+from builder.errors import ConfigError
+from builder.lock import Lock, recipe_files, spec_hash
+from builder.pins import Pins
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    closure: dict[str, Any]
+    address: str
+    lock_hash: str  # sha256 of the lock entries in this closure (the image's "lock hash" label)
+
+    @property
+    def platform(self) -> str:
+        return str(self.closure["platform"])
+
+    @property
+    def source_date_epoch(self) -> int:
+        return int(self.closure["source_date_epoch"])
+
+
+def _need(lock: Lock, kind: str, name: str, image: str) -> Any:
+    entry = getattr(lock, kind).get(name)
+    if entry is None:
+        raise ConfigError(f"images.{image}: {kind}.{name} is not in the lock (run `builder lock {image}`)")
+    return entry
+
+
+def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
+    if name not in pins.images:
+        have = ", ".join(sorted(pins.images)) or "none"
+        raise ConfigError(f"no image named {name!r} in pins (have: {have})")
+    img = pins.images[name]
+    li = lock.images.get(name)
+    if li is None or li.spec_hash != spec_hash(img):
+        raise ConfigError(f"images.{name}: the lock is stale for this image (run `builder lock {name}`)")
+    current = recipe_files(root, img.recipe)
+    if current != li.recipe_files:
+        changed = sorted(set(current.items()) ^ set(li.recipe_files.items()))
+        raise ConfigError(f"images.{name}: recipe file {changed[0][0]} changed since the lock "
+                          f"(run `builder lock {name}`)")
+    plat = img.platform
+    used: dict[str, Any] = {}
+    base: dict[str, Any] | None = None
+    if img.base:
+        lb = _need(lock, "bases", img.base, name)
+        if lb.spec_hash != spec_hash(pins.bases[img.base]):
+            raise ConfigError(f"images.{name}: bases.{img.base} changed since the lock")
+        if plat not in lb.platforms:
+            raise ConfigError(f"images.{name}: base {img.base} has no {plat} manifest in the lock")
+        base = {"ref": lb.ref, "index_digest": lb.index_digest, "manifest_digest": lb.platforms[plat]}
+        used[f"bases.{img.base}"] = lb.model_dump(mode="json")
+    sources: dict[str, Any] = {}
+    for s in img.sources:
+        ls = _need(lock, "sources", s, name)
+        if ls.spec_hash != spec_hash(pins.sources[s]):
+            raise ConfigError(f"images.{name}: sources.{s} changed since the lock")
+        sources[s] = {"url": ls.url, "commit": ls.commit, "tree_sha256": ls.tree_sha256,
+                      "patches": [{"file": Path(p.file).name, "sha256": p.sha256} for p in ls.patches]}
+        used[f"sources.{s}"] = ls.model_dump(mode="json")
+    toolchains: dict[str, Any] = {}
+    for t in img.toolchains:
+        lt = _need(lock, "toolchains", t, name)
+        entry: dict[str, Any] = {"kind": lt.kind, "version": lt.version}
+        if lt.platforms:
+            # the toolchain runs on the build machine for wheels/zig used as cross compilers;
+            # the closure names the artifact for the image platform and the build platform set
+            entry["artifacts"] = {p: a.sha256 for p, a in sorted(lt.platforms.items())}
+        toolchains[t] = entry
+        used[f"toolchains.{t}"] = lt.model_dump(mode="json")
+    files: dict[str, Any] = {}
+    for f in img.files:
+        lf = _need(lock, "files", f, name)
+        files[f] = lf.sha256
+        used[f"files.{f}"] = lf.model_dump(mode="json")
+    recipe = {Path(rel).relative_to(img.recipe).as_posix(): h for rel, h in sorted(li.recipe_files.items())}
+    closure = {
+        "assembly_format": ASSEMBLY_FORMAT,
+        "platform": plat,
+        "build_args": dict(sorted(img.build_args.items())),
+        "base": base,
+        "sources": sources,
+        "toolchains": toolchains,
+        "files": files,
+        "recipe": recipe,
+        "source_date_epoch": li.source_date_epoch,
+    }
+    return Plan(name=name, closure=closure, address=address(closure), lock_hash=address(used))
