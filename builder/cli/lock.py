@@ -40,7 +40,7 @@ def lock(names: tuple[str, ...], offline: bool, update: tuple[str, ...], check: 
                           "kept": rep.kept, "failed": rep.failed,
                           "moved": [{"input": a, "old": b, "new": n} for a, b, n in rep.moved]})
     for name, why in sorted(rep.failed.items()):
-        output.error(f"{name}: {why}")
+        output.error(why if why.startswith(f"{name}:") else f"{name}: {why}")
     output.status(f"{rep.lock_path}: {len(rep.resolved)} resolved, {len(rep.kept)} kept, "
                   f"{len(rep.failed)} failed" + ("" if rep.written else " (unchanged)"))
     return 1 if rep.failed else 0

@@ -4,7 +4,7 @@ sch_netem. Runs inside a test host; pure standard library (raw nfnetlink_queue p
 
     nfdelay.py QUEUE DELAY_MS LOSS_PCT
 
-Pair it with `iptables -I OUTPUT -o eth0 -j NFQUEUE --queue-num QUEUE --queue-bypass`: every packet the
+Pair it with `iptables -I OUTPUT ! -o lo -j NFQUEUE --queue-num QUEUE --queue-bypass`: every packet the
 host sends is held DELAY_MS milliseconds (order kept), and LOSS_PCT percent of them are dropped.
 """
 
@@ -38,7 +38,10 @@ def attr(kind: int, payload: bytes) -> bytes:
 def message(kind: int, queue: int, body: bytes, seq: int) -> bytes:
     nfgen = struct.pack("=BB", socket.AF_UNSPEC, 0) + struct.pack("!H", queue)
     payload = nfgen + body
-    return struct.pack("=IHHII", 16 + len(payload), (NFNL_SUBSYS_QUEUE << 8) | kind, NLM_F_REQUEST, seq, 0) + payload
+    return (
+        struct.pack("=IHHII", 16 + len(payload), (NFNL_SUBSYS_QUEUE << 8) | kind, NLM_F_REQUEST, seq, 0)
+        + payload
+    )
 
 
 def packet_ids(data: bytes):
@@ -69,7 +72,14 @@ def main() -> int:
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     sock.bind((0, 0))
-    sock.send(message(NFQNL_MSG_CONFIG, queue, attr(NFQA_CFG_CMD, struct.pack("=BB", CMD_BIND, 0) + struct.pack("!H", 0)), 1))
+    sock.send(
+        message(
+            NFQNL_MSG_CONFIG,
+            queue,
+            attr(NFQA_CFG_CMD, struct.pack("=BB", CMD_BIND, 0) + struct.pack("!H", 0)),
+            1,
+        )
+    )
     sock.send(message(NFQNL_MSG_CONFIG, queue, attr(NFQA_CFG_PARAMS, struct.pack("!IB", 0, COPY_META)), 2))
     sock.send(message(NFQNL_MSG_CONFIG, queue, attr(NFQA_CFG_QUEUE_MAXLEN, struct.pack("!I", 65536)), 3))
     print(f"nfdelay: queue {queue} delay {delay_ms} ms loss {loss_pct}%", file=sys.stderr, flush=True)
@@ -88,13 +98,24 @@ def main() -> int:
             for pid in packet_ids(data):
                 if loss_pct and random.random() * 100.0 < loss_pct:
                     seq += 1
-                    sock.send(message(NFQNL_MSG_VERDICT, queue, attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_DROP, pid)), seq))
+                    sock.send(
+                        message(
+                            NFQNL_MSG_VERDICT,
+                            queue,
+                            attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_DROP, pid)),
+                            seq,
+                        )
+                    )
                 else:
                     held.append((now + delay, pid))
         while held and held[0][0] <= time.monotonic():
             _, pid = held.popleft()
             seq += 1
-            sock.send(message(NFQNL_MSG_VERDICT, queue, attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_ACCEPT, pid)), seq))
+            sock.send(
+                message(
+                    NFQNL_MSG_VERDICT, queue, attr(NFQA_VERDICT_HDR, struct.pack("!II", NF_ACCEPT, pid)), seq
+                )
+            )
 
 
 if __name__ == "__main__":

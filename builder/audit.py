@@ -1,0 +1,709 @@
+"""`builder audit`: run the testinfra checks in checks/ against hosts, in parallel, and report.
+
+Flow:
+1. Select the hosts (names or a fleet) and validate everything local first: the inventory,
+   the pins (the fleet's lane exists), the lock (it has the lane and its models), the
+   image plan. Any problem is one ConfigError line (exit 2) before a host is contacted.
+2. Write one expectations file per host, built only from the lock, the inventory and the
+   image record in the store (never from the host). checks/conftest.py reads it.
+3. Per host, in parallel threads: a reachability probe with a bounded timeout (it also
+   opens the ssh ControlMaster the checks reuse), then one pytest process over the check
+   modules with testinfra's backend for that host (ssh, docker, local, or ansible). An
+   unreachable host gives one `unreachable` result; the rest of the fleet is audited.
+4. Merge the per-host results into a fleet matrix (stderr), JSON and JUnit.
+Exit: 0 all pass, 1 drift (or a check errored), 3 a host unreachable (wins over 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from builder.canon import atomic_write, pretty_json
+from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, ConfigError
+from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host, load_fleets
+
+CONCERNS: tuple[str, ...] = (
+    "image", "release", "models", "engram", "gpu", "memory", "fabric", "storage", "runtime", "serving",
+)
+PRE_CONCERNS = tuple(c for c in CONCERNS if c != "serving")
+MODES = ("fast", "full")
+PHASES = ("preflight", "serving", "all")
+BACKENDS = ("native", "ansible")
+EXPECT_FORMAT = 1
+APPLIED_RELPATH = "state/applied.json"
+
+
+# ----------------------------------------------------------------------------- options
+
+
+@dataclass
+class AuditOptions:
+    root: Path
+    pins: Path
+    lock: Path
+    store: Path
+    hosts_dir: Path | None = None
+    names: list[str] = field(default_factory=list)
+    fleet: str | None = None
+    mode: str = "fast"
+    phase: str = "preflight"
+    only: list[str] | None = None
+    backend: str = "native"
+    inventory: Path | None = None
+    checks_dir: Path | None = None
+    connect_timeout: float = 8.0
+    host_timeout: float = 900.0
+    hash_jobs: int = 4
+    workdir: Path | None = None  # keep expectations/results here (default: a temp folder)
+
+    def concerns(self) -> list[str]:
+        base = {"preflight": PRE_CONCERNS, "serving": ("serving",), "all": CONCERNS}[self.phase]
+        if self.only is None:
+            return list(base)
+        return [c for c in CONCERNS if c in self.only]
+
+
+@dataclass(frozen=True)
+class Target:
+    path: Path
+    fleet: Fleet
+    host: Host
+
+    @property
+    def name(self) -> str:
+        return self.host.name
+
+
+@dataclass
+class CheckResult:
+    check: str  # "<concern>::<name>"
+    concern: str
+    status: str  # pass | fail | skip | error
+    message: str = ""
+
+
+@dataclass
+class HostResult:
+    name: str
+    fleet: str
+    status: str  # pass | drift | unreachable | error
+    message: str = ""
+    checks: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def first_problem(self) -> str:
+        if self.status in ("unreachable", "error"):
+            return self.message
+        for c in self.checks:
+            if c.status in ("fail", "error"):
+                return f"{c.check}: {c.message}"
+        return ""
+
+
+@dataclass
+class AuditReport:
+    hosts: list[HostResult]
+    mode: str
+    phase: str
+    concerns: list[str]
+    seconds: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        if any(h.status == "unreachable" for h in self.hosts):
+            return EXIT_UNREACHABLE
+        if any(h.status in ("drift", "error") for h in self.hosts):
+            return EXIT_FAILED
+        return EXIT_OK
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "phase": self.phase,
+            "concerns": self.concerns,
+            "exit": self.exit_code,
+            "seconds": round(self.seconds, 3),
+            "hosts": {
+                h.name: {
+                    "fleet": h.fleet,
+                    "status": h.status,
+                    "message": h.message or h.first_problem(),
+                    "seconds": round(h.seconds, 3),
+                    "checks": {c.check: {"status": c.status, "message": c.message} for c in h.checks},
+                }
+                for h in self.hosts
+            },
+        }
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def parse_only(value: str | None) -> list[str] | None:
+    if value is None or value.strip() == "":
+        return None
+    out: list[str] = []
+    for part in value.split(","):
+        c = part.strip()
+        if c not in CONCERNS:
+            raise ConfigError(f"--only: unknown concern {c!r} (have: {', '.join(CONCERNS)})")
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def select_targets(hosts_dir: Path, names: list[str], fleet: str | None) -> list[Target]:
+    if fleet and names:
+        raise ConfigError("give host names or --fleet, not both")
+    if fleet:
+        path, f = find_fleet(hosts_dir, fleet)
+        return [Target(path, f, h) for h in f.by_rank()]
+    if not names:
+        fleets = load_fleets(hosts_dir)
+        have = ", ".join(sorted(fleets)) or "none"
+        raise ConfigError(f"say which hosts to audit: HOST... or --fleet NAME (fleets: {have})")
+    out: list[Target] = []
+    for n in names:
+        path, f, h = find_host(hosts_dir, n)
+        if any(t.fleet.fleet.name == f.fleet.name and t.name == h.name for t in out):
+            continue
+        out.append(Target(path, f, h))
+    return out
+
+
+def ssh_config_path(t: Target) -> Path | None:
+    if t.fleet.fleet.ssh_config is None:
+        return None
+    p = Path(t.fleet.fleet.ssh_config).expanduser()
+    if not p.is_absolute():
+        p = (t.path.parent / p).resolve()
+    if not p.is_file():
+        raise ConfigError(f"{t.path}: fleet.ssh_config: no such file: {p}")
+    return p
+
+
+# ----------------------------------------------------------------------------- expectations
+
+
+@dataclass
+class LaneContext:
+    """What the pins and lock say, loaded once (None + a reason when absent)."""
+
+    pins: Any = None
+    pins_reason: str = ""
+    lock: Any = None
+    lock_reason: str = ""
+    lock_hash: str | None = None
+
+
+def load_context(opts: AuditOptions, targets: list[Target]) -> LaneContext:
+    from builder.lock import load_lock
+    from builder.pins import load_pins
+
+    ctx = LaneContext()
+    if opts.pins.exists():
+        ctx.pins = load_pins(opts.pins)
+    else:
+        ctx.pins_reason = f"no pins file at {opts.pins}"
+    if opts.lock.exists():
+        ctx.lock = load_lock(opts.lock)
+        ctx.lock_hash = ctx.lock.lock_hash()
+    else:
+        ctx.lock_reason = f"no lock file at {opts.lock} (run `builder lock`)"
+    if ctx.pins is None and ctx.lock is not None:
+        raise ConfigError(f"{opts.lock}: a lock without its pins file {opts.pins}")
+    seen: set[str] = set()
+    for t in targets:
+        if t.fleet.fleet.name in seen:
+            continue
+        seen.add(t.fleet.fleet.name)
+        if ctx.pins is not None:
+            lock_lanes = set(ctx.lock.lanes) if ctx.lock is not None else None
+            check_against_pins(t.path, t.fleet, set(ctx.pins.lanes), lock_lanes)
+        if ctx.lock is not None and ctx.pins is not None:
+            lane = ctx.pins.lanes[t.fleet.fleet.lane]
+            for m in lane.models:
+                if m not in ctx.lock.models:
+                    raise ConfigError(f"{opts.lock}: models.{m}: lane {t.fleet.fleet.lane!r} needs it but the "
+                                      f"lock has no entry (run `builder lock`)")
+        ssh_config_path(t)
+    return ctx
+
+
+def _image_expectation(opts: AuditOptions, ctx: LaneContext, lane_name: str) -> tuple[dict[str, Any] | None, str]:
+    from builder.imagerecord import read_record
+    from builder.plan import make_plan
+
+    if ctx.pins is None:
+        return None, ctx.pins_reason
+    if ctx.lock is None:
+        return None, ctx.lock_reason
+    lane = ctx.pins.lanes[lane_name]
+    plan = make_plan(ctx.pins, ctx.lock, lane.image, opts.root)
+    rec = read_record(opts.store, plan.address)
+    if rec is None:
+        return None, (f"image {lane.image} is not built for this lock (no record for input address "
+                      f"{plan.address[:16]} in {opts.store}); run `builder image {lane.image}`")
+    return {
+        "name": lane.image,
+        "input_address": rec.input_address,
+        "image_id": rec.image_id,
+        "diff_ids": list(rec.diff_ids),
+        "labels": dict(rec.labels),
+        "tag": rec.tag,
+    }, ""
+
+
+def model_root(host: Host, model_name: str) -> str:
+    """Where the install places a lane model's files on a host: <paths.models>/<model name>/."""
+    return f"{host.paths.models.rstrip('/')}/{model_name}"
+
+
+def build_expectations(t: Target, opts: AuditOptions, ctx: LaneContext, concerns: list[str]) -> dict[str, Any]:
+    h, f = t.host, t.fleet
+    lane_name = f.fleet.lane
+    exp: dict[str, Any] = {
+        "format": EXPECT_FORMAT,
+        "host": {"name": h.name, "rank": h.rank, "role": h.role, "connection": h.connection,
+                 "address": h.address},
+        "fleet": f.fleet.name,
+        "lane": lane_name,
+        "world_size": len(f.hosts),
+        "mode": opts.mode,
+        "phase": opts.phase,
+        "hash_jobs": opts.hash_jobs,
+        "paths": h.paths.model_dump(mode="json"),
+        "applied_path": f"{h.paths.bundles.rstrip('/')}/{APPLIED_RELPATH}",
+        "current_path": f"{h.paths.bundles.rstrip('/')}/current",
+        "fabric": h.fabric.model_dump(mode="json"),
+        "expect": h.expect.model_dump(mode="json"),
+        "serve": None,
+        "serve_reason": ctx.pins_reason,
+        "lock_hash": ctx.lock_hash,
+        "lock_reason": ctx.lock_reason,
+        "image": None,
+        "image_reason": "",
+        "models": None,
+        "models_reason": ctx.lock_reason or ctx.pins_reason,
+    }
+    if ctx.pins is not None:
+        lane = ctx.pins.lanes[lane_name]
+        exp["serve"] = lane.serve.model_dump(mode="json")
+        exp["serve_reason"] = ""
+        if ctx.lock is not None:
+            models = []
+            for m in lane.models:
+                lm = ctx.lock.models[m]
+                spec = ctx.pins.models[m]
+                models.append({
+                    "name": m,
+                    "role": spec.role,
+                    "root": model_root(h, m),
+                    "expect_files": spec.expect_files,
+                    "files": [{"path": x.path, "size": x.size, "sha256": x.sha256} for x in lm.files],
+                })
+            exp["models"] = models
+            exp["models_reason"] = "" if models else f"lane {lane_name!r} has no models"
+    if "image" in concerns or "release" in concerns:
+        img, why = _image_expectation(opts, ctx, lane_name)
+        exp["image"], exp["image_reason"] = img, why
+    return exp
+
+
+# ----------------------------------------------------------------------------- connections
+
+
+def _ssh_parts(target: str) -> tuple[str | None, str, str | None]:
+    user, _, rest = target.rpartition("@")
+    hostpart, port = rest, None
+    if rest.count(":") == 1:
+        hostpart, port = rest.split(":", 1)
+    return (user or None), hostpart, port
+
+
+def ssh_options(opts: AuditOptions, control_dir: Path) -> list[str]:
+    t = max(1, int(opts.connect_timeout))
+    return [
+        "-o", "BatchMode=yes",
+        "-o", f"ConnectTimeout={t}",
+        "-o", "ControlMaster=auto",
+        "-o", f"ControlPath={control_dir}/%C",
+        "-o", "ControlPersist=120s",
+        "-o", "ServerAliveInterval=5",
+        "-o", "ServerAliveCountMax=3",
+    ]
+
+
+def probe_argv(t: Target, opts: AuditOptions, control_dir: Path) -> list[str] | None:
+    """The command that proves a host answers (None for local)."""
+    h = t.host
+    if h.connection == "local":
+        return None
+    if h.connection == "docker":
+        return ["docker", "exec", h.ssh, "true"]
+    cfg = ssh_config_path(t)
+    user, hostpart, port = _ssh_parts(h.ssh)
+    argv = ["ssh"] + (["-F", str(cfg)] if cfg else []) + ssh_options(opts, control_dir)
+    if user:
+        argv += ["-l", user]
+    if port:
+        argv += ["-p", port]
+    return argv + [hostpart, "true"]
+
+
+def probe(t: Target, opts: AuditOptions, control_dir: Path) -> str | None:
+    """None when the host answers within the bounded time; otherwise why not (one line)."""
+    argv = probe_argv(t, opts, control_dir)
+    if argv is None:
+        return None
+    limit = opts.connect_timeout + 5
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=limit, stdin=subprocess.DEVNULL,
+                           check=False, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        return f"no answer within {limit:g} s"
+    except FileNotFoundError:
+        return f"{argv[0]}: not found on this machine"
+    if p.returncode == 0:
+        return None
+    lines = [ln.strip() for ln in (p.stderr or p.stdout).splitlines() if ln.strip()]
+    return lines[-1] if lines else f"{argv[0]} exit status {p.returncode}"
+
+
+def close_master(t: Target, opts: AuditOptions, control_dir: Path) -> None:
+    if t.host.connection != "ssh":
+        return
+    argv = probe_argv(t, opts, control_dir)
+    assert argv is not None
+    argv = argv[:-1]
+    argv.insert(1, "-O")
+    argv.insert(2, "exit")
+    try:
+        subprocess.run(argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL, check=False)
+    except (subprocess.TimeoutExpired, OSError):
+        pass
+
+
+def pytest_host_args(t: Target, opts: AuditOptions, control_dir: Path) -> list[str]:
+    h = t.host
+    if opts.backend == "ansible":
+        assert opts.inventory is not None
+        return ["--hosts", f"ansible://{h.name}", "--ansible-inventory", str(opts.inventory)]
+    if h.connection == "local":
+        return ["--hosts", "local://"]
+    if h.connection == "docker":
+        return ["--hosts", f"docker://{h.ssh}"]
+    cfg = ssh_config_path(t)
+    # the = form: argparse would take a value starting with '-' for an option
+    args = ["--hosts", f"ssh://{h.ssh}", "--ssh-extra-args=" + " ".join(ssh_options(opts, control_dir))]
+    if cfg:
+        args.append(f"--ssh-config={cfg}")
+    return args
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def default_checks_dir(root: Path) -> Path:
+    for cand in (root / "checks", Path(__file__).resolve().parent.parent / "checks"):
+        if (cand / "conftest.py").is_file():
+            return cand
+    raise ConfigError(f"{root / 'checks'}: no checks folder (conftest.py not found)")
+
+
+def _python_env() -> dict[str, str]:
+    env = dict(os.environ)
+    pkg_parent = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = pkg_parent + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.pop("PYTEST_ADDOPTS", None)
+    env.pop("PYTEST_XDIST_WORKER", None)
+    return env
+
+
+def _kill_group(p: subprocess.Popen[Any]) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def read_results(path: Path) -> tuple[str | None, list[CheckResult]]:
+    data = json.loads(path.read_text())
+    checks = [CheckResult(c["id"], c["concern"], c["status"], c.get("message", "")) for c in data["checks"]]
+    return data.get("unreachable"), checks
+
+
+def run_host(t: Target, opts: AuditOptions, exp: dict[str, Any], work: Path, control_dir: Path,
+             checks_dir: Path, concerns: list[str]) -> HostResult:
+    start = time.monotonic()
+    res = HostResult(name=t.name, fleet=t.fleet.fleet.name, status="pass")
+    why = probe(t, opts, control_dir)
+    if why is not None:
+        res.status, res.message = "unreachable", why
+        res.seconds = time.monotonic() - start
+        return res
+    hdir = work / t.fleet.fleet.name / t.name
+    hdir.mkdir(parents=True, exist_ok=True)
+    exp_path, res_path, log_path = hdir / "expect.json", hdir / "results.json", hdir / "pytest.log"
+    atomic_write(exp_path, pretty_json(exp))
+    files = [str(checks_dir / f"test_{c}.py") for c in concerns]
+    argv = [sys.executable, "-m", "pytest", *files, "-c", str(checks_dir / "pytest.ini"),
+            "--rootdir", str(checks_dir), "-q", "-rN", "--no-header", "-p", "no:cacheprovider",
+            *pytest_host_args(t, opts, control_dir),
+            "--builder-expect", str(exp_path), "--builder-results", str(res_path)]
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=_python_env(), cwd=str(checks_dir), start_new_session=True)
+        try:
+            p.wait(timeout=opts.host_timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(p)
+            p.wait()
+            res.status = "unreachable"
+            res.message = f"checks did not finish within {opts.host_timeout:g} s"
+            res.seconds = time.monotonic() - start
+            return res
+    try:
+        lost, checks = read_results(res_path)
+    except (OSError, ValueError, KeyError) as e:
+        lines = log_path.read_text(errors="replace").strip().splitlines() if log_path.exists() else []
+        tail = [ln.strip() for ln in lines if "error" in ln.lower()][:1] or lines[-1:]
+        res.status = "error"
+        res.message = f"the checks did not report (pytest exit {p.returncode}): " + (
+            tail[0] if tail else type(e).__name__)
+        res.seconds = time.monotonic() - start
+        return res
+    res.checks = checks
+    if lost:
+        res.status, res.message = "unreachable", lost
+    elif any(c.status == "fail" for c in checks):
+        res.status = "drift"
+    elif any(c.status == "error" for c in checks):
+        res.status = "error"
+    res.seconds = time.monotonic() - start
+    return res
+
+
+def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None = None) -> AuditReport:
+    """Validate, then audit every selected host in parallel. Raises ConfigError (exit 2) before contact."""
+    if opts.mode not in MODES:
+        raise ConfigError(f"--mode: expected one of {', '.join(MODES)}, got {opts.mode!r}")
+    if opts.phase not in PHASES:
+        raise ConfigError(f"--phase: expected one of {', '.join(PHASES)}, got {opts.phase!r}")
+    if opts.backend not in BACKENDS:
+        raise ConfigError(f"--backend: expected one of {', '.join(BACKENDS)}, got {opts.backend!r}")
+    hosts_dir = opts.hosts_dir or opts.root / "hosts"
+    targets = select_targets(hosts_dir, opts.names, opts.fleet)
+    concerns = opts.concerns()
+    if not concerns:
+        raise ConfigError(f"--only selects no check for --phase {opts.phase}")
+    checks_dir = (opts.checks_dir or default_checks_dir(opts.root)).resolve()
+    for c in concerns:
+        if not (checks_dir / f"test_{c}.py").is_file():
+            raise ConfigError(f"{checks_dir}: no check module test_{c}.py")
+    if opts.backend == "ansible":
+        if opts.inventory is None or not opts.inventory.is_file():
+            raise ConfigError(f"--inventory: no Ansible inventory file at {opts.inventory} "
+                              f"(write one with `builder hosts --ansible FILE`)")
+        if shutil.which("ansible-inventory") is None:
+            raise ConfigError("--backend ansible: ansible-inventory is not installed (pip install ansible-core)")
+    ctx = load_context(opts, targets)
+    expectations = {(t.fleet.fleet.name, t.name): build_expectations(t, opts, ctx, concerns) for t in targets}
+
+    start = time.monotonic()
+    tmp_root = opts.workdir
+    cleanup: list[Path] = []
+    if tmp_root is None:
+        tmp_root = Path(tempfile.mkdtemp(prefix="builder-audit-"))
+        cleanup.append(tmp_root)
+    # unix socket paths are short (108 bytes): keep the ControlPath folder in /tmp
+    control_dir = Path(tempfile.mkdtemp(prefix="bA-", dir="/tmp"))
+    cleanup.append(control_dir)
+    lock = threading.Lock()
+
+    def one(t: Target) -> HostResult:
+        r = run_host(t, opts, expectations[(t.fleet.fleet.name, t.name)], tmp_root, control_dir, checks_dir,
+                     concerns)
+        if on_host is not None:
+            with lock:
+                on_host(r)
+        return r
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(targets)))) as ex:
+            results = list(ex.map(one, targets))
+    finally:
+        for t in targets:
+            close_master(t, opts, control_dir)
+        for d in cleanup:
+            shutil.rmtree(d, ignore_errors=True)
+    return AuditReport(hosts=results, mode=opts.mode, phase=opts.phase, concerns=concerns,
+                       seconds=time.monotonic() - start)
+
+
+# ----------------------------------------------------------------------------- reports
+
+CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "error": "ERROR"}
+
+
+def matrix_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
+    """Checks x hosts: pass / FAIL / skip / ERROR / unreachable."""
+    cols = ["check"] + [h.name for h in report.hosts]
+    order: list[str] = []
+    for h in report.hosts:
+        for c in h.checks:
+            if c.check not in order:
+                order.append(c.check)
+    order.sort(key=lambda cid: (CONCERNS.index(cid.split("::")[0]) if cid.split("::")[0] in CONCERNS else 99))
+    rows: list[list[str]] = []
+    for cid in order:
+        row = [cid]
+        for h in report.hosts:
+            if h.status == "unreachable" and not h.checks:
+                row.append("unreachable")
+                continue
+            found = next((c for c in h.checks if c.check == cid), None)
+            row.append(CELL.get(found.status, found.status) if found else "-")
+        rows.append(row)
+    if not order:
+        rows.append(["reachable"] + [("unreachable" if h.status == "unreachable" else h.status)
+                                     for h in report.hosts])
+    return cols, rows
+
+
+def junit_xml(report: AuditReport) -> bytes:
+    suites = ET.Element("testsuites", name="builder audit", time=f"{report.seconds:.3f}")
+    for h in report.hosts:
+        s = ET.SubElement(suites, "testsuite", name=h.name, hostname=h.name, time=f"{h.seconds:.3f}")
+        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+        cases = h.checks if h.checks else []
+        if h.status in ("unreachable", "error") and not cases:
+            tc = ET.SubElement(s, "testcase", classname=h.name, name="reachable")
+            ET.SubElement(tc, "error", message=f"{h.status}: {h.message}", type=h.status)
+            counts["tests"] += 1
+            counts["errors"] += 1
+        for c in cases:
+            tc = ET.SubElement(s, "testcase", classname=f"{h.fleet}.{h.name}", name=c.check)
+            counts["tests"] += 1
+            if c.status == "fail":
+                ET.SubElement(tc, "failure", message=c.message, type="drift")
+                counts["failures"] += 1
+            elif c.status == "error":
+                ET.SubElement(tc, "error", message=c.message, type="error")
+                counts["errors"] += 1
+            elif c.status == "skip":
+                ET.SubElement(tc, "skipped", message=c.message)
+                counts["skipped"] += 1
+        for k, v in counts.items():
+            s.set(k, str(v))
+    return ET.tostring(suites, encoding="utf-8", xml_declaration=True) + b"\n"
+
+
+def write_junit(report: AuditReport, path: Path) -> None:
+    atomic_write(path, junit_xml(report))
+
+
+# ----------------------------------------------------------------------------- hosts / Ansible
+
+
+def host_rows(hosts_dir: Path, fleet: str | None) -> list[dict[str, Any]]:
+    if fleet:
+        path, f = find_fleet(hosts_dir, fleet)
+        fleets = {f.fleet.name: (path, f)}
+    else:
+        fleets = load_fleets(hosts_dir)
+    rows = []
+    for fname, (path, f) in sorted(fleets.items()):
+        for h in f.by_rank():
+            rows.append({"fleet": fname, "lane": f.fleet.lane, "name": h.name, "rank": h.rank, "role": h.role,
+                         "connection": h.connection, "target": h.ssh, "address": h.address,
+                         "file": str(path)})
+    return rows
+
+
+def _yaml_scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    return json.dumps(str(v))  # a JSON string is a valid YAML double-quoted scalar
+
+
+def ansible_hostvars(t: Target) -> dict[str, Any]:
+    h = t.host
+    v: dict[str, Any] = {}
+    if h.connection == "local":
+        v["ansible_connection"] = "local"
+        v["ansible_host"] = "localhost"
+    elif h.connection == "docker":
+        v["ansible_connection"] = "docker"
+        v["ansible_host"] = h.ssh
+    else:
+        user, hostpart, port = _ssh_parts(h.ssh)
+        v["ansible_connection"] = "ssh"
+        v["ansible_host"] = hostpart
+        if user:
+            v["ansible_user"] = user
+        if port:
+            v["ansible_port"] = int(port)
+        cfg = ssh_config_path(t)
+        if cfg:
+            v["ansible_ssh_common_args"] = f"-F {shlex.quote(str(cfg))}"
+    v["rank"] = h.rank
+    v["role"] = h.role
+    v["builder_fleet"] = t.fleet.fleet.name
+    v["builder_lane"] = t.fleet.fleet.lane
+    return v
+
+
+def ansible_inventory(targets: list[Target], fmt: str = "yaml") -> str:
+    """An Ansible inventory (YAML or INI): one group per fleet, rank and role as host vars."""
+    groups: dict[str, list[Target]] = {}
+    for t in targets:
+        groups.setdefault(t.fleet.fleet.name.replace("-", "_").replace(".", "_"), []).append(t)
+    if fmt == "ini":
+        lines = ["# generated by `builder hosts --ansible`; do not edit (edit hosts/*.toml)"]
+        for g, ts in sorted(groups.items()):
+            lines.append(f"[{g}]")
+            for t in ts:
+                kv = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in ansible_hostvars(t).items())
+                lines.append(f"{t.name} {kv}")
+            lines.append("")
+        return "\n".join(lines)
+    out = ["# generated by `builder hosts --ansible`; do not edit (edit hosts/*.toml)", "all:", "  children:"]
+    for g, ts in sorted(groups.items()):
+        out += [f"    {g}:", "      hosts:"]
+        for t in ts:
+            out.append(f"        {t.name}:")
+            for k, v in ansible_hostvars(t).items():
+                out.append(f"          {k}: {_yaml_scalar(v)}")
+    return "\n".join(out) + "\n"
+
+
+def write_ansible_inventory(hosts_dir: Path, fleet: str | None, path: Path) -> int:
+    if fleet:
+        p, f = find_fleet(hosts_dir, fleet)
+        targets = [Target(p, f, h) for h in f.by_rank()]
+    else:
+        targets = [Target(p, f, h) for _, (p, f) in sorted(load_fleets(hosts_dir).items()) for h in f.by_rank()]
+    if path.suffix.lower() not in (".ini", ".cfg", ".yml", ".yaml"):
+        raise ConfigError(f"{path}: name the inventory *.yml, *.yaml or *.ini")
+    fmt = "ini" if path.suffix.lower() in (".ini", ".cfg") else "yaml"
+    atomic_write(path, ansible_inventory(targets, fmt).encode())
+    return len(targets)

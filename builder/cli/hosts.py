@@ -1,0 +1,36 @@
+"""`builder hosts`: list fleets and hosts; write an Ansible inventory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from builder.cli import get_ctx
+
+
+@click.command()
+@click.option("--fleet", "fleet", default=None, help="Only this fleet.")
+@click.option("--json", "as_json", is_flag=True, help="Print the hosts as JSON on stdout.")
+@click.option("--ansible", "ansible", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write an Ansible inventory here (*.yml/*.yaml or *.ini) with rank and role as host vars.")
+@click.option("--hosts-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="The inventory folder [default: hosts/ under the project root].")
+def hosts(fleet: str | None, as_json: bool, ansible: Path | None, hosts_dir: Path | None) -> int:
+    """List the fleets and hosts of hosts/*.toml (validated), or write them as an Ansible inventory."""
+    from builder import audit as core
+    from builder import output
+
+    c = get_ctx()
+    hdir = hosts_dir or c.root / "hosts"
+    if ansible is not None:
+        n = core.write_ansible_inventory(hdir, fleet, ansible)
+        output.status(f"{ansible}: {n} host(s)")
+        return 0
+    rows = core.host_rows(hdir, fleet)
+    if as_json:
+        output.data_json(rows)
+        return 0
+    for r in rows:
+        output.data(f"{r['fleet']}\t{r['name']}\trank {r['rank']}\t{r['role']}\t{r['connection']}\t{r['target']}")
+    return 0

@@ -1,0 +1,216 @@
+"""Pure helpers the host checks in checks/ use: remote fact scripts and local evaluators.
+
+The checks read facts with one remote command per topic (one python3 call for a batch of
+model files, one for the whole fabric in sysfs, one nvidia-smi call per query) and decide
+locally. Nothing here talks to a host: each script is a string that a check runs through
+testinfra's ``host.run("python3 -c %s %s", SCRIPT, arg)``, and each evaluator is a pure
+function of that script's JSON output and the expectations, unit-tested on its own.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+#: stat (fast) or stat + sha256 (full) many files on the host, in parallel threads.
+#: argv[1] = JSON {"paths": [...], "hash": bool, "jobs": int}; prints JSON {path: {...}}.
+FILES_SCRIPT = r"""
+import hashlib, json, os, sys
+from concurrent.futures import ThreadPoolExecutor
+req = json.loads(sys.argv[1])
+def one(p):
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        return p, {"error": e.strerror or str(e)}
+    if not os.path.isfile(p):
+        return p, {"error": "not a regular file"}
+    r = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+    if req.get("hash"):
+        h = hashlib.sha256()
+        try:
+            with open(p, "rb", buffering=0) as f:
+                while True:
+                    b = f.read(8 << 20)
+                    if not b:
+                        break
+                    h.update(b)
+        except OSError as e:
+            return p, {"error": e.strerror or str(e)}
+        r["sha256"] = h.hexdigest()
+    return p, r
+with ThreadPoolExecutor(max(1, int(req.get("jobs", 4)))) as ex:
+    out = dict(ex.map(one, req["paths"]))
+sys.stdout.write(json.dumps(out))
+"""
+
+#: every regular file under some folders (relative paths), or null for a missing folder.
+LIST_SCRIPT = r"""
+import json, os, sys
+out = {}
+for root in json.loads(sys.argv[1]):
+    if not os.path.isdir(root):
+        out[root] = None
+        continue
+    files = []
+    for d, dirs, names in os.walk(root):
+        dirs.sort()
+        for n in sorted(names):
+            p = os.path.join(d, n)
+            if os.path.isfile(p) and not os.path.islink(p):
+                files.append(os.path.relpath(p, root))
+    out[root] = files
+sys.stdout.write(json.dumps(out))
+"""
+
+#: the RDMA and network facts in sysfs (argv[1] = sysfs root, normally /sys) plus `ip -j -4 addr`.
+FABRIC_SCRIPT = r"""
+import json, os, subprocess, sys
+sysfs = sys.argv[1] if len(sys.argv) > 1 else "/sys"
+def rd(p):
+    try:
+        with open(p) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+ib = os.path.join(sysfs, "class", "infiniband")
+devs = {}
+for d in sorted(os.listdir(ib)) if os.path.isdir(ib) else []:
+    ports = {}
+    pdir = os.path.join(ib, d, "ports")
+    for p in sorted(os.listdir(pdir)) if os.path.isdir(pdir) else []:
+        base = os.path.join(pdir, p)
+        gids = {}
+        gdir = os.path.join(base, "gids")
+        for i in sorted(os.listdir(gdir), key=lambda s: int(s) if s.isdigit() else 0) if os.path.isdir(gdir) else []:
+            g = rd(os.path.join(gdir, i))
+            if not g or g.replace("0", "").replace(":", "") == "":
+                continue
+            gids[i] = {"gid": g, "type": rd(os.path.join(base, "gid_attrs", "types", i)),
+                       "ndev": rd(os.path.join(base, "gid_attrs", "ndevs", i))}
+        ports[p] = {"state": rd(os.path.join(base, "state")), "gids": gids}
+    devs[d] = ports
+net = {}
+ndir = os.path.join(sysfs, "class", "net")
+for n in sorted(os.listdir(ndir)) if os.path.isdir(ndir) else []:
+    mtu = rd(os.path.join(ndir, n, "mtu"))
+    net[n] = {"mtu": int(mtu) if mtu and mtu.isdigit() else None, "ipv4": []}
+try:
+    addrs = json.loads(subprocess.run(["ip", "-j", "-4", "addr"], capture_output=True, text=True,
+                                      timeout=10).stdout or "[]")
+except Exception:
+    addrs = []
+for a in addrs:
+    n = a.get("ifname")
+    if n is None:
+        continue
+    net.setdefault(n, {"mtu": a.get("mtu"), "ipv4": []})
+    net[n]["ipv4"] = [i["local"] for i in a.get("addr_info", []) if i.get("family") == "inet"]
+sys.stdout.write(json.dumps({"dev_infiniband": os.path.isdir("/dev/infiniband"), "rdma": devs, "net": net}))
+"""
+
+#: MemAvailable etc. in KiB, one read of /proc/meminfo.
+MEMINFO_PATH = "/proc/meminfo"
+
+RANK_TAG_RE = re.compile(r"(?:^|[^a-z0-9])r(?:ank)?(\d{1,3})of(\d{1,3})(?=[^0-9]|$)", re.IGNORECASE)
+
+
+def rank_tag(name: str) -> tuple[int, int] | None:
+    """'engram-r1of2.bin' -> (1, 2); 'rank3of4-cache.bin' -> (3, 4); None when the name has no tag."""
+    m = RANK_TAG_RE.search(name.rsplit("/", 1)[-1])
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2))
+
+
+def roce_v2_gid(ipv4: str) -> str:
+    """The IPv4-mapped GID as sysfs writes it: 0000:0000:0000:0000:0000:ffff:c000:0201."""
+    packed = ipaddress.IPv4Address(ipv4).packed
+    return "0000:0000:0000:0000:0000:ffff:" + f"{packed[0]:02x}{packed[1]:02x}:{packed[2]:02x}{packed[3]:02x}"
+
+
+def parse_meminfo(text: str) -> dict[str, int]:
+    """/proc/meminfo -> {key: KiB}."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, sep, rest = line.partition(":")
+        parts = rest.split()
+        if sep and parts and parts[0].isdigit():
+            out[key.strip()] = int(parts[0])
+    return out
+
+
+def gib(kib: int) -> float:
+    return kib / (1024 * 1024)
+
+
+def batches(items: list[str], max_chars: int = 60_000) -> Iterator[list[str]]:
+    """Split paths so one remote command line stays well under ARG_MAX."""
+    cur: list[str] = []
+    size = 0
+    for p in items:
+        if cur and size + len(p) + 4 > max_chars:
+            yield cur
+            cur, size = [], 0
+        cur.append(p)
+        size += len(p) + 4
+    if cur:
+        yield cur
+
+
+def mtime_ns(value: Any) -> int | None:
+    """Normalise an apply record's mtime: int ns, or float/int seconds."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, int) and value > 10**12:
+        return value
+    return int(round(float(value) * 1e9))
+
+
+def same_mtime(recorded: Any, found_ns: int) -> bool:
+    want = mtime_ns(recorded)
+    if want is None:
+        return False
+    return abs(want - found_ns) < 1_000_000  # 1 ms: float seconds lose precision
+
+
+def shown(items: Iterable[str], limit: int = 3) -> str:
+    items = list(items)
+    head = ", ".join(items[:limit])
+    return head + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
+
+
+# ----------------------------------------------------------------- fabric evaluation
+
+
+def rail_gid(facts: dict[str, Any], ipv4: str, gid_index: int | str = "auto",
+             devices: list[str] | None = None) -> tuple[str, str, str] | None:
+    """The (device, port, index) holding a RoCE v2 GID for `ipv4`, or None.
+
+    With a fixed gid_index only that index counts; with "auto" any index does.
+    """
+    want = roce_v2_gid(ipv4)
+    for dev, ports in sorted(facts.get("rdma", {}).items()):
+        if devices and dev not in devices:
+            continue
+        for port, info in sorted(ports.items()):
+            for idx, g in info.get("gids", {}).items():
+                if gid_index != "auto" and str(gid_index) != idx:
+                    continue
+                if (g.get("gid") or "").lower() == want and "v2" in (g.get("type") or "").lower():
+                    return dev, port, idx
+    return None
+
+
+def iface_of(facts: dict[str, Any], ipv4: str) -> str | None:
+    for name, info in sorted(facts.get("net", {}).items()):
+        if ipv4 in (info.get("ipv4") or []):
+            return name
+    return None
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True)

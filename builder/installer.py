@@ -1,0 +1,1173 @@
+#!/usr/bin/env python3
+"""builder's offline installer: verify a bundle, stage it as a release, switch atomically, roll back.
+
+ONE stdlib-only file (no third-party imports, no builder imports; python3 >= 3.8 as on DGX OS). It
+needs only python3, docker and openssl (OpenSSL 3.0 or newer, for Ed25519) on the host.
+
+How it reaches a host:
+- ``builder ship HOST`` sends the operator's trusted copy over ssh stdin (``python3 - install ...``);
+  the copy in the bundle is never run by ship.
+- A sneakernet bundle also carries the assembled installer as ``install.py``. The FIRST install on a
+  host should use the operator's copy (``builder`` installs it as ``builder/installer.py``; the assembled
+  one is ``python3 -m builder.installer assemble > install.py``): never run code from a bundle that has
+  not been verified. Later installs may run the ``install.py`` of the current release
+  (``<root>/current/install.py``), which was verified when it was installed.
+
+Commands::
+
+    install BUNDLE_DIR --root ROOT [--trusted-key FILE | --trusted-key-base64 LINE] [--insecure]
+            [--host NAME] [--remove-source] [--reserve BYTES]
+    rollback --root ROOT
+    status --root ROOT
+    inventory DIR            (sizes and sha256 of the files under DIR, for ship's resume)
+    assemble                 (print this installer with the minisign verifier embedded)
+
+Layout under ROOT (a host's ``paths.bundles``)::
+
+    trusted.pub                 the fleet's minisign public key (set at the first install)
+    releases/<bundle_id>/       installed releases (launch files, manifest, signature, install.py)
+    releases/.tmp-*             staging (removed at the next start; never a release)
+    current -> releases/<id>    switched with symlink + rename (atomic)
+    previous -> releases/<id>   what ``rollback`` returns to
+    state/applied.json          the apply record (see APPLY RECORD below), written atomically
+    state/install.lock          flock: two installs never interleave
+    incoming/<bundle_id>/       where ``builder ship`` copies a bundle
+
+Order of an install: signature (against ROOT/trusted.pub; ``--insecure`` must be explicit to skip),
+then every hash (extra, missing or changed files; ``..``, absolute paths, links and device files are
+refused), then free disk, then: load the image if its ID is not present (the loaded ID must equal the
+manifest's), place bundled model files atomically, stage the release, switch ``current``, keep the old
+one as ``previous``, write the apply record. A SIGKILL at any point leaves ``current`` on a complete
+release (the old one until the switch) and a rerun completes. A rerun of the installed bundle changes
+nothing.
+
+APPLY RECORD (state/applied.json, format 1)::
+
+    {format, action ("install" | "rollback"), bundle_id, host, fleet, lane, rank, role, world_size,
+     lock_hash, image: {name, input_address, image_id, diff_ids}, manifest_sha256, applied_at (UTC,
+     ISO 8601, the one non-deterministic field), previous_bundle_id (or null), release (its folder),
+     files: [{path, size, sha256}] (the release's files), models: [{path, size, sha256, mtime (ns),
+     inode}]}
+
+Exit codes: 0 done (or nothing to do), 1 verification or the work failed, 2 usage or configuration.
+"""
+
+# ruff: noqa: UP031
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import errno
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import stat
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    SigCheck = Callable[[bytes, bytes, bytes], str]
+
+FORMAT = 1
+KIND = "builder-bundle"
+RECORD_FORMAT = 1
+MANIFEST = "manifest.json"
+SIGNATURE = "manifest.json.minisig"
+IMAGE_ARCHIVE = "image.tar"
+RESERVED = (MANIFEST, SIGNATURE)
+READ_SIZE = 4 * 1024 * 1024
+MAX_MANIFEST = 64 * 1024 * 1024
+DEFAULT_RESERVE = 256 * 1024 * 1024
+MODES = {"0644": 0o644, "0755": 0o755}
+TMP_PREFIX = ".tmp-"
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+PART_SUFFIX = re.compile(r"\.part([0-9]{4})$")
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+# The minisign verifier (builder/minisign_verify.py) is embedded on the next line by `assemble()`.
+_EMBEDDED_VERIFIER = None  # @@EMBED@@
+_EMBED_MARK = "_EMBEDDED_VERIFIER = None  # @@" + "EMBED@@"
+_MV: Any = None
+
+
+class InstallError(Exception):
+    """An expected failure: one line and an exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(" ".join(str(message).split()))
+        self.code = code
+
+
+def _say(message: str) -> None:
+    sys.stderr.write("install: %s\n" % message)
+    sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------- the verifier
+
+
+def _verifier_source() -> str:
+    if _EMBEDDED_VERIFIER is not None:
+        return str(_EMBEDDED_VERIFIER)
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "minisign_verify.py")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        raise InstallError("the minisign verifier is neither embedded nor beside %s (use the assembled "
+                           "installer)" % os.path.basename(__file__), EXIT_CONFIG) from None
+
+
+def verifier() -> Any:
+    """The stdlib minisign verifier module (embedded copy, or builder/minisign_verify.py beside this file)."""
+    global _MV
+    if _MV is None:
+        name = "_builder_installer_minisign_verify"
+        mod = types.ModuleType(name)
+        sys.modules[name] = mod  # dataclasses looks the module up while the class body runs
+        exec(compile(_verifier_source(), "minisign_verify.py", "exec"), mod.__dict__)
+        _MV = mod
+    return _MV
+
+
+def assemble() -> bytes:
+    """This file with the verifier's source embedded: the single script ship sends and bundles carry."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "installer.py"), encoding="utf-8") as f:
+        src = f.read()
+    lines = src.split("\n")
+    idx = [i for i, ln in enumerate(lines) if ln == _EMBED_MARK]
+    if len(idx) != 1:
+        raise InstallError("installer.py: the embed line is missing or repeated")
+    lines[idx[0]] = "_EMBEDDED_VERIFIER = " + repr(_verifier_source())
+    return "\n".join(lines).encode("utf-8")
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def bundle_id_of(manifest: dict[str, Any]) -> str:
+    """sha256 of the canonical manifest body without its bundle_id."""
+    body = {k: v for k, v in manifest.items() if k != "bundle_id"}
+    return hashlib.sha256(canonical_json(body)).hexdigest()
+
+
+def fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: str, data: bytes, mode: int = 0o644) -> None:
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, "%s%s.%d.%s" % (TMP_PREFIX, os.path.basename(path), os.getpid(), secrets.token_hex(4)))
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(d)
+
+
+def human(n: int) -> str:
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return ("%d %s" % (x, unit)) if unit == "B" else ("%.1f %s" % (x, unit))
+        x /= 1024
+    return "%d B" % n
+
+
+def hash_file(path: str) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    buf = bytearray(READ_SIZE)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
+    return h.hexdigest(), size
+
+
+def _read_limited(path: str, limit: int, what: str) -> bytes:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise InstallError("%s: missing" % what) from None
+    if stat.S_ISLNK(st.st_mode):
+        raise InstallError("%s: is a symbolic link (refused)" % what)
+    if not stat.S_ISREG(st.st_mode):
+        raise InstallError("%s: not a regular file (refused)" % what)
+    if st.st_size > limit:
+        raise InstallError("%s: too large (%s)" % (what, human(st.st_size)))
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
+
+
+# --------------------------------------------------------------------------- the manifest
+
+
+def _err(where: str, msg: str) -> InstallError:
+    return InstallError("%s: %s: %s" % (MANIFEST, where, msg))
+
+
+def _want(obj: Any, keys: dict[str, Any], where: str, optional: tuple[str, ...] = ()) -> None:
+    if not isinstance(obj, dict):
+        raise _err(where, "expected an object")
+    for k in sorted(obj):
+        if k not in keys:
+            raise _err("%s.%s" % (where, k) if where else k, "unknown key")
+    for k, typ in keys.items():
+        p = "%s.%s" % (where, k) if where else k
+        if k not in obj:
+            if k in optional:
+                continue
+            raise _err(p, "missing required key")
+        v = obj[k]
+        if typ is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        elif typ == "str?":
+            ok = v is None or isinstance(v, str)
+        else:
+            ok = isinstance(v, typ)
+        if not ok:
+            raise _err(p, "wrong type")
+
+
+def check_rel_path(path: str, where: str) -> str:
+    """A path inside the bundle: relative, '/'-separated, no '..', '.', empty parts or odd characters."""
+    if not path or len(path) > 1024:
+        raise _err(where, "empty or too long path")
+    if path.startswith("/") or "\\" in path or any(ch in path for ch in "\x00\r\n"):
+        raise _err(where, "path %r escapes the bundle or has odd characters" % path)
+    parts = path.split("/")
+    for p in parts:
+        if p in ("", ".", ".."):
+            raise _err(where, "path %r escapes the bundle (empty, '.' or '..' part)" % path)
+    return path
+
+
+def check_abs_path(path: str, where: str) -> str:
+    if not isinstance(path, str) or not path.startswith("/") or any(ch in path for ch in "\x00\r\n\\"):
+        raise _err(where, "not an absolute path: %r" % (path,))
+    if os.path.normpath(path) != path or ".." in path.split("/") or path.startswith("//"):
+        raise _err(where, "path %r is not normalized (or has '..')" % path)
+    return path
+
+
+def _under(path: str, root: str) -> bool:
+    return path.startswith(root.rstrip("/") + "/")
+
+
+def check_manifest(obj: Any) -> dict[str, Any]:
+    """Validate a manifest's structure and every path rule; return it. InstallError on the first problem."""
+    _want(obj, {"format": int, "kind": str, "bundle_id": str, "builder": str, "fleet": str, "host": str,
+                "lane": str, "rank": int, "role": str, "world_size": int, "lock_hash": str, "image": dict,
+                "paths": dict, "files": list, "models": list}, "")
+    if obj["format"] != FORMAT:
+        raise _err("format", "unsupported bundle format %r (this installer reads %d)" % (obj["format"], FORMAT))
+    if obj["kind"] != KIND:
+        raise _err("kind", "not a builder bundle")
+    if not HEX64.match(obj["bundle_id"]):
+        raise _err("bundle_id", "not a sha256")
+    for k in ("fleet", "host", "lane"):
+        if not NAME.match(obj[k]):
+            raise _err(k, "not a valid name")
+    if obj["role"] not in ("head", "worker"):
+        raise _err("role", "must be head or worker")
+    if not (1 <= obj["world_size"] <= 64 and 0 <= obj["rank"] < obj["world_size"]):
+        raise _err("rank", "rank/world_size out of range")
+    if (obj["rank"] == 0) != (obj["role"] == "head"):
+        raise _err("role", "rank 0 is the head and only rank 0")
+    if not HEX64.match(obj["lock_hash"]):
+        raise _err("lock_hash", "not a sha256")
+    img = obj["image"]
+    _want(img, {"name": str, "input_address": str, "image_id": str, "diff_ids": list, "archive": "str?"},
+          "image")
+    if not HEX64.match(img["input_address"]):
+        raise _err("image.input_address", "not a sha256")
+    if not DIGEST.match(img["image_id"]):
+        raise _err("image.image_id", "not a sha256: digest")
+    for i, d in enumerate(img["diff_ids"]):
+        if not isinstance(d, str) or not DIGEST.match(d):
+            raise _err("image.diff_ids[%d]" % i, "not a sha256: digest")
+    if img["archive"] is not None and img["archive"] != IMAGE_ARCHIVE:
+        raise _err("image.archive", "must be %r or null" % IMAGE_ARCHIVE)
+    paths = obj["paths"]
+    _want(paths, {"bundles": str, "models": str, "engram": str}, "paths")
+    for k in ("bundles", "models", "engram"):
+        check_abs_path(paths[k], "paths." + k)
+
+    seen: dict[str, str] = {}
+    physical: list[str] = []
+
+    def claim(p: str, where: str) -> None:
+        if p in RESERVED:
+            raise _err(where, "path %r is reserved" % p)
+        if p in seen:
+            raise _err(where, "path %r listed twice" % p)
+        seen[p] = where
+        physical.append(p)
+
+    names = set()
+    for i, f in enumerate(obj["files"]):
+        w = "files[%d]" % i
+        _want(f, {"path": str, "size": int, "sha256": str, "mode": str, "parts": list}, w, optional=("parts",))
+        check_rel_path(f["path"], w + ".path")
+        if f["path"].startswith("parts/"):
+            raise _err(w + ".path", "the parts/ folder is for parts only")
+        if f["size"] < 0 or not HEX64.match(f["sha256"]):
+            raise _err(w, "bad size or sha256")
+        if f["mode"] not in MODES:
+            raise _err(w + ".mode", "must be one of %s" % ", ".join(sorted(MODES)))
+        if f["path"] in names:
+            raise _err(w + ".path", "path %r listed twice" % f["path"])
+        names.add(f["path"])
+        parts = f.get("parts")
+        if parts is None:
+            claim(f["path"], w + ".path")
+            continue
+        if len(parts) < 2:
+            raise _err(w + ".parts", "a file in parts has at least two")
+        total = 0
+        for j, p in enumerate(parts):
+            pw = "%s.parts[%d]" % (w, j)
+            _want(p, {"path": str, "size": int, "sha256": str}, pw)
+            expect = "parts/%s.part%04d" % (f["path"], j)
+            if p["path"] != expect:
+                raise _err(pw + ".path", "expected %r" % expect)
+            if p["size"] <= 0 or not HEX64.match(p["sha256"]):
+                raise _err(pw, "bad size or sha256")
+            total += p["size"]
+            claim(p["path"], pw + ".path")
+        if total != f["size"]:
+            raise _err(w + ".parts", "part sizes add up to %d, not %d" % (total, f["size"]))
+    # a file may not also be a folder of another file
+    for ph in physical:
+        pre = ph.split("/")
+        for depth in range(1, len(pre)):
+            if "/".join(pre[:depth]) in seen:
+                raise _err(seen[ph], "path %r lies under the file %r" % (ph, "/".join(pre[:depth])))
+    if img["archive"] is not None and img["archive"] not in names:
+        raise _err("image.archive", "names no file of the bundle")
+
+    targets = set()
+    for i, m in enumerate(obj["models"]):
+        w = "models[%d]" % i
+        _want(m, {"model": str, "file": str, "path": str, "size": int, "sha256": str, "bundled": "str?"}, w)
+        if not NAME.match(m["model"]):
+            raise _err(w + ".model", "not a valid name")
+        check_abs_path(m["path"], w + ".path")
+        if not (_under(m["path"], paths["models"]) or _under(m["path"], paths["engram"])):
+            raise _err(w + ".path", "%r is outside paths.models and paths.engram" % m["path"])
+        if m["path"] in targets:
+            raise _err(w + ".path", "listed twice")
+        targets.add(m["path"])
+        if m["size"] < 0 or not HEX64.match(m["sha256"]):
+            raise _err(w, "bad size or sha256")
+        b = m["bundled"]
+        if b is not None:
+            if not b.startswith("models/") or b not in names:
+                raise _err(w + ".bundled", "names no models/ file of the bundle")
+            fe = [f for f in obj["files"] if f["path"] == b][0]
+            if fe["size"] != m["size"] or fe["sha256"] != m["sha256"]:
+                raise _err(w + ".bundled", "size or sha256 differ from the bundled file")
+    return obj
+
+
+def physical_files(manifest: dict[str, Any]) -> dict[str, tuple[int, str]]:
+    """Every file the bundle folder holds (parts instead of parted files): path -> (size, sha256)."""
+    out: dict[str, tuple[int, str]] = {}
+    for f in manifest["files"]:
+        if f.get("parts"):
+            for p in f["parts"]:
+                out[p["path"]] = (p["size"], p["sha256"])
+        else:
+            out[f["path"]] = (f["size"], f["sha256"])
+    return out
+
+
+def release_files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The files a release keeps: all but the image archive and bundled models."""
+    skip = {manifest["image"]["archive"]} | {m["bundled"] for m in manifest["models"] if m["bundled"]}
+    return [f for f in manifest["files"] if f["path"] not in skip]
+
+
+def trusted_comment_for(manifest: dict[str, Any]) -> str:
+    return "builder-bundle id=%s host=%s fleet=%s lane=%s rank=%d" % (
+        manifest["bundle_id"], manifest["host"], manifest["fleet"], manifest["lane"], manifest["rank"])
+
+
+# --------------------------------------------------------------------------- verifying a folder
+
+
+def scan_tree(root: str) -> tuple[list[str], list[str]]:
+    """(regular files, refused entries with why) under root, relative, '/'-separated; never follows links."""
+    files: list[str] = []
+    refused: list[str] = []
+
+    def walk(d: str, rel: str) -> None:
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError as e:
+            refused.append("%s (cannot list: %s)" % (rel or ".", e.strerror))
+            return
+        for ent in entries:
+            r = rel + "/" + ent.name if rel else ent.name
+            if ent.is_symlink():
+                refused.append("%s (symbolic link)" % r)
+            elif ent.is_dir(follow_symlinks=False):
+                walk(ent.path, r)
+            elif ent.is_file(follow_symlinks=False):
+                files.append(r)
+            else:
+                refused.append("%s (not a regular file)" % r)
+
+    walk(root, "")
+    return files, refused
+
+
+def _names(items: list[str], n: int = 5) -> str:
+    s = ", ".join(items[:n])
+    return s + (" (and %d more)" % (len(items) - n) if len(items) > n else "")
+
+
+def openssl_sig_check(manifest_bytes: bytes, sig_bytes: bytes, key_bytes: bytes) -> str:
+    mv = verifier()
+    try:
+        return str(mv.verify_with_openssl(manifest_bytes, sig_bytes, key_bytes))
+    except mv.MinisignError as e:
+        raise InstallError("%s: %s" % (SIGNATURE, e)) from None
+
+
+#: untrusted comments a bundle signature may carry (the line is not signed, so it is pinned instead)
+SIGNATURE_COMMENTS = ("signature from builder secret key", "signature from minisign secret key")
+
+
+def check_signature_form(sbytes: bytes) -> None:
+    """The signature file must be exactly the canonical four lines (minisign does not sign line 1, and
+    base64 padding bits are ignored by decoders): any changed byte is refused, not just signed ones."""
+    import base64
+
+    mv = verifier()
+    try:
+        sig = mv.parse_signature(sbytes)
+    except mv.MinisignError as e:
+        raise InstallError("%s: %s" % (SIGNATURE, e)) from None
+    if sig.untrusted_comment not in SIGNATURE_COMMENTS:
+        raise InstallError("%s: unexpected untrusted comment %r" % (SIGNATURE, sig.untrusted_comment[:80]))
+    canon = b"".join([
+        b"untrusted comment: " + sig.untrusted_comment.encode("utf-8") + b"\n",
+        base64.b64encode(sig.algorithm + sig.key_id + sig.signature) + b"\n",
+        b"trusted comment: " + sig.trusted_comment + b"\n",
+        base64.b64encode(sig.global_signature) + b"\n",
+    ])
+    if canon != sbytes:
+        raise InstallError("%s: not in canonical form (a byte was changed)" % SIGNATURE)
+
+
+def verify_bundle(bundle_dir: str, trusted_key: bytes | None, *, insecure: bool = False,
+                  sig_check: SigCheck | None = None, hashes: bool = True) -> tuple[dict[str, Any], bytes, bytes]:
+    """Check signature, structure and every hash of a bundle folder; return (manifest, its bytes, sig bytes).
+
+    Nothing is written. Refuses (InstallError, exit 1) a bad or missing signature, an unknown key, a
+    changed trusted comment, a malformed manifest, path escapes, links, device files, extra, missing or
+    changed files (named). ``trusted_key=None`` needs ``insecure=True``.
+    """
+    if not os.path.isdir(bundle_dir):
+        raise InstallError("%s: no such bundle folder" % bundle_dir, EXIT_CONFIG)
+    mbytes = _read_limited(os.path.join(bundle_dir, MANIFEST), MAX_MANIFEST, MANIFEST)
+    sbytes = b""
+    comment = None
+    if not insecure:
+        if trusted_key is None:
+            raise InstallError("no trusted key to check the signature with", EXIT_CONFIG)
+        sbytes = _read_limited(os.path.join(bundle_dir, SIGNATURE), 64 * 1024, SIGNATURE)
+        check_signature_form(sbytes)
+        comment = (sig_check or openssl_sig_check)(mbytes, sbytes, trusted_key)
+    elif os.path.lexists(os.path.join(bundle_dir, SIGNATURE)):
+        sbytes = _read_limited(os.path.join(bundle_dir, SIGNATURE), 64 * 1024, SIGNATURE)
+    try:
+        obj = json.loads(mbytes.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise InstallError("%s: malformed JSON: %s" % (MANIFEST, str(e)[:200])) from None
+    manifest = check_manifest(obj)
+    if bundle_id_of(manifest) != manifest["bundle_id"]:
+        raise InstallError("%s: bundle_id does not match the manifest's content" % MANIFEST)
+    if comment is not None and comment != trusted_comment_for(manifest):
+        raise InstallError("%s: the signed trusted comment %r does not match the manifest (id, host, fleet, "
+                           "lane, rank)" % (SIGNATURE, comment[:200]))
+    expected = physical_files(manifest)
+    files, refused = scan_tree(bundle_dir)
+    if refused:
+        raise InstallError("%s: refused: %s" % (bundle_dir, _names(refused)))
+    present = set(files)
+    allowed = set(expected) | {MANIFEST} | ({SIGNATURE} if (not insecure or sbytes) else set())
+    extra = sorted(present - allowed)
+    if extra:
+        raise InstallError("%s: extra files not in the manifest: %s" % (bundle_dir, _names(extra)))
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise InstallError("%s: missing files: %s" % (bundle_dir, _names(missing)))
+    wrong = []
+    for rel, (size, _) in sorted(expected.items()):
+        st = os.lstat(os.path.join(bundle_dir, rel))
+        if st.st_size != size:
+            wrong.append("%s (%d bytes, expected %d)" % (rel, st.st_size, size))
+    if wrong:
+        raise InstallError("%s: changed files: %s" % (bundle_dir, _names(wrong)))
+    if hashes:
+        for f in manifest["files"]:
+            check_file_hashes(bundle_dir, f)
+    return manifest, mbytes, sbytes
+
+
+def iter_file(bundle_dir: str, entry: dict[str, Any]) -> Iterator[memoryview]:
+    """The bytes of a manifest file (whole or reassembled from its parts), checked as they stream.
+
+    Raises InstallError naming the part or file whose size or sha256 differ (after the last chunk of it).
+    """
+    whole = hashlib.sha256()
+    total = 0
+    pieces = entry.get("parts") or [{"path": entry["path"], "size": entry["size"], "sha256": entry["sha256"]}]
+    buf = bytearray(READ_SIZE)
+    view = memoryview(buf)
+    for p in pieces:
+        h = hashlib.sha256()
+        n_part = 0
+        path = os.path.join(bundle_dir, p["path"])
+        try:
+            f = open(path, "rb", buffering=0)
+        except OSError as e:
+            raise InstallError("%s: cannot read: %s" % (p["path"], e.strerror)) from None
+        with f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise InstallError("%s: not a regular file" % p["path"])
+            while True:
+                n = f.readinto(buf)
+                if not n:
+                    break
+                chunk = view[:n]
+                h.update(chunk)
+                whole.update(chunk)
+                n_part += n
+                total += n
+                if n_part > p["size"]:
+                    raise InstallError("%s: larger than the manifest says (%d bytes)" % (p["path"], p["size"]))
+                yield chunk
+        if n_part != p["size"] or h.hexdigest() != p["sha256"]:
+            what = "damaged part" if entry.get("parts") else "changed file"
+            raise InstallError("%s: sha256 mismatch (%s)" % (p["path"], what))
+    if total != entry["size"] or whole.hexdigest() != entry["sha256"]:
+        raise InstallError("%s: sha256 of the reassembled file does not match" % entry["path"])
+
+
+def check_file_hashes(bundle_dir: str, entry: dict[str, Any]) -> None:
+    for _ in iter_file(bundle_dir, entry):
+        pass
+
+
+def copy_entry(bundle_dir: str, entry: dict[str, Any], dest: str, mode: int) -> None:
+    """Write a manifest file (reassembled, hash-checked) to dest via a temp name beside it."""
+    d = os.path.dirname(dest)
+    os.makedirs(d, exist_ok=True)
+    stale = "%sbuilder-%s." % (TMP_PREFIX, os.path.basename(dest))
+    for n in os.listdir(d):  # left by a killed run
+        if n.startswith(stale):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(d, n))
+    tmp = os.path.join(d, "%s%d" % (stale, os.getpid()))
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            for chunk in iter_file(bundle_dir, entry):
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(d)
+
+
+# --------------------------------------------------------------------------- docker
+
+
+def docker(args: list[str], *, timeout: float = 120, stdin: Any = None) -> subprocess.CompletedProcess:
+    exe = shutil.which("docker")
+    if exe is None:
+        raise InstallError("docker: not found on PATH")
+    try:
+        return subprocess.run([exe] + args, capture_output=True, timeout=timeout, stdin=stdin, check=False)
+    except subprocess.TimeoutExpired:
+        raise InstallError("docker %s: no answer within %d s" % (args[0], timeout)) from None
+
+
+def image_present(image_id: str) -> list[str] | None:
+    """The image's DiffIDs when the engine has this ImageID, else None."""
+    p = docker(["image", "inspect", "--format", "{{.Id}} {{json .RootFS.Layers}}", image_id])
+    if p.returncode != 0:
+        err = p.stderr.decode("utf-8", "replace")
+        if "No such" in err or "no such" in err:
+            return None
+        raise InstallError("docker image inspect: %s" % (err.strip().splitlines() or ["failed"])[-1])
+    out = p.stdout.decode("utf-8", "replace").strip()
+    got_id, _, layers = out.partition(" ")
+    if got_id != image_id:
+        return None
+    try:
+        return [str(x) for x in json.loads(layers)]
+    except ValueError:
+        return []
+
+
+def docker_root() -> str | None:
+    p = docker(["info", "--format", "{{.DockerRootDir}}"], timeout=60)
+    if p.returncode != 0:
+        return None
+    d = p.stdout.decode("utf-8", "replace").strip()
+    return d or None
+
+
+def load_image(bundle_dir: str, manifest: dict[str, Any]) -> None:
+    """Stream the archive (reassembled from parts, hash-checked) into `docker load`; check the loaded ID."""
+    img = manifest["image"]
+    entry = [f for f in manifest["files"] if f["path"] == img["archive"]][0]
+    exe = shutil.which("docker")
+    if exe is None:
+        raise InstallError("docker: not found on PATH")
+    _say("loading image %s (%s)" % (img["image_id"][:19], human(entry["size"])))
+    proc = subprocess.Popen([exe, "load"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    failed: BaseException | None = None
+    try:
+        assert proc.stdin is not None
+        for chunk in iter_file(bundle_dir, entry):
+            proc.stdin.write(chunk)
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    except BaseException as e:  # a hash mismatch: stop docker load before it finishes
+        failed = e
+        with contextlib.suppress(OSError):
+            proc.kill()
+    out, err = proc.communicate(timeout=3600)
+    if failed is not None:
+        raise failed
+    if proc.returncode != 0:
+        last = (err.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
+        raise InstallError("docker load: %s" % last)
+    layers = image_present(img["image_id"])
+    if layers is None:
+        raise InstallError("docker load: the archive did not give image %s (got: %s)" % (
+            img["image_id"], out.decode("utf-8", "replace").strip()[:200]))
+    if layers and layers != img["diff_ids"]:
+        raise InstallError("docker load: image %s has DiffIDs other than the manifest's" % img["image_id"])
+
+
+# --------------------------------------------------------------------------- root state
+
+
+class Root:
+    def __init__(self, root: str) -> None:
+        if not root.startswith("/"):
+            root = os.path.abspath(root)
+        self.root = root.rstrip("/") or "/"
+        self.releases = os.path.join(self.root, "releases")
+        self.state = os.path.join(self.root, "state")
+        self.incoming = os.path.join(self.root, "incoming")
+        self.record = os.path.join(self.state, "applied.json")
+        self.trusted = os.path.join(self.root, "trusted.pub")
+
+    def link(self, name: str) -> str | None:
+        """The bundle id a link (current/previous) points at, or None."""
+        p = os.path.join(self.root, name)
+        try:
+            target = os.readlink(p)
+        except OSError:
+            return None
+        bid = os.path.basename(target.rstrip("/"))
+        return bid if HEX64.match(bid) else None
+
+    def set_link(self, name: str, bundle_id: str) -> None:
+        tmp = os.path.join(self.root, "%slink-%s-%d" % (TMP_PREFIX, name, os.getpid()))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        os.symlink("releases/" + bundle_id, tmp)
+        os.replace(tmp, os.path.join(self.root, name))
+        fsync_dir(self.root)
+
+    def release(self, bundle_id: str) -> str:
+        return os.path.join(self.releases, bundle_id)
+
+    def read_record(self) -> dict[str, Any] | None:
+        try:
+            with open(self.record, "rb") as f:
+                obj = json.loads(f.read(MAX_MANIFEST).decode("utf-8"))
+        except (OSError, ValueError):
+            return None
+        return obj if isinstance(obj, dict) else None
+
+    def clean_temps(self) -> None:
+        """Remove staging left by a killed run (names start with .tmp-)."""
+        for d in (self.root, self.releases, self.state):
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for n in names:
+                if n.startswith(TMP_PREFIX):
+                    p = os.path.join(d, n)
+                    if os.path.isdir(p) and not os.path.islink(p):
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        with contextlib.suppress(OSError):
+                            os.unlink(p)
+
+    @contextlib.contextmanager
+    def locked(self, timeout: float) -> Iterator[None]:
+        import fcntl
+
+        os.makedirs(self.state, exist_ok=True)
+        fd = os.open(os.path.join(self.state, "install.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as e:
+                    if e.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                        raise InstallError("%s: another install or rollback holds the lock" % self.root) from None
+                    time.sleep(0.2)
+            yield
+        finally:
+            os.close(fd)
+
+
+def _free(path: str) -> tuple[int, int]:
+    """(device, free bytes) of the filesystem that holds path (or its nearest existing parent)."""
+    p = path
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return os.stat(p).st_dev, shutil.disk_usage(p).free
+
+
+def check_disk(needs: list[tuple[str, int]], reserve: int) -> None:
+    by_dev: dict[int, list[Any]] = {}
+    for path, n in needs:
+        if n <= 0:
+            continue
+        dev, free = _free(path)
+        slot = by_dev.setdefault(dev, [0, free, path])
+        slot[0] += n
+    for need, free, path in by_dev.values():
+        if need + reserve > free:
+            raise InstallError("not enough disk for %s: need %s (plus %s reserve), %s free" % (
+                path, human(need), human(reserve), human(free)))
+
+
+def _model_cached(m: dict[str, Any], old: dict[str, Any] | None) -> bool:
+    """Is a model file unchanged since the last apply record vouched for its sha256? (size, mtime, inode)"""
+    if not old:
+        return False
+    try:
+        st = os.stat(m["path"])
+    except OSError:
+        return False
+    for r in old.get("models") or []:
+        if (isinstance(r, dict) and r.get("path") == m["path"] and r.get("sha256") == m["sha256"]
+                and r.get("size") == st.st_size == m["size"] and r.get("mtime") == st.st_mtime_ns
+                and r.get("inode") == st.st_ino):
+            return True
+    return False
+
+
+def model_ok(m: dict[str, Any], old: dict[str, Any] | None) -> str | None:
+    """None when the model file is in place with its sha256; else why not."""
+    p = m["path"]
+    try:
+        st = os.lstat(p)
+    except OSError:
+        return "missing"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_size != m["size"]:
+        return "%d bytes, expected %d" % (st.st_size, m["size"])
+    if _model_cached(m, old):
+        return None
+    digest, _ = hash_file(p)
+    return None if digest == m["sha256"] else "sha256 differs"
+
+
+def model_records(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for m in manifest["models"]:
+        st = os.stat(m["path"])
+        out.append({"path": m["path"], "size": st.st_size, "sha256": m["sha256"], "mtime": st.st_mtime_ns,
+                    "inode": st.st_ino})
+    return sorted(out, key=lambda r: r["path"])
+
+
+def release_ok(path: str, manifest: dict[str, Any], mbytes: bytes) -> bool:
+    """A staged release: its manifest bytes and every release file as the manifest says."""
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            if f.read(MAX_MANIFEST + 1) != mbytes:
+                return False
+        for fe in release_files(manifest):
+            p = os.path.join(path, fe["path"])
+            st = os.lstat(p)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != fe["size"]:
+                return False
+            if hash_file(p)[0] != fe["sha256"]:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def write_record(r: Root, manifest: dict[str, Any], mbytes: bytes, action: str,
+                 previous: str | None) -> dict[str, Any]:
+    img = manifest["image"]
+    rec = {
+        "format": RECORD_FORMAT,
+        "action": action,
+        "bundle_id": manifest["bundle_id"],
+        "host": manifest["host"],
+        "fleet": manifest["fleet"],
+        "lane": manifest["lane"],
+        "rank": manifest["rank"],
+        "role": manifest["role"],
+        "world_size": manifest["world_size"],
+        "lock_hash": manifest["lock_hash"],
+        "image": {"name": img["name"], "input_address": img["input_address"], "image_id": img["image_id"],
+                  "diff_ids": list(img["diff_ids"])},
+        "manifest_sha256": hashlib.sha256(mbytes).hexdigest(),
+        "applied_at": datetime.datetime.now(datetime.timezone.utc)  # noqa: UP017 (python 3.8)
+                       .strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "previous_bundle_id": previous,
+        "release": r.release(manifest["bundle_id"]),
+        "files": sorted(({"path": f["path"], "size": f["size"], "sha256": f["sha256"]}
+                         for f in release_files(manifest)), key=lambda x: x["path"]),
+        "models": model_records(manifest),
+    }
+    atomic_write(r.record, (json.dumps(rec, sort_keys=True, indent=2) + "\n").encode("utf-8"))
+    return rec
+
+
+# --------------------------------------------------------------------------- install
+
+
+def _key_bytes(args: argparse.Namespace) -> bytes | None:
+    if getattr(args, "trusted_key", None):
+        try:
+            with open(args.trusted_key, "rb") as f:
+                return f.read(64 * 1024)
+        except OSError as e:
+            raise InstallError("%s: cannot read trusted key: %s" % (args.trusted_key, e.strerror), EXIT_CONFIG) from None
+    if getattr(args, "trusted_key_base64", None):
+        return args.trusted_key_base64.encode("ascii", "replace")
+    return None
+
+
+def _parse_key(data: bytes, what: str) -> Any:
+    mv = verifier()
+    try:
+        return mv.parse_public_key(data)
+    except mv.MinisignError as e:
+        raise InstallError("%s: %s" % (what, e), EXIT_CONFIG) from None
+
+
+def install(bundle_dir: str, root: str, *, trusted_key: bytes | None = None, insecure: bool = False,
+            host: str | None = None, remove_source: bool = False, reserve: int = DEFAULT_RESERVE,
+            lock_timeout: float = 60.0, sig_check: SigCheck | None = None) -> dict[str, Any]:
+    """Install a bundle folder under root; return {"result": "installed"|"unchanged", ...}."""
+    r = Root(root)
+    bundle_dir = os.path.abspath(bundle_dir)
+    with r.locked(lock_timeout):
+        r.clean_temps()
+        # 1. the key
+        key: bytes | None = None
+        new_key = False
+        if insecure:
+            _say("WARNING: --insecure: the signature is NOT checked")
+        elif os.path.exists(r.trusted):
+            key = _read_limited(r.trusted, 64 * 1024, r.trusted)
+            have = _parse_key(key, r.trusted)
+            if trusted_key is not None:
+                given = _parse_key(trusted_key, "--trusted-key")
+                if (given.key_id, given.key) != (have.key_id, have.key):
+                    raise InstallError("the given key %s differs from %s (key %s); to rotate keys, remove that "
+                                       "file first" % (given.key_id_hex, r.trusted, have.key_id_hex), EXIT_CONFIG)
+        elif trusted_key is not None:
+            _parse_key(trusted_key, "--trusted-key")
+            key, new_key = trusted_key, True
+        else:
+            raise InstallError("%s: no trusted key; give the fleet's public key with --trusted-key FILE at the "
+                               "first install (or --insecure to skip the signature)" % r.trusted, EXIT_CONFIG)
+        # 2. signature and every hash, before anything changes
+        manifest, mbytes, sbytes = verify_bundle(bundle_dir, key, insecure=insecure, sig_check=sig_check)
+        bid = manifest["bundle_id"]
+        if host is not None and manifest["host"] != host:
+            raise InstallError("bundle is for host %r, not %r" % (manifest["host"], host), EXIT_CONFIG)
+        old = r.read_record()
+        if old and old.get("host") not in (None, manifest["host"]):
+            raise InstallError("%s: this host was installed as %r; the bundle is for %r" % (
+                r.record, old.get("host"), manifest["host"]), EXIT_CONFIG)
+        if new_key:
+            atomic_write(r.trusted, trusted_key or b"", 0o644)
+            _say("trusted key set: %s" % r.trusted)
+        current = r.link("current")
+        img = manifest["image"]
+        have_layers = image_present(img["image_id"])
+        if (current == bid and old and old.get("bundle_id") == bid and have_layers is not None
+                and release_ok(r.release(bid), manifest, mbytes)
+                and all(model_ok(m, old) is None for m in manifest["models"])):
+            _say("bundle %s is already installed; nothing to do" % bid[:16])
+            if remove_source:
+                _remove_source(r, bundle_dir)
+            return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid)}
+        # 3. what is needed, and room for it
+        if have_layers is None and img["archive"] is None:
+            raise InstallError("image %s is not on this host and the bundle carries no image (bundle it with "
+                               "--with-image)" % img["image_id"])
+        if have_layers and have_layers != img["diff_ids"]:
+            raise InstallError("image %s on this host has DiffIDs other than the manifest's" % img["image_id"])
+        bundled = {f["path"]: f for f in manifest["files"]}
+        needs: list[tuple[str, int]] = []
+        for m in manifest["models"]:
+            why = model_ok(m, old)
+            if why is None:
+                continue
+            if m["bundled"] is None:
+                raise InstallError("model file %s: %s (the bundle does not carry it; copy it there or bundle "
+                                   "with --with-models)" % (m["path"], why))
+            needs.append((m["path"], m["size"]))
+        if have_layers is None:
+            archive = bundled[img["archive"]]
+            needs.append((docker_root() or r.root, 2 * archive["size"]))
+        needs.append((r.releases, sum(f["size"] for f in release_files(manifest)) + len(mbytes) + len(sbytes)))
+        check_disk(needs, reserve)
+        # 4. image, models, release, switch, record
+        if have_layers is None:
+            load_image(bundle_dir, manifest)
+        for m in manifest["models"]:
+            if model_ok(m, old) is not None:
+                _say("placing model file %s" % m["path"])
+                copy_entry(bundle_dir, bundled[m["bundled"]], m["path"], 0o644)
+                if model_ok(m, None) is not None:
+                    raise InstallError("model file %s: changed while it was placed" % m["path"])
+        stage_release(r, bundle_dir, manifest, mbytes, sbytes)
+        previous = r.link("previous")
+        if current is not None and current != bid:
+            r.set_link("previous", current)
+            previous = current
+        r.set_link("current", bid)
+        write_record(r, manifest, mbytes, "install", previous if previous != bid else None)
+        _say("installed bundle %s (host %s, lane %s, rank %d); previous: %s" % (
+            bid[:16], manifest["host"], manifest["lane"], manifest["rank"], (previous or "none")[:16]))
+        if remove_source:
+            _remove_source(r, bundle_dir)
+        return {"result": "installed", "bundle_id": bid, "previous_bundle_id": previous,
+                "release": r.release(bid)}
+
+
+def _remove_source(r: Root, bundle_dir: str) -> None:
+    real = os.path.realpath(bundle_dir)
+    if not _under(real, os.path.realpath(r.incoming)):
+        raise InstallError("--remove-source: %s is not under %s" % (bundle_dir, r.incoming), EXIT_CONFIG)
+    gone = os.path.join(r.incoming, "%sgone-%d" % (TMP_PREFIX, os.getpid()))
+    with contextlib.suppress(OSError):
+        os.rename(real, gone)
+        shutil.rmtree(gone, ignore_errors=True)
+
+
+def stage_release(r: Root, bundle_dir: str, manifest: dict[str, Any], mbytes: bytes, sbytes: bytes) -> None:
+    bid = manifest["bundle_id"]
+    final = r.release(bid)
+    if os.path.isdir(final) and release_ok(final, manifest, mbytes):
+        return
+    os.makedirs(r.releases, exist_ok=True)
+    tmp = os.path.join(r.releases, "%s%s-%d" % (TMP_PREFIX, bid[:16], os.getpid()))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.mkdir(tmp, 0o755)
+    for fe in release_files(manifest):
+        copy_entry(bundle_dir, fe, os.path.join(tmp, fe["path"]), MODES[fe["mode"]])
+    atomic_write(os.path.join(tmp, MANIFEST), mbytes, 0o644)
+    if sbytes:
+        atomic_write(os.path.join(tmp, SIGNATURE), sbytes, 0o644)
+    for dirpath, _dirs, _files in os.walk(tmp):
+        os.chmod(dirpath, 0o755)
+        fsync_dir(dirpath)
+    if os.path.lexists(final):  # damaged or partial (not ours to trust): move aside, then replace
+        aside = os.path.join(r.releases, "%sold-%s-%d" % (TMP_PREFIX, bid[:16], os.getpid()))
+        os.rename(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_dir(r.releases)
+
+
+# --------------------------------------------------------------------------- rollback and status
+
+
+def _release_manifest(r: Root, bid: str) -> tuple[dict[str, Any], bytes]:
+    path = os.path.join(r.release(bid), MANIFEST)
+    mbytes = _read_limited(path, MAX_MANIFEST, path)
+    try:
+        manifest = check_manifest(json.loads(mbytes.decode("utf-8")))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InstallError("%s: malformed: %s" % (path, str(e)[:200])) from None
+    if bundle_id_of(manifest) != bid or manifest["bundle_id"] != bid:
+        raise InstallError("%s: does not describe release %s" % (path, bid[:16]))
+    return manifest, mbytes
+
+
+def rollback(root: str, *, lock_timeout: float = 60.0) -> dict[str, Any]:
+    r = Root(root)
+    with r.locked(lock_timeout):
+        r.clean_temps()
+        current, previous = r.link("current"), r.link("previous")
+        if previous is None or previous == current:
+            raise InstallError("%s: no previous release to roll back to" % r.root)
+        manifest, mbytes = _release_manifest(r, previous)
+        if not release_ok(r.release(previous), manifest, mbytes):
+            raise InstallError("release %s is damaged (its files differ from its manifest)" % previous[:16])
+        if image_present(manifest["image"]["image_id"]) is None:
+            raise InstallError("release %s needs image %s, which is no longer on this host" % (
+                previous[:16], manifest["image"]["image_id"]))
+        old = r.read_record()
+        for m in manifest["models"]:
+            why = model_ok(m, old)
+            if why is not None:
+                raise InstallError("release %s needs model file %s: %s" % (previous[:16], m["path"], why))
+        if current is not None:
+            r.set_link("previous", current)
+        r.set_link("current", previous)
+        write_record(r, manifest, mbytes, "rollback", current)
+        _say("rolled back to bundle %s (from %s)" % (previous[:16], (current or "none")[:16]))
+        return {"result": "rolled-back", "bundle_id": previous, "previous_bundle_id": current,
+                "release": r.release(previous)}
+
+
+def status(root: str) -> dict[str, Any]:
+    r = Root(root)
+    rec = r.read_record()
+    return {"root": r.root, "current": r.link("current"), "previous": r.link("previous"),
+            "trusted_key": os.path.exists(r.trusted), "applied": rec,
+            "consistent": rec is not None and rec.get("bundle_id") == r.link("current")}
+
+
+def inventory(d: str) -> dict[str, list[Any]]:
+    """path -> [size, sha256] for every regular file under d (links and odd files are left out)."""
+    if not os.path.isdir(d):
+        return {}
+    files, _ = scan_tree(d)
+    out: dict[str, list[Any]] = {}
+    for rel in files:
+        digest, size = hash_file(os.path.join(d, rel))
+        out[rel] = [size, digest]
+    return out
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="install.py", description="builder's offline bundle installer")
+    sub = p.add_subparsers(dest="cmd")
+    i = sub.add_parser("install", help="verify and install a bundle folder")
+    i.add_argument("bundle")
+    i.add_argument("--root", required=True)
+    i.add_argument("--trusted-key", help="the fleet's minisign public key file (first install)")
+    i.add_argument("--trusted-key-base64", help="the same key as its base64 line")
+    i.add_argument("--insecure", action="store_true", help="skip the signature check (explicit only)")
+    i.add_argument("--host", help="refuse a bundle made for another host")
+    i.add_argument("--remove-source", action="store_true", help="remove the bundle folder (under ROOT/incoming)")
+    i.add_argument("--reserve", type=int, default=DEFAULT_RESERVE, help="bytes to keep free (default 256 MiB)")
+    i.add_argument("--lock-timeout", type=float, default=60.0)
+    rb = sub.add_parser("rollback", help="switch current back to previous")
+    rb.add_argument("--root", required=True)
+    rb.add_argument("--lock-timeout", type=float, default=60.0)
+    st = sub.add_parser("status", help="print the current state as JSON")
+    st.add_argument("--root", required=True)
+    inv = sub.add_parser("inventory", help="print sizes and sha256 of the files under DIR as JSON")
+    inv.add_argument("dir")
+    sub.add_parser("assemble", help="print this installer with the verifier embedded")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.cmd == "install":
+            res = install(args.bundle, args.root, trusted_key=_key_bytes(args), insecure=args.insecure,
+                          host=args.host, remove_source=args.remove_source, reserve=args.reserve,
+                          lock_timeout=args.lock_timeout)
+        elif args.cmd == "rollback":
+            res = rollback(args.root, lock_timeout=args.lock_timeout)
+        elif args.cmd == "status":
+            res = status(args.root)
+        elif args.cmd == "inventory":
+            res = inventory(args.dir)
+        elif args.cmd == "assemble":
+            sys.stdout.buffer.write(assemble())
+            return EXIT_OK
+        else:
+            _parser().print_usage(sys.stderr)
+            return EXIT_CONFIG
+    except InstallError as e:
+        sys.stderr.write("error: %s\n" % e)
+        return e.code
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    except OSError as e:
+        sys.stderr.write("error: %s: %s\n" % (getattr(e, "filename", None) or "I/O", e.strerror or e))
+        return EXIT_FAILED
+    sys.stdout.write(json.dumps(res, sort_keys=True) + "\n")
+    sys.stdout.flush()
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""Launch files for one rank: rank.env, config.json, start.sh, stop.sh.
+
+Pure rendering (no I/O): the same fleet, host, lane and image give the same bytes.
+
+- ``rank.env`` (docker ``--env-file``): WORLD_SIZE, RANK, MASTER_ADDR (the head's address),
+  MASTER_PORT (the lane's rendezvous port), TF_TP_WORLD/TF_TP_MASTER/TF_TP_PORT, NCCL_IB_HCA and
+  TF_RDMA_DEVICES (the host's RDMA devices), NCCL_SOCKET_IFNAME (its interfaces), NCCL_IB_GID_INDEX
+  (unless ``auto``), BUILDER_* serve settings, then the lane's ``serve.env``.
+- ``config.json``: the lane's serve settings for this rank.
+- ``start.sh``: refuses while a container of this lane and rank is running (``docker ps`` by label) and,
+  on a worker, while the head already answers (an old head). The head waits, bounded by
+  ``BUILDER_START_TIMEOUT`` (default 600 s), until every worker answers on its serve port or its
+  rendezvous port. The container runs the image by its ImageID with ``--network host``, the labels
+  ``io.builder.lane``/``io.builder.rank``/``io.builder.bundle-id``, the rank env file and the model
+  folders mounted read-only. Start the workers first, the head last.
+- ``stop.sh``: stops and removes this lane's container for this rank (stop the head first).
+
+``serve.args`` may use ``{host} {port} {served_name} {context} {streams} {tensor_parallel} {rank}
+{world_size} {master_addr} {rendezvous_port} {lane}``; they are substituted per rank. Empty args run the
+image's own command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+from builder.canon import pretty_json
+from builder.errors import ConfigError
+from builder.hosts import Fleet, Host
+from builder.pins import Lane
+
+LABEL_LANE = "io.builder.lane"
+LABEL_RANK = "io.builder.rank"
+LABEL_BUNDLE = "io.builder.bundle-id"
+LABEL_FLEET = "io.builder.fleet"
+LABEL_HOST = "io.builder.host"
+CONFIG_IN_CONTAINER = "/etc/builder/config.json"
+
+MODE_EXEC = "0755"
+MODE_FILE = "0644"
+
+
+@dataclass(frozen=True)
+class ModelMount:
+    """A model folder on the host, mounted read-only at the same path in the container."""
+
+    model: str
+    path: str
+
+
+def host_address(fleet: Fleet, host: Host) -> str:
+    """The address other ranks use: ``address``, else the first rail, else the ssh target's host if it is an IP."""
+    if host.address:
+        return host.address
+    if host.fabric.rails:
+        return host.fabric.rails[0]
+    target = host.ssh.rsplit("@", 1)[-1]
+    m = re.fullmatch(r"\[?([0-9A-Fa-f:.]+?)\]?(?::\d+)?", target)
+    if m:
+        with contextlib.suppress(ValueError):
+            return str(ipaddress.ip_address(m.group(1)))
+    raise ConfigError(f"fleet {fleet.fleet.name}: host {host.name}: no address for the other ranks "
+                      "(set address, or fabric.rails)")
+
+
+def container_name(lane: str, rank: int) -> str:
+    return f"builder-{lane}-r{rank}"
+
+
+def _substitutions(fleet: Fleet, host: Host, lane_name: str, lane: Lane) -> dict[str, str]:
+    s = lane.serve
+    return {
+        "host": s.host, "port": str(s.port), "served_name": s.served_name, "context": str(s.context),
+        "streams": str(s.streams), "tensor_parallel": str(s.tensor_parallel), "rank": str(host.rank),
+        "world_size": str(len(fleet.hosts)), "master_addr": host_address(fleet, fleet.head()),
+        "rendezvous_port": str(s.rendezvous_port), "lane": lane_name,
+    }
+
+
+def render_args(fleet: Fleet, host: Host, lane_name: str, lane: Lane) -> list[str]:
+    subs = _substitutions(fleet, host, lane_name, lane)
+    out = []
+    for i, a in enumerate(lane.serve.args):
+        try:
+            out.append(a.format_map(subs))
+        except (KeyError, ValueError, IndexError) as e:
+            raise ConfigError(f"lanes.{lane_name}.serve.args[{i}]: bad placeholder in {a!r}: {e}") from None
+    return out
+
+
+def rank_env(fleet: Fleet, host: Host, lane_name: str, lane: Lane) -> dict[str, str]:
+    s = lane.serve
+    head = host_address(fleet, fleet.head())
+    env: dict[str, str] = {
+        "WORLD_SIZE": str(len(fleet.hosts)),
+        "RANK": str(host.rank),
+        "MASTER_ADDR": head,
+        "MASTER_PORT": str(s.rendezvous_port),
+        "TF_TP_WORLD": str(s.tensor_parallel),
+        "TF_TP_MASTER": head,
+        "TF_TP_PORT": str(s.rendezvous_port),
+        "BUILDER_LANE": lane_name,
+        "BUILDER_FLEET": fleet.fleet.name,
+        "BUILDER_HOST": host.name,
+        "BUILDER_ROLE": host.role,
+        "BUILDER_SERVE_HOST": s.host,
+        "BUILDER_SERVE_PORT": str(s.port),
+        "BUILDER_SERVED_NAME": s.served_name,
+        "BUILDER_CONTEXT": str(s.context),
+        "BUILDER_STREAMS": str(s.streams),
+        "BUILDER_CONFIG": CONFIG_IN_CONTAINER,
+    }
+    fab = host.fabric
+    if fab.rdma_devices:
+        env["NCCL_IB_HCA"] = ",".join(fab.rdma_devices)
+        env["TF_RDMA_DEVICES"] = ",".join(fab.rdma_devices)
+    if fab.interfaces:
+        env["NCCL_SOCKET_IFNAME"] = ",".join(fab.interfaces)
+    if fab.gid_index != "auto":
+        env["NCCL_IB_GID_INDEX"] = str(fab.gid_index)
+    for k, v in sorted(s.env.items()):
+        if k in env:
+            raise ConfigError(f"lanes.{lane_name}.serve.env.{k}: builder sets this per rank; remove it")
+        env[k] = v
+    for k, v in env.items():
+        if any(c in v for c in "\r\n\x00"):
+            raise ConfigError(f"lanes.{lane_name}: environment value of {k} has a line break")
+    return env
+
+
+def render_env_file(env: dict[str, str]) -> bytes:
+    head = "# generated by `builder bundle`; read by docker --env-file (covered by the bundle's manifest)\n"
+    return (head + "".join(f"{k}={v}\n" for k, v in env.items())).encode("utf-8")
+
+
+def render_config(fleet: Fleet, host: Host, lane_name: str, lane: Lane, image: dict[str, Any],
+                  models: list[dict[str, Any]]) -> bytes:
+    return pretty_json({
+        "format": 1,
+        "fleet": fleet.fleet.name,
+        "lane": lane_name,
+        "host": host.name,
+        "rank": host.rank,
+        "role": host.role,
+        "world_size": len(fleet.hosts),
+        "master_addr": host_address(fleet, fleet.head()),
+        "serve": lane.serve.model_dump(mode="json"),
+        "args": render_args(fleet, host, lane_name, lane),
+        "image": image,
+        "models": models,
+    })
+
+
+def _q(s: str) -> str:
+    return shlex.quote(s)
+
+
+def render_start(fleet: Fleet, host: Host, lane_name: str, lane: Lane, image_id: str,
+                 mounts: list[ModelMount]) -> bytes:
+    s = lane.serve
+    name = container_name(lane_name, host.rank)
+    head = fleet.head()
+    head_addr = host_address(fleet, head)
+    workers = [(w.name, host_address(fleet, w)) for w in fleet.by_rank() if w.role == "worker"]
+    args = render_args(fleet, host, lane_name, lane)
+    run_opts: list[str] = []
+    if host.expect.gpu_count > 0 and host.expect.nvidia_runtime:
+        run_opts += ["--gpus", "all", "--ipc", "host", "--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
+    mount_lines = "".join(f"mounts+=(-v {_q(m.path + ':' + m.path + ':ro')})\n"
+                          f"[ -d {_q(m.path)} ] || die {_q('model folder ' + m.path + ' is missing')}\n"
+                          for m in mounts)
+    rdma_line = ("[ -e /dev/infiniband ] && extra+=(--device /dev/infiniband)\n"
+                 if host.fabric.rdma_devices else "")
+    peers = " ".join(_q(f"{n}={a}") for n, a in workers)
+    text = f"""#!/bin/bash
+# generated by `builder bundle` for host {host.name}, rank {host.rank} of {len(fleet.hosts)} ({host.role}),
+# lane {lane_name} of fleet {fleet.fleet.name}. Do not edit: the bundle's signed manifest covers this file.
+# Start the workers first and the head last; stop the head first (stop.sh).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd -P)
+LANE={_q(lane_name)}
+RANK={host.rank}
+ROLE={_q(host.role)}
+NAME={_q(name)}
+IMAGE={_q(image_id)}
+MASTER_ADDR={_q(head_addr)}
+SERVE_PORT={s.port}
+RDZV_PORT={s.rendezvous_port}
+TIMEOUT=${{BUILDER_START_TIMEOUT:-600}}
+die() {{ echo "start.sh ($LANE rank $RANK): $*" >&2; exit 1; }}
+command -v docker >/dev/null || die "docker not found"
+command -v python3 >/dev/null || die "python3 not found"
+bundle_id=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["bundle_id"])' "$here/manifest.json") \\
+    || die "cannot read $here/manifest.json"
+# answers HOST PORT...: exit 0 when any of the ports accepts a TCP connection
+answers() {{
+    python3 - "$@" <<'PY'
+import socket, sys
+host = sys.argv[1]
+for port in sys.argv[2:]:
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        sys.exit(0)
+    except OSError:
+        pass
+sys.exit(1)
+PY
+}}
+running=$(docker ps -q --filter "label={LABEL_LANE}=$LANE" --filter "label={LABEL_RANK}=$RANK")
+if [ -n "$running" ]; then
+    same=$(docker ps -q --filter "label={LABEL_LANE}=$LANE" --filter "label={LABEL_RANK}=$RANK" \\
+        --filter "label={LABEL_BUNDLE}=$bundle_id")
+    if [ -n "$same" ] && [ "$same" = "$running" ]; then
+        echo "start.sh: $NAME is already running this bundle (${{bundle_id:0:16}})" >&2
+        exit 0
+    fi
+    die "an old container of lane $LANE rank $RANK is still running ($(echo $running | tr '\\n' ' ')); run stop.sh first"
+fi
+if [ "$ROLE" = worker ] && answers "$MASTER_ADDR" "$SERVE_PORT" "$RDZV_PORT"; then
+    die "the head $MASTER_ADDR already answers (port $SERVE_PORT or $RDZV_PORT): an old head is still running; stop it first (workers start before the head)"
+fi
+docker image inspect "$IMAGE" >/dev/null 2>&1 || die "image $IMAGE is not loaded (install the bundle first)"
+if [ "$ROLE" = head ]; then
+    deadline=$(( $(date +%s) + TIMEOUT ))
+    for peer in {peers}; do
+        pname=${{peer%%=*}}; paddr=${{peer#*=}}
+        until answers "$paddr" "$SERVE_PORT" "$RDZV_PORT"; do
+            [ "$(date +%s)" -lt "$deadline" ] || die "worker $pname ($paddr) did not answer within $TIMEOUT s; start the workers first"
+            sleep 1
+        done
+    done
+fi
+mounts=()
+{mount_lines}if docker container inspect "$NAME" >/dev/null 2>&1; then
+    docker rm "$NAME" >/dev/null || die "cannot remove the stopped container $NAME"
+fi
+extra=()
+{rdma_line}docker run -d --name "$NAME" --network host --restart no \\
+    --label {_q(LABEL_LANE)}="$LANE" --label {_q(LABEL_RANK)}="$RANK" --label {_q(LABEL_BUNDLE)}="$bundle_id" \\
+    --label {_q(LABEL_FLEET + '=' + fleet.fleet.name)} --label {_q(LABEL_HOST + '=' + host.name)} \\
+    --env-file "$here/rank.env" -v "$here/config.json:{CONFIG_IN_CONTAINER}:ro" \\
+    {' '.join(_q(o) for o in run_opts)} "${{extra[@]}}" "${{mounts[@]}}" \\
+    "$IMAGE" {' '.join(_q(a) for a in args)}
+echo "start.sh: started $NAME (bundle ${{bundle_id:0:16}}, rank $RANK of {len(fleet.hosts)})" >&2
+"""
+    return "\n".join(line.rstrip() for line in text.split("\n")).encode("utf-8")
+
+
+def render_stop(fleet: Fleet, host: Host, lane_name: str) -> bytes:
+    text = f"""#!/bin/bash
+# generated by `builder bundle` for host {host.name}, rank {host.rank} of lane {lane_name}.
+# Stops and removes every container of this lane and rank (whatever bundle started it). Stop the head first.
+set -euo pipefail
+LANE={_q(lane_name)}
+RANK={host.rank}
+ids=$(docker ps -aq --filter "label={LABEL_LANE}=$LANE" --filter "label={LABEL_RANK}=$RANK")
+if [ -z "$ids" ]; then
+    echo "stop.sh: nothing of lane $LANE rank $RANK is running" >&2
+    exit 0
+fi
+docker stop -t "${{BUILDER_STOP_TIMEOUT:-30}}" $ids >/dev/null
+docker rm $ids >/dev/null
+echo "stop.sh: stopped lane $LANE rank $RANK" >&2
+"""
+    return text.encode("utf-8")
+
+
+def render_launch(fleet: Fleet, host: Host, lane_name: str, lane: Lane, image: dict[str, Any],
+                  models: list[dict[str, Any]], mounts: list[ModelMount]) -> dict[str, tuple[bytes, str]]:
+    """path -> (bytes, mode) of this rank's launch files."""
+    env = rank_env(fleet, host, lane_name, lane)
+    return {
+        "rank.env": (render_env_file(env), MODE_FILE),
+        "config.json": (render_config(fleet, host, lane_name, lane, image, models), MODE_FILE),
+        "start.sh": (render_start(fleet, host, lane_name, lane, image["image_id"], mounts), MODE_EXEC),
+        "stop.sh": (render_stop(fleet, host, lane_name), MODE_EXEC),
+    }

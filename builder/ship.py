@@ -1,0 +1,345 @@
+"""Move a bundle to its host and install it: over SSH (resumable), or to a folder for sneakernet.
+
+Over SSH (the system ``ssh`` with the fleet's ssh_config when it names one, ``BatchMode=yes``, a
+connect timeout and keep-alives; host keys are checked as ssh_config says, never switched off):
+
+1. the bundle is verified here (signature against the fleet's key, every hash);
+2. ``python3 - status`` on the host (the installer, sent over stdin from this machine's trusted copy)
+   says whether the bundle is already installed: then nothing is sent;
+3. ``python3 - inventory`` hashes what ``<paths.bundles>/incoming/<bundle_id>/`` already holds; files and
+   parts whose size and sha256 match are skipped, extras are removed, the rest is sent with
+   ``cat > tmp && mv`` (a cut transfer never leaves a short file under the real name);
+4. ``python3 - install`` verifies again on the host, loads, stages, switches and records.
+
+Every ssh call has a timeout (base + size / minimum rate). A host that cannot be reached (ssh exit
+255, or no answer in time) gives UnreachableError (exit 3, one line naming the host); a rerun resumes.
+
+``--to DIR`` copies the bundle to ``DIR/<fleet>/<host>/`` instead (resumable the same way), then
+verifies the copy. Install it on the host with a trusted installer (see builder/installer.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from builder import installer as inst
+from builder.bundle import public_key_for, read_public_key, signing_key_path, verify_with_key
+from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
+from builder.hosts import Fleet, Host, find_host
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class ShipOptions:
+    bundle: Path | None = None
+    to: Path | None = None
+    key: Path | None = None  # the public key the host trusts (default: fleet.trusted_key, else --signing-key's)
+    signing_key: Path | None = None
+    timeout: float = 60.0  # base seconds of every remote call
+    connect_timeout: int = 10
+    min_rate: float = 1 * MiB  # bytes/s below which a transfer counts as stalled
+    hash_rate: float = 50 * MiB  # bytes/s the host is assumed to hash at least
+    insecure: bool = False
+
+
+@dataclass
+class ShipResult:
+    host: str
+    fleet: str
+    bundle_id: str
+    result: str  # installed | unchanged | copied
+    sent: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    dest: str = ""
+    bytes_sent: int = 0
+
+
+# --------------------------------------------------------------------------- the remote end
+
+
+def parse_target(target: str) -> tuple[str | None, str, int | None]:
+    """'[user@]host[:port]' (or '[v6]:port') -> (user, host, port)."""
+    user = None
+    rest = target
+    if "@" in rest:
+        user, rest = rest.rsplit("@", 1)
+    m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?", rest)
+    if m:
+        return user, m.group(1), int(m.group(2)) if m.group(2) else None
+    if rest.count(":") == 1:
+        h, p = rest.split(":")
+        if p.isdigit():
+            return user, h, int(p)
+    return user, rest, None
+
+
+class Remote:
+    """Runs shell commands on a host: over ssh, with `docker exec`, or locally (connection = local)."""
+
+    def __init__(self, root: Path, fleet: Fleet, host: Host, connect_timeout: int = 10) -> None:
+        self.host = host
+        self.kind = host.connection
+        self.ssh_config: Path | None = None
+        if fleet.fleet.ssh_config:
+            p = Path(fleet.fleet.ssh_config)
+            self.ssh_config = p if p.is_absolute() else root / p
+            if not self.ssh_config.is_file():
+                raise ConfigError(f"fleet {fleet.fleet.name}: ssh_config {self.ssh_config} not found")
+        self.connect_timeout = connect_timeout
+
+    def argv(self, command: str) -> list[str]:
+        if self.kind == "local":
+            return ["sh", "-c", command]
+        if self.kind == "docker":
+            return ["docker", "exec", "-i", self.host.ssh, "sh", "-c", command]
+        user, hostname, port = parse_target(self.host.ssh)
+        argv = ["ssh"]
+        if self.ssh_config is not None:
+            argv += ["-F", str(self.ssh_config)]
+        argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.connect_timeout}",
+                 "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
+        if port is not None:
+            argv += ["-p", str(port)]
+        if user:
+            argv += ["-l", user]
+        return [*argv, "--", hostname, command]
+
+    def run(self, command: str, *, timeout: float, stdin: bytes | IO[bytes] | None = None,
+            what: str = "") -> subprocess.CompletedProcess[bytes]:
+        argv = self.argv(command)
+        kw: dict[str, Any] = {"input": stdin} if isinstance(stdin, bytes) else {
+            "stdin": stdin if stdin is not None else subprocess.DEVNULL}
+        try:
+            proc = subprocess.run(argv, capture_output=True, timeout=timeout, check=False, **kw)
+        except subprocess.TimeoutExpired:
+            raise UnreachableError(f"{self.host.name}: no answer within {timeout:.0f} s"
+                                   f"{' (' + what + ')' if what else ''} over {self.kind} to {self.host.ssh}") from None
+        except FileNotFoundError:
+            raise ConfigError(f"{argv[0]}: not found (needed to reach {self.host.name})") from None
+        if self.kind == "ssh" and proc.returncode == 255:
+            last = _last_line(proc.stderr) or "connection failed"
+            raise UnreachableError(f"{self.host.name}: unreachable over ssh ({self.host.ssh}): {last}")
+        return proc
+
+    def python(self, script: bytes, args: list[str], *, timeout: float, what: str) -> dict[str, Any]:
+        """Run the installer on the host (script on stdin); its JSON answer, or the error it printed."""
+        cmd = "python3 - " + " ".join(shlex.quote(a) for a in args)
+        proc = self.run(cmd, timeout=timeout, stdin=script, what=what)
+        if proc.returncode != 0:
+            msg = _error_line(proc.stderr) or f"exit status {proc.returncode}"
+            if proc.returncode == 127 or "python3: not found" in msg or "command not found" in msg:
+                raise BuilderError(f"{self.host.name}: python3 not found on the host")
+            cls = ConfigError if proc.returncode == inst.EXIT_CONFIG else BuilderError
+            raise cls(f"{self.host.name}: {what}: {msg}")
+        try:
+            out = json.loads(proc.stdout.decode("utf-8").strip().splitlines()[-1])
+        except (ValueError, IndexError, UnicodeDecodeError):
+            raise BuilderError(f"{self.host.name}: {what}: unreadable answer from the installer") from None
+        if not isinstance(out, dict):
+            raise BuilderError(f"{self.host.name}: {what}: unexpected answer from the installer")
+        return out
+
+
+def _last_line(data: bytes) -> str:
+    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def _error_line(data: bytes) -> str:
+    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("error: "):
+            return ln[len("error: "):]
+    return lines[-1] if lines else ""
+
+
+# --------------------------------------------------------------------------- keys and the bundle
+
+
+def trusted_key_bytes(root: Path, fleet: Fleet, bundle_dir: Path, opts: ShipOptions) -> bytes:
+    """The public key the host is told to trust: --key, else fleet.trusted_key, else the signing key's half."""
+    from builder import sign
+
+    if opts.key is not None or fleet.fleet.trusted_key:
+        return read_public_key(public_key_for(bundle_dir, opts.key, root))
+    sk = sign.load_secret_key(signing_key_path(opts.signing_key))
+    return sign.public_key_text(sk.public_key).encode("ascii")
+
+
+def _key_line(key: bytes) -> str:
+    from builder import sign
+
+    return sign.parse_public_key(key).base64
+
+
+def _load_bundle(root: Path, fleet: Fleet, host: Host, opts: ShipOptions) -> tuple[Path, dict[str, Any], bytes]:
+    bdir = opts.bundle or root / "out" / "bundles" / fleet.fleet.name / host.name
+    if not (bdir / inst.MANIFEST).is_file():
+        raise ConfigError(f"{bdir}: no bundle there (run `builder bundle {host.name}`)")
+    key = trusted_key_bytes(root, fleet, bdir, opts)
+    if opts.insecure:
+        try:
+            manifest, _, _ = inst.verify_bundle(str(bdir), None, insecure=True)
+        except inst.InstallError as e:
+            raise VerifyError(str(e)) from None
+    else:
+        manifest = verify_with_key(bdir, key)
+    if manifest["host"] != host.name or manifest["fleet"] != fleet.fleet.name:
+        raise ConfigError(f"{bdir}: the bundle is for {manifest['fleet']}/{manifest['host']}, not "
+                          f"{fleet.fleet.name}/{host.name}")
+    return bdir, manifest, key
+
+
+def _file_order(manifest: dict[str, Any]) -> list[tuple[str, int, str]]:
+    """Every physical file, manifest and signature last (a folder with them is complete)."""
+    phys = inst.physical_files(manifest)
+    return [(p, s, h) for p, (s, h) in sorted(phys.items())]
+
+
+# --------------------------------------------------------------------------- ship over ssh
+
+
+def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
+    """Ship HOST's bundle (project root = the folder of pins.toml; inventories in root/hosts)."""
+    _, fleet, host = find_host(root / "hosts", host_ref)
+    bdir, manifest, key = _load_bundle(root, fleet, host, opts)
+    if opts.to is not None:
+        return ship_to_dir(bdir, manifest, opts.to / fleet.fleet.name / host.name, key if not opts.insecure else None)
+    bid = manifest["bundle_id"]
+    remote = Remote(root, fleet, host, opts.connect_timeout)
+    hroot = host.paths.bundles
+    script = inst.assemble()
+    res = ShipResult(host=host.name, fleet=fleet.fleet.name, bundle_id=bid, result="")
+    st = remote.python(script, ["status", "--root", hroot], timeout=opts.timeout, what="status")
+    if st.get("current") == bid and isinstance(st.get("applied"), dict) and st["applied"].get("bundle_id") == bid:
+        res.result = "unchanged"
+        return res
+    incoming = f"{hroot}/incoming/{bid}"
+    tmpdir = f"{hroot}/incoming/.tmp-{bid[:16]}"
+    files = _file_order(manifest)
+    total = sum(s for _, s, _ in files)
+    have = remote.python(script, ["inventory", incoming], timeout=opts.timeout + total / opts.hash_rate,
+                         what="inventory")
+    expected = {p: (s, h) for p, s, h in files}
+    expected[inst.MANIFEST] = ((bdir / inst.MANIFEST).stat().st_size, "")
+    expected[inst.SIGNATURE] = ((bdir / inst.SIGNATURE).stat().st_size, "") if (bdir / inst.SIGNATURE).exists() \
+        else (0, "")
+    extras = sorted(p for p in have if p not in expected)
+    if extras:
+        cmd = f"cd {shlex.quote(incoming)} && rm -f -- " + " ".join(shlex.quote(p) for p in extras)
+        p = remote.run(cmd, timeout=opts.timeout, what="remove extra files")
+        if p.returncode != 0:
+            raise BuilderError(f"{host.name}: cannot remove extra files in {incoming}: {_last_line(p.stderr)}")
+        res.removed = extras
+    prep = remote.run(f"rm -rf {shlex.quote(tmpdir)} && mkdir -p {shlex.quote(tmpdir)} {shlex.quote(incoming)}",
+                      timeout=opts.timeout, what="prepare")
+    if prep.returncode != 0:
+        raise BuilderError(f"{host.name}: cannot create {incoming}: {_last_line(prep.stderr)}")
+    sends: list[tuple[str, int, str]] = list(files)
+    for name in (inst.MANIFEST, inst.SIGNATURE):
+        if (bdir / name).exists():
+            data = (bdir / name).read_bytes()
+            sends.append((name, len(data), hashlib.sha256(data).hexdigest()))
+    for rel, size, digest in sends:
+        got = have.get(rel)
+        if isinstance(got, list) and len(got) == 2 and got[0] == size and got[1] == digest:
+            res.skipped.append(rel)
+            continue
+        _send(remote, bdir / rel, f"{tmpdir}/{rel}", f"{incoming}/{rel}", size, opts)
+        res.sent.append(rel)
+        res.bytes_sent += size
+    remote.run(f"rm -rf {shlex.quote(tmpdir)}", timeout=opts.timeout, what="clean up")
+    args = ["install", incoming, "--root", hroot, "--host", host.name, "--remove-source"]
+    if opts.insecure:
+        args.append("--insecure")
+    else:
+        args += ["--trusted-key-base64", _key_line(key)]
+    out = remote.python(script, args, timeout=opts.timeout + 120 + 3 * total / opts.hash_rate, what="install")
+    res.result = str(out.get("result", "installed"))
+    return res
+
+
+def _send(remote: Remote, src: Path, tmp: str, dest: str, size: int, opts: ShipOptions) -> None:
+    d_tmp, d_dest = os.path.dirname(tmp), os.path.dirname(dest)
+    cmd = (f"umask 022 && mkdir -p {shlex.quote(d_tmp)} {shlex.quote(d_dest)} && cat > {shlex.quote(tmp)} && "
+           f"mv -f {shlex.quote(tmp)} {shlex.quote(dest)}")
+    with open(src, "rb") as f:
+        p = remote.run(cmd, timeout=opts.timeout + size / opts.min_rate, stdin=f, what=f"send {src.name}")
+    if p.returncode != 0:
+        raise BuilderError(f"{remote.host.name}: sending {src.name} failed: {_last_line(p.stderr)}")
+
+
+# --------------------------------------------------------------------------- sneakernet
+
+
+def _copy_checked(src: Path, tmp: Path, dest: Path, size: int, digest: str) -> None:
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    n = 0
+    with open(src, "rb") as fi, open(tmp, "wb") as fo:
+        while chunk := fi.read(inst.READ_SIZE):
+            h.update(chunk)
+            n += len(chunk)
+            fo.write(chunk)
+        fo.flush()
+        os.fsync(fo.fileno())
+    if n != size or (digest and h.hexdigest() != digest):
+        tmp.unlink()
+        raise VerifyError(f"{src}: changed while it was copied")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, dest)
+
+
+def ship_to_dir(bdir: Path, manifest: dict[str, Any], dest: Path, key: bytes | None) -> ShipResult:
+    """Copy a verified bundle folder to dest, skipping files already there with the right hash; verify the copy."""
+    res = ShipResult(host=manifest["host"], fleet=manifest["fleet"], bundle_id=manifest["bundle_id"],
+                     result="copied", dest=str(dest))
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp_root = dest.parent / f".tmp-{dest.name}"
+    shutil.rmtree(tmp_root, ignore_errors=True)
+    files = _file_order(manifest)
+    expected = {p for p, _, _ in files} | {inst.MANIFEST, inst.SIGNATURE}
+    present, refused = inst.scan_tree(str(dest))
+    for r in refused:  # links and odd files: remove what we can name
+        with contextlib.suppress(OSError):
+            (dest / r.rsplit(" (", 1)[0]).unlink()
+    for rel in sorted(set(present) - expected):
+        (dest / rel).unlink()
+        res.removed.append(rel)
+    sends = list(files)
+    for name in (inst.MANIFEST, inst.SIGNATURE):
+        if (bdir / name).exists():
+            sends.append((name, (bdir / name).stat().st_size, inst.hash_file(str(bdir / name))[0]))
+        elif (dest / name).exists():
+            (dest / name).unlink()
+    for rel, size, digest in sends:
+        target = dest / rel
+        if target.is_file() and not target.is_symlink() and target.stat().st_size == size \
+                and inst.hash_file(str(target))[0] == digest:
+            res.skipped.append(rel)
+            continue
+        _copy_checked(bdir / rel, tmp_root / rel, target, size, digest)
+        res.sent.append(rel)
+        res.bytes_sent += size
+    shutil.rmtree(tmp_root, ignore_errors=True)
+    if key is not None:
+        verify_with_key(dest, key)
+    else:
+        try:
+            inst.verify_bundle(str(dest), None, insecure=True)
+        except inst.InstallError as e:
+            raise VerifyError(str(e)) from None
+    return res

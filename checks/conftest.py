@@ -1,0 +1,128 @@
+"""Fixtures and reporting for the builder host checks (run by `builder audit`, one pytest per host).
+
+Expectations come in a JSON file (`--builder-expect`) that `builder audit` wrote from the lock,
+the inventory and the image record; nothing here reads an expectation from the host. The
+results go to `--builder-results` as JSON: one entry per check with status and message.
+
+Rules every check follows: an assertion message says `expected X, found Y`; a check whose
+hardware or input is absent calls `pytest.skip(reason)` (never passes); the facts of one topic
+are read with one remote command and cached per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+from checklib import read_applied
+
+_STATE: dict[str, Any] = {"unreachable": None, "results": {}, "order": []}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("builder")
+    g.addoption("--builder-expect", dest="builder_expect", default=None, help="expectations JSON for this host")
+    g.addoption("--builder-results", dest="builder_results", default=None, help="write results JSON here")
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def expect(pytestconfig: pytest.Config) -> dict[str, Any]:
+    path = pytestconfig.getoption("builder_expect")
+    if not path:
+        pytest.skip("no expectations file (run the checks through `builder audit`)")
+    with open(path) as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+@pytest.fixture(scope="module")
+def applied(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
+    """The apply record; checks that need it skip when there is none (use `applied_record` to fail)."""
+    rec, why = read_applied(host, expect)
+    if rec is None:
+        pytest.skip(why)
+    return rec
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def _concern(item: pytest.Item) -> str:
+    mod = getattr(item, "module", None)
+    name = mod.__name__.rsplit(".", 1)[-1] if mod is not None else "other"
+    return name[5:] if name.startswith("test_") else name
+
+
+def _check_id(item: pytest.Item) -> str:
+    name = getattr(item, "originalname", item.name)
+    if name.startswith("test_"):
+        name = name[5:]
+    return f"{_concern(item)}::{name}"
+
+
+def _lost_connection(exc: BaseException) -> bool:
+    """testinfra's ssh backend raises RuntimeError(CommandResult) when ssh itself exits 255."""
+    if not isinstance(exc, RuntimeError) or not exc.args:
+        return False
+    res = exc.args[0]
+    return getattr(res, "rc", None) == 255 or getattr(res, "exit_status", None) == 255
+
+
+def _message(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    e = excinfo.value
+    if isinstance(e, AssertionError):
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else "assertion failed"
+        return first
+    if _lost_connection(e):
+        res = e.args[0]
+        err = (getattr(res, "stderr", "") or "").strip().splitlines()
+        return "connection lost: " + (err[-1] if err else "ssh exit status 255")
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".strip()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _STATE["unreachable"]:
+        pytest.skip(f"unreachable: {_STATE['unreachable']}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    rep = outcome.get_result()
+    cid = _check_id(item)
+    if cid not in _STATE["results"]:
+        _STATE["order"].append(cid)
+        _STATE["results"][cid] = {"id": cid, "concern": _concern(item), "status": "pass", "message": ""}
+    entry = _STATE["results"][cid]
+    if call.excinfo is not None and _lost_connection(call.excinfo.value) and not _STATE["unreachable"]:
+        _STATE["unreachable"] = _message(call.excinfo)
+    if rep.skipped and entry["status"] == "pass":
+        reason = ""
+        if call.excinfo is not None:
+            reason = str(call.excinfo.value.msg if hasattr(call.excinfo.value, "msg") else call.excinfo.value)
+        elif isinstance(rep.longrepr, tuple):
+            reason = rep.longrepr[2]
+        entry["status"], entry["message"] = "skip", reason.removeprefix("Skipped: ")
+    elif rep.failed and entry["status"] in ("pass", "skip"):
+        is_fail = rep.when == "call" and call.excinfo is not None and call.excinfo.errisinstance(AssertionError)
+        entry["status"] = "fail" if is_fail else "error"
+        entry["message"] = _message(call.excinfo) if call.excinfo is not None else str(rep.longrepr)[:300]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    path = session.config.getoption("builder_results")
+    if not path:
+        return
+    data = {"unreachable": _STATE["unreachable"],
+            "checks": [_STATE["results"][c] for c in _STATE["order"]]}
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)

@@ -1,0 +1,68 @@
+"""Engram and per-rank inputs: this rank's own `r<k>of<n>` files, n equal to the lane's tensor-parallel
+size, no other rank's files, and every per-rank file the install recorded present with its size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from checklib import need, read_applied, remote_json
+
+from builder.hostcheck import FILES_SCRIPT, LIST_SCRIPT, dumps, rank_tag, shown
+
+
+@pytest.fixture(scope="module")
+def engram(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
+    serve = need(expect.get("serve"), expect.get("serve_reason") or "lane settings unknown")
+    root = expect["paths"]["engram"].rstrip("/")
+    rec, _ = read_applied(host, expect)
+    recorded = [m for m in (rec or {}).get("models") or [] if str(m.get("path", "")).startswith(root + "/")]
+    wanted = any(m.get("role") == "engram" for m in expect.get("models") or []) or bool(recorded)
+    listing = remote_json(host, LIST_SCRIPT, dumps([root]))[root]
+    if listing is None:
+        if wanted:
+            pytest.fail(f"Engram folder: expected {root}, found none")
+        pytest.skip(f"the lane has no Engram or per-rank inputs (no {root} and none recorded)")
+    tagged = {}
+    for rel in listing:
+        t = rank_tag(rel)
+        if t is not None:
+            tagged[rel] = t
+    if not tagged and not wanted:
+        pytest.skip(f"no per-rank files in {root} and none expected")
+    return {"root": root, "tp": serve["tensor_parallel"], "rank": expect["host"]["rank"], "files": listing,
+            "tagged": tagged, "recorded": recorded}
+
+
+def test_own_rank_files(engram: dict[str, Any]) -> None:
+    k, n = engram["rank"], engram["tp"]
+    own = [f for f, t in engram["tagged"].items() if t == (k, n)]
+    seen = sorted({f"r{a}of{b}" for a, b in engram["tagged"].values()})
+    assert own, f"{engram['root']}: expected files tagged r{k}of{n}, found none (tags found: " \
+                f"{', '.join(seen) or 'none'})"
+
+
+def test_tensor_parallel_size(engram: dict[str, Any]) -> None:
+    n = engram["tp"]
+    wrong = sorted(f for f, t in engram["tagged"].items() if t[1] != n)
+    assert not wrong, f"{engram['root']}: expected ranges for tensor-parallel {n}, found {len(wrong)} file(s) " \
+                      f"for another size: {shown(wrong)}"
+
+
+def test_no_other_rank_files(engram: dict[str, Any]) -> None:
+    k = engram["rank"]
+    other = sorted(f for f, t in engram["tagged"].items() if t[0] != k)
+    assert not other, f"{engram['root']}: expected only rank {k}'s files, found other ranks': {shown(other)}"
+
+
+def test_recorded_files_present(host: Any, engram: dict[str, Any]) -> None:
+    recorded = need(engram["recorded"], f"the apply record lists no files under {engram['root']}")
+    got = remote_json(host, FILES_SCRIPT, dumps({"paths": [m["path"] for m in recorded], "hash": False}))
+    bad = []
+    for m in recorded:
+        g = got.get(m["path"], {})
+        if "error" in g:
+            bad.append(f"{m['path']}: expected present, found {g['error']}")
+        elif g.get("size") != m.get("size"):
+            bad.append(f"{m['path']}: expected {m.get('size')} bytes, found {g.get('size')}")
+    assert not bad, f"{len(bad)} recorded Engram file(s) differ: {shown(bad)}"

@@ -1,0 +1,75 @@
+"""Image: present by ImageID, its tag points at it, labels and DiffIDs match the build record.
+
+The expected image is the one `builder image` recorded for the lock's input address (ImageID =
+sha256 of the config, DiffIDs = the uncompressed layers); every host is compared with that one
+record, so "the same layers on every host" holds exactly when every host passes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from checklib import need
+
+_CACHE: dict[str, Any] = {}
+
+
+def _inspect(host: Any, ref: str) -> dict[str, Any] | None:
+    if ref in _CACHE:
+        return _CACHE[ref]  # type: ignore[no-any-return]
+    r = host.run("docker image inspect %s", ref)
+    found = None
+    if r.rc == 0:
+        data = json.loads(r.stdout or "[]")
+        found = data[0] if data else None
+    _CACHE[ref] = found
+    return found
+
+
+@pytest.fixture(scope="module")
+def image(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
+    img: dict[str, Any] = need(expect.get("image"), expect.get("image_reason") or "no image expected")
+    if not host.exists("docker"):
+        pytest.fail(f"docker CLI: expected on PATH to inspect image {img['image_id'][:19]}, found none")
+    return img
+
+
+def test_present_by_id(host: Any, image: dict[str, Any]) -> None:
+    found = _inspect(host, image["image_id"])
+    assert found is not None, (f"image {image['name']}: expected ImageID {image['image_id']} present, "
+                               f"found absent")
+    assert found["Id"] == image["image_id"], f"ImageID: expected {image['image_id']}, found {found['Id']}"
+
+
+def test_tag_points_at_image(host: Any, image: dict[str, Any]) -> None:
+    found = _inspect(host, image["tag"])
+    got = found["Id"] if found else "no such tag"
+    assert got == image["image_id"], f"tag {image['tag']}: expected {image['image_id']}, found {got}"
+
+
+def test_diff_ids(host: Any, image: dict[str, Any]) -> None:
+    found = _inspect(host, image["image_id"])
+    if found is None:
+        pytest.skip("image absent (see image::present_by_id)")
+    layers = found.get("RootFS", {}).get("Layers") or []
+    want = image["diff_ids"]
+    if layers != want:
+        first = next((i for i, (a, b) in enumerate(zip(want, layers, strict=False)) if a != b), min(len(want),
+                                                                                                    len(layers)))
+        assert False, (f"DiffIDs: expected {len(want)} layers, found {len(layers)}; first difference at layer "
+                       f"{first}: expected {want[first][:19] if first < len(want) else 'none'}, found "
+                       f"{layers[first][:19] if first < len(layers) else 'none'}")
+
+
+def test_labels(host: Any, image: dict[str, Any]) -> None:
+    want: dict[str, str] = need(image.get("labels"), "the build record has no labels")
+    found = _inspect(host, image["image_id"])
+    if found is None:
+        pytest.skip("image absent (see image::present_by_id)")
+    got = (found.get("Config") or {}).get("Labels") or {}
+    bad = {k: (v, got.get(k)) for k, v in sorted(want.items()) if got.get(k) != v}
+    if bad:
+        k, (v, g) = next(iter(bad.items()))
+        assert False, f"label {k}: expected {v!r}, found {g!r}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else "")

@@ -1,0 +1,98 @@
+"""Models: every file the lock lists is on the host with its size; sha256 (full) or stat (fast); count.
+
+Full mode hashes on the host, many files at once (one remote python3 per batch, a thread per
+file). Fast mode compares size, mtime and inode with what the install recorded in the apply
+record, and only the size with the lock; a file rewritten in place with the same size and
+mtime is what full mode is for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from checklib import need, read_applied, remote_json
+
+from builder.hostcheck import FILES_SCRIPT, LIST_SCRIPT, batches, dumps, same_mtime, shown
+
+
+def _expected(expect: dict[str, Any]) -> list[dict[str, Any]]:
+    models = need(expect.get("models"), expect.get("models_reason") or "no models expected")
+    out = []
+    for m in models:
+        for f in m["files"]:
+            out.append({"model": m["name"], "rel": f["path"], "path": f"{m['root']}/{f['path']}",
+                        "size": f["size"], "sha256": f["sha256"]})
+    return need(out, "the lane's models list no files")  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def facts(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
+    files = _expected(expect)
+    full = expect.get("mode") == "full"
+    got: dict[str, Any] = {}
+    for chunk in batches([f["path"] for f in files]):
+        got.update(remote_json(host, FILES_SCRIPT, dumps({"paths": chunk, "hash": full,
+                                                          "jobs": expect.get("hash_jobs", 4)})))
+    return got
+
+
+def test_files_present(expect: dict[str, Any], facts: dict[str, Any]) -> None:
+    files = _expected(expect)
+    missing = [f"{f['path']} ({facts[f['path']]['error']})" for f in files if "error" in facts.get(f["path"], {})]
+    assert not missing, f"{len(missing)} of {len(files)} model file(s): expected present, found absent: " \
+                        f"{shown(missing)}"
+
+
+def test_sizes(expect: dict[str, Any], facts: dict[str, Any]) -> None:
+    bad = []
+    for f in _expected(expect):
+        g = facts.get(f["path"], {})
+        if "size" in g and g["size"] != f["size"]:
+            bad.append(f"{f['path']}: expected {f['size']} bytes, found {g['size']}")
+    assert not bad, f"{len(bad)} model file size(s) differ: {shown(bad)}"
+
+
+def test_content(host: Any, expect: dict[str, Any], facts: dict[str, Any]) -> None:
+    files = _expected(expect)
+    if expect.get("mode") == "full":
+        bad = [f"{f['path']}: expected sha256 {f['sha256'][:16]}, found {facts[f['path']]['sha256'][:16]}"
+               for f in files if "sha256" in facts.get(f["path"], {}) and facts[f["path"]]["sha256"] != f["sha256"]]
+        assert not bad, f"{len(bad)} model file(s) changed (sha256): {shown(bad)}"
+        return
+    rec, why = read_applied(host, expect)
+    if rec is None:
+        pytest.skip(f"fast mode compares with the apply record: {why} (use --mode full)")
+    recorded = {m.get("path"): m for m in rec.get("models") or []}
+    bad = []
+    for f in files:
+        g, r = facts.get(f["path"], {}), recorded.get(f["path"])
+        if "error" in g:
+            continue  # reported by models::files_present
+        if r is None:
+            bad.append(f"{f['path']}: expected in the apply record, found not recorded")
+        elif r.get("sha256") != f["sha256"] or r.get("size") != f["size"]:
+            bad.append(f"{f['path']}: recorded sha256 {str(r.get('sha256'))[:16]}, lock says {f['sha256'][:16]}")
+        elif r.get("inode") != g["inode"]:
+            bad.append(f"{f['path']}: expected inode {r.get('inode')}, found {g['inode']} (replaced)")
+        elif not same_mtime(r.get("mtime"), g["mtime_ns"]):
+            bad.append(f"{f['path']}: expected mtime {r.get('mtime')}, found {g['mtime_ns'] / 1e9:.3f} (modified)")
+    assert not bad, f"{len(bad)} model file(s) differ from the apply record: {shown(bad)}"
+
+
+def test_file_count(host: Any, expect: dict[str, Any]) -> None:
+    models = need(expect.get("models"), expect.get("models_reason") or "no models expected")
+    listing = remote_json(host, LIST_SCRIPT, dumps([m["root"] for m in models]))
+    bad = []
+    for m in models:
+        have = listing.get(m["root"])
+        want = {f["path"] for f in m["files"]}
+        if have is None:
+            bad.append(f"{m['root']}: expected {len(want)} files, found no folder")
+            continue
+        extra = sorted(set(have) - want)
+        if extra:
+            bad.append(f"{m['root']}: expected {len(want)} files, found {len(have)} (extra: {shown(extra)})")
+        if m.get("expect_files") is not None and len(want) != m["expect_files"]:
+            bad.append(f"{m['name']}: expected {m['expect_files']} files by the pins, the lock has {len(want)}")
+    assert not bad, "; ".join(bad)

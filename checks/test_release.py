@@ -1,0 +1,77 @@
+"""Release: the apply record matches this host, fleet, lane, rank, lock and image; launch files unchanged."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pytest
+from checklib import need, read_applied, remote_json
+
+from builder.hostcheck import FILES_SCRIPT, dumps, shown
+
+LAUNCH_FILES = ("start.sh", "stop.sh", "rank.env")
+
+
+@pytest.fixture(scope="module")
+def record(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
+    rec, why = read_applied(host, expect)
+    if rec is None:
+        if expect.get("lock_hash") is None:
+            pytest.skip(f"{why}; and no lock to expect a release from ({expect.get('lock_reason')})")
+        pytest.fail(f"apply record: expected {expect['applied_path']}, found none ({why})")
+    return rec
+
+
+def test_record_identity(record: dict[str, Any], expect: dict[str, Any]) -> None:
+    h = expect["host"]
+    want = {"host": h["name"], "fleet": expect["fleet"], "lane": expect["lane"], "rank": h["rank"]}
+    for k, v in want.items():
+        assert record.get(k) == v, f"apply record {k}: expected {v!r}, found {record.get(k)!r}"
+
+
+def test_record_lock(record: dict[str, Any], expect: dict[str, Any]) -> None:
+    want = need(expect.get("lock_hash"), expect.get("lock_reason") or "no lock")
+    assert record.get("lock_hash") == want, f"apply record lock_hash: expected {want[:16]}, found " \
+                                            f"{str(record.get('lock_hash'))[:16]}"
+
+
+def test_record_image(record: dict[str, Any], expect: dict[str, Any]) -> None:
+    img = need(expect.get("image"), expect.get("image_reason") or "no image expected")
+    got = record.get("image") or {}
+    for k in ("input_address", "image_id", "diff_ids"):
+        assert got.get(k) == img[k], f"apply record image.{k}: expected {str(img[k])[:80]}, found " \
+                                     f"{str(got.get(k))[:80]}"
+
+
+def test_manifest_hash(host: Any, record: dict[str, Any], expect: dict[str, Any]) -> None:
+    want = need(record.get("manifest_sha256"), "the apply record names no manifest hash")
+    path = f"{expect['current_path']}/manifest.json"
+    r = host.run("cat %s", path)
+    assert r.rc == 0, f"{path}: expected present, found absent"
+    got = hashlib.sha256(r.stdout_bytes).hexdigest()
+    assert got == want, f"{path} sha256: expected {want[:16]}, found {got[:16]}"
+    manifest = json.loads(r.stdout_bytes)
+    if isinstance(manifest, dict) and "bundle_id" in manifest:
+        assert manifest["bundle_id"] == record.get("bundle_id"), (
+            f"manifest bundle_id: expected {record.get('bundle_id')}, found {manifest['bundle_id']}")
+
+
+def test_launch_files_unchanged(host: Any, record: dict[str, Any], expect: dict[str, Any]) -> None:
+    files = need(record.get("files"), "the apply record lists no release files")
+    cur = expect["current_path"]
+    paths = [f"{cur}/{f['path']}" for f in files]
+    got = remote_json(host, FILES_SCRIPT, dumps({"paths": paths, "hash": True, "jobs": 4}))
+    bad = []
+    for f, p in zip(files, paths, strict=True):
+        g = got.get(p, {})
+        if "error" in g:
+            bad.append(f"{f['path']}: expected present, found {g['error']}")
+        elif g.get("size") != f.get("size") or g.get("sha256") != f.get("sha256"):
+            bad.append(f"{f['path']}: expected sha256 {str(f.get('sha256'))[:12]} size {f.get('size')}, "
+                       f"found {str(g.get('sha256'))[:12]} size {g.get('size')}")
+    assert not bad, f"{len(bad)} launch file(s) changed: {shown(bad, 2)}"
+    listed = {f["path"] for f in files}
+    missing = [n for n in LAUNCH_FILES if n not in listed]
+    assert not missing, f"apply record files: expected {', '.join(LAUNCH_FILES)}, found no {shown(missing)}"

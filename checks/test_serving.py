@@ -1,0 +1,71 @@
+"""After start (--phase serving): /health answers, /v1/models lists the served name, and a one-token
+completion comes back. Run on the head, from the head itself (the API may listen on loopback)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from checklib import need, remote_json
+
+from builder.hostcheck import dumps
+
+SERVE_SCRIPT = r"""
+import json, sys, urllib.request
+req = json.loads(sys.argv[1])
+base = req["base"]
+out = {}
+def call(name, path, body=None):
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        r = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(r, timeout=req["timeout"]) as resp:
+            text = resp.read(1 << 20).decode("utf-8", "replace")
+            out[name] = {"status": resp.status, "body": text}
+    except Exception as e:
+        out[name] = {"status": getattr(e, "code", None), "error": str(e)[:200]}
+call("health", "/health")
+call("models", "/v1/models")
+call("completion", "/v1/completions", {"model": req["model"], "prompt": "Say OK.", "max_tokens": 1,
+                                       "temperature": 0})
+sys.stdout.write(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def api(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
+    serve = need(expect.get("serve"), expect.get("serve_reason") or "lane settings unknown")
+    if expect["host"]["role"] != "head":
+        pytest.skip("the API is served by the head (rank 0)")
+    base = f"http://127.0.0.1:{serve['port']}"
+    got: dict[str, Any] = remote_json(host, SERVE_SCRIPT, dumps({"base": base, "model": serve["served_name"],
+                                                                 "timeout": 60}))
+    got["_base"], got["_name"] = base, serve["served_name"]
+    return got
+
+
+def _ok(api: dict[str, Any], name: str, path: str) -> str:
+    r = api[name]
+    assert r.get("status") == 200, f"{api['_base']}{path}: expected HTTP 200, found " \
+                                   f"{r.get('status') or r.get('error')}"
+    return str(r["body"])
+
+
+def test_health(api: dict[str, Any]) -> None:
+    _ok(api, "health", "/health")
+
+
+def test_models_lists_served_name(api: dict[str, Any]) -> None:
+    import json
+
+    body = json.loads(_ok(api, "models", "/v1/models"))
+    ids = [m.get("id") for m in body.get("data", []) if isinstance(m, dict)]
+    assert api["_name"] in ids, f"/v1/models: expected {api['_name']!r}, found {ids}"
+
+
+def test_one_token_completion(api: dict[str, Any]) -> None:
+    import json
+
+    body = json.loads(_ok(api, "completion", "/v1/completions"))
+    choices = body.get("choices") or []
+    assert choices, f"/v1/completions: expected a choice, found {str(body)[:120]}"

@@ -1,0 +1,169 @@
+"""Helpers for the audit tests: a FAKE nvidia-smi replaying a real H200 capture, and small projects.
+
+The fake is a python3 script that prints, verbatim, what a real nvidia-smi printed on an H200
+(tests/data/nvidia-smi/h200-nvidia-smi-probe.txt, copied from the shared reference captures).
+It is a fake: it knows three invocations (the full --query-gpu field list, --version and
+--query-compute-apps) and answers anything else like an old driver would ("not a valid field",
+exit 2). Drift is injected through files in its state folder (default /etc/fake-nvidia-smi):
+`query` replaces the --query-gpu output, `apps` is the --query-compute-apps output.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from builder import gpu as G
+
+CAPTURE = Path(__file__).resolve().parent / "data" / "nvidia-smi" / "h200-nvidia-smi-probe.txt"
+
+
+def capture_sections(path: Path = CAPTURE) -> dict[str, str]:
+    out: dict[str, list[str]] = {}
+    cur = None
+    for line in path.read_text().splitlines():
+        if line.startswith("== "):
+            cur = line[3:].strip()
+            out[cur] = []
+        elif cur is not None:
+            out[cur].append(line)
+    return {k: "\n".join(v).strip("\n") + "\n" for k, v in out.items()}
+
+
+def fake_nvidia_smi(state_dir: str = "/etc/fake-nvidia-smi") -> str:
+    """The FAKE nvidia-smi script text (python3), replaying the H200 capture."""
+    s = capture_sections()
+    query = s["query csv header"]  # header + one row, with units: as real nvidia-smi prints `csv`
+    version = s["nvidia-smi --version"]
+    return f"""#!/usr/bin/env python3
+# FAKE nvidia-smi (builder tests): replays output captured on a real NVIDIA H200, driver 580.159.04.
+import os, sys
+STATE = os.environ.get("FAKE_NVSMI_DIR", {state_dir!r})
+QUERY_FIELDS = {json.dumps(",".join(G.QUERY_FIELDS))}
+QUERY = {query!r}
+VERSION = {version!r}
+def state(name, default):
+    p = os.path.join(STATE, name)
+    return open(p).read() if os.path.exists(p) else default
+args = sys.argv[1:]
+q = [a for a in args if a.startswith("--query-gpu=")]
+if q:
+    fields = q[0].split("=", 1)[1]
+    if fields != QUERY_FIELDS:
+        bad = [f for f in fields.split(",") if f not in QUERY_FIELDS.split(",")]
+        print('Field "%s" is not a valid field to query.' % (bad[0] if bad else fields))
+        sys.exit(2)
+    sys.stdout.write(state("query", QUERY))
+elif "--version" in args:
+    sys.stdout.write(VERSION)
+elif any(a.startswith("--query-compute-apps=") for a in args):
+    sys.stdout.write(state("apps", ""))
+else:
+    print('Field "%s" is not a valid field to query.' % " ".join(args))
+    sys.exit(2)
+"""
+
+
+def install_fake(bin_dir: Path, state_dir: Path) -> Path:
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    p = bin_dir / "nvidia-smi"
+    p.write_text(fake_nvidia_smi(str(state_dir)))
+    p.chmod(0o755)
+    return p
+
+
+# ------------------------------------------------------------------ small projects
+
+PINS = """format = 1
+
+[models.tiny]
+repo = "test/tiny"
+revision = "main"
+expect_files = 3
+
+[images.demo]
+recipe = "images/demo"
+
+[lanes.demo]
+image = "demo"
+models = ["tiny"]
+
+[lanes.demo.serve]
+tensor_parallel = {tp}
+context = 1024
+streams = 1
+port = {port}
+served_name = "demo-model"
+"""
+
+#: the tiny model every test host gets (path -> bytes)
+MODEL_FILES: dict[str, bytes] = {
+    "config.json": b'{"model_type": "tiny"}\n',
+    "model-00001-of-00002.safetensors": bytes(range(256)) * 64,
+    "model-00002-of-00002.safetensors": b"\x07" * 20000,
+}
+
+
+def make_project(root: Path, *, tp: int = 2, port: int = 18091, lock: bool = True,
+                 model_files: dict[str, bytes] | None = None) -> dict[str, Path]:
+    """pins.toml, images/demo/, and (with lock) a pins.lock built from the real lock models."""
+    from builder.canon import sha256_bytes
+    from builder.lock import (Lock, LockedImage, LockedLane, LockedModel, LockedModelFile, recipe_files,
+                              render_lock, spec_hash)
+    from builder.pins import load_pins
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "images" / "demo").mkdir(parents=True, exist_ok=True)
+    (root / "images" / "demo" / "Dockerfile").write_text("FROM scratch\n")
+    pins_path = root / "pins.toml"
+    pins_path.write_text(PINS.format(tp=tp, port=port))
+    (root / "hosts").mkdir(exist_ok=True)
+    out = {"pins": pins_path, "lock": root / "pins.lock", "store": root / ".cache" / "builder",
+           "hosts": root / "hosts"}
+    if not lock:
+        return out
+    pins = load_pins(pins_path)
+    files = model_files if model_files is not None else MODEL_FILES
+    lf = [LockedModelFile(path=p, size=len(b), sha256=sha256_bytes(b)) for p, b in sorted(files.items())]
+    lk = Lock(
+        format=1, builder="test", inputs_hash="0" * 64, inputs={},
+        models={"tiny": LockedModel(spec_hash=spec_hash(pins.models["tiny"]), repo="test/tiny", revision="main",
+                                    commit="a" * 40, source="local", files=lf,
+                                    total_size=sum(x.size for x in lf))},
+        images={"demo": LockedImage(spec_hash=spec_hash(pins.images["demo"]), recipe="images/demo",
+                                    recipe_files=recipe_files(root, "images/demo"), platform="linux/arm64",
+                                    source_date_epoch=0)},
+        lanes={"demo": LockedLane(spec_hash=spec_hash(pins.lanes["demo"]), image="demo", models=["tiny"])},
+    )
+    out["lock"].write_bytes(render_lock(lk))
+    return out
+
+
+def plan_address(paths: dict[str, Path]) -> str:
+    from builder.lock import load_lock
+    from builder.pins import load_pins
+    from builder.plan import make_plan
+
+    return make_plan(load_pins(paths["pins"]), load_lock(paths["lock"]), "demo", paths["pins"].parent).address
+
+
+def fleet_toml(name: str, hosts: list[dict[str, object]], *, ssh_config: str | None = None,
+               lane: str = "demo", expect: str = "") -> str:
+    """A fleet file; each host dict has name, ssh, rank, role and optional connection."""
+    lines = ["[fleet]", f'name = "{name}"', f'lane = "{lane}"']
+    if ssh_config:
+        lines.append(f'ssh_config = "{ssh_config}"')
+    for h in hosts:
+        lines += ["", "[[hosts]]"]
+        for k in ("name", "ssh", "connection", "rank", "role"):
+            if k in h:
+                v = h[k]
+                lines.append(f"{k} = {json.dumps(v)}")
+        if "paths" in h:
+            lines.append("[hosts.paths]")
+            for k, v in h["paths"].items():  # type: ignore[attr-defined]
+                lines.append(f"{k} = {json.dumps(v)}")
+        lines.append("[hosts.expect]")
+        lines.append(expect)
+    return "\n".join(lines) + "\n"

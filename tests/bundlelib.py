@@ -1,0 +1,236 @@
+"""A small project for bundle/ship/install tests: pins, a hand-written lock, an image record, a fleet, keys.
+
+Everything lives under a tmp folder; nothing is contacted (the default fleet uses documentation
+addresses, never reached). ``docker_image=True`` builds a tiny FROM-scratch image (static busybox
+answering /health with httpd) in this machine's engine and records its real ImageID and DiffIDs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from builder import __version__
+from builder.canon import atomic_write, pretty_json
+from builder.imagerecord import ImageRecord, tag_for, write_record
+from builder.lock import Lock, LockedImage, LockedLane, LockedModel, LockedModelFile, recipe_files, render_lock, spec_hash
+from builder.pins import load_pins
+from builder.plan import make_plan
+
+REPO = Path(__file__).resolve().parent.parent
+LANE = "demo"
+FLEET = "testfleet"
+PORT = 18080
+
+PINS = """\
+format = 1
+
+[images.tiny]
+recipe = "images/tiny"
+platform = "linux/amd64"
+
+[models.demo-model]
+repo = "demo/tiny-model"
+revision = "main"
+local = "models/demo"
+
+[lanes.demo]
+image = "tiny"
+models = ["demo-model"]
+
+[lanes.demo.serve]
+tensor_parallel = 2
+context = 4096
+streams = {streams}
+port = {port}
+served_name = "demo"
+args = ["httpd", "-f", "-p", "{{port}}", "-h", "/www"]
+env = {{ DEMO_FLAG = "1" }}
+"""
+
+MODEL_FILES = {
+    "config.json": b'{"hidden": 8}\n',
+    "tokenizer.json": b'{"vocab": ["a", "b"]}\n',
+    "weights-r0of2.bin": bytes(range(256)) * 64,
+    "weights-r1of2.bin": bytes(reversed(range(256))) * 64,
+}
+
+
+@dataclass
+class Project:
+    root: Path
+    key: Path
+    pub: Path
+    image_id: str
+    diff_ids: list[str]
+    hosts: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def pins(self) -> Path:
+        return self.root / "pins.toml"
+
+    @property
+    def store(self) -> Path:
+        return self.root / ".cache" / "builder"
+
+    def out(self, host: str) -> Path:
+        return self.root / "out" / "bundles" / FLEET / host
+
+    def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 600,
+            check: bool = False) -> subprocess.CompletedProcess[str]:
+        e = dict(os.environ)
+        e.update(env or {})
+        p = subprocess.run([sys.executable, "-m", "builder", "--pins", str(self.pins), *args], cwd=self.root,
+                           capture_output=True, text=True, timeout=timeout, env=e)
+        if check and p.returncode != 0:
+            raise AssertionError(f"builder {' '.join(args)}: exit {p.returncode}: {p.stderr}")
+        return p
+
+
+def fleet_toml(hosts: list[dict[str, Any]], *, ssh_config: str | None = None, trusted_key: str | None = None) -> str:
+    lines = ["[fleet]", f'name = "{FLEET}"', f'lane = "{LANE}"']
+    if ssh_config:
+        lines.append(f'ssh_config = "{ssh_config}"')
+    if trusted_key:
+        lines.append(f'trusted_key = "{trusted_key}"')
+    for h in hosts:
+        lines += ["", "[[hosts]]"]
+        for k in ("name", "ssh", "rank", "role", "address", "connection"):
+            if k in h:
+                v = h[k]
+                lines.append(f"{k} = {v}" if isinstance(v, int) else f'{k} = "{v}"')
+        lines += ["[hosts.fabric]"]
+        fab = h.get("fabric", {})
+        for k, v in fab.items():
+            lines.append(f"{k} = {json.dumps(v)}")
+        lines += ["[hosts.paths]"]
+        for k, v in h.get("paths", {}).items():
+            lines.append(f'{k} = "{v}"')
+        lines += ["[hosts.expect]", "gpu_count = 0", "nvidia_runtime = false"]
+    return "\n".join(lines) + "\n"
+
+
+DEFAULT_HOSTS = [
+    {"name": "spark-a", "ssh": "spark@192.0.2.10", "rank": 0, "role": "head", "address": "192.0.2.10",
+     "fabric": {"rails": ["198.51.100.1"], "interfaces": ["enp1s0f0np0"], "rdma_devices": ["rocep1s0f0"],
+                "gid_index": 3},
+     "paths": {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var/lib/builder"}},
+    {"name": "spark-b", "ssh": "spark@192.0.2.11", "rank": 1, "role": "worker", "address": "192.0.2.11",
+     "fabric": {"rails": ["198.51.100.2"], "interfaces": ["enp1s0f0np0"], "rdma_devices": ["rocep1s0f0"]},
+     "paths": {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var/lib/builder"}},
+]
+
+
+def build_tiny_image(marker: str) -> tuple[str, list[str]]:
+    """A FROM-scratch busybox image serving /www/health; ``marker`` makes its ImageID unique."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import fleetlib
+
+    tag = f"builder-test-bundle:{hashlib.sha256(marker.encode()).hexdigest()[:12]}"
+    image_id = fleetlib.tiny_image(tag, files={"/www/health": b"ok\n", "/www/marker": marker.encode()})
+    out = subprocess.run(["docker", "image", "inspect", "-f", "{{json .RootFS.Layers}}", image_id],
+                         capture_output=True, text=True, check=True).stdout
+    return image_id, json.loads(out)
+
+
+def write_lock(root: Path) -> None:
+    pins = load_pins(root / "pins.toml")
+    files = [LockedModelFile(path=n, size=len(b), sha256=hashlib.sha256(b).hexdigest())
+             for n, b in sorted(MODEL_FILES.items())]
+    lock = Lock(
+        format=1, builder=__version__, inputs_hash="0" * 64, inputs={},
+        images={"tiny": LockedImage(spec_hash=spec_hash(pins.images["tiny"]), recipe="images/tiny",
+                                    recipe_files=recipe_files(root, "images/tiny"), platform="linux/amd64",
+                                    source_date_epoch=0)},
+        models={"demo-model": LockedModel(spec_hash=spec_hash(pins.models["demo-model"]), repo="demo/tiny-model",
+                                          revision="main", commit="a" * 40, source="local", files=files,
+                                          total_size=sum(f.size for f in files))},
+        lanes={LANE: LockedLane(spec_hash=spec_hash(pins.lanes[LANE]), image="tiny", models=["demo-model"])},
+    )
+    atomic_write(root / "pins.lock", render_lock(lock))
+
+
+def write_record_for(root: Path, image_id: str, diff_ids: list[str]) -> None:
+    from builder.lock import load_lock
+
+    pins = load_pins(root / "pins.toml")
+    lock = load_lock(root / "pins.lock")
+    plan = make_plan(pins, lock, "tiny", root)
+    write_record(root / ".cache" / "builder", ImageRecord(
+        name="tiny", input_address=plan.address, image_id=image_id, diff_ids=diff_ids,
+        tag=tag_for("tiny", plan.address), lock_hash=plan.lock_hash, platform="linux/amd64",
+        source_date_epoch=0))
+
+
+def set_pins(root: Path, *, streams: int = 2, port: int = PORT) -> None:
+    (root / "pins.toml").write_text(PINS.format(streams=streams, port=port))
+
+
+def make_project(base: Path, *, hosts: list[dict[str, Any]] | None = None, docker_image: bool = False,
+                 marker: str = "", ssh_config: str | None = None, streams: int = 2,
+                 port: int = PORT) -> Project:
+    from builder import sign
+
+    root = base / "proj"
+    (root / "images" / "tiny").mkdir(parents=True)
+    (root / "images" / "tiny" / "Dockerfile").write_text("FROM scratch\n")
+    mdir = root / "models" / "demo"
+    mdir.mkdir(parents=True)
+    for n, b in MODEL_FILES.items():
+        (mdir / n).write_bytes(b)
+    set_pins(root, streams=streams, port=port)
+    hs = hosts if hosts is not None else DEFAULT_HOSTS
+    (root / "hosts").mkdir()
+    (root / "hosts" / "test.toml").write_text(fleet_toml(hs, ssh_config=ssh_config))
+    write_lock(root)
+    if docker_image:
+        image_id, diff_ids = build_tiny_image(marker or str(base))
+    else:
+        image_id = "sha256:" + hashlib.sha256(b"not a real image " + marker.encode()).hexdigest()
+        diff_ids = ["sha256:" + hashlib.sha256(b"layer").hexdigest()]
+    write_record_for(root, image_id, diff_ids)
+    keys = base / "keys"
+    keys.mkdir()
+    sign.generate_keypair(keys / "builder.key", keys / "builder.pub")
+    return Project(root=root, key=keys / "builder.key", pub=keys / "builder.pub", image_id=image_id,
+                   diff_ids=diff_ids, hosts=hs)
+
+
+def relock(p: Project, *, streams: int) -> None:
+    """Change the lane's serve settings and rewrite the lock (a new release of the same image)."""
+    set_pins(p.root, streams=streams)
+    write_lock(p.root)
+    write_record_for(p.root, p.image_id, p.diff_ids)
+
+
+def tree_bytes(d: Path) -> dict[str, tuple[bytes, int]]:
+    """path -> (bytes, mode) of every file under d (for determinism checks)."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(d):
+        for fn in files:
+            full = Path(dirpath) / fn
+            out[full.relative_to(d).as_posix()] = (full.read_bytes(), full.stat().st_mode & 0o7777)
+    return out
+
+
+def manifest(d: Path) -> dict[str, Any]:
+    return json.loads((d / "manifest.json").read_bytes())
+
+
+def resign(d: Path, key: Path, obj: dict[str, Any], *, fix_id: bool = True) -> None:
+    """Rewrite a bundle's manifest (recomputing its id) and sign it again with the real key."""
+    from builder import installer as inst
+    from builder import sign
+
+    if fix_id:
+        obj["bundle_id"] = inst.bundle_id_of(obj)
+    data = pretty_json(obj)
+    (d / "manifest.json").write_bytes(data)
+    (d / "manifest.json.minisig").write_text(sign.sign(data, sign.load_secret_key(key),
+                                                       inst.trusted_comment_for(obj)))

@@ -1,0 +1,52 @@
+"""Shared test setup: tests never touch the home folder or any network beyond loopback."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("HF_HOME", str(home / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "builder tests")
+    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "tests@builder.invalid")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "builder tests")
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "tests@builder.invalid")
+    for var in ("BUILDER_PINS", "BUILDER_LOCK", "BUILDER_STORE", "BUILDER_SIGNING_KEY", "HF_TOKEN",
+                "HF_ENDPOINT", "BUILDER_REGISTRY_USER", "BUILDER_REGISTRY_PASSWORD"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+
+
+@pytest.fixture
+def project_root() -> Path:
+    return ROOT
+
+
+def docker_available() -> bool:
+    import shutil
+    import subprocess
+
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("CI") and not docker_available():
+        raise pytest.UsageError("CI needs a running Docker Engine for the docker/fleet tiers")

@@ -1,0 +1,205 @@
+"""A FAKE Hugging Face Hub for tests: a small real HTTP server on 127.0.0.1.
+
+It implements only what huggingface_hub (2.x) calls for `HfApi.model_info(files_metadata=True)`
+and `hf_hub_download`:
+
+- ``GET /api/models/{org}/{name}/revision/{rev}?blobs=True`` -> ``{"id", "sha", "siblings": [
+  {"rfilename", "size", "blobId", "lfs": {"size", "sha256", "pointerSize"}}]}``
+- ``HEAD|GET /{org}/{name}/resolve/{rev}/{path}`` with ``X-Repo-Commit``, ``ETag``,
+  ``Content-Length`` and, for LFS files, ``X-Linked-Etag`` / ``X-Linked-Size``.
+
+Unknown repos and revisions answer 404 with the ``X-Error-Code`` the real Hub sends. With
+``token`` set, requests without ``Authorization: Bearer <token>`` get 401. Every request's
+method, path and Authorization header are recorded in ``requests``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+
+@dataclass
+class FakeRepo:
+    files: dict[str, bytes]
+    lfs: set[str]
+    commit: str
+    refs: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    authorization: str | None
+
+
+class FakeHub:
+    def __init__(self, token: str | None = None) -> None:
+        self.token = token
+        self.repos: dict[str, FakeRepo] = {}
+        self.requests: list[Seen] = []
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- content ---------------------------------------------------------------------
+
+    def add_repo(
+        self, repo: str, files: dict[str, bytes], *, lfs: set[str] | None = None, revision: str = "main"
+    ) -> str:
+        """Add (or replace) a repo; return its commit sha (derived from the content)."""
+        h = hashlib.sha1(repo.encode())
+        for k in sorted(files):
+            h.update(k.encode() + b"\0" + hashlib.sha256(files[k]).digest())
+        commit = h.hexdigest()
+        old = self.repos.get(repo)
+        refs = dict(old.refs) if old else {}
+        refs[revision] = commit
+        self.repos[repo] = FakeRepo(files=dict(files), lfs=set(lfs or ()), commit=commit, refs=refs)
+        return commit
+
+    def _find(self, repo: str, rev: str) -> FakeRepo | None:
+        r = self.repos.get(repo)
+        if r is None:
+            return None
+        if rev == r.commit or r.refs.get(rev) == r.commit:
+            return r
+        return None
+
+    # -- server ----------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> FakeHub:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet
+                pass
+
+            def do_GET(self) -> None:
+                hub._handle(self, head=False)
+
+            def do_HEAD(self) -> None:
+                hub._handle(self, head=True)
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> FakeHub:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- handling --------------------------------------------------------------------
+
+    def _send(
+        self, h: BaseHTTPRequestHandler, code: int, body: bytes, headers: dict[str, str], head: bool
+    ) -> None:
+        h.send_response(code)
+        for k, v in headers.items():
+            h.send_header(k, v)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        if not head:
+            h.wfile.write(body)
+
+    def _error(
+        self, h: BaseHTTPRequestHandler, code: int, error_code: str | None, msg: str, head: bool
+    ) -> None:
+        headers = {"Content-Type": "application/json"}
+        if error_code:
+            headers["X-Error-Code"] = error_code
+            headers["X-Error-Message"] = msg
+        self._send(h, code, json.dumps({"error": msg}).encode(), headers, head)
+
+    def _handle(self, h: BaseHTTPRequestHandler, *, head: bool) -> None:
+        path = unquote(urlsplit(h.path).path)
+        auth = h.headers.get("Authorization")
+        self.requests.append(Seen(h.command, path, auth))
+        if self.token is not None and auth != f"Bearer {self.token}":
+            self._error(h, 401, None, "Invalid credentials in Authorization header", head)
+            return
+        parts = path.strip("/").split("/")
+        if len(parts) >= 6 and parts[0] == "api" and parts[1] == "models" and parts[4] == "revision":
+            repo, rev = f"{parts[2]}/{parts[3]}", "/".join(parts[5:])
+            self._model_info(h, repo, rev, head)
+        elif len(parts) >= 5 and parts[2] == "resolve":
+            repo, rev, rel = f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:])
+            self._resolve(h, repo, rev, rel, head)
+        else:
+            self._error(h, 404, None, "not found", head)
+
+    def _model_info(self, h: BaseHTTPRequestHandler, repo: str, rev: str, head: bool) -> None:
+        if repo not in self.repos:
+            self._error(h, 404, "RepoNotFound", "Repository not found", head)
+            return
+        r = self._find(repo, rev)
+        if r is None:
+            self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}", head)
+            return
+        siblings = []
+        for name in sorted(r.files):
+            data = r.files[name]
+            sib: dict[str, Any] = {
+                "rfilename": name,
+                "size": len(data),
+                "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
+            }
+            if name in r.lfs:
+                sib["lfs"] = {
+                    "size": len(data),
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                    "pointerSize": 134,
+                }
+            siblings.append(sib)
+        body = json.dumps(
+            {"id": repo, "modelId": repo, "sha": r.commit, "private": False, "siblings": siblings}
+        ).encode()
+        self._send(h, 200, body, {"Content-Type": "application/json"}, head)
+
+    def _resolve(self, h: BaseHTTPRequestHandler, repo: str, rev: str, rel: str, head: bool) -> None:
+        if repo not in self.repos:
+            self._error(h, 404, "RepoNotFound", "Repository not found", head)
+            return
+        r = self._find(repo, rev)
+        if r is None:
+            self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}", head)
+            return
+        if rel not in r.files:
+            self._error(h, 404, "EntryNotFound", f"Entry not found: {rel}", head)
+            return
+        data = r.files[rel]
+        blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        headers = {
+            "X-Repo-Commit": r.commit,
+            "ETag": f'"{blob}"',
+            "Content-Type": "application/octet-stream",
+            "Accept-Ranges": "bytes",
+        }
+        if rel in r.lfs:
+            sha = hashlib.sha256(data).hexdigest()
+            headers["X-Linked-Etag"] = f'"{sha}"'
+            headers["X-Linked-Size"] = str(len(data))
+        self._send(h, 200, data, headers, head)

@@ -1,0 +1,391 @@
+"""A loopback OCI registry for tests: Debian's ``docker-registry`` (distribution 2.8) on 127.0.0.1.
+
+    from registrylib import start_registry
+
+    with start_registry(tmp_path, auth=True) as reg:          # htpasswd (bcrypt) basic auth
+        digest = reg.push_image("builder-test-tiny:1", "demo/tiny", "v1")   # docker tag + docker push
+        idx = reg.push_index("demo/multi", "v1")               # OCI index, amd64 + arm64, pure HTTP
+        idx.digest, idx.manifests["linux/arm64"]                # what was computed = what the registry says
+
+The registry listens on 127.0.0.1 only (Docker treats 127.0.0.0/8 as an insecure-allowed registry, so
+``docker push 127.0.0.1:PORT/...`` needs no daemon config). Storage, config, htpasswd, the docker client
+config (``DOCKER_CONFIG``, so ``docker login`` never touches $HOME) and the log all live under workdir.
+The planted password is a test value; it never appears in this object's repr.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import io
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tarfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REGISTRY_BIN = "docker-registry"
+DEFAULT_USER = "builder-test"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
+OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+ACCEPT_ALL = ", ".join([OCI_INDEX, OCI_MANIFEST, DOCKER_LIST, DOCKER_MANIFEST])
+
+
+class RegistryError(RuntimeError):
+    """The test registry failed to start or refused a request (one line)."""
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def registry_available() -> bool:
+    return shutil.which(REGISTRY_BIN) is not None
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass(frozen=True)
+class PushedManifest:
+    platform: str  # "linux/arm64"
+    digest: str  # sha256 of the manifest bytes as pushed
+    config_digest: str
+    layer_digests: tuple[str, ...]
+    diff_ids: tuple[str, ...]
+    raw: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class PushedIndex:
+    repository: str
+    tag: str
+    digest: str  # sha256 of the index bytes as pushed
+    manifests: dict[str, str]  # "linux/amd64" -> manifest digest
+    details: tuple[PushedManifest, ...]
+    raw: bytes = field(repr=False)
+    reference: str = ""  # 127.0.0.1:PORT/repo:tag
+
+
+@dataclass
+class Registry:
+    """A running loopback registry. Use :func:`start_registry`."""
+
+    workdir: Path
+    port: int
+    process: subprocess.Popen[bytes] = field(repr=False)
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    @property
+    def host(self) -> str:
+        """``127.0.0.1:PORT``, the registry part of image references."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}"
+
+    @property
+    def docker_config(self) -> Path:
+        """DOCKER_CONFIG folder used for ``docker login``/``push`` (never $HOME/.docker)."""
+        return self.workdir / "docker-config"
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    # ---- HTTP
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        data: bytes | None = None,
+        *,
+        headers: Mapping[str, str] | None = None,
+        auth: bool | tuple[str, str] = True,
+        timeout: float = 30,
+    ) -> Response:
+        """One HTTP request to the registry API (``path`` like ``/v2/``). Non-2xx answers are returned,
+        not raised. ``auth``: True = the registry's credentials, False = none, (user, pw) = those."""
+        url = path if path.startswith("http") else self.url + path
+        req = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
+        creds = (self.username, self.password) if auth is True else auth or None
+        if creds and creds[0] is not None:
+            token = base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
+            req.add_header("Authorization", f"Basic {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return Response(r.status, dict(r.headers.items()), r.read())
+        except urllib.error.HTTPError as e:
+            return Response(e.code, dict(e.headers.items()), e.read())
+
+    def _ok(self, resp: Response, what: str, *codes: int) -> Response:
+        if resp.status not in (codes or (200, 201, 202)):
+            raise RegistryError(f"{self.host}: {what}: HTTP {resp.status}: {resp.body[:200]!r}")
+        return resp
+
+    def push_blob(self, repository: str, data: bytes) -> str:
+        """Monolithic blob upload (POST then PUT ?digest=). Returns the digest."""
+        digest = sha256_digest(data)
+        if self.request("HEAD", f"/v2/{repository}/blobs/{digest}").status == 200:
+            return digest
+        start = self._ok(self.request("POST", f"/v2/{repository}/blobs/uploads/"), "start upload", 202)
+        location = start.headers.get("Location") or start.headers.get("location") or ""
+        if location.startswith("/"):
+            location = self.url + location
+        sep = "&" if "?" in location else "?"
+        put = self.request(
+            "PUT",
+            f"{location}{sep}digest={digest}",
+            data,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        self._ok(put, f"upload {digest}", 201)
+        return digest
+
+    def put_manifest(self, repository: str, reference: str, raw: bytes, media_type: str) -> str:
+        """PUT a manifest or index as these exact bytes; check the registry's digest equals ours."""
+        resp = self._ok(
+            self.request(
+                "PUT", f"/v2/{repository}/manifests/{reference}", raw, headers={"Content-Type": media_type}
+            ),
+            f"put manifest {reference}",
+            201,
+        )
+        ours = sha256_digest(raw)
+        theirs = resp.headers.get("Docker-Content-Digest")
+        if theirs != ours:
+            raise RegistryError(f"{self.host}: manifest {reference}: registry says {theirs}, computed {ours}")
+        return ours
+
+    def get_manifest(
+        self, repository: str, reference: str, accept: str = ACCEPT_ALL, auth: bool | tuple[str, str] = True
+    ) -> Response:
+        return self.request(
+            "GET", f"/v2/{repository}/manifests/{reference}", headers={"Accept": accept}, auth=auth
+        )
+
+    # ---- pushes
+
+    def push_index(
+        self,
+        repository: str,
+        tag: str,
+        platforms: Sequence[str] = ("linux/amd64", "linux/arm64"),
+        files: Mapping[str, bytes] | None = None,
+    ) -> PushedIndex:
+        """Push an OCI image index with one image manifest per platform, each with one gzip layer
+        (``files`` plus a file naming the platform, so every platform's digests differ) and an OCI config.
+        All bytes are built here deterministically (same inputs, same digests) and sent with plain HTTP."""
+        details: list[PushedManifest] = []
+        entries: list[dict[str, Any]] = []
+        for plat in platforms:
+            os_name, arch, *variant = plat.split("/")
+            content = dict(files or {})
+            content["etc/builder-test-platform"] = f"{plat}\n".encode()
+            layer_tar = _deterministic_tar(content)
+            layer = gzip.compress(layer_tar, mtime=0)
+            diff_id = sha256_digest(layer_tar)
+            config: dict[str, Any] = {
+                "architecture": arch,
+                "os": os_name,
+                "config": {"Entrypoint": ["/bin/sh"], "Labels": {"builder-test.platform": plat}},
+                "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+                "history": [{"created_by": "registrylib.push_index"}],
+            }
+            if variant:
+                config["variant"] = variant[0]
+            config_raw = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+            config_digest = self.push_blob(repository, config_raw)
+            layer_digest = self.push_blob(repository, layer)
+            manifest = {
+                "schemaVersion": 2,
+                "mediaType": OCI_MANIFEST,
+                "config": {"mediaType": OCI_CONFIG, "digest": config_digest, "size": len(config_raw)},
+                "layers": [{"mediaType": OCI_LAYER_GZIP, "digest": layer_digest, "size": len(layer)}],
+            }
+            raw = json.dumps(manifest, indent=2, sort_keys=True).encode()
+            digest = self.put_manifest(repository, sha256_digest(raw), raw, OCI_MANIFEST)
+            platform: dict[str, str] = {"architecture": arch, "os": os_name}
+            if variant:
+                platform["variant"] = variant[0]
+            entries.append(
+                {"mediaType": OCI_MANIFEST, "digest": digest, "size": len(raw), "platform": platform}
+            )
+            details.append(PushedManifest(plat, digest, config_digest, (layer_digest,), (diff_id,), raw))
+        index = {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": entries}
+        raw_index = json.dumps(index, indent=2, sort_keys=True).encode()
+        index_digest = self.put_manifest(repository, tag, raw_index, OCI_INDEX)
+        return PushedIndex(
+            repository,
+            tag,
+            index_digest,
+            {d.platform: d.digest for d in details},
+            tuple(details),
+            raw_index,
+            f"{self.host}/{repository}:{tag}",
+        )
+
+    def docker_env(self) -> dict[str, str]:
+        return {**os.environ, "DOCKER_CONFIG": str(self.docker_config)}
+
+    def login(self) -> None:
+        """``docker login`` to this registry (credentials stored under workdir/docker-config only)."""
+        if self.username is None:
+            return
+        self.docker_config.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(
+            ["docker", "login", "-u", self.username, "--password-stdin", self.host],
+            input=self.password,
+            capture_output=True,
+            text=True,
+            env=self.docker_env(),
+            timeout=60,
+        )
+        if proc.returncode != 0:
+            raise RegistryError(f"{self.host}: docker login failed: {proc.stderr.strip()[-200:]}")
+
+    def push_image(self, local: str, repository: str, tag: str = "latest") -> str:
+        """``docker tag`` + ``docker push`` a local image to this registry; returns the manifest digest
+        the push reported (sha256:...)."""
+        self.login()
+        ref = f"{self.host}/{repository}:{tag}"
+        env = self.docker_env()
+        for argv in (["docker", "tag", local, ref], ["docker", "push", ref]):
+            proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+            if proc.returncode != 0:
+                raise RegistryError(f"{ref}: {' '.join(argv[:2])} failed: {proc.stderr.strip()[-200:]}")
+        subprocess.run(["docker", "rmi", ref], capture_output=True, env=env, timeout=60)
+        for line in proc.stdout.splitlines():
+            if "digest: sha256:" in line:
+                return "sha256:" + line.split("digest: sha256:")[1].split()[0]
+        raise RegistryError(f"{ref}: docker push printed no digest")
+
+
+def _deterministic_tar(files: Mapping[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        dirs: set[str] = set()
+        for name in sorted(files):
+            parts = name.strip("/").split("/")
+            for i in range(1, len(parts)):
+                d = "/".join(parts[:i])
+                if d not in dirs:
+                    dirs.add(d)
+                    ti = tarfile.TarInfo(d)
+                    ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, 0
+                    tar.addfile(ti)
+            ti = tarfile.TarInfo("/".join(parts))
+            ti.size, ti.mode, ti.mtime = len(files[name]), 0o644, 0
+            tar.addfile(ti, io.BytesIO(files[name]))
+    return buf.getvalue()
+
+
+def _htpasswd_line(user: str, password: str) -> str:
+    import bcrypt  # distribution's htpasswd accepts bcrypt only; bcrypt comes with paramiko
+
+    return f"{user}:{bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=5)).decode()}\n"
+
+
+def start_registry(
+    workdir: Path | str,
+    *,
+    auth: bool = False,
+    username: str = DEFAULT_USER,
+    password: str | None = None,
+    port: int | None = None,
+    timeout: float = 20,
+) -> Registry:
+    """Start ``docker-registry`` on 127.0.0.1 (a free port unless given) with storage under workdir.
+    With ``auth``, htpasswd basic auth for ``username`` and ``password`` (a random planted test value if
+    None; read it back from ``.password``). Returns once ``/v2/`` answers; stop() or ``with`` ends it."""
+    if not registry_available():
+        raise RegistryError(f"{REGISTRY_BIN}: not installed (apt-get install docker-registry)")
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    if auth and password is None:
+        password = "planted-registry-pw-" + secrets.token_hex(8)
+    last = ""
+    for _attempt in range(3):
+        p = port or free_port()
+        config: dict[str, Any] = {
+            "version": 0.1,
+            "log": {"level": "warn", "accesslog": {"disabled": True}},
+            "storage": {
+                "filesystem": {"rootdirectory": str(workdir / "storage")},
+                "delete": {"enabled": True},
+            },
+            "http": {"addr": f"127.0.0.1:{p}", "secret": secrets.token_hex(16)},
+        }
+        if auth:
+            assert password is not None
+            htpasswd = workdir / "htpasswd"
+            htpasswd.write_text(_htpasswd_line(username, password))
+            htpasswd.chmod(0o600)
+            config["auth"] = {"htpasswd": {"realm": "builder-test", "path": str(htpasswd)}}
+        cfg = workdir / "registry.json"  # YAML parser, JSON syntax
+        cfg.write_text(json.dumps(config, indent=2))
+        cfg.chmod(0o600)
+        log = open(workdir / "registry.log", "ab")
+        proc = subprocess.Popen(
+            [REGISTRY_BIN, "serve", str(cfg)],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+        reg = Registry(workdir, p, proc, username if auth else None, password if auth else None)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if reg.request("GET", "/v2/", auth=False, timeout=2).status in (200, 401):
+                    return reg
+            except OSError:
+                pass
+            time.sleep(0.05)
+        reg.stop()
+        last = (workdir / "registry.log").read_text(errors="replace").strip()[-200:]
+        if port:
+            break
+    raise RegistryError(f"{REGISTRY_BIN}: did not start on 127.0.0.1: {last}")

@@ -1,0 +1,347 @@
+"""builder bundle / keygen / verify: determinism, parts, per-rank files, signature and hash refusal."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from builder import installer as inst
+from builder.bundle import (
+    BundleOptions,
+    load_context,
+    make_bundle,
+    make_fleet_bundles,
+    parse_size,
+    rank_of_file,
+    verify_dir,
+    write_stream,
+)
+from builder.errors import BuilderError, ConfigError, VerifyError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bundlelib as bl  # noqa: E402
+from bundlelib import Project, make_project, manifest, resign, tree_bytes  # noqa: E402
+
+
+def _ctx(p: Project):  # type: ignore[no-untyped-def]
+    return load_context(p.pins, p.root / "pins.lock", p.store)
+
+
+def _bundle(p: Project, host: str = "spark-b", **kw: object) -> Path:
+    opts = BundleOptions(key=p.key, **kw)  # type: ignore[arg-type]
+    return make_bundle(_ctx(p), host, opts).path
+
+
+@pytest.fixture
+def proj(tmp_path: Path) -> Project:
+    return make_project(tmp_path)
+
+
+# --------------------------------------------------------------------------- shape and determinism
+
+
+def test_bundle_is_deterministic(proj: Project, tmp_path: Path) -> None:
+    a = make_bundle(_ctx(proj), "spark-b", BundleOptions(key=proj.key, out=tmp_path / "a", part_size=4096))
+    b = make_bundle(_ctx(proj), "spark-b", BundleOptions(key=proj.key, out=tmp_path / "b", part_size=4096,
+                                                         with_models=True))
+    c = make_bundle(_ctx(proj), "spark-b", BundleOptions(key=proj.key, out=tmp_path / "c", part_size=4096,
+                                                         with_models=True))
+    assert tree_bytes(b.path) == tree_bytes(c.path)
+    assert b.bundle_id == c.bundle_id != a.bundle_id
+    again = make_bundle(_ctx(proj), "spark-b", BundleOptions(key=proj.key, out=tmp_path / "a", part_size=4096))
+    assert again.unchanged and again.bundle_id == a.bundle_id
+    assert not [p for p in (tmp_path).iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_manifest_content(proj: Project) -> None:
+    d = _bundle(proj, "spark-b")
+    m = manifest(d)
+    assert m["bundle_id"] == inst.bundle_id_of(m)
+    assert (m["host"], m["fleet"], m["lane"], m["rank"], m["role"], m["world_size"]) == \
+        ("spark-b", "testfleet", "demo", 1, "worker", 2)
+    assert m["image"]["image_id"] == proj.image_id and m["image"]["diff_ids"] == proj.diff_ids
+    assert len(m["lock_hash"]) == 64 and len(m["image"]["input_address"]) == 64
+    paths = {f["path"]: f for f in m["files"]}
+    assert set(paths) == {"config.json", "install.py", "rank.env", "start.sh", "stop.sh"}
+    assert paths["start.sh"]["mode"] == "0755" and paths["rank.env"]["mode"] == "0644"
+    for rel, f in paths.items():
+        st = (d / rel).stat()
+        assert st.st_size == f["size"] and oct(stat.S_IMODE(st.st_mode))[2:].zfill(4) == f["mode"]
+    # rank 1 gets the r1of2 file and the shared files, not rank 0's
+    files = sorted(x["file"] for x in m["models"])
+    assert files == ["config.json", "tokenizer.json", "weights-r1of2.bin"]
+    assert all(x["path"].startswith("/srv/models/demo-model/") for x in m["models"])
+    head = manifest(_bundle(proj, "spark-a"))
+    assert "weights-r0of2.bin" in {x["file"] for x in head["models"]}
+    sig = (d / "manifest.json.minisig").read_text().splitlines()
+    assert sig[2] == f"trusted comment: builder-bundle id={m['bundle_id']} host=spark-b fleet=testfleet " \
+                     f"lane=demo rank=1"
+    assert (d / "install.py").read_bytes() == inst.assemble()
+
+
+def test_minisign_cli_accepts_the_signature(proj: Project) -> None:
+    if not shutil.which("minisign"):
+        pytest.skip("minisign not installed")
+    d = _bundle(proj)
+    p = subprocess.run(["minisign", "-Vm", str(d / "manifest.json"), "-p", str(proj.pub)], capture_output=True)
+    assert p.returncode == 0, p.stderr
+
+
+def test_parts_and_models(proj: Project) -> None:
+    d = _bundle(proj, with_models=True, part_size=5000)
+    m = manifest(d)
+    weights = next(f for f in m["files"] if f["path"] == "models/demo-model/weights-r1of2.bin")
+    assert [p["path"] for p in weights["parts"]] == [f"parts/models/demo-model/weights-r1of2.bin.part{i:04d}"
+                                                     for i in range(4)]
+    assert [p["size"] for p in weights["parts"]] == [5000, 5000, 5000, 1384]
+    assert not (d / "models/demo-model/weights-r1of2.bin").exists()
+    assert (d / "models/demo-model/config.json").is_file()
+    assert verify_dir(d, proj.pub)["bundle_id"] == m["bundle_id"]
+
+
+def test_write_stream_splits_exactly(tmp_path: Path) -> None:
+    import io
+
+    for size, part in [(0, 4), (4, 4), (5, 4), (8, 4), (9, 4)]:
+        d = tmp_path / f"{size}-{part}"
+        d.mkdir()
+        w = write_stream(io.BytesIO(b"x" * size), "f.bin", d, part, "0644")
+        assert w.size == size
+        if size <= part:
+            assert not w.parts and (d / "f.bin").stat().st_size == size
+        else:
+            assert sum(p["size"] for p in w.parts) == size and all(p["size"] > 0 for p in w.parts)
+            assert len(w.parts) == -(-size // part)
+
+
+def test_rank_file_names() -> None:
+    assert rank_of_file("engram-l1-r0of2.bin") == (0, 2)
+    assert rank_of_file("rank-cache/rank3of4-2891eb.bin") == (3, 4)
+    assert rank_of_file("model-00001-of-00004.safetensors") is None
+    assert rank_of_file("weights.bin") is None
+
+
+def test_rank_file_count_must_match_tensor_parallel(proj: Project) -> None:
+    (proj.root / "pins.toml").write_text((proj.root / "pins.toml").read_text().replace(
+        "tensor_parallel = 2", "tensor_parallel = 3"))
+    bl.write_lock(proj.root)
+    bl.write_record_for(proj.root, proj.image_id, proj.diff_ids)
+    with pytest.raises(ConfigError, match="2 hosts but lane demo has tensor_parallel = 3"):
+        _bundle(proj)
+
+
+def test_fleet_bundles_every_host(proj: Project) -> None:
+    res = make_fleet_bundles(_ctx(proj), "testfleet", BundleOptions(key=proj.key))
+    assert [r.host for r in res] == ["spark-a", "spark-b"]
+    assert all((r.path / "manifest.json").is_file() for r in res)
+
+
+def test_parse_size() -> None:
+    assert parse_size("256MiB") == 256 * 1024 * 1024
+    assert parse_size("1G") == 1 << 30 and parse_size("4k") == 4096 and parse_size("100") == 100
+    for bad in ("", "x", "-1", "0", "1.5G"):
+        with pytest.raises(ConfigError):
+            parse_size(bad)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def test_keygen_cli_and_key_modes(proj: Project, tmp_path: Path) -> None:
+    p = proj.cli("keygen", "--out", str(tmp_path / "k"))
+    assert p.returncode == 0, p.stderr
+    assert stat.S_IMODE((tmp_path / "k" / "builder.key").stat().st_mode) == 0o600
+    assert (tmp_path / "k" / "builder.pub").read_text().startswith("untrusted comment:")
+    assert proj.cli("keygen", "--out", str(tmp_path / "k")).returncode == 2  # no silent overwrite
+    os.chmod(proj.key, 0o640)
+    p = proj.cli("bundle", "spark-b", "--key", str(proj.key))
+    assert p.returncode == 2 and "group or others" in p.stderr and "Traceback" not in p.stderr
+    assert not proj.out("spark-b").exists()
+
+
+def test_signing_key_from_env_never_lands_in_output(proj: Project) -> None:
+    p = proj.cli("bundle", "spark-b", "--json", env={"BUILDER_SIGNING_KEY": str(proj.key)})
+    assert p.returncode == 0, p.stderr
+    secret_line = proj.key.read_text().splitlines()[1]
+    assert secret_line not in p.stdout + p.stderr
+    for rel, (data, _) in tree_bytes(proj.out("spark-b")).items():
+        assert secret_line.encode() not in data, rel
+    assert not list(proj.out("spark-b").rglob("*.key"))
+    assert proj.cli("bundle", "spark-b").returncode == 2  # no key anywhere: exit 2, one line
+
+
+# --------------------------------------------------------------------------- refusal
+
+
+def _expect_refused(d: Path, pub: Path) -> str:
+    with pytest.raises((VerifyError, ConfigError)) as e:
+        verify_dir(d, pub)
+    return str(e.value)
+
+
+def _flip_offsets(d: Path, n: int, seed: int) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    files = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
+    sizes = {f: (d / f).stat().st_size for f in files}
+    total = sum(sizes.values())
+    out = []
+    # every file at least once (manifest, signature, parts, image archive), then random offsets by size
+    for f in files:
+        out.append((f, rng.randrange(sizes[f])))
+    while len(out) < n:
+        x = rng.randrange(total)
+        for f in files:
+            if x < sizes[f]:
+                out.append((f, x))
+                break
+            x -= sizes[f]
+    return out
+
+
+def _tamper_round(d: Path, pub: Path, n: int, seed: int) -> None:
+    for rel, off in _flip_offsets(d, n, seed):
+        p = d / rel
+        with open(p, "r+b") as f:
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ (1 << random.Random(off).randrange(8))]))
+        try:
+            _expect_refused(d, pub)
+        finally:
+            with open(p, "r+b") as f:
+                f.seek(off)
+                f.write(b)
+    verify_dir(d, pub)  # restored: accepted again
+
+
+def test_tamper_20_offsets(proj: Project) -> None:
+    d = _bundle(proj, with_models=True, part_size=3000)
+    _tamper_round(d, proj.pub, 20, seed=4)
+
+
+@pytest.mark.slow
+def test_tamper_200_offsets(proj: Project) -> None:
+    d = _bundle(proj, with_models=True, part_size=3000)
+    _tamper_round(d, proj.pub, 220, seed=17)
+
+
+def test_missing_signature_unknown_key_extra_missing(proj: Project, tmp_path: Path) -> None:
+    from builder import sign
+
+    d = _bundle(proj, with_models=True, part_size=5000)
+    other = tmp_path / "other"
+    other.mkdir()
+    sign.generate_keypair(other / "k", other / "k.pub")
+    assert "not the trusted key" in _expect_refused(d, other / "k.pub")
+    (d / "extra.txt").write_text("x")
+    assert "extra files not in the manifest: extra.txt" in _expect_refused(d, proj.pub)
+    (d / "extra.txt").unlink()
+    part = d / "parts/models/demo-model/weights-r1of2.bin.part0002"
+    data = part.read_bytes()
+    part.unlink()
+    assert "missing files: parts/models/demo-model/weights-r1of2.bin.part0002" in _expect_refused(d, proj.pub)
+    part.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    assert "weights-r1of2.bin.part0002: sha256 mismatch (damaged part)" in _expect_refused(d, proj.pub)
+    part.write_bytes(data)
+    (d / "manifest.json.minisig").unlink()
+    assert "manifest.json.minisig: missing" in _expect_refused(d, proj.pub)
+    # and through the CLI: exit 1, one line, no traceback
+    p = proj.cli("verify", str(d), "--key", str(proj.pub))
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr
+
+
+def test_path_escapes_and_links_refused_even_when_signed(proj: Project) -> None:
+    d = _bundle(proj)
+    good = manifest(d)
+    for bad in ("../evil", "/etc/passwd", "a/../../b", "./x", "a//b"):
+        m = json.loads(json.dumps(good))
+        m["files"][0]["path"] = bad
+        resign(d, proj.key, m)
+        assert "escapes" in _expect_refused(d, proj.pub) or "odd" in _expect_refused(d, proj.pub)
+    m = json.loads(json.dumps(good))
+    m["models"][0]["path"] = "/etc/cron.d/evil"
+    resign(d, proj.key, m)
+    assert "outside paths.models" in _expect_refused(d, proj.pub)
+    m = json.loads(json.dumps(good))
+    m["models"][0]["path"] = "/srv/models/../../etc/x"
+    resign(d, proj.key, m)
+    assert "not normalized" in _expect_refused(d, proj.pub)
+    resign(d, proj.key, json.loads(json.dumps(good)))
+    verify_dir(d, proj.pub)
+    # a link inside the bundle, even one with the right content, is refused
+    os.rename(d / "stop.sh", d / "stop.real")
+    os.symlink("stop.real", d / "stop.sh")
+    assert "symbolic link" in _expect_refused(d, proj.pub)
+
+
+def test_wrong_bundle_id_or_comment(proj: Project) -> None:
+    d = _bundle(proj)
+    m = manifest(d)
+    m["rank"] = 1
+    m["bundle_id"] = "0" * 64
+    resign(d, proj.key, m, fix_id=False)
+    assert "bundle_id does not match" in _expect_refused(d, proj.pub)
+
+
+def test_errors_are_builder_errors(proj: Project, tmp_path: Path) -> None:
+    with pytest.raises(BuilderError):
+        verify_dir(tmp_path / "nope", proj.pub)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+@pytest.mark.slow
+def test_peak_memory_with_a_4gib_file(tmp_path: Path) -> None:
+    """A 4 GiB model file (sparse zeros) is bundled in parts and verified with flat memory."""
+    import hashlib
+
+    proj = make_project(tmp_path)
+    big = proj.root / "models" / "demo" / "weights-r1of2.bin"
+    size = 4 * 1024 ** 3
+    with open(big, "wb") as f:
+        f.truncate(size)
+    h = hashlib.sha256()
+    zero = bytes(4 << 20)
+    for _ in range(size // len(zero)):
+        h.update(zero)
+    small = dict(bl.MODEL_FILES)
+    del small["weights-r1of2.bin"]
+    saved = bl.MODEL_FILES
+    try:
+        bl.MODEL_FILES = small
+        bl.write_lock(proj.root)
+    finally:
+        bl.MODEL_FILES = saved
+    # add the big file to the lock by hand
+    lock = json.loads((proj.root / "pins.lock").read_text())
+    lock["models"]["demo-model"]["files"].append({"path": "weights-r1of2.bin", "size": size, "sha256": h.hexdigest()})
+    lock["models"]["demo-model"]["files"].sort(key=lambda f: f["path"])
+    lock["models"]["demo-model"]["total_size"] += size
+    (proj.root / "pins.lock").write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n")
+    bl.write_record_for(proj.root, proj.image_id, proj.diff_ids)
+    script = (
+        "import resource, sys\n"
+        "from builder.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    for args in (["bundle", "spark-b", "--with-models", "--key", str(proj.key)],
+                 ["verify", str(proj.out("spark-b")), "--key", str(proj.pub)]):
+        p = subprocess.run([sys.executable, "-c", script, "--pins", str(proj.pins), *args], capture_output=True,
+                           text=True, timeout=1800)
+        assert p.returncode == 0, p.stderr
+        rss_kib = int(p.stderr.rsplit("RSS", 1)[1].split()[0])
+        assert rss_kib < 200 * 1024, f"{args[0]}: peak RSS {rss_kib} KiB"
+    parts = list((proj.out("spark-b") / "parts").rglob("*.part*"))
+    assert len(parts) == 16

@@ -1,0 +1,233 @@
+"""Tests of the test infrastructure: the fleet (real sshd, per-host Docker) and the loopback registry."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fleetlib  # noqa: E402
+import registrylib  # noqa: E402
+
+# ------------------------------------------------------------------------------------------ unit tier
+
+
+def test_testhost_tag_matches_build_script_hash() -> None:
+    files = [str(fleetlib.FLEET_DIR / name) for name in fleetlib.RECIPE_FILES]
+    out = subprocess.run(
+        f"cat {' '.join(files)} | sha256sum", shell=True, capture_output=True, text=True, check=True
+    ).stdout
+    assert fleetlib.testhost_tag() == f"builder-testhost:{out[:16]}"
+
+
+def test_deterministic_layer_tar() -> None:
+    files = {"etc/a": b"1", "b": b"2"}
+    assert registrylib._deterministic_tar(files) == registrylib._deterministic_tar(
+        dict(reversed(files.items()))
+    )
+
+
+# ------------------------------------------------------------------------------------------ fleet tier
+
+
+@pytest.fixture(scope="module")
+def fleet(request: pytest.FixtureRequest) -> fleetlib.Fleet:
+    return fleetlib.fleet_fixture(request, 2)
+
+
+@pytest.fixture(scope="module")
+def tiny_tar(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    image_id = fleetlib.tiny_image(
+        "builder-test-tiny:1", files={"/www/index.html": b"hello from the fleet\n"}
+    )
+    return image_id, fleetlib.save_image("builder-test-tiny:1", tmp_path_factory.mktemp("img") / "tiny.tar")
+
+
+@pytest.mark.docker
+@pytest.mark.fleet
+def test_ssh_with_strict_host_key_checking(fleet: fleetlib.Fleet) -> None:
+    for host in fleet:
+        proc = fleet.ssh(host, "id -un; hostname", check=True)
+        assert proc.stdout.split() == ["spark", host.name]
+        root = fleet.ssh(host, "id -u", options=["User=root"], check=True)
+        assert root.stdout.strip() == "0"
+    assert "StrictHostKeyChecking yes" in fleet.ssh_config.read_text()
+    assert fleet.inventory(0)["ssh"] == f"spark@{fleet.hosts[0].ip}:22"
+
+
+@pytest.mark.docker
+@pytest.mark.fleet
+def test_wrong_or_missing_known_hosts_entry_is_refused(fleet: fleetlib.Fleet, tmp_path: Path) -> None:
+    h1, h2 = fleet.hosts
+    lines = fleet.known_hosts.read_text().splitlines()
+    key2 = lines[1].split(" ", 1)[1]
+    wrong = tmp_path / "known_hosts.wrong"
+    wrong.write_text(f"{h1.name},{h1.ip} {key2}\n")  # host 1 listed with host 2's key
+    missing = tmp_path / "known_hosts.missing"
+    missing.write_text(lines[1] + "\n")  # only host 2
+    for path, says in (
+        (wrong, "REMOTE HOST IDENTIFICATION HAS CHANGED"),
+        (missing, "Host key verification failed"),
+    ):
+        proc = fleet.ssh(
+            h1, "true", options=[f"UserKnownHostsFile={path}", "ControlPath=none", "LogLevel=INFO"]
+        )
+        assert proc.returncode == 255
+        assert says in proc.stderr
+    assert fleet.ssh(h1, "true", options=["ControlPath=none"]).returncode == 0
+
+
+@pytest.mark.docker
+@pytest.mark.fleet
+def test_images_are_per_host_and_served_at_the_host_ip(
+    fleet: fleetlib.Fleet, tiny_tar: tuple[str, Path]
+) -> None:
+    image_id, tarball = tiny_tar
+    h1, h2 = fleet.hosts
+    fleet.docker_load(h1, tarball)
+    assert image_id in fleet.images(h1)
+    assert image_id not in fleet.images(h2)
+    fleet.exec(
+        h1,
+        "docker rm -f web >/dev/null 2>&1; docker run -d --name web --network host "
+        "builder-test-tiny:1 httpd -f -p 8080 -h /www",
+    )
+    try:
+        body = b""
+        for _ in range(50):
+            try:
+                with urllib.request.urlopen(f"http://{h1.ip}:8080/index.html", timeout=5) as r:
+                    body = r.read()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                fleet.exec(h1, "sleep 0.1")
+        assert body == b"hello from the fleet\n"
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(f"http://{h2.ip}:8080/index.html", timeout=5)
+    finally:
+        fleet.exec(h1, "docker rm -f web", check=False)
+
+
+@pytest.mark.docker
+@pytest.mark.fleet
+def test_cut_makes_ssh_time_out_and_restore_brings_it_back(fleet: fleetlib.Fleet) -> None:
+    h1, h2 = fleet.hosts
+    fleet.cut(h1)
+    try:
+        proc = fleet.ssh(h1, "true", timeout=60)
+        assert proc.returncode == 255
+        assert "timed out" in proc.stderr
+        assert fleet.ssh(h2, "true").returncode == 0  # the rest of the fleet is untouched
+    finally:
+        fleet.restore(h1)
+    proc = fleet.ssh(h1, "hostname -I")
+    assert proc.returncode == 0
+    assert proc.stdout.split()[0] == h1.ip
+
+
+@pytest.mark.docker
+@pytest.mark.fleet
+def test_stop_sshd_refuses_and_start_sshd_recovers(fleet: fleetlib.Fleet) -> None:
+    h2 = fleet.hosts[1]
+    fleet.stop_sshd(h2)
+    try:
+        proc = fleet.ssh(h2, "true")
+        assert proc.returncode == 255
+        assert "Connection refused" in proc.stderr
+    finally:
+        fleet.start_sshd(h2)
+    assert fleet.ssh(h2, "id -un", check=True).stdout.strip() == "spark"
+
+
+@pytest.mark.docker
+@pytest.mark.fleet
+def test_netem_loss_and_delay(fleet: fleetlib.Fleet) -> None:
+    h1 = fleet.hosts[0]
+    try:
+        fleet.netem(h1, delay_ms=0, loss_pct=100)
+        proc = fleet.ssh(h1, "true", options=["ControlPath=none"], timeout=60)
+        assert proc.returncode == 255 and "timed out" in proc.stderr
+        mechanism = fleet.netem(h1, delay_ms=50, loss_pct=0)
+        assert fleet.ssh(h1, "true", options=["ControlPath=none"]).returncode == 0
+        if mechanism == "nfqueue":  # packets really went through the delayer's queue
+            # queue, portid, queued, copy mode, copy range, queue dropped, user dropped, last packet id, 1
+            fields = fleet.exec(h1, "cat /proc/net/netfilter/nfnetlink_queue").stdout.split()
+            assert fields[0] == str(fleetlib.NFQUEUE_NUM) and int(fields[7]) > 0
+    finally:
+        fleet.clear_netem(h1)
+    assert fleet.ssh(h1, "true", options=["ControlPath=none"]).returncode == 0
+
+
+@pytest.mark.docker
+@pytest.mark.fleet
+def test_teardown_removes_everything(tmp_path: Path) -> None:
+    fl = fleetlib.start_fleet(1, tmp_path, dockerd=False)
+    network, cid = fl.network, fl.hosts[0].container
+    assert fl.ssh(0, "true").returncode == 0
+    fl.teardown()
+    fl.teardown()  # idempotent
+    assert fleetlib.docker("inspect", cid, check=False).returncode != 0
+    assert fleetlib.docker("network", "inspect", network, check=False).returncode != 0
+
+
+# --------------------------------------------------------------------------------------- registry tier
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[registrylib.Registry]:
+    with registrylib.start_registry(tmp_path / "reg", auth=True) as reg:
+        yield reg
+
+
+@pytest.mark.registry
+def test_registry_serves_the_index_and_manifests_with_computed_digests(
+    registry: registrylib.Registry,
+) -> None:
+    pushed = registry.push_index("lanes/multi", "v1")
+    assert set(pushed.manifests) == {"linux/amd64", "linux/arm64"}
+    assert len(set(pushed.manifests.values())) == 2
+    got = registry.get_manifest("lanes/multi", "v1")
+    assert got.status == 200
+    assert got.headers["Docker-Content-Digest"] == pushed.digest
+    assert "sha256:" + hashlib.sha256(got.body).hexdigest() == pushed.digest
+    index = json.loads(got.body)
+    by_platform = {
+        f"{m['platform']['os']}/{m['platform']['architecture']}": m["digest"] for m in index["manifests"]
+    }
+    assert by_platform == pushed.manifests
+    for digest in pushed.manifests.values():
+        m = registry.get_manifest("lanes/multi", digest)
+        assert m.status == 200
+        assert "sha256:" + hashlib.sha256(m.body).hexdigest() == digest
+    again = registry.push_index("lanes/multi", "v2")  # same inputs, same digests
+    assert again.digest == pushed.digest
+
+
+@pytest.mark.registry
+def test_registry_refuses_a_wrong_password(registry: registrylib.Registry) -> None:
+    registry.push_index("lanes/multi", "v1")
+    assert registry.get_manifest("lanes/multi", "v1", auth=(registrylib.DEFAULT_USER, "wrong")).status == 401
+    assert registry.get_manifest("lanes/multi", "v1", auth=False).status == 401
+    assert registry.get_manifest("lanes/multi", "v1").status == 200
+    assert registry.password is not None and registry.password not in repr(registry)
+
+
+@pytest.mark.docker
+@pytest.mark.registry
+def test_docker_push_to_loopback_registry(registry: registrylib.Registry) -> None:
+    image_id = fleetlib.tiny_image(
+        "builder-test-tiny:1", files={"/www/index.html": b"hello from the fleet\n"}
+    )
+    digest = registry.push_image("builder-test-tiny:1", "lanes/tiny", "v1")
+    got = registry.get_manifest("lanes/tiny", "v1", accept=registrylib.DOCKER_MANIFEST)
+    assert got.headers["Docker-Content-Digest"] == digest
+    assert json.loads(got.body)["config"]["digest"] == image_id  # classic store: ImageID = config digest
+    assert registry.docker_config.joinpath("config.json").exists()  # login stayed out of $HOME

@@ -1,0 +1,298 @@
+"""builder.gitsrc against real git: local bare repos over file://, bundles, force-pushes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from builder import gitsrc
+from builder.canon import sha256_tree
+from builder.errors import ResolveError
+from builder.lock import LockedSource
+from builder.pins import GitSource
+
+BASE_TIME = 1_700_000_000
+
+
+def git_env(t: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@example.invalid",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@example.invalid",
+            "GIT_AUTHOR_DATE": f"@{t} +0000",
+            "GIT_COMMITTER_DATE": f"@{t} +0000",
+            "GIT_CONFIG_GLOBAL": os.devnull,
+            "GIT_CONFIG_NOSYSTEM": "1",
+        }
+    )
+    return env
+
+
+def run_git(*args: str, cwd: Path, t: int = BASE_TIME) -> str:
+    p = subprocess.run(["git", *args], cwd=cwd, env=git_env(t), capture_output=True, check=True)
+    return p.stdout.decode().strip()
+
+
+class Upstream:
+    """A work repo that pushes to a bare repo; the bare repo is the remote under test."""
+
+    def __init__(self, base: Path, name: str = "upstream") -> None:
+        self.work = base / f"{name}-work"
+        self.bare = base / f"{name}.git"
+        self.work.mkdir(parents=True)
+        self.t = BASE_TIME
+        run_git("init", "-q", "--bare", "-b", "main", str(self.bare), cwd=base)
+        run_git("init", "-q", "-b", "main", cwd=self.work)
+        run_git("remote", "add", "origin", str(self.bare), cwd=self.work)
+
+    @property
+    def url(self) -> str:
+        return f"file://{self.bare}"
+
+    def commit(self, files: dict[str, str], msg: str = "c") -> str:
+        for rel, text in files.items():
+            p = self.work / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+        self.t += 60
+        run_git("add", "-A", cwd=self.work, t=self.t)
+        run_git("commit", "-q", "-m", msg, cwd=self.work, t=self.t)
+        return run_git("rev-parse", "HEAD", cwd=self.work)
+
+    def push(self, branch: str = "main", force: bool = False) -> None:
+        run_git(
+            "push",
+            "-q",
+            *(["--force"] if force else []),
+            "origin",
+            f"HEAD:refs/heads/{branch}",
+            cwd=self.work,
+        )
+
+    def rewrite(self, files: dict[str, str]) -> str:
+        """Replace the last commit (amend) and force-push: the old head leaves the branch."""
+        for rel, text in files.items():
+            (self.work / rel).write_text(text)
+        self.t += 60
+        run_git("add", "-A", cwd=self.work, t=self.t)
+        run_git("commit", "-q", "--amend", "-m", "rewritten", cwd=self.work, t=self.t)
+        self.push(force=True)
+        return run_git("rev-parse", "HEAD", cwd=self.work)
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Upstream:
+    u = Upstream(tmp_path)
+    u.commit({"README": "one\n", "src/main.zig": "pub fn main() void {}\n"})
+    u.push()
+    return u
+
+
+def res(
+    spec: GitSource,
+    tmp_path: Path,
+    *,
+    offline: bool = False,
+    previous: LockedSource | None = None,
+    update: bool = False,
+    name: str = "engine",
+) -> LockedSource:
+    return gitsrc.resolve(
+        name, spec, root=tmp_path, cache=tmp_path / "cache", offline=offline, previous=previous, update=update
+    )
+
+
+def test_branch_head_is_locked_with_tree_hash(up: Upstream, tmp_path: Path) -> None:
+    c2 = up.commit({"src/extra.txt": "x\n"})
+    up.push()
+    got = res(GitSource(url=up.url, ref="main"), tmp_path)
+    assert got.commit == c2 and got.ref_head == c2 and got.on_ref
+    assert got.commit_time == up.t
+    assert got.patches == []
+    dest = tmp_path / "export"
+    mirror = gitsrc.mirror_path(tmp_path / "cache", up.url)
+    assert mirror.is_dir()
+    gitsrc.export_tree(mirror, c2, dest)
+    assert (dest / "src" / "extra.txt").read_text() == "x\n"
+    assert sha256_tree(dest) == got.tree_sha256
+    # the same content in a different repo has the same tree hash
+    other = Upstream(tmp_path, "other")
+    for rel in ("README", "src/main.zig", "src/extra.txt"):
+        (other.work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (other.work / rel).write_bytes((up.work / rel).read_bytes())
+    other.commit({}, "different message")
+    other.push()
+    assert res(GitSource(url=other.url, ref="main"), tmp_path).tree_sha256 == got.tree_sha256
+
+
+def test_tree_hash_covers_modes_and_symlinks(up: Upstream, tmp_path: Path) -> None:
+    (up.work / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (up.work / "run.sh").chmod(0o755)
+    os.symlink("src/main.zig", up.work / "link")
+    c = up.commit({})
+    up.push()
+    a = res(GitSource(url=up.url, ref="main"), tmp_path)
+    dest = tmp_path / "export"
+    gitsrc.export_tree(gitsrc.mirror_path(tmp_path / "cache", up.url), c, dest)
+    assert os.readlink(dest / "link") == "src/main.zig"
+    assert os.access(dest / "run.sh", os.X_OK) and not os.access(dest / "README", os.X_OK)
+    assert sha256_tree(dest) == a.tree_sha256
+    (up.work / "run.sh").chmod(0o644)  # only the mode changes
+    up.commit({})
+    up.push()
+    assert res(GitSource(url=up.url, ref="main"), tmp_path).tree_sha256 != a.tree_sha256
+
+
+def test_short_rev_is_expanded_and_must_be_on_ref(up: Upstream, tmp_path: Path) -> None:
+    c1 = run_git("rev-parse", "HEAD", cwd=up.work)
+    c2 = up.commit({"b": "2\n"})
+    up.push()
+    got = res(GitSource(url=up.url, ref="main", rev=c1[:7]), tmp_path)
+    assert got.commit == c1 and got.rev == c1[:7] and got.ref_head == c2 and got.on_ref
+
+
+def test_missing_rev_and_ref_are_errors(up: Upstream, tmp_path: Path) -> None:
+    with pytest.raises(ResolveError, match=r"sources\.engine: rev deadbeef not found in file://"):
+        res(GitSource(url=up.url, ref="main", rev="deadbeef"), tmp_path)
+    with pytest.raises(ResolveError, match=r"sources\.engine: ref nope not found"):
+        res(GitSource(url=up.url, ref="nope"), tmp_path)
+
+
+def test_ambiguous_prefix_is_refused(up: Upstream, tmp_path: Path) -> None:
+    # make enough commits that two share a 4-hex prefix (plumbing keeps this fast)
+    tree = run_git("rev-parse", "HEAD^{tree}", cwd=up.work)
+    seen: dict[str, str] = {}
+    pair = None
+    for i in range(2000):
+        c = (
+            subprocess.run(
+                ["git", "commit-tree", tree, "-m", f"n{i}"],
+                cwd=up.work,
+                env=git_env(BASE_TIME),
+                capture_output=True,
+                check=True,
+            )
+            .stdout.decode()
+            .strip()
+        )
+        if c[:4] in seen:
+            pair = (seen[c[:4]], c)
+            break
+        seen[c[:4]] = c
+    assert pair is not None
+    run_git("update-ref", "refs/heads/a", pair[0], cwd=up.work)
+    run_git("update-ref", "refs/heads/b", pair[1], cwd=up.work)
+    run_git("push", "-q", "origin", "refs/heads/a", "refs/heads/b", cwd=up.work)
+    mirror = gitsrc.ensure_mirror(up.url, tmp_path / "cache", offline=False, name="engine")
+    assert gitsrc.expand_rev(mirror, pair[0][:4]) == sorted(pair)
+    assert gitsrc.expand_rev(mirror, pair[0][:12]) == [pair[0]]
+    # pins need 7+ digits; a 4-digit rev (bypassing the schema) shows the resolver's own refusal
+    spec = GitSource.model_construct(url=up.url, ref="main", rev=pair[0][:4], patches=[], note=None)
+    with pytest.raises(
+        ResolveError, match=rf"sources\.engine: rev {pair[0][:4]} is ambiguous .*pin more digits"
+    ):
+        res(spec, tmp_path)
+
+
+def test_force_push_under_pinned_rev_is_refused(up: Upstream, tmp_path: Path) -> None:
+    c1 = up.commit({"b": "2\n"})
+    up.push()
+    spec = GitSource(url=up.url, ref="main", rev=c1)
+    first = res(spec, tmp_path)
+    assert first.on_ref
+    new_head = up.rewrite({"b": "rewritten\n"})
+    with pytest.raises(ResolveError) as ei:
+        res(spec, tmp_path, previous=first, update=True)
+    msg = str(ei.value)
+    assert msg == (
+        f"sources.engine: pinned commit {c1[:12]} is no longer on ref main (ref now at {new_head[:12]}): "
+        "the branch was force-pushed or rewritten; refusing to move it; re-pin rev after review"
+    )
+    assert "\n" not in msg
+
+
+def test_unpinned_rewrite_needs_update(up: Upstream, tmp_path: Path) -> None:
+    spec = GitSource(url=up.url, ref="main")
+    first = res(spec, tmp_path)
+    # a fast-forward moves without asking
+    c2 = up.commit({"c": "3\n"})
+    up.push()
+    second = res(spec, tmp_path, previous=first)
+    assert second.commit == c2
+    # a rewrite does not
+    new_head = up.rewrite({"c": "changed\n"})
+    with pytest.raises(
+        ResolveError,
+        match=rf"locked commit {c2[:12]} is no longer on ref main \(ref now at "
+        rf"{new_head[:12]}\).*--update engine",
+    ):
+        res(spec, tmp_path, previous=second)
+    moved = res(spec, tmp_path, previous=second, update=True)
+    assert moved.commit == new_head and moved.on_ref
+
+
+def test_offline_uses_the_cache_only(up: Upstream, tmp_path: Path) -> None:
+    spec = GitSource(url=up.url, ref="main")
+    with pytest.raises(ResolveError) as ei:
+        res(spec, tmp_path, offline=True)
+    assert str(ei.value) == f"sources.engine: not in the cache and --offline was given ({up.url})"
+    online = res(spec, tmp_path)
+    up.commit({"later": "x\n"})
+    up.push()
+    import shutil
+
+    shutil.rmtree(up.bare)  # the remote is gone; the cache still answers
+    offline = res(spec, tmp_path, offline=True)
+    assert offline == online
+
+
+def test_unreachable_remote_is_one_line(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/no-such-repo.git"
+    with pytest.raises(ResolveError) as ei:
+        res(GitSource(url=url, ref="main"), tmp_path)
+    msg = str(ei.value)
+    assert msg.startswith(f"sources.engine: cannot fetch {url}: ")
+    assert "\n" not in msg and "Traceback" not in msg
+    assert not any((tmp_path / "cache").glob("*.git"))  # no half-made mirror
+
+
+def test_credentials_in_url_are_not_shown(tmp_path: Path) -> None:
+    url = "https://user:s3cret@127.0.0.1:9/repo.git"
+    with pytest.raises(ResolveError) as ei:
+        res(GitSource(url=url, ref="main"), tmp_path)
+    assert "s3cret" not in str(ei.value) and "127.0.0.1:9/repo.git" in str(ei.value)
+
+
+def test_relative_bundle_file_and_tags(up: Upstream, tmp_path: Path) -> None:
+    run_git("tag", "v1", cwd=up.work)
+    c1 = run_git("rev-parse", "HEAD", cwd=up.work)
+    up.commit({"after": "tag\n"})
+    proj = tmp_path / "proj"
+    (proj / "engine-src").mkdir(parents=True)
+    run_git("bundle", "create", str(proj / "engine-src" / "e.bundle"), "--all", cwd=up.work)
+    got = gitsrc.resolve(
+        "demo",
+        GitSource(url="engine-src/e.bundle", ref="v1"),
+        root=proj,
+        cache=tmp_path / "cache",
+        offline=False,
+        previous=None,
+        update=False,
+    )
+    assert got.commit == c1 and got.url == "engine-src/e.bundle"
+    again = gitsrc.resolve(
+        "demo",
+        GitSource(url="engine-src/e.bundle", ref="v1"),
+        root=proj,
+        cache=tmp_path / "cache",
+        offline=True,
+        previous=None,
+        update=False,
+    )
+    assert again == got

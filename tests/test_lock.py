@@ -1,0 +1,400 @@
+"""`builder lock` end to end through the real CLI: a tmp project, real git, real files.
+
+Covers determinism, stale detection (`--check`), `--update`, closures, offline reporting,
+and every bad input: malformed TOML, unknown keys, a missing patch file, an unreachable
+remote, a revision not on its ref, a model file that vanished, a lock edited by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_gitsrc import Upstream  # noqa: E402
+
+TINY_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+ZIG_SHA = "a" * 64
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Result:
+    rc: int
+    out: str
+    err: str
+
+    @property
+    def err_lines(self) -> list[str]:
+        return [ln for ln in self.err.splitlines() if ln.strip()]
+
+
+class Project:
+    """A tmp project: pins.toml, a patch, a recipe, a plain file, a local model, an upstream repo."""
+
+    def __init__(self, tmp: Path, *, rev: bool = False) -> None:
+        self.tmp = tmp
+        self.root = tmp / "proj"
+        self.up = Upstream(tmp)
+        self.c1 = self.up.commit({"README": "engine\n", "src/main.zig": "pub fn main() void {}\n"})
+        self.up.push()
+        r = self.root
+        (r / "patches").mkdir(parents=True)
+        (r / "patches" / "0001-fix.patch").write_text("--- a/README\n+++ b/README\n")
+        (r / "images" / "demo").mkdir(parents=True)
+        (r / "images" / "demo" / "Dockerfile").write_text("FROM scratch\n")
+        (r / "files").mkdir()
+        self.template = b"{{ messages }}\n"
+        (r / "files" / "chat.jinja").write_bytes(self.template)
+        m = r / "models" / "tiny"
+        m.mkdir(parents=True)
+        for i in (1, 2):
+            (m / f"model-0000{i}-of-00002.safetensors").write_bytes(bytes([i]) * 1000)
+        (m / "config.json").write_text('{"hidden": 8}\n')
+        self.rev = self.c1 if rev else None
+        self.write_pins()
+
+    @property
+    def pins(self) -> Path:
+        return self.root / "pins.toml"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "pins.lock"
+
+    def pins_text(self, *, patch_reason: str = "fix the readme", extra: str = "") -> str:
+        rev = f'rev = "{self.rev}"\n' if self.rev else ""
+        return f"""format = 1
+
+[sources.engine]
+url = "{self.up.url}"
+ref = "main"
+{rev}patches = [{{ file = "patches/0001-fix.patch", reason = "{patch_reason}" }}]
+
+[toolchains.zig]
+kind = "zig"
+version = "0.13.0"
+[toolchains.zig.platforms."linux/arm64"]
+url = "https://ziglang.org/download/0.13.0/zig-linux-aarch64-0.13.0.tar.xz"
+sha256 = "{ZIG_SHA}"
+
+[files.template]
+url = "files/chat.jinja"
+sha256 = "{sha(self.template)}"
+
+[models.tiny]
+repo = "org/tiny"
+revision = "{TINY_COMMIT}"
+local = "models/tiny"
+
+[images.demo]
+recipe = "images/demo"
+sources = ["engine"]
+toolchains = ["zig"]
+files = ["template"]
+
+[lanes.demo]
+image = "demo"
+models = ["tiny"]
+[lanes.demo.serve]
+tensor_parallel = 1
+context = 4096
+streams = 1
+port = 8000
+served_name = "tiny"
+{extra}"""
+
+    def write_pins(self, **kw: str) -> None:
+        self.pins.write_text(self.pins_text(**kw))
+
+    def run(self, *args: str) -> Result:
+        env = dict(os.environ)
+        env.update(
+            {"NO_COLOR": "1", "COLUMNS": "250", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+        )
+        p = subprocess.run(
+            [sys.executable, "-m", "builder", "--pins", str(self.pins), *args],
+            cwd=self.root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        return Result(p.returncode, p.stdout, p.stderr)
+
+
+def one_line_error(r: Result, code: int, *needles: str) -> str:
+    assert r.rc == code, (r.rc, r.err)
+    assert "Traceback" not in r.err
+    errors = [ln for ln in r.err_lines if ln.startswith("error:")]
+    assert len(errors) == 1, r.err
+    for n in needles:
+        assert n in errors[0], (n, errors[0])
+    return errors[0]
+
+
+@pytest.fixture
+def proj(tmp_path: Path) -> Project:
+    return Project(tmp_path)
+
+
+@pytest.fixture
+def locked(proj: Project) -> Project:
+    r = proj.run("lock")
+    assert r.rc == 0, r.err
+    return proj
+
+
+# ---------------------------------------------------------------------------------------
+# the happy path
+
+
+def test_lock_records_every_input(locked: Project) -> None:
+    data = json.loads(locked.lock.read_text())
+    src = data["sources"]["engine"]
+    assert src["commit"] == locked.c1 and src["ref_head"] == locked.c1 and src["on_ref"] is True
+    assert len(src["tree_sha256"]) == 64
+    assert src["patches"] == [
+        {
+            "file": "patches/0001-fix.patch",
+            "reason": "fix the readme",
+            "sha256": sha((locked.root / "patches/0001-fix.patch").read_bytes()),
+        }
+    ]
+    model = data["models"]["tiny"]
+    assert model["commit"] == TINY_COMMIT and model["source"] == "local"
+    assert [f["path"] for f in model["files"]] == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    assert model["files"][1]["sha256"] == sha(b"\x01" * 1000) and model["total_size"] == 2014
+    assert data["files"]["template"] == {
+        "spec_hash": data["files"]["template"]["spec_hash"],
+        "url": "files/chat.jinja",
+        "sha256": sha(locked.template),
+        "size": len(locked.template),
+        "verified": True,
+    }
+    assert data["toolchains"]["zig"]["platforms"]["linux/arm64"]["sha256"] == ZIG_SHA
+    assert data["images"]["demo"]["source_date_epoch"] == src["commit_time"]
+    assert set(data["inputs"]) == {"pins.toml", "patches/0001-fix.patch", "images/demo/Dockerfile"}
+    assert locked.run("lock", "--check").rc == 0
+
+
+def test_lock_is_deterministic(locked: Project) -> None:
+    first = locked.lock.read_bytes()
+    r = locked.run("lock")
+    assert r.rc == 0 and "(unchanged)" in r.err
+    locked.lock.unlink()
+    shutil.rmtree(locked.root / ".cache")
+    assert locked.run("lock").rc == 0
+    assert locked.lock.read_bytes() == first
+    # another checkout of the same project locks to the same bytes
+    copy = locked.tmp / "copy"
+    shutil.copytree(locked.root, copy, ignore=shutil.ignore_patterns(".cache", "pins.lock"))
+    p = subprocess.run(
+        [sys.executable, "-m", "builder", "--pins", str(copy / "pins.toml"), "lock"],
+        capture_output=True,
+        text=True,
+        cwd=copy,
+    )
+    assert p.returncode == 0, p.stderr
+    assert (copy / "pins.lock").read_bytes() == first
+
+
+def test_closure_selection_locks_only_what_the_lane_needs(proj: Project) -> None:
+    proj.write_pins(extra='\n[files.other]\nurl = "files/chat.jinja"\nsha256 = "' + "b" * 64 + '"\n')
+    r = proj.run("lock", "demo")
+    assert r.rc == 0, r.err
+    data = json.loads(proj.lock.read_text())
+    assert "other" not in data["files"] and "template" in data["files"]
+    assert proj.run("lock", "--check", "demo").rc == 0
+    full = proj.run("lock", "--check")
+    assert full.rc == 1 and "files.other: not in the lock" in full.err
+
+
+# ---------------------------------------------------------------------------------------
+# staleness
+
+
+def test_check_names_an_edited_patch(locked: Project) -> None:
+    (locked.root / "patches" / "0001-fix.patch").write_text("--- a/README\n+++ b/README\n@@ changed\n")
+    r = locked.run("lock", "--check")
+    assert r.rc == 1 and "Traceback" not in r.err
+    assert "sources.engine.patches[0]: patches/0001-fix.patch changed since the lock" in r.err
+
+
+def test_check_names_an_edited_pin(locked: Project) -> None:
+    locked.write_pins(patch_reason="a better reason")
+    r = locked.run("lock", "--check")
+    assert r.rc == 1
+    assert "sources.engine: pins changed since the lock was written" in r.err
+    assert "models.tiny" not in r.err
+    # relocking makes it current again
+    assert locked.run("lock").rc == 0
+    assert locked.run("lock", "--check").rc == 0
+
+
+def test_check_names_a_changed_recipe_and_a_missing_lock(proj: Project) -> None:
+    r = proj.run("lock", "--check")
+    one_line_error(r, 2, "pins.lock", "no lock file")
+    assert proj.run("lock").rc == 0
+    (proj.root / "images" / "demo" / "Dockerfile").write_text("FROM scratch\nCOPY . /\n")
+    r = proj.run("lock", "--check")
+    assert r.rc == 1 and "images.demo: recipe file images/demo/Dockerfile changed since the lock" in r.err
+
+
+def test_check_json(locked: Project) -> None:
+    r = locked.run("lock", "--check", "--json")
+    assert r.rc == 0 and json.loads(r.out) == {"ok": True, "problems": []}
+
+
+# ---------------------------------------------------------------------------------------
+# bad input: one line, exit 2 (config) or 1 (resolution), the lock's bytes untouched
+
+
+def test_malformed_toml(locked: Project) -> None:
+    before = locked.lock.read_bytes()
+    locked.pins.write_text(locked.pins.read_text() + "\n[sources.engine\n")
+    for args in (("lock",), ("lock", "--check")):
+        one_line_error(locked.run(*args), 2, "pins.toml", "malformed TOML")
+    assert locked.lock.read_bytes() == before
+
+
+def test_unknown_key(locked: Project) -> None:
+    before = locked.lock.read_bytes()
+    locked.pins.write_text(locked.pins.read_text().replace('ref = "main"', 'ref = "main"\nbranch = "x"'))
+    one_line_error(locked.run("lock"), 2, "pins.toml", "sources.engine.branch", "unknown key")
+    assert locked.lock.read_bytes() == before
+
+
+def test_missing_patch_file(locked: Project) -> None:
+    before = locked.lock.read_bytes()
+    (locked.root / "patches" / "0001-fix.patch").unlink()
+    one_line_error(
+        locked.run("lock"), 2, "pins.toml", "sources.engine.patches[0].file", "patches/0001-fix.patch"
+    )
+    assert locked.lock.read_bytes() == before
+
+
+def test_unreachable_remote(locked: Project) -> None:
+    before = locked.lock.read_bytes()
+    locked.up.bare.rename(locked.tmp / "gone.git")
+    line = one_line_error(
+        locked.run("lock", "--update", "engine"), 1, "sources.engine", "cannot fetch", locked.up.url
+    )
+    assert len(line) < 300
+    assert locked.lock.read_bytes() == before
+
+
+def test_pinned_rev_no_longer_on_ref(tmp_path: Path) -> None:
+    proj = Project(tmp_path, rev=True)
+    assert proj.run("lock").rc == 0
+    before = proj.lock.read_bytes()
+    new_head = proj.up.rewrite({"README": "rewritten history\n"})
+    one_line_error(
+        proj.run("lock", "--update", "engine"),
+        1,
+        f"sources.engine: pinned commit {proj.c1[:12]} is no longer on ref main (ref now at {new_head[:12]})",
+        "refusing to move it",
+    )
+    assert proj.lock.read_bytes() == before
+
+
+def test_unpinned_rewrite_moves_only_with_update(locked: Project) -> None:
+    new_head = locked.up.rewrite({"README": "rewritten\n"})
+    # the pin changed (a new reason), so the source is re-resolved, and the rewrite is refused
+    locked.write_pins(patch_reason="reason two")
+    r = locked.run("lock")
+    one_line_error(
+        r, 1, f"sources.engine: locked commit {locked.c1[:12]} is no longer on ref main", "--update engine"
+    )
+    data = json.loads(locked.lock.read_text())
+    assert data["sources"]["engine"]["commit"] == locked.c1  # never moved silently; kept, and stale
+    assert locked.run("lock", "--check").rc == 1
+    r = locked.run("lock", "--update", "engine")
+    assert r.rc == 0, r.err
+    assert f"sources.engine: {locked.c1} -> {new_head}" in r.err
+    assert json.loads(locked.lock.read_text())["sources"]["engine"]["commit"] == new_head
+    assert locked.run("lock", "--check").rc == 0
+
+
+def test_model_file_vanished(locked: Project) -> None:
+    before = locked.lock.read_bytes()
+    (locked.root / "models" / "tiny" / "model-00002-of-00002.safetensors").unlink()
+    one_line_error(
+        locked.run("lock", "--update", "tiny"),
+        1,
+        "models.tiny",
+        "file vanished",
+        "model-00002-of-00002.safetensors",
+    )
+    assert locked.lock.read_bytes() == before
+
+
+def test_lock_edited_by_hand(locked: Project) -> None:
+    text = locked.lock.read_text()
+    data = json.loads(text)
+    # a new key: refused by the schema, naming file and key
+    data["sources"]["engine"]["comit"] = "x"
+    locked.lock.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    one_line_error(locked.run("lock", "--check"), 2, "pins.lock", "sources.engine.comit", "unknown key")
+    # a bad value
+    locked.lock.write_text(text.replace(locked.c1, locked.c1[:12]))
+    one_line_error(locked.run("lock", "--check"), 2, "pins.lock", "sources.engine.commit")
+    # not JSON
+    locked.lock.write_text(text[:-20])
+    one_line_error(locked.run("lock", "--check"), 2, "pins.lock", "malformed JSON")
+    # valid, but not what builder writes (re-indented by an editor)
+    locked.lock.write_text(json.dumps(json.loads(text), indent=4, sort_keys=True) + "\n")
+    r = locked.run("lock", "--check")
+    assert r.rc == 1 and "edited by hand" in r.err
+
+
+def test_unknown_update_name(locked: Project) -> None:
+    one_line_error(locked.run("lock", "--update", "nope"), 2, "--update nope")
+
+
+# ---------------------------------------------------------------------------------------
+# offline
+
+
+def test_offline_names_every_unreachable_input(proj: Project, monkeypatch: pytest.MonkeyPatch) -> None:
+    extra = f"""
+[files.kit]
+url = "https://example.invalid/kit.tar.gz"
+sha256 = "{"c" * 64}"
+
+[models.big]
+repo = "org/big"
+revision = "main"
+"""
+    proj.write_pins(extra=extra)
+    monkeypatch.setenv("HF_HUB_CACHE", str(proj.tmp / "empty-hub"))
+    r = proj.run("lock", "--offline")
+    assert r.rc == 1 and "Traceback" not in r.err
+    errors = sorted(ln for ln in r.err_lines if ln.startswith("error:"))
+    assert errors == [
+        "error: files.kit: not reachable offline (https://example.invalid/kit.tar.gz)",
+        "error: models.big: not in the cache and --offline was given (org/big@main)",
+        f"error: sources.engine: not in the cache and --offline was given ({proj.up.url})",
+    ]
+    data = json.loads(proj.lock.read_text())
+    assert set(data["files"]) == {"template"} and set(data["models"]) == {"tiny"} and data["sources"] == {}
+    # once the mirror is in the cache, the demo lane locks offline completely
+    assert proj.run("lock", "engine").rc == 0
+    r = proj.run("lock", "--offline", "demo")
+    assert r.rc == 0, r.err
+    assert proj.run("lock", "--check", "demo").rc == 0

@@ -1,0 +1,135 @@
+"""The pins.toml schema: valid pins load; every bad one is one ConfigError line naming file and key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from builder.errors import ConfigError
+from builder.pins import check_patch_files, load_pins
+
+GOOD = """format = 1
+
+[sources.engine]
+url = "engine-src/demo-engine.bundle"
+ref = "main"
+rev = "5940208"
+patches = [{ file = "patches/0001-x.patch", reason = "why" }]
+
+[toolchains.zig]
+kind = "zig"
+version = "0.13.0"
+[toolchains.zig.platforms."linux/arm64"]
+url = "https://ziglang.org/download/0.13.0/zig-linux-aarch64-0.13.0.tar.xz"
+sha256 = "ZIGSHA"
+
+[toolchains.cuda]
+kind = "cuda"
+version = "13.0"
+
+[bases.ngc]
+ref = "nvcr.io/nvidia/pytorch:26.07-py3"
+platforms = ["linux/arm64"]
+
+[models.engram]
+repo = "org/base"
+revision = "main"
+include = ["model-00047-of-*.safetensors", "model-00048-of-*.safetensors"]
+expect_files = 2
+
+[files.template]
+url = "files/chat.jinja"
+sha256 = "FILESHA"
+
+[images.demo]
+recipe = "images/demo"
+base = "ngc"
+sources = ["engine"]
+toolchains = ["zig", "cuda"]
+files = ["template"]
+
+[lanes.demo]
+image = "demo"
+models = ["engram"]
+[lanes.demo.serve]
+tensor_parallel = 2
+context = 8192
+streams = 4
+port = 8000
+served_name = "demo"
+""".replace("ZIGSHA", "a" * 64).replace("FILESHA", "b" * 64)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "pins.toml"
+    p.write_text(text)
+    return p
+
+
+def test_good_pins_and_closures(tmp_path: Path) -> None:
+    pins = load_pins(write(tmp_path, GOOD))
+    assert pins.sources["engine"].rev == "5940208"
+    assert pins.toolchains["zig"].kind == "zig"
+    c = pins.closure(["demo"])
+    assert c == {
+        "sources": {"engine"},
+        "toolchains": {"zig", "cuda"},
+        "bases": {"ngc"},
+        "models": {"engram"},
+        "files": {"template"},
+    }
+    assert pins.closure(["engram"])["models"] == {"engram"} and pins.closure(["engram"])["sources"] == set()
+    with pytest.raises(ConfigError, match="no lane, image or input named 'nope'"):
+        pins.closure(["nope"])
+
+
+@pytest.mark.parametrize(
+    "old,new,needle",
+    [
+        ('ref = "main"\nrev', 'ref = "main"\nbranch = "x"\nrev', "sources.engine.branch: unknown key"),
+        ('kind = "cuda"\nversion = "13.0"', 'kind = "cuda"\nversion = "13.0"\nextra = 1', "toolchains.cuda"),
+        ('rev = "5940208"', 'rev = "594"', "sources.engine.rev"),
+        ('file = "patches/0001-x.patch"', 'file = "../x.patch"', "sources.engine.patches[0].file"),
+        ('base = "ngc"', 'base = "nope"', "images.demo.base: 'nope' is not defined in [bases]"),
+        (
+            'models = ["engram"]',
+            'models = ["gone"]',
+            "lanes.demo.models[0]: 'gone' is not defined in [models]",
+        ),
+        ('recipe = "images/demo"', 'recipe = "elsewhere"', "images.demo.recipe"),
+        (
+            'platforms = ["linux/arm64"]\n\n[models',
+            'platforms = ["linux/riscv"]\n\n[models',
+            "bases.ngc.platforms[0]",
+        ),
+        ("format = 1", "format = 2", "format"),
+        ("port = 8000", "port = 80000", "lanes.demo.serve.port"),
+    ],
+)
+def test_bad_pins_are_one_line(tmp_path: Path, old: str, new: str, needle: str) -> None:
+    assert old in GOOD
+    p = write(tmp_path, GOOD.replace(old, new, 1))
+    with pytest.raises(ConfigError) as ei:
+        load_pins(p)
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}: ") and needle in msg and "\n" not in msg
+    assert ei.value.exit_code == 2
+
+
+def test_malformed_and_missing(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="malformed TOML"):
+        load_pins(write(tmp_path, GOOD + "\n[[["))
+    with pytest.raises(ConfigError, match="file not found"):
+        load_pins(tmp_path / "none.toml")
+
+
+def test_missing_patch_file_names_the_key(tmp_path: Path) -> None:
+    p = write(tmp_path, GOOD)
+    pins = load_pins(p)
+    with pytest.raises(ConfigError) as ei:
+        check_patch_files(pins, tmp_path, p)
+    assert str(ei.value) == f"{p}: sources.engine.patches[0].file: no such file: patches/0001-x.patch"
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches" / "0001-x.patch").write_text("x")
+    check_patch_files(pins, tmp_path, p)
