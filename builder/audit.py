@@ -38,7 +38,16 @@ from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, ConfigError
 from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host, load_fleets
 
 CONCERNS: tuple[str, ...] = (
-    "image", "release", "models", "engram", "gpu", "memory", "fabric", "storage", "runtime", "serving",
+    "image",
+    "release",
+    "models",
+    "engram",
+    "gpu",
+    "memory",
+    "fabric",
+    "storage",
+    "runtime",
+    "serving",
 )
 PRE_CONCERNS = tuple(c for c in CONCERNS if c != "serving")
 MODES = ("fast", "full")
@@ -239,13 +248,17 @@ def load_context(opts: AuditOptions, targets: list[Target]) -> LaneContext:
             lane = ctx.pins.lanes[t.fleet.fleet.lane]
             for m in lane.models:
                 if m not in ctx.lock.models:
-                    raise ConfigError(f"{opts.lock}: models.{m}: lane {t.fleet.fleet.lane!r} needs it but the "
-                                      f"lock has no entry (run `builder lock`)")
+                    raise ConfigError(
+                        f"{opts.lock}: models.{m}: lane {t.fleet.fleet.lane!r} needs it but the "
+                        f"lock has no entry (run `builder lock`)"
+                    )
         ssh_config_path(t)
     return ctx
 
 
-def _image_expectation(opts: AuditOptions, ctx: LaneContext, lane_name: str) -> tuple[dict[str, Any] | None, str]:
+def _image_expectation(
+    opts: AuditOptions, ctx: LaneContext, lane_name: str
+) -> tuple[dict[str, Any] | None, str]:
     from builder.imagerecord import read_record
     from builder.plan import make_plan
 
@@ -257,8 +270,10 @@ def _image_expectation(opts: AuditOptions, ctx: LaneContext, lane_name: str) -> 
     plan = make_plan(ctx.pins, ctx.lock, lane.image, opts.root)
     rec = read_record(opts.store, plan.address)
     if rec is None:
-        return None, (f"image {lane.image} is not built for this lock (no record for input address "
-                      f"{plan.address[:16]} in {opts.store}); run `builder image {lane.image}`")
+        return None, (
+            f"image {lane.image} is not built for this lock (no record for input address "
+            f"{plan.address[:16]} in {opts.store}); run `builder image {lane.image}`"
+        )
     return {
         "name": lane.image,
         "input_address": rec.input_address,
@@ -274,13 +289,20 @@ def model_root(host: Host, model_name: str) -> str:
     return f"{host.paths.models.rstrip('/')}/{model_name}"
 
 
-def build_expectations(t: Target, opts: AuditOptions, ctx: LaneContext, concerns: list[str]) -> dict[str, Any]:
+def build_expectations(
+    t: Target, opts: AuditOptions, ctx: LaneContext, concerns: list[str]
+) -> dict[str, Any]:
     h, f = t.host, t.fleet
     lane_name = f.fleet.lane
     exp: dict[str, Any] = {
         "format": EXPECT_FORMAT,
-        "host": {"name": h.name, "rank": h.rank, "role": h.role, "connection": h.connection,
-                 "address": h.address},
+        "host": {
+            "name": h.name,
+            "rank": h.rank,
+            "role": h.role,
+            "connection": h.connection,
+            "address": h.address,
+        },
         "fleet": f.fleet.name,
         "lane": lane_name,
         "world_size": len(f.hosts),
@@ -310,13 +332,15 @@ def build_expectations(t: Target, opts: AuditOptions, ctx: LaneContext, concerns
             for m in lane.models:
                 lm = ctx.lock.models[m]
                 spec = ctx.pins.models[m]
-                models.append({
-                    "name": m,
-                    "role": spec.role,
-                    "root": model_root(h, m),
-                    "expect_files": spec.expect_files,
-                    "files": [{"path": x.path, "size": x.size, "sha256": x.sha256} for x in lm.files],
-                })
+                models.append(
+                    {
+                        "name": m,
+                        "role": spec.role,
+                        "root": model_root(h, m),
+                        "expect_files": spec.expect_files,
+                        "files": [{"path": x.path, "size": x.size, "sha256": x.sha256} for x in lm.files],
+                    }
+                )
             exp["models"] = models
             exp["models_reason"] = "" if models else f"lane {lane_name!r} has no models"
     if "image" in concerns or "release" in concerns:
@@ -339,13 +363,20 @@ def _ssh_parts(target: str) -> tuple[str | None, str, str | None]:
 def ssh_options(opts: AuditOptions, control_dir: Path) -> list[str]:
     t = max(1, int(opts.connect_timeout))
     return [
-        "-o", "BatchMode=yes",
-        "-o", f"ConnectTimeout={t}",
-        "-o", "ControlMaster=auto",
-        "-o", f"ControlPath={control_dir}/%C",
-        "-o", "ControlPersist=120s",
-        "-o", "ServerAliveInterval=5",
-        "-o", "ServerAliveCountMax=3",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        f"ConnectTimeout={t}",
+        "-o",
+        "ControlMaster=auto",
+        "-o",
+        f"ControlPath={control_dir}/%C",
+        "-o",
+        "ControlPersist=120s",
+        "-o",
+        "ServerAliveInterval=5",
+        "-o",
+        "ServerAliveCountMax=3",
     ]
 
 
@@ -373,8 +404,15 @@ def probe(t: Target, opts: AuditOptions, control_dir: Path) -> str | None:
         return None
     limit = opts.connect_timeout + 5
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=limit, stdin=subprocess.DEVNULL,
-                           check=False, start_new_session=True)
+        p = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=limit,
+            stdin=subprocess.DEVNULL,
+            check=False,
+            start_new_session=True,
+        )
     except subprocess.TimeoutExpired:
         return f"no answer within {limit:g} s"
     except FileNotFoundError:
@@ -449,8 +487,15 @@ def read_results(path: Path) -> tuple[str | None, list[CheckResult]]:
     return data.get("unreachable"), checks
 
 
-def run_host(t: Target, opts: AuditOptions, exp: dict[str, Any], work: Path, control_dir: Path,
-             checks_dir: Path, concerns: list[str]) -> HostResult:
+def run_host(
+    t: Target,
+    opts: AuditOptions,
+    exp: dict[str, Any],
+    work: Path,
+    control_dir: Path,
+    checks_dir: Path,
+    concerns: list[str],
+) -> HostResult:
     start = time.monotonic()
     res = HostResult(name=t.name, fleet=t.fleet.fleet.name, status="pass")
     why = probe(t, opts, control_dir)
@@ -463,13 +508,36 @@ def run_host(t: Target, opts: AuditOptions, exp: dict[str, Any], work: Path, con
     exp_path, res_path, log_path = hdir / "expect.json", hdir / "results.json", hdir / "pytest.log"
     atomic_write(exp_path, pretty_json(exp))
     files = [str(checks_dir / f"test_{c}.py") for c in concerns]
-    argv = [sys.executable, "-m", "pytest", *files, "-c", str(checks_dir / "pytest.ini"),
-            "--rootdir", str(checks_dir), "-q", "-rN", "--no-header", "-p", "no:cacheprovider",
-            *pytest_host_args(t, opts, control_dir),
-            "--builder-expect", str(exp_path), "--builder-results", str(res_path)]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *files,
+        "-c",
+        str(checks_dir / "pytest.ini"),
+        "--rootdir",
+        str(checks_dir),
+        "-q",
+        "-rN",
+        "--no-header",
+        "-p",
+        "no:cacheprovider",
+        *pytest_host_args(t, opts, control_dir),
+        "--builder-expect",
+        str(exp_path),
+        "--builder-results",
+        str(res_path),
+    ]
     with open(log_path, "wb") as log:
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env=_python_env(), cwd=str(checks_dir), start_new_session=True)
+        p = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=_python_env(),
+            cwd=str(checks_dir),
+            start_new_session=True,
+        )
         try:
             p.wait(timeout=opts.host_timeout)
         except subprocess.TimeoutExpired:
@@ -486,7 +554,8 @@ def run_host(t: Target, opts: AuditOptions, exp: dict[str, Any], work: Path, con
         tail = [ln.strip() for ln in lines if "error" in ln.lower()][:1] or lines[-1:]
         res.status = "error"
         res.message = f"the checks did not report (pytest exit {p.returncode}): " + (
-            tail[0] if tail else type(e).__name__)
+            tail[0] if tail else type(e).__name__
+        )
         res.seconds = time.monotonic() - start
         return res
     res.checks = checks
@@ -519,10 +588,14 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
             raise ConfigError(f"{checks_dir}: no check module test_{c}.py")
     if opts.backend == "ansible":
         if opts.inventory is None or not opts.inventory.is_file():
-            raise ConfigError(f"--inventory: no Ansible inventory file at {opts.inventory} "
-                              f"(write one with `builder hosts --ansible FILE`)")
+            raise ConfigError(
+                f"--inventory: no Ansible inventory file at {opts.inventory} "
+                f"(write one with `builder hosts --ansible FILE`)"
+            )
         if shutil.which("ansible-inventory") is None:
-            raise ConfigError("--backend ansible: ansible-inventory is not installed (pip install ansible-core)")
+            raise ConfigError(
+                "--backend ansible: ansible-inventory is not installed (pip install ansible-core)"
+            )
     ctx = load_context(opts, targets)
     expectations = {(t.fleet.fleet.name, t.name): build_expectations(t, opts, ctx, concerns) for t in targets}
 
@@ -538,8 +611,9 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
     lock = threading.Lock()
 
     def one(t: Target) -> HostResult:
-        r = run_host(t, opts, expectations[(t.fleet.fleet.name, t.name)], tmp_root, control_dir, checks_dir,
-                     concerns)
+        r = run_host(
+            t, opts, expectations[(t.fleet.fleet.name, t.name)], tmp_root, control_dir, checks_dir, concerns
+        )
         if on_host is not None:
             with lock:
                 on_host(r)
@@ -553,8 +627,9 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
             close_master(t, opts, control_dir)
         for d in cleanup:
             shutil.rmtree(d, ignore_errors=True)
-    return AuditReport(hosts=results, mode=opts.mode, phase=opts.phase, concerns=concerns,
-                       seconds=time.monotonic() - start)
+    return AuditReport(
+        hosts=results, mode=opts.mode, phase=opts.phase, concerns=concerns, seconds=time.monotonic() - start
+    )
 
 
 # ----------------------------------------------------------------------------- reports
@@ -570,7 +645,7 @@ def matrix_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
         for c in h.checks:
             if c.check not in order:
                 order.append(c.check)
-    order.sort(key=lambda cid: (CONCERNS.index(cid.split("::")[0]) if cid.split("::")[0] in CONCERNS else 99))
+    order.sort(key=lambda cid: CONCERNS.index(cid.split("::")[0]) if cid.split("::")[0] in CONCERNS else 99)
     rows: list[list[str]] = []
     for cid in order:
         row = [cid]
@@ -582,8 +657,9 @@ def matrix_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
             row.append(CELL.get(found.status, found.status) if found else "-")
         rows.append(row)
     if not order:
-        rows.append(["reachable"] + [("unreachable" if h.status == "unreachable" else h.status)
-                                     for h in report.hosts])
+        rows.append(
+            ["reachable"] + [("unreachable" if h.status == "unreachable" else h.status) for h in report.hosts]
+        )
     return cols, rows
 
 
@@ -631,9 +707,19 @@ def host_rows(hosts_dir: Path, fleet: str | None) -> list[dict[str, Any]]:
     rows = []
     for fname, (path, f) in sorted(fleets.items()):
         for h in f.by_rank():
-            rows.append({"fleet": fname, "lane": f.fleet.lane, "name": h.name, "rank": h.rank, "role": h.role,
-                         "connection": h.connection, "target": h.ssh, "address": h.address,
-                         "file": str(path)})
+            rows.append(
+                {
+                    "fleet": fname,
+                    "lane": f.fleet.lane,
+                    "name": h.name,
+                    "rank": h.rank,
+                    "role": h.role,
+                    "connection": h.connection,
+                    "target": h.ssh,
+                    "address": h.address,
+                    "file": str(path),
+                }
+            )
     return rows
 
 
@@ -701,7 +787,9 @@ def write_ansible_inventory(hosts_dir: Path, fleet: str | None, path: Path) -> i
         p, f = find_fleet(hosts_dir, fleet)
         targets = [Target(p, f, h) for h in f.by_rank()]
     else:
-        targets = [Target(p, f, h) for _, (p, f) in sorted(load_fleets(hosts_dir).items()) for h in f.by_rank()]
+        targets = [
+            Target(p, f, h) for _, (p, f) in sorted(load_fleets(hosts_dir).items()) for h in f.by_rank()
+        ]
     if path.suffix.lower() not in (".ini", ".cfg", ".yml", ".yaml"):
         raise ConfigError(f"{path}: name the inventory *.yml, *.yaml or *.ini")
     fmt = "ini" if path.suffix.lower() in (".ini", ".cfg") else "yaml"

@@ -3,7 +3,8 @@
 Every remote is kept as a bare mirror under ``cache/<sha256(url)[:16]>.git`` (``git clone
 --mirror``, then ``git fetch --prune`` with the mirror's forced refspec, so force-pushes are
 seen). A relative url is a path relative to the project root (the demo engine ships as a git
-bundle file; git clones and fetches from bundle files like from any remote).
+bundle file; git clones and fetches from bundle files like from any remote). ``--offline``
+never contacts a network remote (the mirror must be cached) but still reads local ones.
 
 Rules (see ``resolve``): a pinned rev that is no longer on its ref, or (without a pinned
 rev) a previously locked commit that is no longer an ancestor of the ref's new head, is
@@ -108,6 +109,11 @@ def is_remote_url(url: str) -> bool:
     return "://" in url or bool(re.match(r"^[\w.-]+@[\w.-]+:", url))
 
 
+def is_local_url(url: str) -> bool:
+    """A path or file:// URL: reading it is not network access, so --offline allows it."""
+    return url.startswith("file://") or not is_remote_url(url)
+
+
 def source_url(url: str, root: Path) -> str:
     """The url git is given: scheme URLs as they are, other paths relative to the project root."""
     if is_remote_url(url):
@@ -121,13 +127,17 @@ def mirror_path(cache: Path, url: str) -> Path:
     return cache / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}.git"
 
 
-def ensure_mirror(url: str, cache: Path, *, offline: bool, name: str) -> Path:
-    """Return an up-to-date bare mirror of url (or, offline, the cached one as it is)."""
+def ensure_mirror(url: str, cache: Path, *, offline: bool, name: str, shown: str | None = None) -> Path:
+    """Return an up-to-date bare mirror of url (or, offline, the cached one as it is).
+
+    Offline, a network remote is not contacted; a local one (a path, a bundle file, file://)
+    is still fetched, since reading local files is not network access.
+    """
     mirror = mirror_path(cache, url)
-    shown = display_url(url)
+    shown = shown or display_url(url)
     cache.mkdir(parents=True, exist_ok=True)
     with file_lock(cache / f".{mirror.name}.lck"):
-        if offline:
+        if offline and not is_local_url(url):
             if not (mirror / "objects").is_dir():
                 raise ResolveError(f"sources.{name}: not in the cache and --offline was given ({shown})")
             return mirror
@@ -307,13 +317,14 @@ def resolve(name: str, spec: GitSource, *, root: Path, cache: Path, offline: boo
       must be an ancestor of the ref's head; if not, ResolveError (never moved silently).
     - no ``rev``: the commit is the ref's head; if a previous lock entry (same url and ref)
       holds a commit that is not an ancestor of the new head, ResolveError unless ``update``.
-    - offline: only the mirror cache is used.
+    - offline: a network remote is not contacted (the mirror cache must have it); local
+      remotes (paths, bundle files, file://) are still read.
     """
     from builder.lock import LockedSource
 
     url = source_url(spec.url, root)
     shown = display_url(spec.url)
-    mirror = ensure_mirror(url, cache, offline=offline, name=name)
+    mirror = ensure_mirror(url, cache, offline=offline, name=name, shown=shown)
     head = ref_head(mirror, spec.ref)
     if head is None:
         where = "in the cache" if offline else f"in {shown}"

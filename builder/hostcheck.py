@@ -85,7 +85,8 @@ for d in sorted(os.listdir(ib)) if os.path.isdir(ib) else []:
         base = os.path.join(pdir, p)
         gids = {}
         gdir = os.path.join(base, "gids")
-        for i in sorted(os.listdir(gdir), key=lambda s: int(s) if s.isdigit() else 0) if os.path.isdir(gdir) else []:
+        idxs = os.listdir(gdir) if os.path.isdir(gdir) else []
+        for i in sorted(idxs, key=lambda s: int(s) if s.isdigit() else 0):
             g = rd(os.path.join(gdir, i))
             if not g or g.replace("0", "").replace(":", "") == "":
                 continue
@@ -186,8 +187,9 @@ def shown(items: Iterable[str], limit: int = 3) -> str:
 # ----------------------------------------------------------------- fabric evaluation
 
 
-def rail_gid(facts: dict[str, Any], ipv4: str, gid_index: int | str = "auto",
-             devices: list[str] | None = None) -> tuple[str, str, str] | None:
+def rail_gid(
+    facts: dict[str, Any], ipv4: str, gid_index: int | str = "auto", devices: list[str] | None = None
+) -> tuple[str, str, str] | None:
     """The (device, port, index) holding a RoCE v2 GID for `ipv4`, or None.
 
     With a fixed gid_index only that index counts; with "auto" any index does.

@@ -674,7 +674,10 @@ def load_image(bundle_dir: str, manifest: dict[str, Any]) -> None:
     if exe is None:
         raise InstallError("docker: not found on PATH")
     _say("loading image %s (%s)" % (img["image_id"][:19], human(entry["size"])))
-    proc = subprocess.Popen([exe, "load"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    import tempfile
+
+    outf, errf = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # no pipe to fill up while we write
+    proc = subprocess.Popen([exe, "load"], stdin=subprocess.PIPE, stdout=outf, stderr=errf)
     failed: BaseException | None = None
     try:
         assert proc.stdin is not None
@@ -687,7 +690,16 @@ def load_image(bundle_dir: str, manifest: dict[str, Any]) -> None:
         failed = e
         with contextlib.suppress(OSError):
             proc.kill()
-    out, err = proc.communicate(timeout=3600)
+    with contextlib.suppress(OSError):
+        proc.stdin.close()  # type: ignore[union-attr]
+    try:
+        proc.wait(timeout=3600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise InstallError("docker load: no answer within an hour") from None
+    outf.seek(0)
+    errf.seek(0)
+    out, err = outf.read(65536), errf.read(65536)
     if failed is not None:
         raise failed
     if proc.returncode != 0:
@@ -954,9 +966,6 @@ def install(bundle_dir: str, root: str, *, trusted_key: bytes | None = None, ins
         if old and old.get("host") not in (None, manifest["host"]):
             raise InstallError("%s: this host was installed as %r; the bundle is for %r" % (
                 r.record, old.get("host"), manifest["host"]), EXIT_CONFIG)
-        if new_key:
-            atomic_write(r.trusted, trusted_key or b"", 0o644)
-            _say("trusted key set: %s" % r.trusted)
         current = r.link("current")
         img = manifest["image"]
         have_layers = image_present(img["image_id"])
@@ -998,6 +1007,9 @@ def install(bundle_dir: str, root: str, *, trusted_key: bytes | None = None, ins
                 if model_ok(m, None) is not None:
                     raise InstallError("model file %s: changed while it was placed" % m["path"])
         stage_release(r, bundle_dir, manifest, mbytes, sbytes)
+        if new_key:  # the first install's key becomes the host's trusted key once the bundle is staged
+            atomic_write(r.trusted, trusted_key or b"", 0o644)
+            _say("trusted key set: %s" % r.trusted)
         previous = r.link("previous")
         if current is not None and current != bid:
             r.set_link("previous", current)

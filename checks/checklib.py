@@ -47,5 +47,3 @@ def read_applied(host: Any, expect: dict[str, Any]) -> tuple[dict[str, Any] | No
             out = (None, f"{key}: malformed JSON ({e.msg})")
     APPLIED_CACHE[key] = out
     return out
-
-

@@ -23,7 +23,9 @@ _STATE: dict[str, Any] = {"unreachable": None, "results": {}, "order": []}
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("builder")
-    g.addoption("--builder-expect", dest="builder_expect", default=None, help="expectations JSON for this host")
+    g.addoption(
+        "--builder-expect", dest="builder_expect", default=None, help="expectations JSON for this host"
+    )
     g.addoption("--builder-results", dest="builder_results", default=None, help="write results JSON here")
 
 
@@ -75,6 +77,8 @@ def _lost_connection(exc: BaseException) -> bool:
 
 def _message(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
     e = excinfo.value
+    if isinstance(e, pytest.fail.Exception):
+        return str(e.msg).strip().splitlines()[0] if e.msg else "failed"
     if isinstance(e, AssertionError):
         text = str(e).strip()
         first = text.splitlines()[0] if text else "assertion failed"
@@ -111,7 +115,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
             reason = rep.longrepr[2]
         entry["status"], entry["message"] = "skip", reason.removeprefix("Skipped: ")
     elif rep.failed and entry["status"] in ("pass", "skip"):
-        is_fail = rep.when == "call" and call.excinfo is not None and call.excinfo.errisinstance(AssertionError)
+        # drift: an assertion in the check, or pytest.fail() in a check or its fact fixture
+        is_fail = call.excinfo is not None and (
+            (rep.when == "call" and call.excinfo.errisinstance(AssertionError))
+            or call.excinfo.errisinstance(pytest.fail.Exception)
+        )
         entry["status"] = "fail" if is_fail else "error"
         entry["message"] = _message(call.excinfo) if call.excinfo is not None else str(rep.longrepr)[:300]
 
@@ -120,8 +128,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = session.config.getoption("builder_results")
     if not path:
         return
-    data = {"unreachable": _STATE["unreachable"],
-            "checks": [_STATE["results"][c] for c in _STATE["order"]]}
+    data = {"unreachable": _STATE["unreachable"], "checks": [_STATE["results"][c] for c in _STATE["order"]]}
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)

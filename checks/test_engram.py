@@ -30,23 +30,33 @@ def engram(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
             tagged[rel] = t
     if not tagged and not wanted:
         pytest.skip(f"no per-rank files in {root} and none expected")
-    return {"root": root, "tp": serve["tensor_parallel"], "rank": expect["host"]["rank"], "files": listing,
-            "tagged": tagged, "recorded": recorded}
+    return {
+        "root": root,
+        "tp": serve["tensor_parallel"],
+        "rank": expect["host"]["rank"],
+        "files": listing,
+        "tagged": tagged,
+        "recorded": recorded,
+    }
 
 
 def test_own_rank_files(engram: dict[str, Any]) -> None:
     k, n = engram["rank"], engram["tp"]
     own = [f for f, t in engram["tagged"].items() if t == (k, n)]
     seen = sorted({f"r{a}of{b}" for a, b in engram["tagged"].values()})
-    assert own, f"{engram['root']}: expected files tagged r{k}of{n}, found none (tags found: " \
-                f"{', '.join(seen) or 'none'})"
+    assert own, (
+        f"{engram['root']}: expected files tagged r{k}of{n}, found none (tags found: "
+        f"{', '.join(seen) or 'none'})"
+    )
 
 
 def test_tensor_parallel_size(engram: dict[str, Any]) -> None:
     n = engram["tp"]
     wrong = sorted(f for f, t in engram["tagged"].items() if t[1] != n)
-    assert not wrong, f"{engram['root']}: expected ranges for tensor-parallel {n}, found {len(wrong)} file(s) " \
-                      f"for another size: {shown(wrong)}"
+    assert not wrong, (
+        f"{engram['root']}: expected ranges for tensor-parallel {n}, found {len(wrong)} file(s) "
+        f"for another size: {shown(wrong)}"
+    )
 
 
 def test_no_other_rank_files(engram: dict[str, Any]) -> None:

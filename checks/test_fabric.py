@@ -28,15 +28,19 @@ def facts(host: Any, fab: dict[str, Any]) -> dict[str, Any]:
     found: dict[str, Any] = remote_json(host, FABRIC_SCRIPT, "/sys")
     if not found["dev_infiniband"] and not found["rdma"]:
         if fab["rdma_devices"] or fab["rails"]:
-            pytest.fail(f"/dev/infiniband: expected (devices {', '.join(fab['rdma_devices']) or '-'}, rails "
-                        f"{', '.join(fab['rails']) or '-'}), found none")
+            pytest.fail(
+                f"/dev/infiniband: expected (devices {', '.join(fab['rdma_devices']) or '-'}, rails "
+                f"{', '.join(fab['rails']) or '-'}), found none"
+            )
         pytest.skip("no /dev/infiniband on this host and the inventory names no RDMA device or rail")
     return found
 
 
 def test_dev_infiniband(facts: dict[str, Any]) -> None:
-    assert facts["dev_infiniband"], "/dev/infiniband: expected present, found absent (RDMA devices in " \
-                                    f"sysfs: {', '.join(sorted(facts['rdma'])) or 'none'})"
+    assert facts["dev_infiniband"], (
+        "/dev/infiniband: expected present, found absent (RDMA devices in "
+        f"sysfs: {', '.join(sorted(facts['rdma'])) or 'none'})"
+    )
 
 
 def test_rdma_devices(facts: dict[str, Any], fab: dict[str, Any]) -> None:

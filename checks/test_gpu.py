@@ -51,7 +51,9 @@ def test_name(report: G.GpuReport, expect: dict[str, Any]) -> None:
 def test_compute_capability(report: G.GpuReport, expect: dict[str, Any]) -> None:
     want = need(expect["expect"].get("compute_cap"), "no compute_cap in the host's expectations")
     for g in _gpus(report):
-        assert g.compute_cap == want, f"GPU {g.index} compute capability: expected {want}, found {g.compute_cap}"
+        assert g.compute_cap == want, (
+            f"GPU {g.index} compute capability: expected {want}, found {g.compute_cap}"
+        )
 
 
 def test_driver_version(report: G.GpuReport, expect: dict[str, Any]) -> None:
@@ -70,27 +72,33 @@ def test_persistence_mode(report: G.GpuReport, expect: dict[str, Any]) -> None:
         pytest.skip("persistence_mode not set in the host's expectations")
     for g in _gpus(report):
         found = "unknown" if g.persistence_mode is None else ("on" if g.persistence_mode else "off")
-        assert g.persistence_mode == want, f"GPU {g.index} persistence mode: expected " \
-                                           f"{'on' if want else 'off'}, found {found}"
+        assert g.persistence_mode == want, (
+            f"GPU {g.index} persistence mode: expected {'on' if want else 'off'}, found {found}"
+        )
 
 
 def test_clock_ceiling(report: G.GpuReport, expect: dict[str, Any]) -> None:
     want = need(expect["expect"].get("gpu_clock_mhz"), "no gpu_clock_mhz target in the host's expectations")
     for g in _gpus(report):
         assert g.clocks_max_sm_mhz is not None and g.clocks_max_sm_mhz >= want, (
-            f"GPU {g.index} max SM clock: expected >= {want} MHz, found {g.clocks_max_sm_mhz} MHz")
+            f"GPU {g.index} max SM clock: expected >= {want} MHz, found {g.clocks_max_sm_mhz} MHz"
+        )
 
 
 def test_clock_event_reasons(report: G.GpuReport) -> None:
     for g in _gpus(report):
         if g.event_reasons is None:
             pytest.skip(f"GPU {g.index}: clock event reasons not reported by this driver")
-        assert not g.throttled, (f"GPU {g.index} clock event reasons: expected no power/thermal limit, found "
-                                 f"{', '.join(g.event_reason_names)} ({g.event_reasons:#x})")
+        assert not g.throttled, (
+            f"GPU {g.index} clock event reasons: expected no power/thermal limit, found "
+            f"{', '.join(g.event_reason_names)} ({g.event_reasons:#x})"
+        )
 
 
 def test_no_other_compute_process(report: G.GpuReport, expect: dict[str, Any]) -> None:
     if expect.get("phase") != "preflight":
         pytest.skip("the lane's own engine may hold the GPU after start (checked in --phase preflight)")
     apps = [f"pid {a.pid} {a.process_name}" for a in report.compute_apps]
-    assert not apps, f"compute processes: expected none before start, found {len(apps)}: {', '.join(apps[:3])}"
+    assert not apps, (
+        f"compute processes: expected none before start, found {len(apps)}: {', '.join(apps[:3])}"
+    )

@@ -38,8 +38,9 @@ def image(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
 
 def test_present_by_id(host: Any, image: dict[str, Any]) -> None:
     found = _inspect(host, image["image_id"])
-    assert found is not None, (f"image {image['name']}: expected ImageID {image['image_id']} present, "
-                               f"found absent")
+    assert found is not None, (
+        f"image {image['name']}: expected ImageID {image['image_id']} present, found absent"
+    )
     assert found["Id"] == image["image_id"], f"ImageID: expected {image['image_id']}, found {found['Id']}"
 
 
@@ -56,11 +57,15 @@ def test_diff_ids(host: Any, image: dict[str, Any]) -> None:
     layers = found.get("RootFS", {}).get("Layers") or []
     want = image["diff_ids"]
     if layers != want:
-        first = next((i for i, (a, b) in enumerate(zip(want, layers, strict=False)) if a != b), min(len(want),
-                                                                                                    len(layers)))
-        assert False, (f"DiffIDs: expected {len(want)} layers, found {len(layers)}; first difference at layer "
-                       f"{first}: expected {want[first][:19] if first < len(want) else 'none'}, found "
-                       f"{layers[first][:19] if first < len(layers) else 'none'}")
+        first = next(
+            (i for i, (a, b) in enumerate(zip(want, layers, strict=False)) if a != b),
+            min(len(want), len(layers)),
+        )
+        raise AssertionError(
+            f"DiffIDs: expected {len(want)} layers, found {len(layers)}; first difference at layer "
+            f"{first}: expected {want[first][:19] if first < len(want) else 'none'}, found "
+            f"{layers[first][:19] if first < len(layers) else 'none'}"
+        )
 
 
 def test_labels(host: Any, image: dict[str, Any]) -> None:
@@ -72,4 +77,5 @@ def test_labels(host: Any, image: dict[str, Any]) -> None:
     bad = {k: (v, got.get(k)) for k, v in sorted(want.items()) if got.get(k) != v}
     if bad:
         k, (v, g) = next(iter(bad.items()))
-        assert False, f"label {k}: expected {v!r}, found {g!r}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else "")
+        more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise AssertionError(f"label {k}: expected {v!r}, found {g!r}{more}")

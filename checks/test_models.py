@@ -21,8 +21,15 @@ def _expected(expect: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for m in models:
         for f in m["files"]:
-            out.append({"model": m["name"], "rel": f["path"], "path": f"{m['root']}/{f['path']}",
-                        "size": f["size"], "sha256": f["sha256"]})
+            out.append(
+                {
+                    "model": m["name"],
+                    "rel": f["path"],
+                    "path": f"{m['root']}/{f['path']}",
+                    "size": f["size"],
+                    "sha256": f["sha256"],
+                }
+            )
     return need(out, "the lane's models list no files")  # type: ignore[no-any-return]
 
 
@@ -32,16 +39,22 @@ def facts(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
     full = expect.get("mode") == "full"
     got: dict[str, Any] = {}
     for chunk in batches([f["path"] for f in files]):
-        got.update(remote_json(host, FILES_SCRIPT, dumps({"paths": chunk, "hash": full,
-                                                          "jobs": expect.get("hash_jobs", 4)})))
+        got.update(
+            remote_json(
+                host, FILES_SCRIPT, dumps({"paths": chunk, "hash": full, "jobs": expect.get("hash_jobs", 4)})
+            )
+        )
     return got
 
 
 def test_files_present(expect: dict[str, Any], facts: dict[str, Any]) -> None:
     files = _expected(expect)
-    missing = [f"{f['path']} ({facts[f['path']]['error']})" for f in files if "error" in facts.get(f["path"], {})]
-    assert not missing, f"{len(missing)} of {len(files)} model file(s): expected present, found absent: " \
-                        f"{shown(missing)}"
+    missing = [
+        f"{f['path']} ({facts[f['path']]['error']})" for f in files if "error" in facts.get(f["path"], {})
+    ]
+    assert not missing, (
+        f"{len(missing)} of {len(files)} model file(s): expected present, found absent: {shown(missing)}"
+    )
 
 
 def test_sizes(expect: dict[str, Any], facts: dict[str, Any]) -> None:
@@ -56,8 +69,11 @@ def test_sizes(expect: dict[str, Any], facts: dict[str, Any]) -> None:
 def test_content(host: Any, expect: dict[str, Any], facts: dict[str, Any]) -> None:
     files = _expected(expect)
     if expect.get("mode") == "full":
-        bad = [f"{f['path']}: expected sha256 {f['sha256'][:16]}, found {facts[f['path']]['sha256'][:16]}"
-               for f in files if "sha256" in facts.get(f["path"], {}) and facts[f["path"]]["sha256"] != f["sha256"]]
+        bad = [
+            f"{f['path']}: expected sha256 {f['sha256'][:16]}, found {facts[f['path']]['sha256'][:16]}"
+            for f in files
+            if "sha256" in facts.get(f["path"], {}) and facts[f["path"]]["sha256"] != f["sha256"]
+        ]
         assert not bad, f"{len(bad)} model file(s) changed (sha256): {shown(bad)}"
         return
     rec, why = read_applied(host, expect)
@@ -72,11 +88,15 @@ def test_content(host: Any, expect: dict[str, Any], facts: dict[str, Any]) -> No
         if r is None:
             bad.append(f"{f['path']}: expected in the apply record, found not recorded")
         elif r.get("sha256") != f["sha256"] or r.get("size") != f["size"]:
-            bad.append(f"{f['path']}: recorded sha256 {str(r.get('sha256'))[:16]}, lock says {f['sha256'][:16]}")
+            bad.append(
+                f"{f['path']}: recorded sha256 {str(r.get('sha256'))[:16]}, lock says {f['sha256'][:16]}"
+            )
         elif r.get("inode") != g["inode"]:
             bad.append(f"{f['path']}: expected inode {r.get('inode')}, found {g['inode']} (replaced)")
         elif not same_mtime(r.get("mtime"), g["mtime_ns"]):
-            bad.append(f"{f['path']}: expected mtime {r.get('mtime')}, found {g['mtime_ns'] / 1e9:.3f} (modified)")
+            bad.append(
+                f"{f['path']}: expected mtime {r.get('mtime')}, found {g['mtime_ns'] / 1e9:.3f} (modified)"
+            )
     assert not bad, f"{len(bad)} model file(s) differ from the apply record: {shown(bad)}"
 
 
@@ -94,5 +114,7 @@ def test_file_count(host: Any, expect: dict[str, Any]) -> None:
         if extra:
             bad.append(f"{m['root']}: expected {len(want)} files, found {len(have)} (extra: {shown(extra)})")
         if m.get("expect_files") is not None and len(want) != m["expect_files"]:
-            bad.append(f"{m['name']}: expected {m['expect_files']} files by the pins, the lock has {len(want)}")
+            bad.append(
+                f"{m['name']}: expected {m['expect_files']} files by the pins, the lock has {len(want)}"
+            )
     assert not bad, "; ".join(bad)

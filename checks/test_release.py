@@ -33,16 +33,18 @@ def test_record_identity(record: dict[str, Any], expect: dict[str, Any]) -> None
 
 def test_record_lock(record: dict[str, Any], expect: dict[str, Any]) -> None:
     want = need(expect.get("lock_hash"), expect.get("lock_reason") or "no lock")
-    assert record.get("lock_hash") == want, f"apply record lock_hash: expected {want[:16]}, found " \
-                                            f"{str(record.get('lock_hash'))[:16]}"
+    assert record.get("lock_hash") == want, (
+        f"apply record lock_hash: expected {want[:16]}, found {str(record.get('lock_hash'))[:16]}"
+    )
 
 
 def test_record_image(record: dict[str, Any], expect: dict[str, Any]) -> None:
     img = need(expect.get("image"), expect.get("image_reason") or "no image expected")
     got = record.get("image") or {}
     for k in ("input_address", "image_id", "diff_ids"):
-        assert got.get(k) == img[k], f"apply record image.{k}: expected {str(img[k])[:80]}, found " \
-                                     f"{str(got.get(k))[:80]}"
+        assert got.get(k) == img[k], (
+            f"apply record image.{k}: expected {str(img[k])[:80]}, found {str(got.get(k))[:80]}"
+        )
 
 
 def test_manifest_hash(host: Any, record: dict[str, Any], expect: dict[str, Any]) -> None:
@@ -55,7 +57,8 @@ def test_manifest_hash(host: Any, record: dict[str, Any], expect: dict[str, Any]
     manifest = json.loads(r.stdout_bytes)
     if isinstance(manifest, dict) and "bundle_id" in manifest:
         assert manifest["bundle_id"] == record.get("bundle_id"), (
-            f"manifest bundle_id: expected {record.get('bundle_id')}, found {manifest['bundle_id']}")
+            f"manifest bundle_id: expected {record.get('bundle_id')}, found {manifest['bundle_id']}"
+        )
 
 
 def test_launch_files_unchanged(host: Any, record: dict[str, Any], expect: dict[str, Any]) -> None:
@@ -69,8 +72,10 @@ def test_launch_files_unchanged(host: Any, record: dict[str, Any], expect: dict[
         if "error" in g:
             bad.append(f"{f['path']}: expected present, found {g['error']}")
         elif g.get("size") != f.get("size") or g.get("sha256") != f.get("sha256"):
-            bad.append(f"{f['path']}: expected sha256 {str(f.get('sha256'))[:12]} size {f.get('size')}, "
-                       f"found {str(g.get('sha256'))[:12]} size {g.get('size')}")
+            bad.append(
+                f"{f['path']}: expected sha256 {str(f.get('sha256'))[:12]} size {f.get('size')}, "
+                f"found {str(g.get('sha256'))[:12]} size {g.get('size')}"
+            )
     assert not bad, f"{len(bad)} launch file(s) changed: {shown(bad, 2)}"
     listed = {f["path"] for f in files}
     missing = [n for n in LAUNCH_FILES if n not in listed]

@@ -14,8 +14,10 @@ def test_docker(host: Any, expect: dict[str, Any]) -> None:
         pytest.skip("docker not expected on this host")
     assert host.exists("docker"), "docker CLI: expected on PATH, found none"
     r = host.run("docker version --format '{{.Server.Version}}'")
-    assert r.rc == 0, f"docker engine: expected to answer, found exit {r.rc}: " \
-                      f"{(r.stderr.strip().splitlines() or [''])[-1][:120]}"
+    assert r.rc == 0, (
+        f"docker engine: expected to answer, found exit {r.rc}: "
+        f"{(r.stderr.strip().splitlines() or [''])[-1][:120]}"
+    )
 
 
 def test_nvidia_runtime(host: Any, expect: dict[str, Any]) -> None:
@@ -46,6 +48,8 @@ def _listening_ports(text: str) -> set[int]:
         parts = line.split()
         if len(parts) >= 4 and parts[0] == "LISTEN":  # ss -Hltn: State Recv-Q Send-Q Local:Port Peer
             ports.add(int(parts[3].rsplit(":", 1)[1]))
-        elif len(parts) >= 4 and ":" in parts[1] and parts[3] == "0A":  # /proc/net/tcp: local_address st=LISTEN
+        elif (
+            len(parts) >= 4 and ":" in parts[1] and parts[3] == "0A"
+        ):  # /proc/net/tcp: local_address st=LISTEN
             ports.add(int(parts[1].rsplit(":", 1)[1], 16))
     return ports

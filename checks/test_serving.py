@@ -38,16 +38,18 @@ def api(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
     if expect["host"]["role"] != "head":
         pytest.skip("the API is served by the head (rank 0)")
     base = f"http://127.0.0.1:{serve['port']}"
-    got: dict[str, Any] = remote_json(host, SERVE_SCRIPT, dumps({"base": base, "model": serve["served_name"],
-                                                                 "timeout": 60}))
+    got: dict[str, Any] = remote_json(
+        host, SERVE_SCRIPT, dumps({"base": base, "model": serve["served_name"], "timeout": 60})
+    )
     got["_base"], got["_name"] = base, serve["served_name"]
     return got
 
 
 def _ok(api: dict[str, Any], name: str, path: str) -> str:
     r = api[name]
-    assert r.get("status") == 200, f"{api['_base']}{path}: expected HTTP 200, found " \
-                                   f"{r.get('status') or r.get('error')}"
+    assert r.get("status") == 200, (
+        f"{api['_base']}{path}: expected HTTP 200, found {r.get('status') or r.get('error')}"
+    )
     return str(r["body"])
 
 

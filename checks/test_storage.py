@@ -33,8 +33,10 @@ def test_nfs_in_fstab(host: Any, expect: dict[str, Any]) -> None:
     r = host.run("cat /etc/fstab")
     found = _fstab_targets(r.stdout if r.rc == 0 else "")
     missing = [m for m in mounts if m.rstrip("/") not in found]
-    assert not missing, f"/etc/fstab: expected entries for {', '.join(mounts)}, found none for " \
-                        f"{', '.join(missing)} (lost after a reboot)"
+    assert not missing, (
+        f"/etc/fstab: expected entries for {', '.join(mounts)}, found none for "
+        f"{', '.join(missing)} (lost after a reboot)"
+    )
 
 
 def test_free_disk(host: Any, expect: dict[str, Any]) -> None:
@@ -43,8 +45,10 @@ def test_free_disk(host: Any, expect: dict[str, Any]) -> None:
         pytest.skip("no min_free_disk_gib in the host's expectations")
     path = expect["paths"]["models"]
     # the nearest existing folder above the models path holds the filesystem it will use
-    r = host.run("p=%s; while [ ! -e \"$p\" ] && [ \"$p\" != / ]; do p=$(dirname \"$p\"); done; "
-                 "df -Pk \"$p\" | tail -n 1", path)
+    r = host.run(
+        'p=%s; while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname "$p"); done; df -Pk "$p" | tail -n 1',
+        path,
+    )
     assert r.rc == 0, f"df {path}: expected an answer, found exit {r.rc}: {r.stderr.strip()[:100]}"
     avail_gib = int(r.stdout.split()[3]) / (1024 * 1024)
     assert avail_gib >= want, f"free disk for {path}: expected >= {want:g} GiB, found {avail_gib:.1f} GiB"

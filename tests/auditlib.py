@@ -105,12 +105,26 @@ MODEL_FILES: dict[str, bytes] = {
 }
 
 
-def make_project(root: Path, *, tp: int = 2, port: int = 18091, lock: bool = True,
-                 model_files: dict[str, bytes] | None = None) -> dict[str, Path]:
+def make_project(
+    root: Path,
+    *,
+    tp: int = 2,
+    port: int = 18091,
+    lock: bool = True,
+    model_files: dict[str, bytes] | None = None,
+) -> dict[str, Path]:
     """pins.toml, images/demo/, and (with lock) a pins.lock built from the real lock models."""
     from builder.canon import sha256_bytes
-    from builder.lock import (Lock, LockedImage, LockedLane, LockedModel, LockedModelFile, recipe_files,
-                              render_lock, spec_hash)
+    from builder.lock import (
+        Lock,
+        LockedImage,
+        LockedLane,
+        LockedModel,
+        LockedModelFile,
+        recipe_files,
+        render_lock,
+        spec_hash,
+    )
     from builder.pins import load_pins
 
     root.mkdir(parents=True, exist_ok=True)
@@ -119,21 +133,42 @@ def make_project(root: Path, *, tp: int = 2, port: int = 18091, lock: bool = Tru
     pins_path = root / "pins.toml"
     pins_path.write_text(PINS.format(tp=tp, port=port))
     (root / "hosts").mkdir(exist_ok=True)
-    out = {"pins": pins_path, "lock": root / "pins.lock", "store": root / ".cache" / "builder",
-           "hosts": root / "hosts"}
+    out = {
+        "pins": pins_path,
+        "lock": root / "pins.lock",
+        "store": root / ".cache" / "builder",
+        "hosts": root / "hosts",
+    }
     if not lock:
         return out
     pins = load_pins(pins_path)
     files = model_files if model_files is not None else MODEL_FILES
     lf = [LockedModelFile(path=p, size=len(b), sha256=sha256_bytes(b)) for p, b in sorted(files.items())]
     lk = Lock(
-        format=1, builder="test", inputs_hash="0" * 64, inputs={},
-        models={"tiny": LockedModel(spec_hash=spec_hash(pins.models["tiny"]), repo="test/tiny", revision="main",
-                                    commit="a" * 40, source="local", files=lf,
-                                    total_size=sum(x.size for x in lf))},
-        images={"demo": LockedImage(spec_hash=spec_hash(pins.images["demo"]), recipe="images/demo",
-                                    recipe_files=recipe_files(root, "images/demo"), platform="linux/arm64",
-                                    source_date_epoch=0)},
+        format=1,
+        builder="test",
+        inputs_hash="0" * 64,
+        inputs={},
+        models={
+            "tiny": LockedModel(
+                spec_hash=spec_hash(pins.models["tiny"]),
+                repo="test/tiny",
+                revision="main",
+                commit="a" * 40,
+                source="local",
+                files=lf,
+                total_size=sum(x.size for x in lf),
+            )
+        },
+        images={
+            "demo": LockedImage(
+                spec_hash=spec_hash(pins.images["demo"]),
+                recipe="images/demo",
+                recipe_files=recipe_files(root, "images/demo"),
+                platform="linux/arm64",
+                source_date_epoch=0,
+            )
+        },
         lanes={"demo": LockedLane(spec_hash=spec_hash(pins.lanes["demo"]), image="demo", models=["tiny"])},
     )
     out["lock"].write_bytes(render_lock(lk))
@@ -148,8 +183,14 @@ def plan_address(paths: dict[str, Path]) -> str:
     return make_plan(load_pins(paths["pins"]), load_lock(paths["lock"]), "demo", paths["pins"].parent).address
 
 
-def fleet_toml(name: str, hosts: list[dict[str, object]], *, ssh_config: str | None = None,
-               lane: str = "demo", expect: str = "") -> str:
+def fleet_toml(
+    name: str,
+    hosts: list[dict[str, object]],
+    *,
+    ssh_config: str | None = None,
+    lane: str = "demo",
+    expect: str = "",
+) -> str:
     """A fleet file; each host dict has name, ssh, rank, role and optional connection."""
     lines = ["[fleet]", f'name = "{name}"', f'lane = "{lane}"']
     if ssh_config:

@@ -69,11 +69,22 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     labels = {"org.builder.lane": "demo", "org.builder.input-address": addr}
     image_id = fleetlib.tiny_image("builder-test-audit:good", files={"/etc/demo": b"good\n"}, labels=labels)
     fleetlib.docker("tag", image_id, tag)
-    other_id = fleetlib.tiny_image("builder-test-audit:other", files={"/etc/demo": b"other\n"}, labels=labels)
+    fleetlib.tiny_image("builder-test-audit:other", files={"/etc/demo": b"other\n"}, labels=labels)
     layers = json.loads(fleetlib.docker("image", "inspect", "-f", "{{json .RootFS.Layers}}", image_id).stdout)
-    write_record(paths["store"], ImageRecord(name="demo", input_address=addr, image_id=image_id, diff_ids=layers,
-                                             tag=tag, lock_hash="0" * 64, platform="linux/arm64",
-                                             source_date_epoch=0, labels=labels))
+    write_record(
+        paths["store"],
+        ImageRecord(
+            name="demo",
+            input_address=addr,
+            image_id=image_id,
+            diff_ids=layers,
+            tag=tag,
+            lock_hash="0" * 64,
+            platform="linux/arm64",
+            source_date_epoch=0,
+            labels=labels,
+        ),
+    )
     work = tmp_path_factory.mktemp("imgs")
     good_tar = fleetlib.save_image(tag, work / "good.tar")
     other_tar = fleetlib.save_image("builder-test-audit:other", work / "other.tar")
@@ -84,21 +95,49 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     hosts = []
     for rank, h in enumerate(fleet.hosts):
         fleet.docker_load(h, good_tar)
-        fleet.exec(h, ["sh", "-c", "mkdir -p /etc/fake-nvidia-smi && cat > /usr/local/bin/nvidia-smi && "
-                                   "chmod 755 /usr/local/bin/nvidia-smi"], input=fake)
+        fleet.exec(
+            h,
+            [
+                "sh",
+                "-c",
+                "mkdir -p /etc/fake-nvidia-smi && cat > /usr/local/bin/nvidia-smi && "
+                "chmod 755 /usr/local/bin/nvidia-smi",
+            ],
+            input=fake,
+        )
         install(fleet, h, rank, paths, addr, image_id, layers, lock_hash)
         hosts.append({"name": h.name, "ssh": h.name, "rank": rank, "role": "head" if rank == 0 else "worker"})
-    expect = ('gpu_name = "NVIDIA H200"\ngpu_count = 1\ncompute_cap = "9.0"\ndriver_version = "580.159.04"\n'
-              'cuda_version = "13.0"\ngpu_clock_mhz = 1980\nmin_free_memory_gib = 0.05\nmax_swap_used_gib = 1024\n'
-              'min_free_disk_gib = 0.01\nnvidia_runtime = false\n')
+    expect = (
+        'gpu_name = "NVIDIA H200"\ngpu_count = 1\ncompute_cap = "9.0"\ndriver_version = "580.159.04"\n'
+        'cuda_version = "13.0"\ngpu_clock_mhz = 1980\nmin_free_memory_gib = 0.05\nmax_swap_used_gib = 1024\n'
+        "min_free_disk_gib = 0.01\nnvidia_runtime = false\n"
+    )
     (paths["hosts"] / "test.toml").write_text(
-        auditlib.fleet_toml("test", hosts, ssh_config=str(fleet.ssh_config), expect=expect))
-    return {"fleet": fleet, "paths": paths, "tag": tag, "image_id": image_id, "other_tar": other_tar,
-            "good_tar": good_tar, "addr": addr, "layers": layers, "lock_hash": lock_hash}
+        auditlib.fleet_toml("test", hosts, ssh_config=str(fleet.ssh_config), expect=expect)
+    )
+    return {
+        "fleet": fleet,
+        "paths": paths,
+        "tag": tag,
+        "image_id": image_id,
+        "other_tar": other_tar,
+        "good_tar": good_tar,
+        "addr": addr,
+        "layers": layers,
+        "lock_hash": lock_hash,
+    }
 
 
-def install(fleet: Any, h: Any, rank: int, paths: dict[str, Path], addr: str, image_id: str,
-            layers: list[str], lock_hash: str) -> None:
+def install(
+    fleet: Any,
+    h: Any,
+    rank: int,
+    paths: dict[str, Path],
+    addr: str,
+    image_id: str,
+    layers: list[str],
+    lock_hash: str,
+) -> None:
     files: dict[str, bytes] = {}
     for rel, data in auditlib.MODEL_FILES.items():
         files[f"/srv/models/tiny/{rel}"] = data
@@ -112,19 +151,46 @@ def install(fleet: Any, h: Any, rank: int, paths: dict[str, Path], addr: str, im
     files[f"{relroot}/stop.sh"] = b"#!/bin/sh\necho stop\n"
     files[f"{relroot}/rank.env"] = f"RANK={rank}\nWORLD_SIZE=2\n".encode()
     files[f"{relroot}/config.json"] = b"{}\n"
-    record = {"format": 1, "bundle_id": bid, "host": h.name, "fleet": "test", "lane": "demo", "rank": rank,
-              "lock_hash": lock_hash, "image": {"input_address": addr, "image_id": image_id, "diff_ids": layers},
-              "applied_at": "2026-01-01T00:00:00Z", "previous_bundle_id": None}
-    spec = {"files": {p: base64.b64encode(b).decode() for p, b in files.items()}, "bundles": "/var/lib/builder",
-            "bundle_id": bid, "record": record,
-            "models": sorted([p for p in files if p.startswith("/srv/models/")] + engram)}
+    record = {
+        "format": 1,
+        "bundle_id": bid,
+        "host": h.name,
+        "fleet": "test",
+        "lane": "demo",
+        "rank": rank,
+        "lock_hash": lock_hash,
+        "image": {"input_address": addr, "image_id": image_id, "diff_ids": layers},
+        "applied_at": "2026-01-01T00:00:00Z",
+        "previous_bundle_id": None,
+    }
+    spec = {
+        "files": {p: base64.b64encode(b).decode() for p, b in files.items()},
+        "bundles": "/var/lib/builder",
+        "bundle_id": bid,
+        "record": record,
+        "models": sorted([p for p in files if p.startswith("/srv/models/")] + engram),
+    }
     fleet.exec(h, ["python3", "-c", FAKE_INSTALL], input=json.dumps(spec))
 
 
 def audit(env: dict[str, Any], *args: str) -> tuple[int, dict[str, Any], str]:
     p = env["paths"]
-    argv = [sys.executable, "-m", "builder", "--pins", str(p["pins"]), "--store", str(p["store"]), "audit",
-            "--json", "--connect-timeout", "3", "--checks", str(ROOT / "checks"), *args]
+    argv = [
+        sys.executable,
+        "-m",
+        "builder",
+        "--pins",
+        str(p["pins"]),
+        "--store",
+        str(p["store"]),
+        "audit",
+        "--json",
+        "--connect-timeout",
+        "3",
+        "--checks",
+        str(ROOT / "checks"),
+        *args,
+    ]
     e = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run(argv, capture_output=True, text=True, env=e, timeout=600)
     data = json.loads(r.stdout) if r.stdout.strip() else {}
@@ -151,9 +217,18 @@ def test_clean_fleet_passes_fast_and_full(env: dict[str, Any]) -> None:
         assert rc == 0, err
         assert statuses(data) == {"spark-test-1": "pass", "spark-test-2": "pass"}
         checks = data["hosts"]["spark-test-1"]["checks"]
-        for must in ("image::present_by_id", "image::diff_ids", "release::launch_files_unchanged",
-                     "models::content", "engram::own_rank_files", "gpu::name", "gpu::cuda_version",
-                     "memory::available", "runtime::docker", "runtime::api_port_free"):
+        for must in (
+            "image::present_by_id",
+            "image::diff_ids",
+            "release::launch_files_unchanged",
+            "models::content",
+            "engram::own_rank_files",
+            "gpu::name",
+            "gpu::cuda_version",
+            "memory::available",
+            "runtime::docker",
+            "runtime::api_port_free",
+        ):
             assert checks[must]["status"] == "pass", (must, checks[must])
         assert checks["fabric::dev_infiniband"]["status"] == "skip"
         assert "infiniband" in checks["fabric::dev_infiniband"]["message"]
@@ -165,8 +240,11 @@ def test_corrupt_model_byte_full_mode_names_file(env: dict[str, Any]) -> None:
     h = fleet.hosts[1]
     path = "/srv/models/tiny/model-00001-of-00002.safetensors"
     # flip one byte, keep size and mtime (what a fast audit cannot see)
-    flip = ("import os,sys; p=sys.argv[1]; st=os.stat(p); f=open(p,'r+b'); f.seek(100); b=f.read(1); f.seek(100); "
-            "f.write(bytes([b[0]^255])); f.close(); os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))")
+    flip = (
+        "import os,sys; p=sys.argv[1]; st=os.stat(p); f=open(p,'r+b'); f.seek(100); b=f.read(1); "
+        "f.seek(100); "
+        "f.write(bytes([b[0]^255])); f.close(); os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))"
+    )
     fleet.exec(h, ["python3", "-c", flip, path])
     try:
         rc, data, err = audit(env, "--fleet", "test", "--mode", "full")
@@ -195,8 +273,10 @@ def test_removed_engram_file(env: dict[str, Any]) -> None:
         # another rank's file appearing on a host is drift too
         fleet.exec(h, "cp /srv/engram/engram-r0of2-a.bin /srv/engram/engram-r1of2-a.bin")
         rc, data, err = audit(env, "--fleet", "test", "--only", "engram")
-        assert failing(data) == {("spark-test-1", "engram::recorded_files_present"),
-                                 ("spark-test-1", "engram::no_other_rank_files")}, err
+        assert failing(data) == {
+            ("spark-test-1", "engram::recorded_files_present"),
+            ("spark-test-1", "engram::no_other_rank_files"),
+        }, err
     finally:
         fleet.exec(h, f"rm -f /srv/engram/engram-r1of2-a.bin; base64 -d > {path}", input=saved)
     rc, data, err = audit(env, "--fleet", "test", "--only", "engram")
@@ -213,9 +293,11 @@ def test_other_image_then_removed_image(env: dict[str, Any]) -> None:
     fleet.exec(h1, ["docker", "rmi", "-f", tag])  # and host 1 loses the image altogether
     try:
         rc, data, err = audit(env, "--fleet", "test", "--only", "image,release")
-        assert failing(data) == {("spark-test-2", "image::tag_points_at_image"),
-                                 ("spark-test-1", "image::present_by_id"),
-                                 ("spark-test-1", "image::tag_points_at_image")}, err
+        assert failing(data) == {
+            ("spark-test-2", "image::tag_points_at_image"),
+            ("spark-test-1", "image::present_by_id"),
+            ("spark-test-1", "image::tag_points_at_image"),
+        }, err
         assert rc == 1
         msg = data["hosts"]["spark-test-2"]["checks"]["image::tag_points_at_image"]["message"]
         assert image_id in msg and other in msg
@@ -273,14 +355,20 @@ def test_serving_phase(env: dict[str, Any]) -> None:
     h = fleet.hosts[0]
     rc, data, err = audit(env, "--fleet", "test", "--phase", "serving")
     assert rc == 1, err
-    assert failing(data) == {("spark-test-1", "serving::health"), ("spark-test-1", "serving::models_lists_served_name"),
-                             ("spark-test-1", "serving::one_token_completion")}
+    assert failing(data) == {
+        ("spark-test-1", "serving::health"),
+        ("spark-test-1", "serving::models_lists_served_name"),
+        ("spark-test-1", "serving::one_token_completion"),
+    }
     assert data["hosts"]["spark-test-2"]["checks"]["serving::health"]["status"] == "skip"
     fleet.exec(h, ["sh", "-c", "cat > /tmp/fakeapi.py"], input=FAKE_API)
     fleetlib.docker("exec", "-d", h.container, "python3", "/tmp/fakeapi.py", "18091")
     try:
-        fleet.exec(h, "for i in $(seq 50); do python3 -c \"import urllib.request as u; "
-                      "u.urlopen('http://127.0.0.1:18091/health')\" 2>/dev/null && exit 0; sleep 0.1; done; exit 1")
+        fleet.exec(
+            h,
+            'for i in $(seq 50); do python3 -c "import urllib.request as u; '
+            "u.urlopen('http://127.0.0.1:18091/health')\" 2>/dev/null && exit 0; sleep 0.1; done; exit 1",
+        )
         rc, data, err = audit(env, "--fleet", "test", "--phase", "serving")
         assert rc == 0, err
         rc, data, err = audit(env, "--fleet", "test", "--only", "runtime")
@@ -318,11 +406,29 @@ def test_ansible_backend(env: dict[str, Any], tmp_path: Path) -> None:
         pytest.skip("ansible-core is not installed (pip install ansible-core)")
     p = env["paths"]
     inv = tmp_path / "inventory.yml"
-    r = subprocess.run([sys.executable, "-m", "builder", "--pins", str(p["pins"]), "hosts", "--fleet", "test",
-                        "--ansible", str(inv)], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "builder",
+            "--pins",
+            str(p["pins"]),
+            "hosts",
+            "--fleet",
+            "test",
+            "--ansible",
+            str(inv),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert r.returncode == 0, r.stderr
-    listed = json.loads(subprocess.run(["ansible-inventory", "-i", str(inv), "--list"], capture_output=True,
-                                       text=True, check=True).stdout)
+    listed = json.loads(
+        subprocess.run(
+            ["ansible-inventory", "-i", str(inv), "--list"], capture_output=True, text=True, check=True
+        ).stdout
+    )
     hv = listed["_meta"]["hostvars"]
     assert hv["spark-test-2"]["rank"] == 1 and hv["spark-test-2"]["role"] == "worker"
     rc, data, err = audit(env, "--fleet", "test", "--backend", "ansible", "--inventory", str(inv))
@@ -332,8 +438,9 @@ def test_ansible_backend(env: dict[str, Any], tmp_path: Path) -> None:
     fleet = env["fleet"]
     fleet.exec(fleet.hosts[1], "echo '77, engine, 1' > /etc/fake-nvidia-smi/apps")
     try:
-        rc, data, err = audit(env, "--fleet", "test", "--backend", "ansible", "--inventory", str(inv),
-                              "--only", "gpu")
+        rc, data, err = audit(
+            env, "--fleet", "test", "--backend", "ansible", "--inventory", str(inv), "--only", "gpu"
+        )
         assert failing(data) == {("spark-test-2", "gpu::no_other_compute_process")}, err
     finally:
         fleet.exec(fleet.hosts[1], "rm -f /etc/fake-nvidia-smi/apps")

@@ -238,18 +238,28 @@ def test_unpinned_rewrite_needs_update(up: Upstream, tmp_path: Path) -> None:
 
 
 def test_offline_uses_the_cache_only(up: Upstream, tmp_path: Path) -> None:
-    spec = GitSource(url=up.url, ref="main")
+    url = "https://git.example.invalid/engine.git"  # never contacted: offline, and primed below
+    spec = GitSource(url=url, ref="main")
     with pytest.raises(ResolveError) as ei:
         res(spec, tmp_path, offline=True)
-    assert str(ei.value) == f"sources.engine: not in the cache and --offline was given ({up.url})"
-    online = res(spec, tmp_path)
-    up.commit({"later": "x\n"})
-    up.push()
-    import shutil
+    assert str(ei.value) == f"sources.engine: not in the cache and --offline was given ({url})"
+    # a mirror already in the cache (made here from the local upstream) answers offline
+    mirror = gitsrc.mirror_path(tmp_path / "cache", url)
+    run_git("clone", "-q", "--mirror", str(up.bare), str(mirror), cwd=tmp_path)
+    head = run_git("rev-parse", "HEAD", cwd=up.work)
+    got = res(spec, tmp_path, offline=True)
+    assert got.commit == head and got.url == url
+    with pytest.raises(ResolveError, match=r"rev 1234567 not found in https://git\.example\.invalid"):
+        res(GitSource(url=url, ref="main", rev="1234567"), tmp_path, offline=True)
 
-    shutil.rmtree(up.bare)  # the remote is gone; the cache still answers
-    offline = res(spec, tmp_path, offline=True)
-    assert offline == online
+
+def test_offline_still_reads_local_remotes(up: Upstream, tmp_path: Path) -> None:
+    spec = GitSource(url=up.url, ref="main")
+    offline = res(spec, tmp_path, offline=True)  # file:// is not network: no cache needed
+    assert offline == res(spec, tmp_path)
+    c2 = up.commit({"later": "x\n"})
+    up.push()
+    assert res(spec, tmp_path, offline=True, previous=offline).commit == c2
 
 
 def test_unreachable_remote_is_one_line(tmp_path: Path) -> None:

@@ -373,6 +373,10 @@ def test_unknown_update_name(locked: Project) -> None:
 
 def test_offline_names_every_unreachable_input(proj: Project, monkeypatch: pytest.MonkeyPatch) -> None:
     extra = f"""
+[sources.remote]
+url = "https://git.example.invalid/engine.git"
+ref = "main"
+
 [files.kit]
 url = "https://example.invalid/kit.tar.gz"
 sha256 = "{"c" * 64}"
@@ -389,12 +393,12 @@ revision = "main"
     assert errors == [
         "error: files.kit: not reachable offline (https://example.invalid/kit.tar.gz)",
         "error: models.big: not in the cache and --offline was given (org/big@main)",
-        f"error: sources.engine: not in the cache and --offline was given ({proj.up.url})",
+        "error: sources.remote: not in the cache and --offline was given (https://git.example.invalid/engine.git)",
     ]
+    # everything reachable was resolved; nothing half-resolved was written for the rest
     data = json.loads(proj.lock.read_text())
-    assert set(data["files"]) == {"template"} and set(data["models"]) == {"tiny"} and data["sources"] == {}
-    # once the mirror is in the cache, the demo lane locks offline completely
-    assert proj.run("lock", "engine").rc == 0
-    r = proj.run("lock", "--offline", "demo")
-    assert r.rc == 0, r.err
+    assert set(data["files"]) == {"template"} and set(data["models"]) == {"tiny"}
+    assert set(data["sources"]) == {"engine"}
+    # the demo lane (a local git remote, local files and models) is complete offline
     assert proj.run("lock", "--check", "demo").rc == 0
+    assert proj.run("lock", "--check").rc == 1

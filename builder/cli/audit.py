@@ -12,33 +12,99 @@ from builder.cli import get_ctx
 @click.command()
 @click.argument("hosts", nargs=-1)
 @click.option("--fleet", "fleet", default=None, help="Audit every host of this fleet (hosts/*.toml).")
-@click.option("--mode", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
-              help="Models: fast = size, mtime, inode against the apply record; full = sha256 on the host.")
-@click.option("--phase", type=click.Choice(["preflight", "serving", "all"]), default="preflight",
-              show_default=True, help="preflight = before start; serving = the API after start; all = both.")
-@click.option("--only", "only", default=None, metavar="CONCERNS",
-              help="Comma-separated concerns: image,release,models,engram,gpu,memory,fabric,storage,runtime,"
-                   "serving.")
+@click.option(
+    "--mode",
+    type=click.Choice(["fast", "full"]),
+    default="fast",
+    show_default=True,
+    help="Models: fast = size, mtime, inode against the apply record; full = sha256 on the host.",
+)
+@click.option(
+    "--phase",
+    type=click.Choice(["preflight", "serving", "all"]),
+    default="preflight",
+    show_default=True,
+    help="preflight = before start; serving = the API after start; all = both.",
+)
+@click.option(
+    "--only",
+    "only",
+    default=None,
+    metavar="CONCERNS",
+    help="Comma-separated concerns: image,release,models,engram,gpu,memory,fabric,storage,runtime,serving.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print per-host, per-check results as JSON on stdout.")
-@click.option("--junit", "junit", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write a JUnit XML report (one testsuite per host).")
-@click.option("--backend", type=click.Choice(["native", "ansible"]), default="native", show_default=True,
-              help="native = testinfra ssh/docker/local per host; ansible = testinfra's Ansible backend.")
-@click.option("--inventory", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Ansible inventory for --backend ansible (from `builder hosts --ansible FILE`).")
-@click.option("--hosts-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="The inventory folder [default: hosts/ under the project root].")
-@click.option("--checks", "checks_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="The check modules [default: checks/ under the project root].")
-@click.option("--connect-timeout", type=float, default=8.0, show_default=True,
-              help="Seconds to wait for a host to answer before calling it unreachable.")
-@click.option("--timeout", "host_timeout", type=float, default=900.0, show_default=True,
-              help="Seconds all checks of one host may take.")
-@click.option("--hash-jobs", type=click.IntRange(1, 64), default=4, show_default=True,
-              help="Files hashed in parallel on each host in --mode full.")
-def audit(hosts: tuple[str, ...], fleet: str | None, mode: str, phase: str, only: str | None, as_json: bool,
-          junit: Path | None, backend: str, inventory: Path | None, hosts_dir: Path | None,
-          checks_dir: Path | None, connect_timeout: float, host_timeout: float, hash_jobs: int) -> int:
+@click.option(
+    "--junit",
+    "junit",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write a JUnit XML report (one testsuite per host).",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["native", "ansible"]),
+    default="native",
+    show_default=True,
+    help="native = testinfra ssh/docker/local per host; ansible = testinfra's Ansible backend.",
+)
+@click.option(
+    "--inventory",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Ansible inventory for --backend ansible (from `builder hosts --ansible FILE`).",
+)
+@click.option(
+    "--hosts-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The inventory folder [default: hosts/ under the project root].",
+)
+@click.option(
+    "--checks",
+    "checks_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The check modules [default: checks/ under the project root].",
+)
+@click.option(
+    "--connect-timeout",
+    type=float,
+    default=8.0,
+    show_default=True,
+    help="Seconds to wait for a host to answer before calling it unreachable.",
+)
+@click.option(
+    "--timeout",
+    "host_timeout",
+    type=float,
+    default=900.0,
+    show_default=True,
+    help="Seconds all checks of one host may take.",
+)
+@click.option(
+    "--hash-jobs",
+    type=click.IntRange(1, 64),
+    default=4,
+    show_default=True,
+    help="Files hashed in parallel on each host in --mode full.",
+)
+def audit(
+    hosts: tuple[str, ...],
+    fleet: str | None,
+    mode: str,
+    phase: str,
+    only: str | None,
+    as_json: bool,
+    junit: Path | None,
+    backend: str,
+    inventory: Path | None,
+    hosts_dir: Path | None,
+    checks_dir: Path | None,
+    connect_timeout: float,
+    host_timeout: float,
+    hash_jobs: int,
+) -> int:
     """Check that hosts match the lock and inventory (testinfra; hosts in parallel).
 
     Exit 0 all pass, 1 drift, 2 usage or configuration error (no host contacted), 3 a host unreachable.
@@ -48,9 +114,22 @@ def audit(hosts: tuple[str, ...], fleet: str | None, mode: str, phase: str, only
 
     c = get_ctx()
     opts = core.AuditOptions(
-        root=c.root, pins=c.pins, lock=c.lock, store=c.store, hosts_dir=hosts_dir, names=list(hosts),
-        fleet=fleet, mode=mode, phase=phase, only=core.parse_only(only), backend=backend, inventory=inventory,
-        checks_dir=checks_dir, connect_timeout=connect_timeout, host_timeout=host_timeout, hash_jobs=hash_jobs,
+        root=c.root,
+        pins=c.pins,
+        lock=c.lock,
+        store=c.store,
+        hosts_dir=hosts_dir,
+        names=list(hosts),
+        fleet=fleet,
+        mode=mode,
+        phase=phase,
+        only=core.parse_only(only),
+        backend=backend,
+        inventory=inventory,
+        checks_dir=checks_dir,
+        connect_timeout=connect_timeout,
+        host_timeout=host_timeout,
+        hash_jobs=hash_jobs,
     )
 
     def progress(h: core.HostResult) -> None:

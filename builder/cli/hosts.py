@@ -12,10 +12,19 @@ from builder.cli import get_ctx
 @click.command()
 @click.option("--fleet", "fleet", default=None, help="Only this fleet.")
 @click.option("--json", "as_json", is_flag=True, help="Print the hosts as JSON on stdout.")
-@click.option("--ansible", "ansible", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write an Ansible inventory here (*.yml/*.yaml or *.ini) with rank and role as host vars.")
-@click.option("--hosts-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="The inventory folder [default: hosts/ under the project root].")
+@click.option(
+    "--ansible",
+    "ansible",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write an Ansible inventory here (*.yml/*.yaml or *.ini) with rank and role as host vars.",
+)
+@click.option(
+    "--hosts-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The inventory folder [default: hosts/ under the project root].",
+)
 def hosts(fleet: str | None, as_json: bool, ansible: Path | None, hosts_dir: Path | None) -> int:
     """List the fleets and hosts of hosts/*.toml (validated), or write them as an Ansible inventory."""
     from builder import audit as core
@@ -32,5 +41,7 @@ def hosts(fleet: str | None, as_json: bool, ansible: Path | None, hosts_dir: Pat
         output.data_json(rows)
         return 0
     for r in rows:
-        output.data(f"{r['fleet']}\t{r['name']}\trank {r['rank']}\t{r['role']}\t{r['connection']}\t{r['target']}")
+        output.data(
+            f"{r['fleet']}\t{r['name']}\trank {r['rank']}\t{r['role']}\t{r['connection']}\t{r['target']}"
+        )
     return 0

@@ -1,0 +1,100 @@
+"""`builder image`, `builder why`, `builder gc`: thin commands over builder.image and builder.store."""
+
+from __future__ import annotations
+
+import click
+
+from builder.cli import get_ctx
+
+
+@click.command()
+@click.argument("name")
+@click.option("--plan", "plan_only", is_flag=True, help="Print the closure and input address; build nothing.")
+@click.option("--check-reproducible", is_flag=True, help="Rebuild from nothing and compare ImageIDs.")
+@click.option("--offline", is_flag=True, help="Use the store and local files only.")
+@click.option("--force", is_flag=True, help="Build even when the tagged image is up to date.")
+@click.option("--emulate", is_flag=True, help="Allow building another platform than the engine's (QEMU).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result record as JSON on stdout.")
+def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, force: bool, emulate: bool,
+          as_json: bool) -> int:
+    """Build the locked closure of image NAME into a content-addressed, reproducible image."""
+    from builder import image as core
+    from builder import output
+
+    c = get_ctx()
+    if plan_only:
+        p = core.plan(c.pins, c.lock, name)
+        _print_plan(core.describe(p), as_json)
+        return 0
+
+    def log(line: str) -> None:
+        if line.strip():
+            output.console().print(f"  {line}", markup=False, style="dim")
+
+    if check_reproducible:
+        res = core.check_reproducible(c.pins, c.lock, c.store, name, offline=offline, on_log=log)
+    else:
+        res = core.build(c.pins, c.lock, c.store, name, offline=offline, force=force, allow_emulation=emulate,
+                         on_log=log)
+    rec = res.record
+    if as_json:
+        d = rec.model_dump(mode="json")
+        d["built"] = res.built
+        if res.reproducible is not None:
+            d["reproducible"] = res.reproducible
+        output.data_json(d)
+    else:
+        output.data(rec.tag)
+    if not res.built:
+        output.status(f"{rec.tag}: up to date ({rec.image_id[:19]})")
+    else:
+        output.status(f"{rec.tag}: built {rec.image_id[:19]} ({len(rec.diff_ids)} layers)")
+    if res.reproducible:
+        output.status(f"{rec.tag}: reproducible: a rebuild from nothing gave the same ImageID {rec.image_id[:19]}")
+    return 0
+
+
+def _print_plan(d: dict[str, object], as_json: bool) -> None:
+    import json
+
+    from builder import output
+
+    if as_json:
+        output.data_json(d)
+        return
+    output.data(f"{d['image']} {d['input_address']}")
+    output.status(json.dumps(d["closure"], indent=2, sort_keys=True))
+
+
+@click.command()
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON on stdout.")
+def why(name: str, as_json: bool) -> int:
+    """Print image NAME's closure (what goes in) and its input address, without building."""
+    from builder import image as core
+
+    c = get_ctx()
+    _print_plan(core.describe(core.plan(c.pins, c.lock, name)), as_json)
+    return 0
+
+
+@click.command()
+@click.option("--dry-run", is_flag=True, help="Say what would be removed.")
+@click.option("--verify", is_flag=True, help="Also remove entries whose bytes no longer match their hash.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+def gc(dry_run: bool, verify: bool, as_json: bool) -> int:
+    """Remove store entries that no lock refers to (the current lock, plus locks given in BUILDER_KEEP_LOCKS)."""
+    from builder import gc as core
+    from builder import output
+
+    c = get_ctx()
+    rep = core.collect(c.pins, c.lock, c.store, dry_run=dry_run, verify=verify)
+    if as_json:
+        output.data_json({"removed": rep.removed, "kept": rep.kept, "freed_bytes": rep.freed_bytes,
+                          "dry_run": dry_run})
+    else:
+        for r in rep.removed:
+            output.data(r)
+    output.status(f"{'would remove' if dry_run else 'removed'} {len(rep.removed)}, kept {rep.kept}, "
+                  f"{rep.freed_bytes} bytes")
+    return 0

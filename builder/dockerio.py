@@ -1,0 +1,410 @@
+"""The one adapter around the Docker SDK: nothing else in builder imports ``docker``.
+
+Everything here talks to the engine named by the environment (DOCKER_HOST, or the local socket),
+so building against a remote engine (``DOCKER_HOST=ssh://spark-head``) needs no code change.
+Every expected failure becomes a one-line BuilderError; SDK exceptions never escape.
+
+Streams stay streams: ``save`` yields the docker-archive in chunks, ``load`` sends a file or an
+iterator of chunks without reading it into memory, ``build`` hands log lines to a callback as they come.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from builder.errors import BuilderError
+
+if TYPE_CHECKING:
+    from docker import DockerClient
+
+#: Seconds the SDK waits for the next bytes of a response. A compile step inside a build can be
+#: silent for minutes, so this is long; it is not a limit on the whole build.
+READ_TIMEOUT = 3600
+#: Bytes per chunk when streaming an image out of the engine.
+SAVE_CHUNK = 1024 * 1024
+
+_clients: dict[str, DockerClient] = {}
+_clients_lock = threading.Lock()
+_SHORT_ID = re.compile(r"^ ---> ([0-9a-f]{12,64})\s*$")
+_LOADED_ID = re.compile(r"Loaded image ID: (sha256:[0-9a-f]{64})")
+_LOADED_REF = re.compile(r"Loaded image: (\S+)")
+_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "amd64": "amd64", "arm64": "arm64"}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = getattr(exc, "explanation", None) or str(exc) or type(exc).__name__
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    return " ".join(str(text).split())
+
+
+def client() -> DockerClient:
+    """A connected client for the engine the environment names; BuilderError if none answers."""
+    import docker
+    from docker.errors import DockerException
+
+    key = os.environ.get("DOCKER_HOST", "")
+    with _clients_lock:
+        cached = _clients.get(key)
+        if cached is not None:
+            return cached
+        where = key or "the local socket"
+        try:
+            c = docker.from_env(timeout=READ_TIMEOUT)
+            c.ping()
+        except (DockerException, OSError) as exc:
+            raise BuilderError(f"no Docker engine: {where}: {_one_line(exc)}") from None
+        _clients[key] = c
+        return c
+
+
+def engine_platform() -> str:
+    """The engine's native platform, e.g. ``linux/amd64`` or ``linux/arm64``."""
+    v = _call("docker version", lambda: client().version())
+    os_name = str(v.get("Os", "linux")).lower()
+    arch = str(v.get("Arch", ""))
+    return f"{os_name}/{_ARCH.get(arch, arch)}"
+
+
+def image_store() -> str:
+    """``classic`` or ``containerd``: what ``.Id`` means depends on it (lessons §1.2)."""
+    info = _call("docker info", lambda: client().info())
+    for pair in info.get("DriverStatus") or []:
+        if len(pair) == 2 and pair[0] == "driver-type" and "containerd" in str(pair[1]):
+            return "containerd"
+    return "classic"
+
+
+def _call(what: str, fn: Callable[[], Any]) -> Any:
+    from docker.errors import DockerException
+    from requests.exceptions import RequestException
+
+    try:
+        return fn()
+    except BuilderError:
+        raise
+    except (DockerException, RequestException, OSError) as exc:
+        raise BuilderError(f"{what}: {_one_line(exc)}") from None
+
+
+def build(
+    context_dir: str | os.PathLike[str],
+    *,
+    dockerfile: str = "Dockerfile",
+    buildargs: Mapping[str, str] | None = None,
+    labels: Mapping[str, str] | None = None,
+    network: str = "none",
+    platform: str | None = None,
+    tag: str | None = None,
+    nocache: bool = False,
+    cleanup: bool = False,
+    on_log: Callable[[str], None] | None = None,
+) -> str:
+    """Build ``context_dir`` with the classic builder and return the image ID (``sha256:...``).
+
+    ``network="none"``: RUN steps see no network. Log lines go to ``on_log`` as they arrive.
+    ``cleanup=True`` removes the intermediate images this build created (earlier stages), so the
+    next build of the same recipe starts from nothing. A failing step raises BuilderError naming
+    the step and the engine's message.
+    """
+    ctx = Path(context_dir)
+    if not (ctx / dockerfile).is_file():
+        raise BuilderError(f"{ctx / dockerfile}: no such Dockerfile")
+    api = client().api
+    step = ""
+    image_id: str | None = None
+    created: list[str] = []
+    last_was_cache = False
+    pending = ""
+
+    def emit(text: str) -> None:
+        nonlocal step, last_was_cache, pending
+        pending += text
+        while "\n" in pending:
+            line, pending = pending.split("\n", 1)
+            line = line.rstrip("\r")
+            if line.startswith("Step "):
+                step = line
+            if line.strip() == "---> Using cache":
+                last_was_cache = True
+            else:
+                m = _SHORT_ID.match(line)
+                if m:
+                    if not last_was_cache:
+                        created.append(m.group(1))
+                    last_was_cache = False
+            if on_log is not None:
+                on_log(line)
+
+    kwargs: dict[str, Any] = {
+        "path": str(ctx),
+        "dockerfile": dockerfile,
+        "tag": tag,
+        "buildargs": dict(buildargs or {}),
+        "labels": dict(labels or {}),
+        "network_mode": network,
+        "nocache": nocache,
+        "pull": False,
+        "rm": True,
+        "forcerm": True,
+        "decode": True,
+        "use_config_proxy": False,
+    }
+    if platform:
+        kwargs["platform"] = platform
+
+    def run() -> None:
+        nonlocal image_id
+        for item in api.build(**kwargs):
+            if "stream" in item:
+                emit(str(item["stream"]))
+            elif "error" in item or "errorDetail" in item:
+                emit("\n")
+                detail = item.get("errorDetail") or {}
+                message = " ".join(str(detail.get("message") or item.get("error") or "failed").split())
+                where = f" at {step}" if step else ""
+                raise BuilderError(f"docker build of {ctx}{where}: {message}")
+            elif "aux" in item and isinstance(item["aux"], dict) and "ID" in item["aux"]:
+                # Each stage reports its image; the last one is the result.
+                image_id = str(item["aux"]["ID"])
+        emit("\n")
+
+    try:
+        _call(f"docker build of {ctx}", run)
+    finally:
+        if cleanup:
+            _remove_intermediates(created, keep=image_id)
+    if image_id is None:
+        raise BuilderError(f"docker build of {ctx}: the engine reported no image ID")
+    return image_id
+
+
+def _remove_intermediates(short_ids: Sequence[str], *, keep: str | None) -> None:
+    """Remove intermediate images, newest first (removing a leaf also drops its untagged parents)."""
+    from docker.errors import DockerException
+
+    api = client().api
+    for sid in reversed(short_ids):
+        if keep and keep.removeprefix("sha256:").startswith(sid):
+            continue
+        with contextlib.suppress(DockerException):
+            api.remove_image(sid, force=False, noprune=False)
+
+
+def image_inspect(ref: str) -> dict[str, Any] | None:
+    """The engine's inspect record for ``ref``, or None when there is no such image."""
+    from docker.errors import ImageNotFound, NotFound
+
+    def inspect() -> dict[str, Any] | None:
+        try:
+            return dict(client().api.inspect_image(ref))
+        except (ImageNotFound, NotFound):
+            return None
+
+    result: dict[str, Any] | None = _call(f"docker image inspect {ref}", inspect)
+    return result
+
+
+def image_exists(ref: str) -> bool:
+    return image_inspect(ref) is not None
+
+
+def image_id(ref: str) -> str | None:
+    rec = image_inspect(ref)
+    return None if rec is None else str(rec["Id"])
+
+
+def save(ref: str, *, chunk_size: int = SAVE_CHUNK) -> Iterator[bytes]:
+    """Stream ``docker save ref`` (a docker-archive tar) in chunks."""
+    from docker.errors import DockerException
+    from requests.exceptions import RequestException
+
+    if image_inspect(ref) is None:
+        raise BuilderError(f"docker save {ref}: no such image")
+    try:
+        stream = client().api.get_image(ref, chunk_size=chunk_size)
+        yield from stream
+    except (DockerException, RequestException, OSError) as exc:
+        raise BuilderError(f"docker save {ref}: {_one_line(exc)}") from None
+
+
+def load(source: str | os.PathLike[str] | IO[bytes] | Iterable[bytes]) -> str:
+    """``docker load`` a docker-archive from a path, an open binary file or an iterator of chunks.
+
+    The body is streamed to the engine (a file is read in blocks, an iterator is sent chunked),
+    never read whole into memory. Returns the loaded image ID (``sha256:...``).
+    """
+    what = f"docker load {source}" if isinstance(source, (str, os.PathLike)) else "docker load"
+
+    def run(data: Any) -> str:
+        loaded_id: str | None = None
+        loaded_ref: str | None = None
+        for item in client().api.load_image(data):
+            if "error" in item or "errorDetail" in item:
+                detail = item.get("errorDetail") or {}
+                raise BuilderError(
+                    f"{what}: {' '.join(str(detail.get('message') or item.get('error')).split())}"
+                )
+            text = str(item.get("stream", ""))
+            m = _LOADED_ID.search(text)
+            if m:
+                loaded_id = m.group(1)
+                continue
+            m2 = _LOADED_REF.search(text)
+            if m2:
+                loaded_ref = m2.group(1)
+        if loaded_id is None and loaded_ref is not None:
+            loaded_id = image_id(loaded_ref)
+        if loaded_id is None:
+            raise BuilderError(f"{what}: the engine reported no image")
+        return loaded_id
+
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise BuilderError(f"{path}: no such archive")
+        with open(path, "rb") as f:
+            return str(_call(what, lambda: run(f)))
+    return str(_call(what, lambda: run(source)))
+
+
+def tag(image: str, repo: str, tag_name: str) -> None:
+    """Point ``repo:tag_name`` at ``image``."""
+
+    def do() -> None:
+        if not client().api.tag(image, repo, tag_name, force=True):
+            raise BuilderError(f"docker tag {image} {repo}:{tag_name}: refused")
+
+    _call(f"docker tag {image} {repo}:{tag_name}", do)
+
+
+def remove(ref: str, *, force: bool = False) -> bool:
+    """Remove an image (or untag a reference). False when it did not exist."""
+    from docker.errors import ImageNotFound, NotFound
+
+    def do() -> bool:
+        try:
+            client().api.remove_image(ref, force=force, noprune=False)
+            return True
+        except (ImageNotFound, NotFound):
+            return False
+
+    return bool(_call(f"docker rmi {ref}", do))
+
+
+@dataclass(frozen=True)
+class RunResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+def run(
+    image: str,
+    args: Sequence[str] = (),
+    *,
+    env: Mapping[str, str] | None = None,
+    network: str = "none",
+    entrypoint: Sequence[str] | None = None,
+    timeout: float = 120,
+) -> RunResult:
+    """``docker run --rm IMAGE ARGS`` to completion, with the network off by default."""
+
+    def do() -> RunResult:
+        api = client().api
+        cid = api.create_container(
+            image,
+            command=list(args),
+            environment=dict(env or {}),
+            entrypoint=list(entrypoint) if entrypoint is not None else None,
+            host_config=api.create_host_config(network_mode=network),
+            network_disabled=network == "none",
+        )["Id"]
+        try:
+            api.start(cid)
+            status = api.wait(cid, timeout=timeout)
+            out = api.logs(cid, stdout=True, stderr=False).decode("utf-8", "replace")
+            err = api.logs(cid, stdout=False, stderr=True).decode("utf-8", "replace")
+            return RunResult(int(status.get("StatusCode", -1)), out, err)
+        finally:
+            api.remove_container(cid, force=True)
+
+    result: RunResult = _call(f"docker run {image}", do)
+    return result
+
+
+def start(
+    image: str,
+    args: Sequence[str] = (),
+    *,
+    env: Mapping[str, str] | None = None,
+    publish: Mapping[int, int | None] | None = None,
+    bind_address: str = "127.0.0.1",
+    name: str | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> str:
+    """Start a detached container; ``publish`` maps container TCP ports to host ports on
+    ``bind_address`` only (None picks a free port). Returns the container ID."""
+
+    def do() -> str:
+        api = client().api
+        ports = dict(publish or {})
+        host_config = api.create_host_config(
+            port_bindings={f"{p}/tcp": (bind_address, hp) for p, hp in ports.items()},
+        )
+        cid = str(
+            api.create_container(
+                image,
+                command=list(args),
+                environment=dict(env or {}),
+                ports=[int(p) for p in ports],
+                host_config=host_config,
+                name=name,
+                labels=dict(labels or {}),
+            )["Id"]
+        )
+        try:
+            api.start(cid)
+        except BaseException:
+            api.remove_container(cid, force=True)
+            raise
+        return cid
+
+    result: str = _call(f"docker run -d {image}", do)
+    return result
+
+
+def published_port(container: str, port: int) -> int:
+    """The host port a started container's TCP ``port`` was published on."""
+
+    def do() -> int:
+        binding = client().api.port(container, port)
+        if not binding:
+            raise BuilderError(f"container {container[:12]}: port {port} is not published")
+        return int(binding[0]["HostPort"])
+
+    result: int = _call(f"docker port {container[:12]}", do)
+    return result
+
+
+def logs(container: str) -> str:
+    out: bytes = _call(f"docker logs {container[:12]}", lambda: client().api.logs(container))
+    return out.decode("utf-8", "replace")
+
+
+def stop(container: str) -> None:
+    """Stop and remove a container started by ``start``; no error if it is already gone."""
+    from docker.errors import NotFound
+
+    def do() -> None:
+        with contextlib.suppress(NotFound):
+            client().api.remove_container(container, force=True)
+
+    _call(f"docker rm -f {container[:12]}", do)

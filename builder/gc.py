@@ -1,0 +1,58 @@
+"""`builder gc`: what the current lock (and any kept locks) refers to stays; the rest goes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from builder.errors import BuilderError
+from builder.lock import Lock, load_lock
+from builder.pins import load_pins
+from builder.plan import make_plan
+from builder.store import GcReport, Store
+
+
+def referenced(lock: Lock, pins_path: Path) -> tuple[set[str], set[str], set[str]]:
+    objects: set[str] = set()
+    trees: set[str] = set()
+    images: set[str] = set()
+    for s in lock.sources.values():
+        trees.add(s.tree_sha256)
+        objects.update(p.sha256 for p in s.patches)
+    for t in lock.toolchains.values():
+        objects.update(a.sha256 for a in t.platforms.values())
+    for f in lock.files.values():
+        objects.add(f.sha256)
+    try:
+        pins = load_pins(pins_path)
+        root = pins_path.resolve().parent
+        for name in pins.images:
+            try:
+                images.add(make_plan(pins, lock, name, root).address)
+            except BuilderError:
+                continue
+    except BuilderError:
+        pass
+    return objects, trees, images
+
+
+def collect(pins_path: Path, lock_path: Path, store_root: Path, *, dry_run: bool = False,
+            verify: bool = False) -> GcReport:
+    locks = [lock_path] + [Path(x) for x in os.environ.get("BUILDER_KEEP_LOCKS", "").split(os.pathsep) if x]
+    objects: set[str] = set()
+    trees: set[str] = set()
+    images: set[str] = set()
+    for lp in locks:
+        o, t, i = referenced(load_lock(lp), pins_path)
+        objects |= o
+        trees |= t
+        images |= i
+    store = Store(store_root)
+    if dry_run:
+        removed = []
+        for folder, keep in ((store.objects, objects), (store.root / "images", images), (store.trees, trees)):
+            if folder.is_dir():
+                removed += [f"{folder.name}/{p.name}" for p in sorted(folder.iterdir())
+                            if p.name.removesuffix(".json") not in keep]
+        return GcReport(removed=removed, kept=0, freed_bytes=0)
+    return store.gc(objects, trees, images, verify=verify)

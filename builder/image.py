@@ -1,0 +1,356 @@
+"""`builder image NAME`: the locked closure built into a content-addressed, reproducible image.
+
+Steps: plan (closure + input address) -> up-to-date check (the tag exists with matching
+labels: done, instantly) -> context assembled from the store (every input verified against
+the lock; patches applied in order after a dry-run check) -> build through the Docker SDK
+with the network off -> layers normalised (sorted entries, mtimes clamped to
+SOURCE_DATE_EPOCH, uid/gid 0, uncompressed) and loaded -> tagged with the input address,
+labelled with its inputs -> record (ImageID, DiffIDs) written beside the address.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from builder import ASSEMBLY_FORMAT, __version__
+from builder.errors import BuilderError, ConfigError, ResolveError, VerifyError
+from builder.imagerecord import ImageRecord, read_record, tag_for, write_record
+from builder.lock import Lock, check_lock, load_lock
+from builder.pins import Pins, load_pins
+from builder.plan import Plan, make_plan
+from builder.store import Store
+
+LABEL_PREFIX = "io.builder."
+
+
+@dataclass
+class ImageResult:
+    record: ImageRecord
+    built: bool  # False when it was already up to date
+    reproducible: bool | None = None  # set by --check-reproducible
+
+
+def load_inputs(pins_path: Path, lock_path: Path, name: str) -> tuple[Pins, Lock, Path]:
+    pins = load_pins(pins_path)
+    if name not in pins.images:
+        have = ", ".join(sorted(pins.images)) or "none"
+        raise ConfigError(f"{pins_path}: images: no image named {name!r} (have: {have})")
+    res = check_lock(pins_path, lock_path, [name])
+    if not res.ok:
+        raise ConfigError(f"{lock_path}: stale for image {name}: {res.problems[0]} (run `builder lock {name}`)")
+    return pins, load_lock(lock_path), pins_path.resolve().parent
+
+
+def plan(pins_path: Path, lock_path: Path, name: str) -> Plan:
+    pins, lock, root = load_inputs(pins_path, lock_path, name)
+    return make_plan(pins, lock, name, root)
+
+
+def labels_for(p: Plan, lock: Lock, pins: Pins) -> dict[str, str]:
+    img = pins.images[p.name]
+    c = p.closure
+    out = {
+        "org.opencontainers.image.title": p.name,
+        "org.opencontainers.image.created": _rfc3339(p.source_date_epoch),
+        LABEL_PREFIX + "input-address": p.address,
+        LABEL_PREFIX + "lock-hash": p.lock_hash,
+        LABEL_PREFIX + "assembly-format": str(ASSEMBLY_FORMAT),
+        LABEL_PREFIX + "platform": p.platform,
+        LABEL_PREFIX + "builder-version": __version__,
+    }
+    if img.sources:
+        first = img.sources[0]
+        s = c["sources"][first]
+        out["org.opencontainers.image.revision"] = s["commit"]
+        out["org.opencontainers.image.source"] = _public_url(s["url"])
+        out[LABEL_PREFIX + "engine-commit"] = s["commit"]
+        out[LABEL_PREFIX + "engine-tree"] = s["tree_sha256"]
+        out[LABEL_PREFIX + "patches"] = ",".join(pp["sha256"] for pp in s["patches"]) or "none"
+    for tname, t in c["toolchains"].items():
+        arts = t.get("artifacts") or {}
+        if t["kind"] in ("zig", "wheel") and arts:
+            out[LABEL_PREFIX + "zig-sha256"] = arts.get(p.platform) or next(iter(arts.values()))
+            out[LABEL_PREFIX + "zig-toolchain"] = tname
+        if t["kind"] == "cuda":
+            out[LABEL_PREFIX + "cuda-version"] = str(t["version"] or "unknown")
+    if c["base"]:
+        out[LABEL_PREFIX + "base"] = f"{c['base']['ref']}@{c['base']['manifest_digest']}"
+    return out
+
+
+def _public_url(url: str) -> str:
+    # never put credentials (https://user:token@host/...) in a label
+    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://{rest.split('@', 1)[1]}"
+    return url
+
+
+def _rfc3339(epoch: int) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ---------------------------------------------------------------------------------------
+# up to date
+
+
+def up_to_date(store_root: Path, p: Plan, labels: dict[str, str]) -> ImageRecord | None:
+    """The record, when the tagged image exists with matching labels and the recorded ImageID."""
+    from builder import dockerio
+
+    rec = read_record(store_root, p.address)
+    if rec is None:
+        return None
+    info = dockerio.image_inspect(rec.tag)
+    if info is None or info.get("Id") != rec.image_id:
+        return None
+    have = (info.get("Config") or {}).get("Labels") or {}
+    if any(have.get(k) != v for k, v in labels.items()):
+        return None
+    return rec
+
+
+# ---------------------------------------------------------------------------------------
+# the build context
+
+
+def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, dest: Path, *,
+                     offline: bool, build_platform: str, on_log: Callable[[str], None]) -> dict[str, str]:
+    """Lay out the build context from the store; return the build args. Nothing unverified goes in."""
+    from builder import gitsrc
+
+    img = pins.images[p.name]
+    shutil.copytree(root / img.recipe, dest, dirs_exist_ok=True)
+    buildargs: dict[str, str] = dict(img.build_args)
+    buildargs["SOURCE_DATE_EPOCH"] = str(p.source_date_epoch)
+    cache = store.root / "git"
+    for i, sname in enumerate(img.sources):
+        ls = lock.sources[sname]
+        what = f"sources.{sname}"
+        url = gitsrc.source_url(ls.url, root)
+
+        def export(d: Path, url: str = url, commit: str = ls.commit, what: str = what) -> None:
+            mirror = gitsrc.ensure_mirror(url, cache, offline=offline, name=what.split(".", 1)[1])
+            gitsrc.export_tree(mirror, commit, d)
+
+        tree = store.put_tree(ls.tree_sha256, export, what)
+        store.verified_tree(ls.tree_sha256, what)
+        target = dest / ("src" if i == 0 else f"src-{sname}")
+        shutil.copytree(tree, target, symlinks=True)
+        for mode_fix in target.rglob("*"):
+            if mode_fix.is_dir() and not mode_fix.is_symlink():
+                mode_fix.chmod(0o755)
+        for j, patch in enumerate(ls.patches):
+            pwhat = f"{what}.patches[{j}] ({patch.file})"
+            blob = store.put_file(root / patch.file, patch.sha256, pwhat)
+            apply_patch(target, blob, pwhat)
+            on_log(f"applied {patch.file}")
+        if i == 0:
+            buildargs["ENGINE_COMMIT"] = ls.commit
+    for tname in img.toolchains:
+        lt = lock.toolchains[tname]
+        what = f"toolchains.{tname}"
+        if lt.kind == "cuda":
+            if lt.version:
+                buildargs["CUDA_VERSION"] = lt.version
+            continue
+        # the toolchain runs where the build runs: pick the build machine's artifact
+        art = lt.platforms.get(build_platform) or lt.platforms.get(img.platform)
+        if art is None:
+            raise ConfigError(f"{what}: no artifact for {build_platform} in the lock")
+        if lt.kind == "wheel":
+            wheelhouses = [Path(x) for x in _wheelhouses(root)]
+            blob = store.fetch_wheel(lt.package or tname, lt.version or "", art.filename or "", art.sha256, what,
+                                     wheelhouses, offline)
+            extract_wheel_folder(blob, "ziglang/", dest / "zig")
+        else:
+            if not store.has(art.sha256):
+                if art.url is None:
+                    raise ResolveError(f"{what}: no URL to fetch from")
+                from builder import fetch
+
+                if offline:
+                    raise ResolveError(f"{what}: {art.filename} is not in the store and --offline was given")
+                with store.staging() as st:
+                    fetch.download(art.url, st / "dl", art.sha256)
+                    store.put_file(st / "dl", art.sha256, what)
+            blob = store.verified(art.sha256, what)
+            tdir = dest / "toolchains" / tname
+            tdir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(blob, tdir / (art.filename or "toolchain.tar.xz"))
+    for fname in img.files:
+        lf = lock.files[fname]
+        what = f"files.{fname}"
+        if not store.has(lf.sha256):
+            from builder import fetch
+
+            local = fetch.local_path(lf.url, root) if hasattr(fetch, "local_path") else None
+            if local is not None and Path(local).is_file():
+                store.put_file(Path(local), lf.sha256, what)
+            elif (root / lf.url).is_file():
+                store.put_file(root / lf.url, lf.sha256, what)
+            elif offline:
+                raise ResolveError(f"{what}: not in the store and --offline was given")
+            else:
+                with store.staging() as st:
+                    fetch.download(lf.url, st / "dl", lf.sha256)
+                    store.put_file(st / "dl", lf.sha256, what)
+        blob = store.verified(lf.sha256, what)
+        (dest / "files").mkdir(exist_ok=True)
+        shutil.copyfile(blob, dest / "files" / fname)
+    base = p.closure["base"]
+    if base:
+        buildargs["BASE"] = f"{base['ref'].split('@', 1)[0].rsplit(':', 1)[0] if _has_tag(base['ref']) else base['ref']}@{base['manifest_digest']}"
+    (dest / ".builder-closure.json").write_text(json.dumps(p.closure, sort_keys=True, indent=1))
+    return buildargs
+
+
+def _has_tag(ref: str) -> bool:
+    last = ref.rsplit("/", 1)[-1]
+    return ":" in last
+
+
+def _wheelhouses(root: Path) -> list[str]:
+    import os
+
+    out = [x for x in os.environ.get("BUILDER_WHEELHOUSE", "").split(os.pathsep) if x]
+    out.append(str(root / ".cache" / "wheelhouse"))
+    return out
+
+
+def apply_patch(tree: Path, patch: Path, what: str) -> None:
+    """`git apply --check` (dry run) then `git apply`; a patch that no longer applies is one clear line."""
+    env = {"GIT_CONFIG_NOSYSTEM": "1", "HOME": str(tree), "PATH": "/usr/bin:/bin:/usr/local/bin"}
+    for args in (["--check"], []):
+        r = subprocess.run(["git", "apply", *args, "--whitespace=nowarn", str(patch)], cwd=tree,
+                           capture_output=True, text=True, env=env, timeout=120)
+        if r.returncode != 0:
+            first = (r.stderr.strip().splitlines() or ["does not apply"])[0]
+            raise VerifyError(f"{what}: patch does not apply: {first}")
+
+
+def extract_wheel_folder(wheel: Path, prefix: str, dest: Path) -> None:
+    """Extract one top-level folder of a wheel, keeping the exec bits, refusing escapes."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            if not info.filename.startswith(prefix) or info.is_dir():
+                continue
+            rel = Path(info.filename[len(prefix):])
+            if rel.is_absolute() or ".." in rel.parts:
+                raise VerifyError(f"{wheel.name}: unsafe path in wheel: {info.filename}")
+            out = dest / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with z.open(info) as src, open(out, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1024 * 1024)
+            mode = (info.external_attr >> 16) & 0o777
+            out.chmod(0o755 if mode & 0o111 else 0o644)
+
+
+# ---------------------------------------------------------------------------------------
+# build
+
+
+def build(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offline: bool = False,
+          force: bool = False, allow_emulation: bool = False,
+          on_log: Callable[[str], None] = lambda s: None) -> ImageResult:
+    from builder import dockerio
+
+    pins, lock, root = load_inputs(pins_path, lock_path, name)
+    p = make_plan(pins, lock, name, root)
+    labels = labels_for(p, lock, pins)
+    engine = dockerio.engine_platform()
+    if _arch(engine) != _arch(p.platform) and not allow_emulation:
+        raise ConfigError(f"images.{name}: platform {p.platform} differs from the Docker engine's {engine}; "
+                          f"build on a {p.platform} engine (DOCKER_HOST=ssh://<spark>) or pass --emulate")
+    if not force:
+        rec = up_to_date(store_root, p, labels)
+        if rec is not None:
+            return ImageResult(record=rec, built=False)
+    rec = _build_once(pins, lock, p, root, Store(store_root), labels, offline=offline, engine=engine,
+                      on_log=on_log)
+    write_record(store_root, rec)
+    return ImageResult(record=rec, built=True)
+
+
+def _arch(platform: str) -> str:
+    return platform.split("/")[1] if "/" in platform else platform
+
+
+def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, labels: dict[str, str], *,
+                offline: bool, engine: str, on_log: Callable[[str], None], nocache: bool = False,
+                tag: str | None = None) -> ImageRecord:
+    from builder import dockerio, layers
+
+    with store.locked():
+        store.clean_tmp()
+    store.tmp.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="image-", dir=store.tmp) as td:
+        ctx = Path(td) / "context"
+        ctx.mkdir()
+        buildargs = assemble_context(pins, lock, p, root, store, ctx, offline=offline, build_platform=engine,
+                                     on_log=on_log)
+        raw_id = dockerio.build(ctx, buildargs=buildargs, network="none",
+                                platform=None if _arch(engine) == _arch(p.platform) else p.platform,
+                                nocache=nocache, cleanup=True, on_log=on_log)
+        try:
+            base_layers = 0
+            if p.closure["base"]:
+                base_ref = buildargs["BASE"]
+                info = dockerio.image_inspect(base_ref)
+                base_layers = len(((info or {}).get("RootFS") or {}).get("Layers") or [])
+            out = Path(td) / "image.tar"
+            result = layers.normalize_image(dockerio.save(raw_id), out, epoch=p.source_date_epoch,
+                                            base_layers=base_layers, labels=labels,
+                                            repo_tag=tag or tag_for(p.name, p.address), workdir=Path(td))
+            loaded = dockerio.load(out)
+        finally:
+            dockerio.remove(raw_id, force=True)
+        if loaded != result.image_id:
+            raise BuilderError(f"images.{p.name}: docker loaded {loaded[:19]} but the assembled image is "
+                               f"{result.image_id[:19]}")
+    the_tag = tag or tag_for(p.name, p.address)
+    repo, _, t = the_tag.rpartition(":")
+    dockerio.tag(result.image_id, repo, t)
+    return ImageRecord(name=p.name, input_address=p.address, image_id=result.image_id,
+                       diff_ids=list(result.diff_ids), tag=the_tag, lock_hash=p.lock_hash, platform=p.platform,
+                       source_date_epoch=p.source_date_epoch, labels=labels)
+
+
+def check_reproducible(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offline: bool = False,
+                       on_log: Callable[[str], None] = lambda s: None) -> ImageResult:
+    """Build (or reuse) the image, then rebuild it from nothing (no cache) and compare ImageIDs."""
+    from builder import dockerio
+
+    first = build(pins_path, lock_path, store_root, name, offline=offline, on_log=on_log)
+    pins, lock, root = load_inputs(pins_path, lock_path, name)
+    p = make_plan(pins, lock, name, root)
+    labels = labels_for(p, lock, pins)
+    check_tag = f"builder-check/{name}:{p.address[:32]}"
+    try:
+        second = _build_once(pins, lock, p, root, Store(store_root), labels, offline=offline,
+                             engine=dockerio.engine_platform(), on_log=on_log, nocache=True, tag=check_tag)
+    finally:
+        if dockerio.image_id(check_tag) != first.record.image_id:
+            dockerio.remove(check_tag, force=True)
+        else:
+            dockerio.remove(check_tag)
+    same = second.image_id == first.record.image_id and second.diff_ids == first.record.diff_ids
+    if not same:
+        diff = [i for i, (a, b) in enumerate(zip(first.record.diff_ids, second.diff_ids, strict=False)) if a != b]
+        raise BuilderError(f"images.{name}: not reproducible: first build {first.record.image_id[:19]}, rebuild "
+                           f"{second.image_id[:19]} (layers differ at {diff or 'config'})")
+    return ImageResult(record=first.record, built=first.built, reproducible=True)
+
+
+def describe(p: Plan) -> dict[str, Any]:
+    return {"image": p.name, "input_address": p.address, "lock_hash": p.lock_hash, "closure": p.closure}

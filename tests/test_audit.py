@@ -1,0 +1,381 @@
+"""builder audit / builder hosts: validation before contact, reports, the Ansible inventory writer,
+and real runs of the checks through testinfra's local backend (a FAKE nvidia-smi on PATH)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import auditlib  # noqa: E402
+
+from builder import audit as core  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+HOSTS = [
+    {"name": "a", "ssh": "node-a", "rank": 0, "role": "head"},
+    {"name": "b", "ssh": "node-b", "rank": 1, "role": "worker"},
+]
+
+
+def cli(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    e = dict(os.environ, PYTHONPATH=str(ROOT), NO_COLOR="1", **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "builder", "--pins", str(root / "pins.toml"), *args],
+        capture_output=True,
+        text=True,
+        env=e,
+        timeout=300,
+    )
+
+
+def tripwire_project(tmp_path: Path, fleet_text: str | None = None, **kw: Any) -> tuple[Path, Path]:
+    """A project whose ssh_config makes any contact with a host create a marker file."""
+    paths = auditlib.make_project(tmp_path / "proj", **kw)
+    marker = tmp_path / "contacted"
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f"Host *\n  ProxyCommand sh -c 'touch {marker}; exit 1'\n")
+    text = fleet_text or auditlib.fleet_toml("f", HOSTS, ssh_config=str(cfg))
+    (paths["hosts"] / "f.toml").write_text(text)
+    return paths["pins"].parent, marker
+
+
+def test_tripwire_really_fires(tmp_path: Path) -> None:
+    root, marker = tripwire_project(tmp_path)
+    r = cli(root, "audit", "--fleet", "f", "--only", "memory", "--connect-timeout", "2")
+    assert r.returncode == 3, r.stderr
+    assert marker.exists()
+    assert "unreachable" in r.stderr
+
+
+BAD_CASES = {
+    "unknown lane": (lambda t: t.replace('lane = "demo"', 'lane = "nope"'), "unknown lane 'nope'"),
+    "host without rank": (lambda t: t.replace("rank = 1\n", "", 1), "hosts[1].rank"),
+    "two hosts with one rank": (lambda t: t.replace("rank = 1", "rank = 0"), "rank 0 is also host"),
+    "wrong type": (
+        lambda t: t.replace("[hosts.expect]\n", '[hosts.expect]\ngpu_count = "one"\n', 1),
+        "hosts[0].expect.gpu_count",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_inventory_exit_2_one_line_no_contact(tmp_path: Path, case: str) -> None:
+    edit, needle = BAD_CASES[case]
+    root, marker = tripwire_project(tmp_path)
+    f = root / "hosts" / "f.toml"
+    f.write_text(edit(f.read_text()))
+    r = cli(root, "audit", "--fleet", "f") if case != "two hosts with one rank" else cli(root, "audit", "a")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not marker.exists()
+
+
+def test_lock_missing_lane_exit_2(tmp_path: Path) -> None:
+    root, marker = tripwire_project(tmp_path)
+    lock = json.loads((root / "pins.lock").read_text())
+    del lock["lanes"]["demo"]
+    (root / "pins.lock").write_text(json.dumps(lock))
+    r = cli(root, "audit", "--fleet", "f")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "not in the lock" in r.stderr
+    assert not marker.exists()
+
+
+def test_lock_missing_model_exit_2(tmp_path: Path) -> None:
+    root, marker = tripwire_project(tmp_path)
+    lock = json.loads((root / "pins.lock").read_text())
+    del lock["models"]["tiny"]
+    (root / "pins.lock").write_text(json.dumps(lock))
+    r = cli(root, "audit", "a", "b")
+    assert r.returncode == 2 and "models.tiny" in r.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--fleet", "f", "--only", "gpu,bogus"], "unknown concern 'bogus'"),
+        (["--fleet", "nope"], "no fleet named 'nope'"),
+        ([], "say which hosts"),
+        (["zz"], "no host named 'zz'"),
+        (["--fleet", "f", "--backend", "ansible", "--inventory", "/nonexistent.yml"], "no Ansible inventory"),
+    ],
+)
+def test_usage_errors(tmp_path: Path, args: list[str], needle: str) -> None:
+    root, marker = tripwire_project(tmp_path)
+    r = cli(root, "audit", *args)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert not marker.exists()
+
+
+def test_missing_ssh_config_is_config_error(tmp_path: Path) -> None:
+    root, marker = tripwire_project(tmp_path, auditlib.fleet_toml("f", HOSTS, ssh_config="nowhere/cfg"))
+    r = cli(root, "audit", "--fleet", "f")
+    assert r.returncode == 2 and "fleet.ssh_config" in r.stderr
+
+
+# ------------------------------------------------------------------ hosts and the Ansible inventory
+
+
+def test_hosts_json_and_ansible_inventories(tmp_path: Path) -> None:
+    root, _ = tripwire_project(tmp_path)
+    (root / "hosts" / "g.toml").write_text(
+        auditlib.fleet_toml(
+            "g",
+            [
+                {"name": "c", "ssh": "ops@192.0.2.7:2222", "rank": 0, "role": "head"},
+                {"name": "d", "ssh": "ctr-d", "connection": "docker", "rank": 1, "role": "worker"},
+                {"name": "e", "ssh": "localhost", "connection": "local", "rank": 2, "role": "worker"},
+            ],
+        )
+    )
+    r = cli(root, "hosts", "--json")
+    rows = json.loads(r.stdout)
+    assert [(x["fleet"], x["name"], x["rank"], x["role"]) for x in rows] == [
+        ("f", "a", 0, "head"),
+        ("f", "b", 1, "worker"),
+        ("g", "c", 0, "head"),
+        ("g", "d", 1, "worker"),
+        ("g", "e", 2, "worker"),
+    ]
+    ini = tmp_path / "inv.ini"
+    assert cli(root, "hosts", "--fleet", "g", "--ansible", str(ini)).returncode == 0
+    text = ini.read_text()
+    assert "[g]" in text
+    assert (
+        "c ansible_connection=ssh ansible_host=192.0.2.7 ansible_user=ops ansible_port=2222 rank=0 role=head"
+        in text
+    )
+    assert "d ansible_connection=docker ansible_host=ctr-d" in text
+    assert "e ansible_connection=local" in text
+    yml = tmp_path / "inv.yml"
+    assert cli(root, "hosts", "--ansible", str(yml)).returncode == 0
+    y = yml.read_text()
+    assert "          ansible_port: 2222\n" in y and "          rank: 1\n" in y
+    assert f'ansible_ssh_common_args: "-F {tmp_path / "ssh_config"}"' in y
+    bad = cli(root, "hosts", "--ansible", str(tmp_path / "inv.txt"))
+    assert bad.returncode == 2 and "*.yml" in bad.stderr
+    try:
+        import yaml
+    except ImportError:
+        return
+    doc = yaml.safe_load(y)
+    hv = doc["all"]["children"]["g"]["hosts"]["c"]
+    assert hv == {
+        "ansible_connection": "ssh",
+        "ansible_host": "192.0.2.7",
+        "ansible_user": "ops",
+        "ansible_port": 2222,
+        "rank": 0,
+        "role": "head",
+        "builder_fleet": "g",
+        "builder_lane": "demo",
+    }
+
+
+# ------------------------------------------------------------------ reports
+
+
+def _report() -> core.AuditReport:
+    a = core.HostResult(
+        "a",
+        "f",
+        "drift",
+        checks=[
+            core.CheckResult("gpu::name", "gpu", "fail", "GPU 0 name: expected 'X', found 'Y'"),
+            core.CheckResult("memory::available", "memory", "pass"),
+            core.CheckResult("fabric::mtu", "fabric", "skip", "no /dev/infiniband"),
+        ],
+    )
+    b = core.HostResult("b", "f", "unreachable", "Connection refused")
+    return core.AuditReport([a, b], "fast", "preflight", ["gpu", "memory", "fabric"], 1.0)
+
+
+def test_matrix_json_junit_exit() -> None:
+    rep = _report()
+    assert rep.exit_code == 3
+    cols, rows = core.matrix_rows(rep)
+    assert cols == ["check", "a", "b"]
+    assert rows == [
+        ["gpu::name", "FAIL", "unreachable"],
+        ["memory::available", "pass", "unreachable"],
+        ["fabric::mtu", "skip", "unreachable"],
+    ]
+    j = rep.to_json()
+    assert j["hosts"]["a"]["message"] == "gpu::name: GPU 0 name: expected 'X', found 'Y'"
+    assert j["hosts"]["b"]["status"] == "unreachable" and j["exit"] == 3
+    import xml.etree.ElementTree as ET
+
+    root = ET.fromstring(core.junit_xml(rep))
+    suites = {s.get("name"): s for s in root}
+    assert suites["a"].get("failures") == "1" and suites["a"].get("skipped") == "1"
+    assert suites["b"].get("errors") == "1"
+    rep.hosts[1].status = "pass"
+    assert rep.exit_code == 1
+    rep.hosts[0].status = "pass"
+    assert rep.exit_code == 0
+
+
+# ------------------------------------------------------------------ local backend, FAKE nvidia-smi
+
+
+def local_project(tmp_path: Path, expect: str, **kw: Any) -> tuple[Path, dict[str, str]]:
+    paths = auditlib.make_project(tmp_path / "proj", **kw)
+    hosts = [
+        {
+            "name": "me",
+            "ssh": "localhost",
+            "connection": "local",
+            "rank": 0,
+            "role": "head",
+            "paths": {
+                "models": str(tmp_path / "m"),
+                "engram": str(tmp_path / "e"),
+                "bundles": str(tmp_path / "b"),
+            },
+        }
+    ]
+    (paths["hosts"] / "l.toml").write_text(auditlib.fleet_toml("l", hosts, expect=expect))
+    auditlib.install_fake(tmp_path / "bin", tmp_path / "nvstate")
+    env = {
+        "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_NVSMI_DIR": str(tmp_path / "nvstate"),
+    }
+    return paths["pins"].parent, env
+
+
+H200 = (
+    'gpu_name = "NVIDIA H200"\ncompute_cap = "9.0"\ndriver_version = "580.159.04"\ncuda_version = "13.0"\n'
+    "gpu_clock_mhz = 1980\ndocker = false\n"
+)
+
+
+def run_local(root: Path, env: dict[str, str], *args: str) -> tuple[int, dict[str, Any], str]:
+    r = cli(root, "audit", "--fleet", "l", "--json", *args, env=env)
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else {}), r.stderr
+
+
+def test_local_gpu_checks_on_h200_capture(tmp_path: Path) -> None:
+    root, env = local_project(tmp_path, H200)
+    rc, data, err = run_local(root, env, "--only", "gpu")
+    checks = data["hosts"]["me"]["checks"]
+    assert rc == 0, err
+    for c in (
+        "count",
+        "name",
+        "compute_capability",
+        "driver_version",
+        "cuda_version",
+        "persistence_mode",
+        "clock_ceiling",
+        "clock_event_reasons",
+        "no_other_compute_process",
+    ):
+        assert checks[f"gpu::{c}"]["status"] == "pass", (c, checks[f"gpu::{c}"])
+
+
+def test_local_gpu_drift_expected_vs_found(tmp_path: Path) -> None:
+    wrong = H200.replace("NVIDIA H200", "NVIDIA GB10").replace('"9.0"', '"12.1"').replace("1980", "2200")
+    root, env = local_project(tmp_path, wrong)
+    q = auditlib.capture_sections()["query csv header"].replace("0x0000000000000001", "0x0000000000000004")
+    (tmp_path / "nvstate" / "query").write_text(q)  # SW power cap holding the clocks
+    rc, data, err = run_local(root, env, "--only", "gpu")
+    assert rc == 1
+    checks = data["hosts"]["me"]["checks"]
+    bad = {k: v["message"] for k, v in checks.items() if v["status"] != "pass"}
+    assert bad == {
+        "gpu::name": "GPU 0 name: expected 'NVIDIA GB10', found 'NVIDIA H200'",
+        "gpu::compute_capability": "GPU 0 compute capability: expected 12.1, found 9.0",
+        "gpu::clock_ceiling": "GPU 0 max SM clock: expected >= 2200 MHz, found 1980 MHz",
+        "gpu::clock_event_reasons": "GPU 0 clock event reasons: expected no power/thermal limit, found "
+        "sw_power_cap (0x4)",
+    }, err
+    assert "gpu::name" in err and "FAIL" in err
+
+
+@pytest.mark.slow
+def test_local_gpu_absent(tmp_path: Path) -> None:
+    root, env = local_project(tmp_path, "gpu_count = 0\ndocker = false\n")
+    env["PATH"] = "/usr/bin:/bin"  # no nvidia-smi
+    env["PYTHONPATH"] = str(ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "builder",
+            "--pins",
+            str(root / "pins.toml"),
+            "audit",
+            "--fleet",
+            "l",
+            "--json",
+            "--only",
+            "gpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **env),
+    )
+    data = json.loads(r.stdout)
+    st = {v["status"] for v in data["hosts"]["me"]["checks"].values()}
+    assert st == {"skip"} and r.returncode == 0
+    # a GPU expected and no nvidia-smi: fail, not skip
+    f = root / "hosts" / "l.toml"
+    f.write_text(f.read_text().replace("gpu_count = 0", "gpu_count = 1"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "builder",
+            "--pins",
+            str(root / "pins.toml"),
+            "audit",
+            "--fleet",
+            "l",
+            "--json",
+            "--only",
+            "gpu",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **env),
+    )
+    data = json.loads(r.stdout)
+    assert r.returncode == 1
+    msgs = {v["message"] for v in data["hosts"]["me"]["checks"].values()}
+    assert "nvidia-smi: expected on PATH (1 GPU(s) expected), found none" in msgs
+
+
+@pytest.mark.slow
+def test_local_models_engram_release_without_install(tmp_path: Path) -> None:
+    """Nothing installed: model files absent fail, the apply record's absence fails release."""
+    root, env = local_project(tmp_path, "docker = false\ngpu_count = 0\n")
+    rc, data, err = run_local(root, env, "--only", "models,release,engram,memory,storage", "--mode", "full")
+    checks = data["hosts"]["me"]["checks"]
+    assert checks["models::files_present"]["status"] == "fail"
+    assert str(tmp_path / "m" / "tiny" / "config.json") in checks["models::files_present"]["message"]
+    assert checks["release::record_identity"]["status"] == "fail"
+    assert "apply record: expected" in checks["release::record_identity"]["message"]
+    assert checks["engram::own_rank_files"]["status"] == "skip"
+    assert rc == 1
+
+
+@pytest.mark.slow
+def test_local_without_lock_skips_lock_checks(tmp_path: Path) -> None:
+    root, env = local_project(tmp_path, "docker = false\n", lock=False)
+    rc, data, err = run_local(root, env, "--only", "models,release,image,gpu")
+    checks = data["hosts"]["me"]["checks"]
+    assert rc == 0, err
+    for c in ("models::files_present", "release::record_identity", "image::present_by_id"):
+        assert checks[c]["status"] == "skip" and "no lock file" in checks[c]["message"], (c, checks[c])
+    assert checks["gpu::name"]["status"] == "skip"  # no gpu_name expected here
+    assert checks["gpu::count"]["status"] == "pass"

@@ -1,0 +1,348 @@
+"""The offline installer, run as the hosts run it (assembled script on python3's stdin) on local tmp roots.
+
+Tests that load images or check image presence use this machine's Docker Engine (marker `docker`).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from builder import installer as inst
+from builder.bundle import BundleOptions, load_context, make_bundle
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bundlelib as bl  # noqa: E402
+
+SCRIPT = inst.assemble()
+
+
+def run_installer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """python3 - ARGS with the assembled installer on stdin, isolated from this checkout (-I, cwd=/)."""
+    return subprocess.run([sys.executable, "-I", "-", *args], input=SCRIPT.decode(), capture_output=True,
+                          text=True, timeout=timeout, cwd="/")
+
+
+def host_paths(base: Path) -> dict[str, str]:
+    return {"models": str(base / "host" / "models"), "engram": str(base / "host" / "engram"),
+            "bundles": str(base / "host" / "builder")}
+
+
+def local_hosts(base: Path) -> list[dict[str, Any]]:
+    hs = json.loads(json.dumps(bl.DEFAULT_HOSTS))
+    for h in hs:
+        h["paths"] = host_paths(base)
+    return hs
+
+
+def bundle(p: bl.Project, out: Path, host: str = "spark-b", **kw: Any) -> Path:
+    ctx = load_context(p.pins, p.root / "pins.lock", p.store)
+    return make_bundle(ctx, host, BundleOptions(key=p.key, out=out, **kw)).path
+
+
+def snapshot(root: Path) -> dict[str, Any]:
+    """Everything under root (files by content, links by target), ignoring the lock file."""
+    out: dict[str, Any] = {}
+    if not root.exists():
+        return out
+    for dirpath, dirs, files in os.walk(root):
+        for n in dirs + files:
+            full = Path(dirpath) / n
+            rel = full.relative_to(root).as_posix()
+            if rel == "state/install.lock":
+                continue
+            if full.is_symlink():
+                out[rel] = ("link", os.readlink(full))
+            elif full.is_file():
+                out[rel] = ("file", hashlib.sha256(full.read_bytes()).hexdigest())
+            else:
+                out[rel] = ("dir",)
+    return out
+
+
+def install(bdir: Path, root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return run_installer("install", str(bdir), "--root", str(root), *extra)
+
+
+# --------------------------------------------------------------------------- fast tier
+
+
+def test_assembled_installer_is_one_stdlib_file() -> None:
+    src = SCRIPT.decode()
+    tree = ast.parse(src, feature_version=(3, 8))
+    mods = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            mods.add(node.module.split(".")[0])
+    assert "builder" not in mods and not mods - set(sys.stdlib_module_names)
+    assert "\n_EMBEDDED_VERIFIER = None  # @@EMBED@@\n" not in src and "def verify_with_openssl" in src
+    assert inst.assemble() == SCRIPT  # deterministic
+    p = run_installer("status", "--root", "/nonexistent/builder-root")
+    assert p.returncode == 0 and json.loads(p.stdout)["current"] is None
+
+
+def test_first_install_needs_a_trusted_key(tmp_path: Path) -> None:
+    p = bl.make_project(tmp_path, hosts=local_hosts(tmp_path))
+    d = bundle(p, tmp_path / "b")
+    root = tmp_path / "host" / "builder"
+    r = install(d, root)
+    assert r.returncode == 2 and "no trusted key" in r.stderr and r.stderr.count("\n") == 1
+    other = tmp_path / "o"
+    other.mkdir()
+    from builder import sign
+
+    sign.generate_keypair(other / "k", other / "k.pub")
+    r = install(d, root, "--trusted-key", str(other / "k.pub"))
+    assert r.returncode == 1 and "not the trusted key" in r.stderr
+    assert not (root / "trusted.pub").exists() and not (root / "current").exists()
+
+
+def test_two_installs_never_interleave(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "state").mkdir(parents=True)
+    fd = os.open(root / "state" / "install.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        r = run_installer("rollback", "--root", str(root), "--lock-timeout", "0.3")
+        assert r.returncode == 1 and "holds the lock" in r.stderr
+    finally:
+        os.close(fd)
+    r = run_installer("rollback", "--root", str(root))
+    assert r.returncode == 1 and "no previous release" in r.stderr
+
+
+# --------------------------------------------------------------------------- with a Docker Engine
+
+
+@pytest.fixture
+def dproj(tmp_path: Path, request: pytest.FixtureRequest) -> bl.Project:
+    if not shutil.which("docker"):
+        pytest.skip("no docker CLI")
+    return bl.make_project(tmp_path, hosts=local_hosts(tmp_path), docker_image=True, marker=request.node.nodeid)
+
+
+def _rmi(image_id: str) -> None:
+    subprocess.run(["docker", "image", "rm", "-f", image_id], capture_output=True)
+
+
+@pytest.mark.docker
+def test_install_rerun_upgrade_rollback(dproj: bl.Project, tmp_path: Path) -> None:
+    p = dproj
+    root = tmp_path / "host" / "builder"
+    v1 = bundle(p, tmp_path / "v1", with_image=True, with_models=True, part_size=300_000)
+    id1 = bl.manifest(v1)["bundle_id"]
+    _rmi(p.image_id)  # the install must load it from the parts
+    r = install(v1, root, "--trusted-key", str(p.pub), "--host", "spark-b")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["result"] == "installed"
+    assert os.readlink(root / "current") == f"releases/{id1}"
+    rec = json.loads((root / "state" / "applied.json").read_text())
+    assert rec["bundle_id"] == id1 and rec["action"] == "install" and rec["previous_bundle_id"] is None
+    assert rec["image"] == {"name": "tiny", "input_address": bl.manifest(v1)["image"]["input_address"],
+                            "image_id": p.image_id, "diff_ids": p.diff_ids}
+    assert rec["manifest_sha256"] == hashlib.sha256((v1 / "manifest.json").read_bytes()).hexdigest()
+    assert {f["path"] for f in rec["files"]} == {"config.json", "install.py", "rank.env", "start.sh", "stop.sh"}
+    for m in rec["models"]:
+        st = os.stat(m["path"])
+        assert (st.st_size, st.st_ino, st.st_mtime_ns) == (m["size"], m["inode"], m["mtime"])
+        assert hashlib.sha256(Path(m["path"]).read_bytes()).hexdigest() == m["sha256"]
+    assert sorted(Path(m["path"]).name for m in rec["models"]) == ["config.json", "tokenizer.json",
+                                                                   "weights-r1of2.bin"]
+    assert subprocess.run(["docker", "image", "inspect", p.image_id], capture_output=True).returncode == 0
+    rel = root / "releases" / id1
+    assert os.access(rel / "start.sh", os.X_OK) and (rel / "manifest.json.minisig").is_file()
+    assert not (rel / "image.tar").exists() and not list(rel.rglob("*.part*"))
+
+    # a rerun of the same bundle changes nothing
+    before = snapshot(root)
+    r = install(v1, root, "--host", "spark-b")
+    assert r.returncode == 0 and json.loads(r.stdout)["result"] == "unchanged", r.stderr
+    assert "already installed" in r.stderr
+    assert snapshot(root) == before
+
+    # a new release of the lane (image already present: no archive needed)
+    bl.relock(p, streams=3)
+    v2 = bundle(p, tmp_path / "v2")
+    id2 = bl.manifest(v2)["bundle_id"]
+    r = install(v2, root)
+    assert r.returncode == 0, r.stderr
+    assert os.readlink(root / "current") == f"releases/{id2}"
+    assert os.readlink(root / "previous") == f"releases/{id1}"
+    assert json.loads((root / "state" / "applied.json").read_text())["previous_bundle_id"] == id1
+
+    r = run_installer("rollback", "--root", str(root))
+    assert r.returncode == 0, r.stderr
+    assert os.readlink(root / "current") == f"releases/{id1}"
+    assert os.readlink(root / "previous") == f"releases/{id2}"
+    rec = json.loads((root / "state" / "applied.json").read_text())
+    assert (rec["bundle_id"], rec["action"], rec["previous_bundle_id"]) == (id1, "rollback", id2)
+    st = json.loads(run_installer("status", "--root", str(root)).stdout)
+    assert st["consistent"] and st["current"] == id1 and st["previous"] == id2
+    _rmi(p.image_id)
+
+
+@pytest.mark.docker
+def test_refusals_leave_the_host_untouched(dproj: bl.Project, tmp_path: Path) -> None:
+    p = dproj
+    root = tmp_path / "host" / "builder"
+    v1 = bundle(p, tmp_path / "v1", with_image=True, with_models=True)
+    assert install(v1, root, "--trusted-key", str(p.pub)).returncode == 0
+    bl.relock(p, streams=5)
+    v2 = bundle(p, tmp_path / "v2", with_image=True, with_models=True, part_size=200_000)
+    before = snapshot(root)
+    models_before = snapshot(tmp_path / "host" / "models")
+
+    def refused(why: str, code: int = 1, *extra: str) -> None:
+        r = install(v2, root, *extra)
+        assert r.returncode == code, (why, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+        assert snapshot(root) == before, why
+        assert snapshot(tmp_path / "host" / "models") == models_before, why
+
+    part = v2 / "parts" / "image.tar.part0001"
+    data = part.read_bytes()
+    part.write_bytes(data[:1000] + bytes([data[1000] ^ 0x10]) + data[1001:])
+    refused("flipped byte in an image part")
+    part.write_bytes(data[:-5])
+    refused("truncated part")
+    part.write_bytes(data)
+    (v2 / "parts" / "junk").write_bytes(b"x")
+    refused("extra file")
+    (v2 / "parts" / "junk").unlink()
+    sig = (v2 / "manifest.json.minisig").read_bytes()
+    (v2 / "manifest.json.minisig").unlink()
+    refused("missing signature")
+    (v2 / "manifest.json.minisig").write_bytes(sig.replace(b"builder secret key", b"builder secret kez"))
+    refused("changed untrusted comment")
+    (v2 / "manifest.json.minisig").write_bytes(sig)
+    refused("too little disk", 1, "--reserve", str(10 ** 18))
+    refused("bundle for another host", 2, "--host", "spark-a")
+    assert install(v2, root).returncode == 0  # intact again: accepted
+
+
+@pytest.mark.docker
+def test_image_missing_without_archive_is_refused(dproj: bl.Project, tmp_path: Path) -> None:
+    root = tmp_path / "host" / "builder"
+    d = bundle(dproj, tmp_path / "b", with_models=True)
+    _rmi(dproj.image_id)
+    r = install(d, root, "--trusted-key", str(dproj.pub))
+    assert r.returncode == 1 and "carries no image" in r.stderr
+    assert not (root / "current").exists() and not (tmp_path / "host" / "models").exists()
+
+
+@pytest.mark.docker
+def test_missing_model_is_refused_unless_bundled(dproj: bl.Project, tmp_path: Path) -> None:
+    root = tmp_path / "host" / "builder"
+    d = bundle(dproj, tmp_path / "b")
+    r = install(d, root, "--trusted-key", str(dproj.pub))
+    assert r.returncode == 1 and "config.json: missing" in r.stderr
+    mdir = tmp_path / "host" / "models" / "demo-model"
+    mdir.mkdir(parents=True)
+    for n in ("config.json", "tokenizer.json", "weights-r1of2.bin"):
+        (mdir / n).write_bytes(bl.MODEL_FILES[n])
+    assert not (root / "trusted.pub").exists()  # a failed first install does not pin the key
+    assert install(d, root, "--trusted-key", str(dproj.pub)).returncode == 0
+    rec = json.loads((root / "state" / "applied.json").read_text())
+    assert sorted(m["path"] for m in rec["models"]) == sorted(str(mdir / n) for n in
+                                                              ("config.json", "tokenizer.json", "weights-r1of2.bin"))
+    (mdir / "tokenizer.json").write_bytes(b"changed")
+    r = install(d, root)  # the same bundle, but a model file drifted: refused, not "unchanged"
+    assert r.returncode == 1 and "tokenizer.json: 7 bytes, expected 22" in r.stderr
+
+
+def _kill_iterations(p: bl.Project, tmp_path: Path, n: int, seed: int) -> None:
+    """Install v1, then n times: copy the host, install v2 and SIGKILL it at a random point; check and rerun."""
+    base_root = tmp_path / "host" / "builder"
+    v1 = bundle(p, tmp_path / "v1", with_image=True, with_models=True, part_size=150_000)
+    id1 = bl.manifest(v1)["bundle_id"]
+    assert install(v1, base_root, "--trusted-key", str(p.pub)).returncode == 0
+    bl.relock(p, streams=7)
+    v2 = bundle(p, tmp_path / "v2", with_image=True, with_models=True, part_size=150_000)
+    id2 = bl.manifest(v2)["bundle_id"]
+    # how long does a full v2 install take here?
+    probe = tmp_path / "probe"
+    shutil.copytree(base_root, probe, symlinks=True)
+    _rmi(p.image_id)
+    t0 = time.monotonic()
+    assert install(v2, probe).returncode == 0
+    span = time.monotonic() - t0
+    rng = random.Random(seed)
+    outcomes = {"old": 0, "new": 0}
+    for i in range(n):
+        root = tmp_path / f"r{i}"
+        shutil.copytree(base_root, root, symlinks=True)
+        _rmi(p.image_id)
+        proc = subprocess.Popen([sys.executable, "-I", "-", "install", str(v2), "--root", str(root)],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                cwd="/", start_new_session=True)
+        assert proc.stdin is not None
+        proc.stdin.write(SCRIPT)
+        proc.stdin.close()
+        time.sleep(rng.uniform(0, span))
+        _killpg(proc)  # python and whatever it started (docker load)
+        cur = os.readlink(root / "current")
+        assert cur in (f"releases/{id1}", f"releases/{id2}"), cur
+        outcomes["old" if cur.endswith(id1) else "new"] += 1
+        visible = {x.name for x in (root / "releases").iterdir() if not x.name.startswith(".tmp-")}
+        assert visible <= {id1, id2}
+        if id2 in visible:  # a release that is visible is complete
+            m, mb, _ = inst.verify_bundle(str(v2), None, insecure=True, hashes=False)
+            assert inst.release_ok(str(root / "releases" / id2), m, mb)
+        if cur.endswith(id1):
+            assert inst.release_ok(str(root / "releases" / id1), *_manifest_pair(v1))
+        r = install(v2, root)
+        assert r.returncode == 0, r.stderr
+        assert os.readlink(root / "current") == f"releases/{id2}"
+        assert os.readlink(root / "previous") == f"releases/{id1}"
+        rec = json.loads((root / "state" / "applied.json").read_text())
+        assert rec["bundle_id"] == id2 and rec["previous_bundle_id"] == id1
+        assert not [x for x in (root / "releases").iterdir() if x.name.startswith(".tmp-")]
+        shutil.rmtree(root)
+    print(f"kill outcomes: {outcomes} (seed {seed}, install span {span:.2f} s)")
+
+
+def _killpg(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for _ in range(200):
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed install's process group is still there")
+
+
+def _manifest_pair(d: Path) -> tuple[dict[str, Any], bytes]:
+    m, mb, _ = inst.verify_bundle(str(d), None, insecure=True, hashes=False)
+    return m, mb
+
+
+@pytest.mark.docker
+def test_install_killed_at_random_points(dproj: bl.Project, tmp_path: Path) -> None:
+    _kill_iterations(dproj, tmp_path, 10, seed=int(os.environ.get("BUILDER_KILL_SEED", "1234")))
+    _rmi(dproj.image_id)
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_install_killed_50_times(dproj: bl.Project, tmp_path: Path) -> None:
+    _kill_iterations(dproj, tmp_path, 50, seed=int(os.environ.get("BUILDER_KILL_SEED", "99")))
+    _rmi(dproj.image_id)
