@@ -284,7 +284,7 @@ def _send(remote: Remote, src: Path, tmp: str, dest: str, size: int, opts: ShipO
 # --------------------------------------------------------------------------- sneakernet
 
 
-def _copy_checked(src: Path, tmp: Path, dest: Path, size: int, digest: str) -> None:
+def _copy_checked(src: Path, tmp: Path, dest: Path, size: int, digest: str, mode: int) -> None:
     tmp.parent.mkdir(parents=True, exist_ok=True)
     dest.parent.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
@@ -299,7 +299,7 @@ def _copy_checked(src: Path, tmp: Path, dest: Path, size: int, digest: str) -> N
     if n != size or (digest and h.hexdigest() != digest):
         tmp.unlink()
         raise VerifyError(f"{src}: changed while it was copied")
-    os.chmod(tmp, 0o644)
+    os.chmod(tmp, mode)
     os.replace(tmp, dest)
 
 
@@ -325,13 +325,16 @@ def ship_to_dir(bdir: Path, manifest: dict[str, Any], dest: Path, key: bytes | N
             sends.append((name, (bdir / name).stat().st_size, inst.hash_file(str(bdir / name))[0]))
         elif (dest / name).exists():
             (dest / name).unlink()
+    modes = {f["path"]: inst.MODES[f["mode"]] for f in manifest["files"] if not f.get("parts")}
     for rel, size, digest in sends:
         target = dest / rel
+        mode = modes.get(rel, 0o644)
         if target.is_file() and not target.is_symlink() and target.stat().st_size == size \
                 and inst.hash_file(str(target))[0] == digest:
+            os.chmod(target, mode)
             res.skipped.append(rel)
             continue
-        _copy_checked(bdir / rel, tmp_root / rel, target, size, digest)
+        _copy_checked(bdir / rel, tmp_root / rel, target, size, digest, mode)
         res.sent.append(rel)
         res.bytes_sent += size
     shutil.rmtree(tmp_root, ignore_errors=True)

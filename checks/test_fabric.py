@@ -26,13 +26,14 @@ def fab(expect: dict[str, Any]) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def facts(host: Any, fab: dict[str, Any]) -> dict[str, Any]:
     found: dict[str, Any] = remote_json(host, FABRIC_SCRIPT, "/sys")
-    if not found["dev_infiniband"] and not found["rdma"]:
+    if not found["rdma"]:
         if fab["rdma_devices"] or fab["rails"]:
             pytest.fail(
-                f"/dev/infiniband: expected (devices {', '.join(fab['rdma_devices']) or '-'}, rails "
-                f"{', '.join(fab['rails']) or '-'}), found none"
+                f"RDMA devices: expected (devices {', '.join(fab['rdma_devices']) or '-'}, rails "
+                f"{', '.join(fab['rails']) or '-'}), found none in /sys/class/infiniband"
             )
-        pytest.skip("no /dev/infiniband on this host and the inventory names no RDMA device or rail")
+        dev = "/dev/infiniband present" if found["dev_infiniband"] else "no /dev/infiniband"
+        pytest.skip(f"no RDMA device in /sys/class/infiniband ({dev}); the inventory names no device or rail")
     return found
 
 
@@ -54,6 +55,8 @@ def test_ports_active(facts: dict[str, Any], fab: dict[str, Any]) -> None:
     devs = fab["rdma_devices"] or sorted(facts["rdma"])
     bad = []
     for d in devs:
+        if not facts["rdma"].get(d):
+            bad.append(f"{d}: no port")
         for port, info in sorted(facts["rdma"].get(d, {}).items()):
             if "ACTIVE" not in (info.get("state") or ""):
                 bad.append(f"{d}/{port}: {info.get('state')}")

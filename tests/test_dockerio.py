@@ -1,0 +1,130 @@
+"""builder.dockerio against the real engine (small FROM scratch images, no network, no pulls)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from builder import dockerio, layers
+from builder.errors import BuilderError
+
+
+def test_no_engine_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/nothing.sock")
+    with pytest.raises(BuilderError) as exc:
+        dockerio.client()
+    assert str(exc.value).startswith("no Docker engine: unix://")
+    assert "\n" not in str(exc.value)
+
+
+def test_build_refuses_missing_dockerfile(tmp_path: Path) -> None:
+    with pytest.raises(BuilderError, match="no such Dockerfile"):
+        dockerio.build(tmp_path)
+
+
+@pytest.fixture
+def repo() -> Iterator[str]:
+    name = f"builder-test-dockerio-{uuid.uuid4().hex[:10]}"
+    yield name
+    for ref in (f"{name}:a", f"{name}:b", f"{name}:norm", f"{name}:loaded"):
+        dockerio.remove(ref, force=True)
+
+
+def _context(tmp_path: Path, dockerfile: str, files: dict[str, str]) -> Path:
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(dockerfile)
+    for name, text in files.items():
+        (ctx / name).write_text(text)
+    return ctx
+
+
+@pytest.mark.docker
+def test_engine_platform_and_store() -> None:
+    plat = dockerio.engine_platform()
+    assert plat.startswith("linux/") and plat.split("/")[1] in {"amd64", "arm64"}
+    assert dockerio.image_store() in {"classic", "containerd"}
+
+
+@pytest.mark.docker
+def test_build_inspect_tag_save_load_remove(tmp_path: Path, repo: str) -> None:
+    ctx = _context(
+        tmp_path,
+        'FROM scratch\nARG NOTE=unset\nCOPY hello.txt /srv/hello.txt\nLABEL recipe=test\nCMD ["serve"]\n',
+        {"hello.txt": "hello\n"},
+    )
+    lines: list[str] = []
+    image_id = dockerio.build(
+        ctx,
+        buildargs={"NOTE": "x"},
+        labels={"org.example.input": "abc"},
+        tag=f"{repo}:a",
+        on_log=lines.append,
+    )
+    assert image_id.startswith("sha256:") and len(image_id) == 71
+    assert any(line.startswith("Step 1/") for line in lines)
+    info = dockerio.image_inspect(f"{repo}:a")
+    assert info is not None and info["Id"] == image_id
+    assert info["Config"]["Labels"] == {"recipe": "test", "org.example.input": "abc"}
+    assert dockerio.image_exists(image_id)
+    assert dockerio.image_id(f"{repo}:a") == image_id
+
+    dockerio.tag(image_id, repo, "b")
+    assert dockerio.image_id(f"{repo}:b") == image_id
+
+    # save streams a docker-archive that names the image's config.
+    data = b"".join(dockerio.save(f"{repo}:a"))
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        manifest = json.loads(tf.extractfile("manifest.json").read())  # type: ignore[union-attr]
+    assert manifest[0]["Config"].startswith(image_id.removeprefix("sha256:"))
+
+    # Normalize, then load from a path, a file object and an iterator: one image ID each time.
+    rec = layers.normalize_image(io.BytesIO(data), tmp_path / "w", source_date_epoch=1_735_776_000)
+    archive = tmp_path / "norm.tar"
+    layers.write_archive(rec, archive, repo_tags=[f"{repo}:norm"])
+    assert dockerio.load(archive) == rec.image_id
+    with open(archive, "rb") as f:
+        assert dockerio.load(f) == rec.image_id
+    assert dockerio.load(layers.archive_chunks(rec)) == rec.image_id
+    assert dockerio.image_id(f"{repo}:norm") == rec.image_id
+    norm = dockerio.image_inspect(rec.image_id)
+    assert norm is not None
+    assert norm["Created"].startswith("2025-01-02T00:00:00")
+    assert norm["RootFS"]["Layers"] == rec.diff_ids
+    assert norm["Config"]["Cmd"] == ["serve"]
+
+    assert dockerio.remove(f"{repo}:b") is True
+    assert dockerio.remove(f"{repo}:b") is False
+    assert dockerio.image_inspect(f"{repo}:b") is None
+
+
+@pytest.mark.docker
+def test_build_failure_names_the_step(tmp_path: Path, repo: str) -> None:
+    ctx = _context(tmp_path, "FROM scratch\nCOPY hello.txt /a\nCOPY missing.txt /b\n", {"hello.txt": "hi"})
+    with pytest.raises(BuilderError) as exc:
+        dockerio.build(ctx, tag=f"{repo}:a", cleanup=True)
+    msg = str(exc.value)
+    assert "Step 3/3 : COPY missing.txt /b" in msg
+    assert "missing.txt" in msg and "\n" not in msg
+    assert dockerio.image_inspect(f"{repo}:a") is None
+
+
+@pytest.mark.docker
+def test_missing_image_and_bad_archive(tmp_path: Path) -> None:
+    ref = f"builder-test-absent-{uuid.uuid4().hex[:10]}:none"
+    assert dockerio.image_inspect(ref) is None
+    assert dockerio.image_exists(ref) is False
+    with pytest.raises(BuilderError, match="no such image"):
+        b"".join(dockerio.save(ref))
+    junk = tmp_path / "junk.tar"
+    junk.write_bytes(b"not an archive" * 100)
+    with pytest.raises(BuilderError, match="docker load"):
+        dockerio.load(junk)
+    with pytest.raises(BuilderError, match="no such archive"):
+        dockerio.load(tmp_path / "absent.tar")

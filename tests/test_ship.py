@@ -1,0 +1,198 @@
+"""builder ship: sneakernet copies (resumable), and the real thing on the test fleet (marker `fleet`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from builder import installer as inst
+from builder.ship import parse_target
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bundlelib as bl  # noqa: E402
+
+# --------------------------------------------------------------------------- fast tier
+
+
+def test_parse_target() -> None:
+    assert parse_target("spark@192.0.2.1:2222") == ("spark", "192.0.2.1", 2222)
+    assert parse_target("192.0.2.1") == (None, "192.0.2.1", None)
+    assert parse_target("root@[2001:db8::1]:22") == ("root", "2001:db8::1", 22)
+    assert parse_target("alias") == (None, "alias", None)
+
+
+def _ship_to(p: bl.Project, dest: Path) -> dict[str, Any]:
+    r = p.cli("ship", "spark-b", "--to", str(dest), "--key", str(p.pub), "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_sneakernet_copy_resumes_and_verifies(tmp_path: Path) -> None:
+    p = bl.make_project(tmp_path)
+    assert p.cli("bundle", "spark-b", "--with-models", "--part-size", "5000", "--key", str(p.key)).returncode == 0
+    usb = tmp_path / "usb"
+    first = _ship_to(p, usb)
+    dest = usb / bl.FLEET / "spark-b"
+    assert first["dest"] == str(dest) and not first["skipped"]
+    assert bl.tree_bytes(dest) == bl.tree_bytes(p.out("spark-b"))
+    # a cut copy: one part short, one missing, one stray file
+    part = dest / "parts/models/demo-model/weights-r1of2.bin.part0001"
+    part.write_bytes(part.read_bytes()[:100])
+    (dest / "parts/models/demo-model/weights-r1of2.bin.part0003").unlink()
+    (dest / "stray").write_text("x")
+    again = _ship_to(p, usb)
+    assert sorted(again["sent"]) == ["parts/models/demo-model/weights-r1of2.bin.part0001",
+                                     "parts/models/demo-model/weights-r1of2.bin.part0003"]
+    assert again["removed"] == ["stray"]
+    assert bl.tree_bytes(dest) == bl.tree_bytes(p.out("spark-b"))
+    assert _ship_to(p, usb)["sent"] == []
+    assert p.cli("verify", str(dest), "--key", str(p.pub)).returncode == 0
+
+
+def test_ship_refuses_a_tampered_bundle_before_sending(tmp_path: Path) -> None:
+    p = bl.make_project(tmp_path)
+    assert p.cli("bundle", "spark-b", "--key", str(p.key)).returncode == 0
+    (p.out("spark-b") / "stop.sh").write_text("#!/bin/sh\nrm -rf /\n")
+    r = p.cli("ship", "spark-b", "--to", str(tmp_path / "usb"), "--key", str(p.pub))
+    assert r.returncode == 1 and "stop.sh" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "usb").exists()
+    r = p.cli("ship", "spark-a", "--key", str(p.pub))
+    assert r.returncode == 2 and "no bundle there" in r.stderr
+
+
+# --------------------------------------------------------------------------- the test fleet
+
+
+@pytest.fixture(scope="module")
+def fleet2(request: pytest.FixtureRequest) -> Any:
+    import fleetlib
+
+    return fleetlib.fleet_fixture(request, 2, skip_if_unavailable=not os.environ.get("CI"))
+
+
+FLEET_PATHS = {"models": "/home/spark/models", "engram": "/home/spark/engram", "bundles": "/home/spark/builder"}
+
+
+def fleet_project(tmp_path: Path, fleet: Any) -> bl.Project:
+    hosts = []
+    for i, h in enumerate(fleet.hosts):
+        hosts.append({"name": h.name, "ssh": h.name, "rank": i, "role": "head" if i == 0 else "worker",
+                      "address": h.ip, "paths": FLEET_PATHS})
+    return bl.make_project(tmp_path, hosts=hosts, docker_image=True, marker=f"fleet-{fleet.network}",
+                           ssh_config=str(fleet.ssh_config))
+
+
+def _applied(fleet: Any, h: Any) -> dict[str, Any]:
+    return json.loads(fleet.exec(h, ["cat", f"{FLEET_PATHS['bundles']}/state/applied.json"]).stdout)
+
+
+def _health(ip: str, port: int = bl.PORT, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{ip}:{port}/health", timeout=2) as r:
+                return r.read().decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+
+
+def _remote_installer(fleet: Any, h: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    return fleet.ssh(h, "python3 - " + " ".join(shlex.quote(a) for a in args), input=inst.assemble().decode(),
+                     timeout=120)
+
+
+@pytest.mark.fleet
+def test_ship_install_start_rollback_on_the_fleet(fleet2: Any, tmp_path: Path) -> None:
+    fleet = fleet2
+    p = fleet_project(tmp_path, fleet)
+    head, worker = fleet.hosts
+    r = p.cli("bundle", "--fleet", bl.FLEET, "--with-image", "--with-models", "--part-size", "512KiB",
+              "--key", str(p.key))
+    assert r.returncode == 0, r.stderr
+    ids1 = {h.name: bl.manifest(p.out(h.name))["bundle_id"] for h in fleet.hosts}
+
+    # a cut host: exit 3, one line naming it, within bounded time; nothing left half-done
+    fleet.cut(worker)
+    try:
+        r = p.cli("ship", worker.name, "--signing-key", str(p.key), "--timeout", "20", timeout=300)
+        assert r.returncode == 3, r.stderr
+        assert worker.name in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    finally:
+        fleet.restore(worker)
+        fleet.close_connection(worker)
+
+    # ship killed part-way, then a rerun resumes
+    proc = subprocess.Popen([sys.executable, "-m", "builder", "--pins", str(p.pins), "ship", worker.name,
+                             "--signing-key", str(p.key)], cwd=p.root, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    time.sleep(2.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for h in (worker, head):
+        r = p.cli("ship", h.name, "--signing-key", str(p.key), "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["result"] in ("installed", "unchanged")
+        rec = _applied(fleet, h)
+        assert rec["bundle_id"] == ids1[h.name] and rec["host"] == h.name
+        assert rec["image"]["image_id"] == p.image_id
+
+    # start: worker first, then head; /health answers on every host's IP
+    for h in (worker, head):
+        r = fleet.ssh(h, f"{FLEET_PATHS['bundles']}/current/start.sh", timeout=120)
+        assert r.returncode == 0, r.stderr
+    for h in fleet.hosts:
+        assert _health(h.ip) == "ok\n"
+    ps = fleet.exec(head, ["docker", "ps", "--format", "{{.Labels}}"]).stdout
+    assert f"io.builder.bundle-id={ids1[head.name]}" in ps and "io.builder.rank=0" in ps
+    # a second start while running: the same bundle says so; a worker refuses while the head answers
+    assert fleet.ssh(head, f"{FLEET_PATHS['bundles']}/current/start.sh").returncode == 0
+    fleet.ssh(worker, f"{FLEET_PATHS['bundles']}/current/stop.sh", check=True)
+    r = fleet.ssh(worker, f"{FLEET_PATHS['bundles']}/current/start.sh")
+    assert r.returncode == 1 and "old head is still running" in r.stderr
+
+    # a second ship of the same bundle changes nothing
+    before = _applied(fleet, head)
+    r = p.cli("ship", head.name, "--signing-key", str(p.key), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["result"] == "unchanged", r.stderr
+    assert _applied(fleet, head) == before
+
+    # a new release: resume after a cut transfer (only the damaged part is sent again)
+    bl.relock(p, streams=3)
+    r = p.cli("bundle", "--fleet", bl.FLEET, "--with-image", "--part-size", "512KiB", "--key", str(p.key))
+    assert r.returncode == 0, r.stderr
+    d2 = p.out(head.name)
+    id2 = bl.manifest(d2)["bundle_id"]
+    incoming = f"{FLEET_PATHS['bundles']}/incoming/{id2}"
+    fleet.exec(head, f"mkdir -p {incoming}")
+    subprocess.run(["docker", "cp", f"{d2}/.", f"{head.container}:{incoming}"], check=True, capture_output=True)
+    fleet.exec(head, f"chown -R spark {FLEET_PATHS['bundles']}")
+    damaged = "parts/image.tar.part0001"
+    fleet.exec(head, f"truncate -s 1000 {incoming}/{damaged}")
+    r = p.cli("ship", head.name, "--signing-key", str(p.key), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["result"] == "installed" and out["sent"] == [damaged], out
+    rec = _applied(fleet, head)
+    assert rec["bundle_id"] == id2 and rec["previous_bundle_id"] == ids1[head.name]
+
+    # rollback returns to the previous release
+    r = _remote_installer(fleet, head, "rollback", "--root", FLEET_PATHS["bundles"])
+    assert r.returncode == 0, r.stderr
+    rec = _applied(fleet, head)
+    assert rec["bundle_id"] == ids1[head.name] and rec["action"] == "rollback"
+    link = fleet.exec(head, ["readlink", f"{FLEET_PATHS['bundles']}/current"]).stdout.strip()
+    assert link == f"releases/{ids1[head.name]}"
+    for h in (head, worker):
+        fleet.ssh(h, f"{FLEET_PATHS['bundles']}/current/stop.sh", check=True)
