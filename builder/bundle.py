@@ -6,7 +6,8 @@ A bundle is a folder (never one big tar) for one host's rank of a fleet:
                              (input address, ImageID, DiffIDs), every file (path, size, sha256, mode,
                              and its parts), the model files the host must hold (absolute path, size, sha256)
     manifest.json.minisig    minisign signature over manifest.json; its trusted comment carries
-                             id, host, fleet, lane and rank (`minisign -Vm manifest.json -p KEY.pub` checks it)
+                             id, host, fleet, lane and rank
+                             (`minisign -Vm manifest.json -p KEY.pub` checks it)
     start.sh stop.sh rank.env config.json   the rank's launch files (builder.launch)
     install.py               the assembled installer (run only a verified copy; see builder/installer.py)
     image.tar                the image as a `docker load` archive (--with-image)
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import re
 import secrets
@@ -107,7 +109,9 @@ def signing_key_path(opt: Path | None) -> Path:
     p = default_key_dir() / "builder.key"
     if p.exists():
         return p
-    raise ConfigError(f"no signing key: pass --key PATH or set {SIGNING_KEY_ENV} (make one with `builder keygen`)")
+    raise ConfigError(
+        f"no signing key: pass --key PATH or set {SIGNING_KEY_ENV} (make one with `builder keygen`)"
+    )
 
 
 def keygen(out_dir: Path | None, force: bool = False) -> tuple[Path, Path, str]:
@@ -123,8 +127,9 @@ def keygen(out_dir: Path | None, force: bool = False) -> tuple[Path, Path, str]:
 
 def load_context(pins_path: Path, lock_path: Path, store: Path) -> Context:
     root = pins_path.resolve().parent
-    return Context(root=root, pins=load_pins(pins_path), lock=load_lock(lock_path), store=store,
-                   hosts_dir=root / "hosts")
+    return Context(
+        root=root, pins=load_pins(pins_path), lock=load_lock(lock_path), store=store, hosts_dir=root / "hosts"
+    )
 
 
 # --------------------------------------------------------------------------- models for a rank
@@ -162,19 +167,28 @@ def rank_models(ctx: Context, fleet: Fleet, host: Host, lane_name: str) -> list[
             if rk is not None:
                 k, n = rk
                 if n != tp:
-                    raise ConfigError(f"models.{name}: file {f.path} is for {n} ranks but lane {lane_name} has "
-                                      f"tensor_parallel = {tp}")
+                    raise ConfigError(
+                        f"models.{name}: file {f.path} is for {n} ranks but lane {lane_name} has "
+                        f"tensor_parallel = {tp}"
+                    )
                 if k >= n:
                     raise ConfigError(f"models.{name}: file {f.path} names rank {k} of {n}")
                 if k != host.rank:
                     continue
-            out.append({"model": name, "file": f.path, "path": f"{base.rstrip('/')}/{name}/{f.path}",
-                        "size": f.size, "sha256": f.sha256})
+            out.append(
+                {
+                    "model": name,
+                    "file": f.path,
+                    "path": f"{base.rstrip('/')}/{name}/{f.path}",
+                    "size": f.size,
+                    "sha256": f.sha256,
+                }
+            )
     return sorted(out, key=lambda m: m["path"])
 
 
 def model_source(ctx: Context, name: str, spec: HfModel, lm: LockedModel, rel: str) -> Path:
-    """Where a locked model file is on this machine: the pin's local folder (snapshot or HF cache), or the HF cache."""
+    """Where a locked model file is here: the pin's local folder (snapshot or HF cache), or the HF cache."""
     cands: list[Path] = []
     if spec.local:
         base = Path(spec.local) if Path(spec.local).is_absolute() else ctx.root / spec.local
@@ -187,8 +201,10 @@ def model_source(ctx: Context, name: str, spec: HfModel, lm: LockedModel, rel: s
     for c in cands:
         if c.is_file():
             return c
-    raise ConfigError(f"models.{name}: {rel} not found locally (looked in {', '.join(str(c) for c in cands)}); "
-                      "fetch it or bundle without --with-models")
+    raise ConfigError(
+        f"models.{name}: {rel} not found locally (looked in {', '.join(str(c) for c in cands)}); "
+        "fetch it or bundle without --with-models"
+    )
 
 
 # --------------------------------------------------------------------------- streaming writer
@@ -286,20 +302,67 @@ def _prune_empty(d: Path) -> None:
 # --------------------------------------------------------------------------- the image archive
 
 
-@contextlib.contextmanager
-def image_archive(image_id: str) -> Iterator[IO[bytes]]:
-    """A `docker load` archive of the image, streamed: `docker save IMAGE_ID`.
+class _ChunkStream(io.RawIOBase):
+    """A readable file over an iterator of byte chunks."""
 
-    On the classic image store its bytes are a function of the image (entries dated by the image's
-    creation time; saved by ID, so no tag inside): the same image gives the same archive.
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._it = chunks
+        self._buf = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not len(self._buf):
+            try:
+                self._buf = memoryview(next(self._it))
+            except StopIteration:
+                return 0
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
+@contextlib.contextmanager
+def image_archive(
+    image_id: str, work: Path, *, tag: str | None = None, mtime: int = 0
+) -> Iterator[IO[bytes]]:
+    """A `docker load` archive of the image, streamed, byte-identical for the same image.
+
+    builder.layers re-exports the saved image canonically (sorted entries, fixed mtime, the config and
+    layers untouched, every DiffID checked; spooled through ``work``). Without it (no docker SDK),
+    `docker save IMAGE_ID` is used, whose bytes on the classic store are a function of the image too.
     """
+    try:
+        from builder import dockerio, layers
+    except ImportError:
+        with _docker_save(image_id) as stream:
+            yield stream
+        return
+    if not dockerio.image_exists(image_id):
+        raise ConfigError(
+            f"--with-image: image {image_id} is not in the local Docker Engine (run `builder image`)"
+        )
+    record = layers.read_image(dockerio.save(image_id), work)
+    if record.image_id != image_id:
+        raise VerifyError(f"--with-image: the engine saved {record.image_id} for {image_id}")
+    chunks = layers.archive_chunks(record, repo_tags=[tag] if tag else [], mtime=mtime)
+    yield io.BufferedReader(_ChunkStream(iter(chunks)), buffer_size=READ_SIZE)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _docker_save(image_id: str) -> Iterator[IO[bytes]]:
     exe = shutil.which("docker")
     if exe is None:
         raise ConfigError("--with-image: docker CLI not found")
-    chk = subprocess.run([exe, "image", "inspect", "--format", "{{.Id}}", image_id], capture_output=True,
-                         timeout=60)
+    chk = subprocess.run(
+        [exe, "image", "inspect", "--format", "{{.Id}}", image_id], capture_output=True, timeout=60
+    )
     if chk.returncode != 0 or chk.stdout.decode().strip() != image_id:
-        raise ConfigError(f"--with-image: image {image_id} is not in the local Docker Engine (run `builder image`)")
+        raise ConfigError(
+            f"--with-image: image {image_id} is not in the local Docker Engine (run `builder image`)"
+        )
     proc = subprocess.Popen([exe, "save", image_id], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None
     try:
@@ -307,7 +370,9 @@ def image_archive(image_id: str) -> Iterator[IO[bytes]]:
         proc.stdout.close()
         err = proc.stderr.read() if proc.stderr else b""
         if proc.wait(timeout=3600) != 0:
-            raise BuilderError(f"docker save {image_id[:19]}: {err.decode('utf-8', 'replace').strip()[-200:]}")
+            raise BuilderError(
+                f"docker save {image_id[:19]}: {err.decode('utf-8', 'replace').strip()[-200:]}"
+            )
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -324,8 +389,10 @@ def _lane_checks(ctx: Context, fleet_path: Path, fleet: Fleet) -> str:
     if ctx.lock.lanes[name].spec_hash != spec_hash(lane):
         raise ConfigError(f"lanes.{name}: changed since the lock (run `builder lock {name}`)")
     if lane.serve.tensor_parallel != len(fleet.hosts):
-        raise ConfigError(f"{fleet_path}: fleet {fleet.fleet.name} has {len(fleet.hosts)} hosts but lane {name} "
-                          f"has tensor_parallel = {lane.serve.tensor_parallel}")
+        raise ConfigError(
+            f"{fleet_path}: fleet {fleet.fleet.name} has {len(fleet.hosts)} hosts but lane {name} "
+            f"has tensor_parallel = {lane.serve.tensor_parallel}"
+        )
     return name
 
 
@@ -342,7 +409,9 @@ def make_fleet_bundles(ctx: Context, fleet_name: str, opts: BundleOptions) -> li
     return [_make(ctx, fleet_path, fleet, h, base / h.name, opts) for h in fleet.by_rank()]
 
 
-def _make(ctx: Context, fleet_path: Path, fleet: Fleet, host: Host, out: Path, opts: BundleOptions) -> BundleResult:
+def _make(
+    ctx: Context, fleet_path: Path, fleet: Fleet, host: Host, out: Path, opts: BundleOptions
+) -> BundleResult:
     from builder import sign
     from builder.imagerecord import require_record
     from builder.plan import make_plan
@@ -356,13 +425,22 @@ def _make(ctx: Context, fleet_path: Path, fleet: Fleet, host: Host, out: Path, o
     models = rank_models(ctx, fleet, host, lane_name)
     secret = sign.load_secret_key(signing_key_path(opts.key))  # fail early (exit 2), before any write
 
-    image = {"name": lane.image, "input_address": rec.input_address, "image_id": rec.image_id,
-             "diff_ids": list(rec.diff_ids)}
+    image = {
+        "name": lane.image,
+        "input_address": rec.input_address,
+        "image_id": rec.image_id,
+        "diff_ids": list(rec.diff_ids),
+    }
     mounts = sorted({(m["model"], m["path"].rsplit("/" + m["file"], 1)[0]) for m in models})
-    launch = render_launch(fleet, host, lane_name, lane, image,
-                           [{"model": m["model"], "path": m["path"], "size": m["size"], "sha256": m["sha256"]}
-                            for m in models],
-                           [ModelMount(model=a, path=b) for a, b in mounts])
+    launch = render_launch(
+        fleet,
+        host,
+        lane_name,
+        lane,
+        image,
+        [{"model": m["model"], "path": m["path"], "size": m["size"], "sha256": m["sha256"]} for m in models],
+        [ModelMount(model=a, path=b) for a, b in mounts],
+    )
 
     parent = out.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -378,8 +456,14 @@ def _make(ctx: Context, fleet_path: Path, fleet: Fleet, host: Host, out: Path, o
             written.append(write_bytes(inst.assemble(), "install.py", tmp, opts.part_size, "0755"))
             archive = None
             if opts.with_image:
-                with image_archive(rec.image_id) as stream:
-                    written.append(write_stream(stream, inst.IMAGE_ARCHIVE, tmp, opts.part_size, "0644"))
+                work = tmp.parent / f"{tmp.name}-work"
+                try:
+                    with image_archive(
+                        rec.image_id, work, tag=rec.tag, mtime=rec.source_date_epoch
+                    ) as stream:
+                        written.append(write_stream(stream, inst.IMAGE_ARCHIVE, tmp, opts.part_size, "0644"))
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)
                 archive = inst.IMAGE_ARCHIVE
             model_entries = []
             for m in models:
@@ -391,8 +475,9 @@ def _make(ctx: Context, fleet_path: Path, fleet: Fleet, host: Host, out: Path, o
                     with open(src, "rb") as f:
                         w = write_stream(f, bundled, tmp, opts.part_size, "0644")
                     if (w.size, w.sha256) != (m["size"], m["sha256"]):
-                        raise VerifyError(f"{src}: size or sha256 differ from the lock (models.{m['model']}: "
-                                          f"{m['file']})")
+                        raise VerifyError(
+                            f"{src}: size or sha256 differ from the lock (models.{m['model']}: {m['file']})"
+                        )
                     written.append(w)
                 model_entries.append({**m, "bundled": bundled})
             body: dict[str, Any] = {
@@ -407,8 +492,11 @@ def _make(ctx: Context, fleet_path: Path, fleet: Fleet, host: Host, out: Path, o
                 "world_size": len(fleet.hosts),
                 "lock_hash": ctx.lock.lock_hash(),
                 "image": {**image, "archive": archive},
-                "paths": {"bundles": host.paths.bundles, "models": host.paths.models,
-                          "engram": host.paths.engram},
+                "paths": {
+                    "bundles": host.paths.bundles,
+                    "models": host.paths.models,
+                    "engram": host.paths.engram,
+                },
                 "files": sorted((w.entry() for w in written), key=lambda e: e["path"]),
                 "models": model_entries,
             }
@@ -434,9 +522,17 @@ def _make(ctx: Context, fleet_path: Path, fleet: Fleet, host: Host, out: Path, o
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     total = sum(w.size for w in written)
-    return BundleResult(fleet=fleet.fleet.name, host=host.name, rank=host.rank, path=out, bundle_id=bid,
-                        files=len(written), size=total, unchanged=unchanged,
-                        parts=sum(len(w.parts) for w in written))
+    return BundleResult(
+        fleet=fleet.fleet.name,
+        host=host.name,
+        rank=host.rank,
+        path=out,
+        bundle_id=bid,
+        files=len(written),
+        size=total,
+        unchanged=unchanged,
+        parts=sum(len(w.parts) for w in written),
+    )
 
 
 def _replace_dir(new: Path, out: Path) -> None:
@@ -506,7 +602,9 @@ def public_key_for(bundle_dir: Path, key: Path | None, root: Path | None) -> Pat
     p = default_key_dir() / "builder.pub"
     if p.exists():
         return p
-    raise ConfigError("no public key to verify with: pass --key PUB (or set fleet.trusted_key in the inventory)")
+    raise ConfigError(
+        "no public key to verify with: pass --key PUB (or set fleet.trusted_key in the inventory)"
+    )
 
 
 def verify_dir(bundle_dir: Path, key_path: Path) -> dict[str, Any]:

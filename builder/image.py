@@ -11,6 +11,7 @@ labelled with its inputs -> record (ImageID, DiffIDs) written beside the address
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -228,13 +229,20 @@ def _wheelhouses(root: Path) -> list[str]:
 
 
 def apply_patch(tree: Path, patch: Path, what: str) -> None:
-    """`git apply --check` (dry run) then `git apply`; a patch that no longer applies is one clear line."""
-    env = {"GIT_CONFIG_NOSYSTEM": "1", "HOME": str(tree), "PATH": "/usr/bin:/bin:/usr/local/bin"}
-    for args in (["--check"], []):
+    """`git apply --check` (dry run) then `git apply`, then prove it applied (`--reverse --check`).
+
+    GIT_CEILING_DIRECTORIES stops git from finding an enclosing repository: inside one, `git apply`
+    silently skips paths outside the current folder, which would build an unpatched engine.
+    """
+    env = {"GIT_CONFIG_NOSYSTEM": "1", "HOME": str(tree), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           "GIT_CEILING_DIRECTORIES": str(tree.resolve().parent)}
+    for args in (["--check"], [], ["--reverse", "--check"]):
         r = subprocess.run(["git", "apply", *args, "--whitespace=nowarn", str(patch)], cwd=tree,
                            capture_output=True, text=True, env=env, timeout=120)
         if r.returncode != 0:
             first = (r.stderr.strip().splitlines() or ["does not apply"])[0]
+            if args == ["--reverse", "--check"]:
+                raise VerifyError(f"{what}: patch did not apply cleanly: {first}")
             raise VerifyError(f"{what}: patch does not apply: {first}")
 
 
@@ -294,7 +302,7 @@ def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, label
     with store.locked():
         store.clean_tmp()
     store.tmp.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="image-", dir=store.tmp) as td:
+    with tempfile.TemporaryDirectory(prefix=f"image-{os.getpid()}-", dir=store.tmp) as td:
         ctx = Path(td) / "context"
         ctx.mkdir()
         buildargs = assemble_context(pins, lock, p, root, store, ctx, offline=offline, build_platform=engine,
@@ -308,16 +316,12 @@ def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, label
                 base_ref = buildargs["BASE"]
                 info = dockerio.image_inspect(base_ref)
                 base_layers = len(((info or {}).get("RootFS") or {}).get("Layers") or [])
-            out = Path(td) / "image.tar"
-            result = layers.normalize_image(dockerio.save(raw_id), out, epoch=p.source_date_epoch,
-                                            base_layers=base_layers, labels=labels,
-                                            repo_tag=tag or tag_for(p.name, p.address), workdir=Path(td))
-            loaded = dockerio.load(out)
+            result = layers.normalize_and_load(raw_id, source_date_epoch=p.source_date_epoch,
+                                               base_layers=base_layers, labels=labels,
+                                               repo_tags=[tag or tag_for(p.name, p.address)],
+                                               workdir=Path(td) / "layers")
         finally:
             dockerio.remove(raw_id, force=True)
-        if loaded != result.image_id:
-            raise BuilderError(f"images.{p.name}: docker loaded {loaded[:19]} but the assembled image is "
-                               f"{result.image_id[:19]}")
     the_tag = tag or tag_for(p.name, p.address)
     repo, _, t = the_tag.rpartition(":")
     dockerio.tag(result.image_id, repo, t)

@@ -44,7 +44,9 @@ MiB = 1024 * 1024
 class ShipOptions:
     bundle: Path | None = None
     to: Path | None = None
-    key: Path | None = None  # the public key the host trusts (default: fleet.trusted_key, else --signing-key's)
+    key: Path | None = (
+        None  # the public key the host trusts (default: fleet.trusted_key, else --signing-key's)
+    )
     signing_key: Path | None = None
     timeout: float = 60.0  # base seconds of every remote call
     connect_timeout: int = 10
@@ -108,24 +110,38 @@ class Remote:
         argv = ["ssh"]
         if self.ssh_config is not None:
             argv += ["-F", str(self.ssh_config)]
-        argv += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={self.connect_timeout}",
-                 "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
+        argv += [
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            f"ConnectTimeout={self.connect_timeout}",
+            "-o",
+            "ServerAliveInterval=5",
+            "-o",
+            "ServerAliveCountMax=3",
+        ]
         if port is not None:
             argv += ["-p", str(port)]
         if user:
             argv += ["-l", user]
         return [*argv, "--", hostname, command]
 
-    def run(self, command: str, *, timeout: float, stdin: bytes | IO[bytes] | None = None,
-            what: str = "") -> subprocess.CompletedProcess[bytes]:
+    def run(
+        self, command: str, *, timeout: float, stdin: bytes | IO[bytes] | None = None, what: str = ""
+    ) -> subprocess.CompletedProcess[bytes]:
         argv = self.argv(command)
-        kw: dict[str, Any] = {"input": stdin} if isinstance(stdin, bytes) else {
-            "stdin": stdin if stdin is not None else subprocess.DEVNULL}
+        kw: dict[str, Any] = (
+            {"input": stdin}
+            if isinstance(stdin, bytes)
+            else {"stdin": stdin if stdin is not None else subprocess.DEVNULL}
+        )
         try:
             proc = subprocess.run(argv, capture_output=True, timeout=timeout, check=False, **kw)
         except subprocess.TimeoutExpired:
-            raise UnreachableError(f"{self.host.name}: no answer within {timeout:.0f} s"
-                                   f"{' (' + what + ')' if what else ''} over {self.kind} to {self.host.ssh}") from None
+            raise UnreachableError(
+                f"{self.host.name}: no answer within {timeout:.0f} s"
+                f"{' (' + what + ')' if what else ''} over {self.kind} to {self.host.ssh}"
+            ) from None
         except FileNotFoundError:
             raise ConfigError(f"{argv[0]}: not found (needed to reach {self.host.name})") from None
         if self.kind == "ssh" and proc.returncode == 255:
@@ -161,7 +177,7 @@ def _error_line(data: bytes) -> str:
     lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
     for ln in reversed(lines):
         if ln.startswith("error: "):
-            return ln[len("error: "):]
+            return ln[len("error: ") :]
     return lines[-1] if lines else ""
 
 
@@ -169,7 +185,7 @@ def _error_line(data: bytes) -> str:
 
 
 def trusted_key_bytes(root: Path, fleet: Fleet, bundle_dir: Path, opts: ShipOptions) -> bytes:
-    """The public key the host is told to trust: --key, else fleet.trusted_key, else the signing key's half."""
+    """The public key the host is told to trust: --key, else fleet.trusted_key, else the signing key's."""
     from builder import sign
 
     if opts.key is not None or fleet.fleet.trusted_key:
@@ -184,7 +200,9 @@ def _key_line(key: bytes) -> str:
     return sign.parse_public_key(key).base64
 
 
-def _load_bundle(root: Path, fleet: Fleet, host: Host, opts: ShipOptions) -> tuple[Path, dict[str, Any], bytes]:
+def _load_bundle(
+    root: Path, fleet: Fleet, host: Host, opts: ShipOptions
+) -> tuple[Path, dict[str, Any], bytes]:
     bdir = opts.bundle or root / "out" / "bundles" / fleet.fleet.name / host.name
     if not (bdir / inst.MANIFEST).is_file():
         raise ConfigError(f"{bdir}: no bundle there (run `builder bundle {host.name}`)")
@@ -197,8 +215,10 @@ def _load_bundle(root: Path, fleet: Fleet, host: Host, opts: ShipOptions) -> tup
     else:
         manifest = verify_with_key(bdir, key)
     if manifest["host"] != host.name or manifest["fleet"] != fleet.fleet.name:
-        raise ConfigError(f"{bdir}: the bundle is for {manifest['fleet']}/{manifest['host']}, not "
-                          f"{fleet.fleet.name}/{host.name}")
+        raise ConfigError(
+            f"{bdir}: the bundle is for {manifest['fleet']}/{manifest['host']}, not "
+            f"{fleet.fleet.name}/{host.name}"
+        )
     return bdir, manifest, key
 
 
@@ -216,35 +236,48 @@ def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
     _, fleet, host = find_host(root / "hosts", host_ref)
     bdir, manifest, key = _load_bundle(root, fleet, host, opts)
     if opts.to is not None:
-        return ship_to_dir(bdir, manifest, opts.to / fleet.fleet.name / host.name, key if not opts.insecure else None)
+        return ship_to_dir(
+            bdir, manifest, opts.to / fleet.fleet.name / host.name, key if not opts.insecure else None
+        )
     bid = manifest["bundle_id"]
     remote = Remote(root, fleet, host, opts.connect_timeout)
     hroot = host.paths.bundles
     script = inst.assemble()
     res = ShipResult(host=host.name, fleet=fleet.fleet.name, bundle_id=bid, result="")
     st = remote.python(script, ["status", "--root", hroot], timeout=opts.timeout, what="status")
-    if st.get("current") == bid and isinstance(st.get("applied"), dict) and st["applied"].get("bundle_id") == bid:
+    if (
+        st.get("current") == bid
+        and isinstance(st.get("applied"), dict)
+        and st["applied"].get("bundle_id") == bid
+    ):
         res.result = "unchanged"
         return res
     incoming = f"{hroot}/incoming/{bid}"
     tmpdir = f"{hroot}/incoming/.tmp-{bid[:16]}"
     files = _file_order(manifest)
     total = sum(s for _, s, _ in files)
-    have = remote.python(script, ["inventory", incoming], timeout=opts.timeout + total / opts.hash_rate,
-                         what="inventory")
+    have = remote.python(
+        script, ["inventory", incoming], timeout=opts.timeout + total / opts.hash_rate, what="inventory"
+    )
     expected = {p: (s, h) for p, s, h in files}
     expected[inst.MANIFEST] = ((bdir / inst.MANIFEST).stat().st_size, "")
-    expected[inst.SIGNATURE] = ((bdir / inst.SIGNATURE).stat().st_size, "") if (bdir / inst.SIGNATURE).exists() \
-        else (0, "")
+    expected[inst.SIGNATURE] = (
+        ((bdir / inst.SIGNATURE).stat().st_size, "") if (bdir / inst.SIGNATURE).exists() else (0, "")
+    )
     extras = sorted(p for p in have if p not in expected)
     if extras:
         cmd = f"cd {shlex.quote(incoming)} && rm -f -- " + " ".join(shlex.quote(p) for p in extras)
         p = remote.run(cmd, timeout=opts.timeout, what="remove extra files")
         if p.returncode != 0:
-            raise BuilderError(f"{host.name}: cannot remove extra files in {incoming}: {_last_line(p.stderr)}")
+            raise BuilderError(
+                f"{host.name}: cannot remove extra files in {incoming}: {_last_line(p.stderr)}"
+            )
         res.removed = extras
-    prep = remote.run(f"rm -rf {shlex.quote(tmpdir)} && mkdir -p {shlex.quote(tmpdir)} {shlex.quote(incoming)}",
-                      timeout=opts.timeout, what="prepare")
+    prep = remote.run(
+        f"rm -rf {shlex.quote(tmpdir)} && mkdir -p {shlex.quote(tmpdir)} {shlex.quote(incoming)}",
+        timeout=opts.timeout,
+        what="prepare",
+    )
     if prep.returncode != 0:
         raise BuilderError(f"{host.name}: cannot create {incoming}: {_last_line(prep.stderr)}")
     sends: list[tuple[str, int, str]] = list(files)
@@ -273,8 +306,10 @@ def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
 
 def _send(remote: Remote, src: Path, tmp: str, dest: str, size: int, opts: ShipOptions) -> None:
     d_tmp, d_dest = os.path.dirname(tmp), os.path.dirname(dest)
-    cmd = (f"umask 022 && mkdir -p {shlex.quote(d_tmp)} {shlex.quote(d_dest)} && cat > {shlex.quote(tmp)} && "
-           f"mv -f {shlex.quote(tmp)} {shlex.quote(dest)}")
+    cmd = (
+        f"umask 022 && mkdir -p {shlex.quote(d_tmp)} {shlex.quote(d_dest)} && cat > {shlex.quote(tmp)} && "
+        f"mv -f {shlex.quote(tmp)} {shlex.quote(dest)}"
+    )
     with open(src, "rb") as f:
         p = remote.run(cmd, timeout=opts.timeout + size / opts.min_rate, stdin=f, what=f"send {src.name}")
     if p.returncode != 0:
@@ -304,9 +339,14 @@ def _copy_checked(src: Path, tmp: Path, dest: Path, size: int, digest: str, mode
 
 
 def ship_to_dir(bdir: Path, manifest: dict[str, Any], dest: Path, key: bytes | None) -> ShipResult:
-    """Copy a verified bundle folder to dest, skipping files already there with the right hash; verify the copy."""
-    res = ShipResult(host=manifest["host"], fleet=manifest["fleet"], bundle_id=manifest["bundle_id"],
-                     result="copied", dest=str(dest))
+    """Copy a verified bundle to dest, skipping files already there with the right hash; verify the copy."""
+    res = ShipResult(
+        host=manifest["host"],
+        fleet=manifest["fleet"],
+        bundle_id=manifest["bundle_id"],
+        result="copied",
+        dest=str(dest),
+    )
     dest.mkdir(parents=True, exist_ok=True)
     tmp_root = dest.parent / f".tmp-{dest.name}"
     shutil.rmtree(tmp_root, ignore_errors=True)
@@ -329,8 +369,12 @@ def ship_to_dir(bdir: Path, manifest: dict[str, Any], dest: Path, key: bytes | N
     for rel, size, digest in sends:
         target = dest / rel
         mode = modes.get(rel, 0o644)
-        if target.is_file() and not target.is_symlink() and target.stat().st_size == size \
-                and inst.hash_file(str(target))[0] == digest:
+        if (
+            target.is_file()
+            and not target.is_symlink()
+            and target.stat().st_size == size
+            and inst.hash_file(str(target))[0] == digest
+        ):
             os.chmod(target, mode)
             res.skipped.append(rel)
             continue

@@ -53,7 +53,7 @@ class Store:
     def staging(self) -> Iterator[Path]:
         """A fresh folder inside the store (same filesystem, so rename is atomic)."""
         self.tmp.mkdir(parents=True, exist_ok=True)
-        d = Path(tempfile.mkdtemp(prefix="stage-", dir=self.tmp))
+        d = Path(tempfile.mkdtemp(prefix=f"stage-{os.getpid()}-", dir=self.tmp))
         try:
             yield d
         finally:
@@ -63,6 +63,8 @@ class Store:
         """Remove staging left by killed writers (call with the store lock held)."""
         if self.tmp.is_dir():
             for p in self.tmp.iterdir():
+                if _owner_alive(p.name):
+                    continue  # a live process is still writing there
                 if p.is_dir():
                     shutil.rmtree(p, ignore_errors=True)
                 else:
@@ -207,6 +209,23 @@ class Store:
                     _rmtree_ro(p)
                     removed.append(f"trees/{p.name}")
         return GcReport(removed=removed, kept=kept, freed_bytes=freed)
+
+
+def _owner_alive(name: str) -> bool:
+    """Staging names carry their writer's pid (`stage-<pid>-…`, `image-<pid>-…`)."""
+    parts = name.split("-")
+    if len(parts) < 3 or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _rmtree_ro(p: Path) -> None:

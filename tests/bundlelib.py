@@ -19,7 +19,16 @@ from typing import Any
 from builder import __version__
 from builder.canon import atomic_write, pretty_json
 from builder.imagerecord import ImageRecord, tag_for, write_record
-from builder.lock import Lock, LockedImage, LockedLane, LockedModel, LockedModelFile, recipe_files, render_lock, spec_hash
+from builder.lock import (
+    Lock,
+    LockedImage,
+    LockedLane,
+    LockedModel,
+    LockedModelFile,
+    recipe_files,
+    render_lock,
+    spec_hash,
+)
 from builder.pins import load_pins
 from builder.plan import make_plan
 
@@ -82,18 +91,27 @@ class Project:
     def out(self, host: str) -> Path:
         return self.root / "out" / "bundles" / FLEET / host
 
-    def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 600,
-            check: bool = False) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self, *args: str, env: dict[str, str] | None = None, timeout: float = 600, check: bool = False
+    ) -> subprocess.CompletedProcess[str]:
         e = dict(os.environ)
         e.update(env or {})
-        p = subprocess.run([sys.executable, "-m", "builder", "--pins", str(self.pins), *args], cwd=self.root,
-                           capture_output=True, text=True, timeout=timeout, env=e)
+        p = subprocess.run(
+            [sys.executable, "-m", "builder", "--pins", str(self.pins), *args],
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=e,
+        )
         if check and p.returncode != 0:
             raise AssertionError(f"builder {' '.join(args)}: exit {p.returncode}: {p.stderr}")
         return p
 
 
-def fleet_toml(hosts: list[dict[str, Any]], *, ssh_config: str | None = None, trusted_key: str | None = None) -> str:
+def fleet_toml(
+    hosts: list[dict[str, Any]], *, ssh_config: str | None = None, trusted_key: str | None = None
+) -> str:
     lines = ["[fleet]", f'name = "{FLEET}"', f'lane = "{LANE}"']
     if ssh_config:
         lines.append(f'ssh_config = "{ssh_config}"')
@@ -117,13 +135,29 @@ def fleet_toml(hosts: list[dict[str, Any]], *, ssh_config: str | None = None, tr
 
 
 DEFAULT_HOSTS = [
-    {"name": "spark-a", "ssh": "spark@192.0.2.10", "rank": 0, "role": "head", "address": "192.0.2.10",
-     "fabric": {"rails": ["198.51.100.1"], "interfaces": ["enp1s0f0np0"], "rdma_devices": ["rocep1s0f0"],
-                "gid_index": 3},
-     "paths": {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var/lib/builder"}},
-    {"name": "spark-b", "ssh": "spark@192.0.2.11", "rank": 1, "role": "worker", "address": "192.0.2.11",
-     "fabric": {"rails": ["198.51.100.2"], "interfaces": ["enp1s0f0np0"], "rdma_devices": ["rocep1s0f0"]},
-     "paths": {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var/lib/builder"}},
+    {
+        "name": "spark-a",
+        "ssh": "spark@192.0.2.10",
+        "rank": 0,
+        "role": "head",
+        "address": "192.0.2.10",
+        "fabric": {
+            "rails": ["198.51.100.1"],
+            "interfaces": ["enp1s0f0np0"],
+            "rdma_devices": ["rocep1s0f0"],
+            "gid_index": 3,
+        },
+        "paths": {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var/lib/builder"},
+    },
+    {
+        "name": "spark-b",
+        "ssh": "spark@192.0.2.11",
+        "rank": 1,
+        "role": "worker",
+        "address": "192.0.2.11",
+        "fabric": {"rails": ["198.51.100.2"], "interfaces": ["enp1s0f0np0"], "rdma_devices": ["rocep1s0f0"]},
+        "paths": {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var/lib/builder"},
+    },
 ]
 
 
@@ -134,23 +168,46 @@ def build_tiny_image(marker: str) -> tuple[str, list[str]]:
 
     tag = f"builder-test-bundle:{hashlib.sha256(marker.encode()).hexdigest()[:12]}"
     image_id = fleetlib.tiny_image(tag, files={"/www/health": b"ok\n", "/www/marker": marker.encode()})
-    out = subprocess.run(["docker", "image", "inspect", "-f", "{{json .RootFS.Layers}}", image_id],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{json .RootFS.Layers}}", image_id],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return image_id, json.loads(out)
 
 
 def write_lock(root: Path) -> None:
     pins = load_pins(root / "pins.toml")
-    files = [LockedModelFile(path=n, size=len(b), sha256=hashlib.sha256(b).hexdigest())
-             for n, b in sorted(MODEL_FILES.items())]
+    files = [
+        LockedModelFile(path=n, size=len(b), sha256=hashlib.sha256(b).hexdigest())
+        for n, b in sorted(MODEL_FILES.items())
+    ]
     lock = Lock(
-        format=1, builder=__version__, inputs_hash="0" * 64, inputs={},
-        images={"tiny": LockedImage(spec_hash=spec_hash(pins.images["tiny"]), recipe="images/tiny",
-                                    recipe_files=recipe_files(root, "images/tiny"), platform="linux/amd64",
-                                    source_date_epoch=0)},
-        models={"demo-model": LockedModel(spec_hash=spec_hash(pins.models["demo-model"]), repo="demo/tiny-model",
-                                          revision="main", commit="a" * 40, source="local", files=files,
-                                          total_size=sum(f.size for f in files))},
+        format=1,
+        builder=__version__,
+        inputs_hash="0" * 64,
+        inputs={},
+        images={
+            "tiny": LockedImage(
+                spec_hash=spec_hash(pins.images["tiny"]),
+                recipe="images/tiny",
+                recipe_files=recipe_files(root, "images/tiny"),
+                platform="linux/amd64",
+                source_date_epoch=0,
+            )
+        },
+        models={
+            "demo-model": LockedModel(
+                spec_hash=spec_hash(pins.models["demo-model"]),
+                repo="demo/tiny-model",
+                revision="main",
+                commit="a" * 40,
+                source="local",
+                files=files,
+                total_size=sum(f.size for f in files),
+            )
+        },
         lanes={LANE: LockedLane(spec_hash=spec_hash(pins.lanes[LANE]), image="tiny", models=["demo-model"])},
     )
     atomic_write(root / "pins.lock", render_lock(lock))
@@ -162,19 +219,35 @@ def write_record_for(root: Path, image_id: str, diff_ids: list[str]) -> None:
     pins = load_pins(root / "pins.toml")
     lock = load_lock(root / "pins.lock")
     plan = make_plan(pins, lock, "tiny", root)
-    write_record(root / ".cache" / "builder", ImageRecord(
-        name="tiny", input_address=plan.address, image_id=image_id, diff_ids=diff_ids,
-        tag=tag_for("tiny", plan.address), lock_hash=plan.lock_hash, platform="linux/amd64",
-        source_date_epoch=0))
+    write_record(
+        root / ".cache" / "builder",
+        ImageRecord(
+            name="tiny",
+            input_address=plan.address,
+            image_id=image_id,
+            diff_ids=diff_ids,
+            tag=tag_for("tiny", plan.address),
+            lock_hash=plan.lock_hash,
+            platform="linux/amd64",
+            source_date_epoch=0,
+        ),
+    )
 
 
 def set_pins(root: Path, *, streams: int = 2, port: int = PORT) -> None:
     (root / "pins.toml").write_text(PINS.format(streams=streams, port=port))
 
 
-def make_project(base: Path, *, hosts: list[dict[str, Any]] | None = None, docker_image: bool = False,
-                 marker: str = "", ssh_config: str | None = None, streams: int = 2,
-                 port: int = PORT) -> Project:
+def make_project(
+    base: Path,
+    *,
+    hosts: list[dict[str, Any]] | None = None,
+    docker_image: bool = False,
+    marker: str = "",
+    ssh_config: str | None = None,
+    streams: int = 2,
+    port: int = PORT,
+) -> Project:
     from builder import sign
 
     root = base / "proj"
@@ -198,8 +271,14 @@ def make_project(base: Path, *, hosts: list[dict[str, Any]] | None = None, docke
     keys = base / "keys"
     keys.mkdir()
     sign.generate_keypair(keys / "builder.key", keys / "builder.pub")
-    return Project(root=root, key=keys / "builder.key", pub=keys / "builder.pub", image_id=image_id,
-                   diff_ids=diff_ids, hosts=hs)
+    return Project(
+        root=root,
+        key=keys / "builder.key",
+        pub=keys / "builder.pub",
+        image_id=image_id,
+        diff_ids=diff_ids,
+        hosts=hs,
+    )
 
 
 def relock(p: Project, *, streams: int) -> None:
@@ -232,5 +311,6 @@ def resign(d: Path, key: Path, obj: dict[str, Any], *, fix_id: bool = True) -> N
         obj["bundle_id"] = inst.bundle_id_of(obj)
     data = pretty_json(obj)
     (d / "manifest.json").write_bytes(data)
-    (d / "manifest.json.minisig").write_text(sign.sign(data, sign.load_secret_key(key),
-                                                       inst.trusted_comment_for(obj)))
+    (d / "manifest.json.minisig").write_text(
+        sign.sign(data, sign.load_secret_key(key), inst.trusted_comment_for(obj))
+    )

@@ -50,13 +50,21 @@ def proj(tmp_path: Path) -> Project:
 
 def test_bundle_is_deterministic(proj: Project, tmp_path: Path) -> None:
     a = make_bundle(_ctx(proj), "spark-b", BundleOptions(key=proj.key, out=tmp_path / "a", part_size=4096))
-    b = make_bundle(_ctx(proj), "spark-b", BundleOptions(key=proj.key, out=tmp_path / "b", part_size=4096,
-                                                         with_models=True))
-    c = make_bundle(_ctx(proj), "spark-b", BundleOptions(key=proj.key, out=tmp_path / "c", part_size=4096,
-                                                         with_models=True))
+    b = make_bundle(
+        _ctx(proj),
+        "spark-b",
+        BundleOptions(key=proj.key, out=tmp_path / "b", part_size=4096, with_models=True),
+    )
+    c = make_bundle(
+        _ctx(proj),
+        "spark-b",
+        BundleOptions(key=proj.key, out=tmp_path / "c", part_size=4096, with_models=True),
+    )
     assert tree_bytes(b.path) == tree_bytes(c.path)
     assert b.bundle_id == c.bundle_id != a.bundle_id
-    again = make_bundle(_ctx(proj), "spark-b", BundleOptions(key=proj.key, out=tmp_path / "a", part_size=4096))
+    again = make_bundle(
+        _ctx(proj), "spark-b", BundleOptions(key=proj.key, out=tmp_path / "a", part_size=4096)
+    )
     assert again.unchanged and again.bundle_id == a.bundle_id
     assert not [p for p in (tmp_path).iterdir() if p.name.startswith(".tmp-")]
 
@@ -65,8 +73,14 @@ def test_manifest_content(proj: Project) -> None:
     d = _bundle(proj, "spark-b")
     m = manifest(d)
     assert m["bundle_id"] == inst.bundle_id_of(m)
-    assert (m["host"], m["fleet"], m["lane"], m["rank"], m["role"], m["world_size"]) == \
-        ("spark-b", "testfleet", "demo", 1, "worker", 2)
+    assert (m["host"], m["fleet"], m["lane"], m["rank"], m["role"], m["world_size"]) == (
+        "spark-b",
+        "testfleet",
+        "demo",
+        1,
+        "worker",
+        2,
+    )
     assert m["image"]["image_id"] == proj.image_id and m["image"]["diff_ids"] == proj.diff_ids
     assert len(m["lock_hash"]) == 64 and len(m["image"]["input_address"]) == 64
     paths = {f["path"]: f for f in m["files"]}
@@ -82,8 +96,10 @@ def test_manifest_content(proj: Project) -> None:
     head = manifest(_bundle(proj, "spark-a"))
     assert "weights-r0of2.bin" in {x["file"] for x in head["models"]}
     sig = (d / "manifest.json.minisig").read_text().splitlines()
-    assert sig[2] == f"trusted comment: builder-bundle id={m['bundle_id']} host=spark-b fleet=testfleet " \
-                     f"lane=demo rank=1"
+    assert (
+        sig[2] == f"trusted comment: builder-bundle id={m['bundle_id']} host=spark-b fleet=testfleet "
+        f"lane=demo rank=1"
+    )
     assert (d / "install.py").read_bytes() == inst.assemble()
 
 
@@ -91,7 +107,9 @@ def test_minisign_cli_accepts_the_signature(proj: Project) -> None:
     if not shutil.which("minisign"):
         pytest.skip("minisign not installed")
     d = _bundle(proj)
-    p = subprocess.run(["minisign", "-Vm", str(d / "manifest.json"), "-p", str(proj.pub)], capture_output=True)
+    p = subprocess.run(
+        ["minisign", "-Vm", str(d / "manifest.json"), "-p", str(proj.pub)], capture_output=True
+    )
     assert p.returncode == 0, p.stderr
 
 
@@ -99,8 +117,9 @@ def test_parts_and_models(proj: Project) -> None:
     d = _bundle(proj, with_models=True, part_size=5000)
     m = manifest(d)
     weights = next(f for f in m["files"] if f["path"] == "models/demo-model/weights-r1of2.bin")
-    assert [p["path"] for p in weights["parts"]] == [f"parts/models/demo-model/weights-r1of2.bin.part{i:04d}"
-                                                     for i in range(4)]
+    assert [p["path"] for p in weights["parts"]] == [
+        f"parts/models/demo-model/weights-r1of2.bin.part{i:04d}" for i in range(4)
+    ]
     assert [p["size"] for p in weights["parts"]] == [5000, 5000, 5000, 1384]
     assert not (d / "models/demo-model/weights-r1of2.bin").exists()
     assert (d / "models/demo-model/config.json").is_file()
@@ -130,8 +149,9 @@ def test_rank_file_names() -> None:
 
 
 def test_rank_file_count_must_match_tensor_parallel(proj: Project) -> None:
-    (proj.root / "pins.toml").write_text((proj.root / "pins.toml").read_text().replace(
-        "tensor_parallel = 2", "tensor_parallel = 3"))
+    (proj.root / "pins.toml").write_text(
+        (proj.root / "pins.toml").read_text().replace("tensor_parallel = 2", "tensor_parallel = 3")
+    )
     bl.write_lock(proj.root)
     bl.write_record_for(proj.root, proj.image_id, proj.diff_ids)
     with pytest.raises(ConfigError, match="2 hosts but lane demo has tensor_parallel = 3"):
@@ -307,7 +327,7 @@ def test_peak_memory_with_a_4gib_file(tmp_path: Path) -> None:
 
     proj = make_project(tmp_path)
     big = proj.root / "models" / "demo" / "weights-r1of2.bin"
-    size = 4 * 1024 ** 3
+    size = 4 * 1024**3
     with open(big, "wb") as f:
         f.truncate(size)
     h = hashlib.sha256()
@@ -324,24 +344,53 @@ def test_peak_memory_with_a_4gib_file(tmp_path: Path) -> None:
         bl.MODEL_FILES = saved
     # add the big file to the lock by hand
     lock = json.loads((proj.root / "pins.lock").read_text())
-    lock["models"]["demo-model"]["files"].append({"path": "weights-r1of2.bin", "size": size, "sha256": h.hexdigest()})
+    lock["models"]["demo-model"]["files"].append(
+        {"path": "weights-r1of2.bin", "size": size, "sha256": h.hexdigest()}
+    )
     lock["models"]["demo-model"]["files"].sort(key=lambda f: f["path"])
     lock["models"]["demo-model"]["total_size"] += size
     (proj.root / "pins.lock").write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n")
     bl.write_record_for(proj.root, proj.image_id, proj.diff_ids)
     script = (
-        "import resource, sys\n"
+        "import sys\n"
         "from builder.cli import main\n"
         "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
-        "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+        # VmHWM: this process's own peak (ru_maxrss would carry the parent's peak across exec on Linux)
+        "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM')][0].split()[1]\n"
+        "print('RSS', hwm, file=sys.stderr)\n"
         "sys.exit(code)\n"
     )
-    for args in (["bundle", "spark-b", "--with-models", "--key", str(proj.key)],
-                 ["verify", str(proj.out("spark-b")), "--key", str(proj.pub)]):
-        p = subprocess.run([sys.executable, "-c", script, "--pins", str(proj.pins), *args], capture_output=True,
-                           text=True, timeout=1800)
+    for args in (
+        ["bundle", "spark-b", "--with-models", "--key", str(proj.key)],
+        ["verify", str(proj.out("spark-b")), "--key", str(proj.pub)],
+    ):
+        p = subprocess.run(
+            [sys.executable, "-c", script, "--pins", str(proj.pins), *args],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         assert p.returncode == 0, p.stderr
         rss_kib = int(p.stderr.rsplit("RSS", 1)[1].split()[0])
         assert rss_kib < 200 * 1024, f"{args[0]}: peak RSS {rss_kib} KiB"
     parts = list((proj.out("spark-b") / "parts").rglob("*.part*"))
     assert len(parts) == 16
+
+
+@pytest.mark.docker
+def test_image_archive_is_deterministic(tmp_path: Path) -> None:
+    """--with-image twice gives the same bytes; the archive is a docker-load archive of that ImageID."""
+    import tarfile
+
+    if not shutil.which("docker"):
+        pytest.skip("no docker CLI")
+    p = make_project(tmp_path, docker_image=True, marker=f"determinism-{tmp_path}")
+    a = make_bundle(_ctx(p), "spark-a", BundleOptions(key=p.key, out=tmp_path / "a", with_image=True))
+    b = make_bundle(_ctx(p), "spark-a", BundleOptions(key=p.key, out=tmp_path / "b", with_image=True))
+    assert a.bundle_id == b.bundle_id
+    assert tree_bytes(a.path) == tree_bytes(b.path)
+    with tarfile.open(a.path / "image.tar") as t:
+        m = json.loads(t.extractfile("manifest.json").read())  # type: ignore[union-attr]
+    assert m[0]["Config"] == f"blobs/sha256/{p.image_id.removeprefix('sha256:')}"
+    assert not [x for x in tmp_path.iterdir() if x.name.startswith(".tmp-")]
+    subprocess.run(["docker", "image", "rm", "-f", p.image_id], capture_output=True)

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from builder import installer as inst
 from builder.bundle import BundleOptions, load_context, make_bundle
@@ -33,13 +35,22 @@ SCRIPT = inst.assemble()
 
 def run_installer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """python3 - ARGS with the assembled installer on stdin, isolated from this checkout (-I, cwd=/)."""
-    return subprocess.run([sys.executable, "-I", "-", *args], input=SCRIPT.decode(), capture_output=True,
-                          text=True, timeout=timeout, cwd="/")
+    return subprocess.run(
+        [sys.executable, "-I", "-", *args],
+        input=SCRIPT.decode(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd="/",
+    )
 
 
 def host_paths(base: Path) -> dict[str, str]:
-    return {"models": str(base / "host" / "models"), "engram": str(base / "host" / "engram"),
-            "bundles": str(base / "host" / "builder")}
+    return {
+        "models": str(base / "host" / "models"),
+        "engram": str(base / "host" / "engram"),
+        "bundles": str(base / "host" / "builder"),
+    }
 
 
 def local_hosts(base: Path) -> list[dict[str, Any]]:
@@ -134,7 +145,9 @@ def test_two_installs_never_interleave(tmp_path: Path) -> None:
 def dproj(tmp_path: Path, request: pytest.FixtureRequest) -> bl.Project:
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
-    return bl.make_project(tmp_path, hosts=local_hosts(tmp_path), docker_image=True, marker=request.node.nodeid)
+    return bl.make_project(
+        tmp_path, hosts=local_hosts(tmp_path), docker_image=True, marker=request.node.nodeid
+    )
 
 
 def _rmi(image_id: str) -> None:
@@ -154,16 +167,29 @@ def test_install_rerun_upgrade_rollback(dproj: bl.Project, tmp_path: Path) -> No
     assert os.readlink(root / "current") == f"releases/{id1}"
     rec = json.loads((root / "state" / "applied.json").read_text())
     assert rec["bundle_id"] == id1 and rec["action"] == "install" and rec["previous_bundle_id"] is None
-    assert rec["image"] == {"name": "tiny", "input_address": bl.manifest(v1)["image"]["input_address"],
-                            "image_id": p.image_id, "diff_ids": p.diff_ids}
+    assert rec["image"] == {
+        "name": "tiny",
+        "input_address": bl.manifest(v1)["image"]["input_address"],
+        "image_id": p.image_id,
+        "diff_ids": p.diff_ids,
+    }
     assert rec["manifest_sha256"] == hashlib.sha256((v1 / "manifest.json").read_bytes()).hexdigest()
-    assert {f["path"] for f in rec["files"]} == {"config.json", "install.py", "rank.env", "start.sh", "stop.sh"}
+    assert {f["path"] for f in rec["files"]} == {
+        "config.json",
+        "install.py",
+        "rank.env",
+        "start.sh",
+        "stop.sh",
+    }
     for m in rec["models"]:
         st = os.stat(m["path"])
         assert (st.st_size, st.st_ino, st.st_mtime_ns) == (m["size"], m["inode"], m["mtime"])
         assert hashlib.sha256(Path(m["path"]).read_bytes()).hexdigest() == m["sha256"]
-    assert sorted(Path(m["path"]).name for m in rec["models"]) == ["config.json", "tokenizer.json",
-                                                                   "weights-r1of2.bin"]
+    assert sorted(Path(m["path"]).name for m in rec["models"]) == [
+        "config.json",
+        "tokenizer.json",
+        "weights-r1of2.bin",
+    ]
     assert subprocess.run(["docker", "image", "inspect", p.image_id], capture_output=True).returncode == 0
     rel = root / "releases" / id1
     assert os.access(rel / "start.sh", os.X_OK) and (rel / "manifest.json.minisig").is_file()
@@ -231,7 +257,7 @@ def test_refusals_leave_the_host_untouched(dproj: bl.Project, tmp_path: Path) ->
     (v2 / "manifest.json.minisig").write_bytes(sig.replace(b"builder secret key", b"builder secret kez"))
     refused("changed untrusted comment")
     (v2 / "manifest.json.minisig").write_bytes(sig)
-    refused("too little disk", 1, "--reserve", str(10 ** 18))
+    refused("too little disk", 1, "--reserve", str(10**18))
     refused("bundle for another host", 2, "--host", "spark-a")
     assert install(v2, root).returncode == 0  # intact again: accepted
 
@@ -259,15 +285,16 @@ def test_missing_model_is_refused_unless_bundled(dproj: bl.Project, tmp_path: Pa
     assert not (root / "trusted.pub").exists()  # a failed first install does not pin the key
     assert install(d, root, "--trusted-key", str(dproj.pub)).returncode == 0
     rec = json.loads((root / "state" / "applied.json").read_text())
-    assert sorted(m["path"] for m in rec["models"]) == sorted(str(mdir / n) for n in
-                                                              ("config.json", "tokenizer.json", "weights-r1of2.bin"))
+    assert sorted(m["path"] for m in rec["models"]) == sorted(
+        str(mdir / n) for n in ("config.json", "tokenizer.json", "weights-r1of2.bin")
+    )
     (mdir / "tokenizer.json").write_bytes(b"changed")
     r = install(d, root)  # the same bundle, but a model file drifted: refused, not "unchanged"
     assert r.returncode == 1 and "tokenizer.json: 7 bytes, expected 22" in r.stderr
 
 
 def _kill_iterations(p: bl.Project, tmp_path: Path, n: int, seed: int) -> None:
-    """Install v1, then n times: copy the host, install v2 and SIGKILL it at a random point; check and rerun."""
+    """Install v1; then n times: copy the host, install v2, SIGKILL it at a random point, check, rerun."""
     base_root = tmp_path / "host" / "builder"
     v1 = bundle(p, tmp_path / "v1", with_image=True, with_models=True, part_size=150_000)
     id1 = bl.manifest(v1)["bundle_id"]
@@ -288,9 +315,14 @@ def _kill_iterations(p: bl.Project, tmp_path: Path, n: int, seed: int) -> None:
         root = tmp_path / f"r{i}"
         shutil.copytree(base_root, root, symlinks=True)
         _rmi(p.image_id)
-        proc = subprocess.Popen([sys.executable, "-I", "-", "install", str(v2), "--root", str(root)],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                cwd="/", start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-", "install", str(v2), "--root", str(root)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd="/",
+            start_new_session=True,
+        )
         assert proc.stdin is not None
         proc.stdin.write(SCRIPT)
         proc.stdin.close()
@@ -346,3 +378,72 @@ def test_install_killed_at_random_points(dproj: bl.Project, tmp_path: Path) -> N
 def test_install_killed_50_times(dproj: bl.Project, tmp_path: Path) -> None:
     _kill_iterations(dproj, tmp_path, 50, seed=int(os.environ.get("BUILDER_KILL_SEED", "99")))
     _rmi(dproj.image_id)
+
+
+# --------------------------------------------------------------------------- property: the manifest parser
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=12), kids, max_size=5),
+    max_leaves=20,
+)
+
+
+def _valid_manifest() -> dict[str, Any]:
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="bt-hyp-"))
+    try:
+        p = bl.make_project(base)
+        d = bundle(p, base / "b", with_models=True, part_size=5000)
+        return bl.manifest(d)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+_VALID: dict[str, Any] = {}
+
+
+def _mutate(m: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any]:
+    out = json.loads(json.dumps(m))
+    node: Any = out
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return out
+
+
+def _paths(obj: Any, prefix: list[Any]) -> list[list[Any]]:
+    out = [prefix] if prefix else []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _paths(v, [*prefix, k])
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += _paths(v, [*prefix, i])
+    return out
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_manifest_parser_never_crashes(data: st.DataObject) -> None:
+    if not _VALID:
+        _VALID.update(_valid_manifest())
+    if data.draw(st.booleans()):
+        obj: Any = data.draw(_json)
+    else:
+        paths = _paths(_VALID, [])
+        where = data.draw(st.sampled_from(paths))
+        obj = _mutate(_VALID, where, data.draw(_json))
+    try:
+        m = inst.check_manifest(obj)
+    except inst.InstallError as e:
+        assert "\n" not in str(e) and str(e).startswith("manifest.json: ")
+    else:
+        assert isinstance(m, dict)
+        inst.physical_files(m)
+        inst.release_files(m)

@@ -21,10 +21,18 @@ IMAGE = {"name": "tiny", "input_address": "1" * 64, "image_id": "sha256:" + "2" 
 def fleet(n: int = 2, **head_fabric: object) -> Fleet:
     hosts = []
     for r in range(n):
-        h: dict[str, object] = {"name": f"s{r}", "ssh": f"spark@192.0.2.{10 + r}", "rank": r,
-                                "role": "head" if r == 0 else "worker", "address": f"192.0.2.{10 + r}",
-                                "fabric": {"rdma_devices": ["rocep1s0f0", "roceP2p1s0f0"],
-                                           "interfaces": ["enp1s0f0np0"], "gid_index": 3 if r else "auto"}}
+        h: dict[str, object] = {
+            "name": f"s{r}",
+            "ssh": f"spark@192.0.2.{10 + r}",
+            "rank": r,
+            "role": "head" if r == 0 else "worker",
+            "address": f"192.0.2.{10 + r}",
+            "fabric": {
+                "rdma_devices": ["rocep1s0f0", "roceP2p1s0f0"],
+                "interfaces": ["enp1s0f0np0"],
+                "gid_index": 3 if r else "auto",
+            },
+        }
         if r == 0 and head_fabric:
             h["fabric"] = head_fabric
         hosts.append(h)
@@ -32,8 +40,16 @@ def fleet(n: int = 2, **head_fabric: object) -> Fleet:
 
 
 def lane(**serve: object) -> Lane:
-    s = {"tensor_parallel": 2, "context": 8192, "streams": 4, "port": 8000, "served_name": "m",
-         "rendezvous_port": 29760, "args": ["serve", "--port", "{port}", "--rank", "{rank}"], **serve}
+    s = {
+        "tensor_parallel": 2,
+        "context": 8192,
+        "streams": 4,
+        "port": 8000,
+        "served_name": "m",
+        "rendezvous_port": 29760,
+        "args": ["serve", "--port", "{port}", "--rank", "{rank}"],
+        **serve,
+    }
     return validate(Lane, {"image": "tiny", "serve": s}, "test")
 
 
@@ -65,14 +81,33 @@ def test_args_placeholders() -> None:
 
 
 def test_head_address_falls_back_to_rail_then_ssh_ip() -> None:
-    f = validate(Fleet, {"fleet": {"name": "f", "lane": "l"}, "hosts": [
-        {"name": "a", "ssh": "spark@192.0.2.5:2222", "rank": 0, "role": "head"},
-        {"name": "b", "ssh": "b-alias", "rank": 1, "role": "worker", "fabric": {"rails": ["198.51.100.9"]}}]},
-        "t")
+    f = validate(
+        Fleet,
+        {
+            "fleet": {"name": "f", "lane": "l"},
+            "hosts": [
+                {"name": "a", "ssh": "spark@192.0.2.5:2222", "rank": 0, "role": "head"},
+                {
+                    "name": "b",
+                    "ssh": "b-alias",
+                    "rank": 1,
+                    "role": "worker",
+                    "fabric": {"rails": ["198.51.100.9"]},
+                },
+            ],
+        },
+        "t",
+    )
     assert host_address(f, f.host("a")) == "192.0.2.5"
     assert host_address(f, f.host("b")) == "198.51.100.9"
-    g = validate(Fleet, {"fleet": {"name": "f", "lane": "l"}, "hosts": [
-        {"name": "a", "ssh": "a-alias", "rank": 0, "role": "head"}]}, "t")
+    g = validate(
+        Fleet,
+        {
+            "fleet": {"name": "f", "lane": "l"},
+            "hosts": [{"name": "a", "ssh": "a-alias", "rank": 0, "role": "head"}],
+        },
+        "t",
+    )
     with pytest.raises(ConfigError, match="no address"):
         host_address(g, g.host("a"))
 
@@ -98,11 +133,19 @@ def test_scripts_render_deterministically_and_parse(tmp_path: Path) -> None:
         if shutil.which("shellcheck"):
             assert subprocess.run(["shellcheck", "-S", "error", str(p)]).returncode == 0
     w = render_launch(f, f.host("s2"), "l", lane(tensor_parallel=3), IMAGE, [], [])["start.sh"][0].decode()
-    assert "ROLE=worker" in w and "an old head is still running" in w
+    assert "ROLE=worker" in w and "an old head is still" in w
 
 
 def test_gpu_flags_follow_expectations() -> None:
-    f = validate(Fleet, {"fleet": {"name": "f", "lane": "l"}, "hosts": [
-        {"name": "a", "ssh": "spark@192.0.2.5", "rank": 0, "role": "head", "expect": {"gpu_count": 1}}]}, "t")
+    f = validate(
+        Fleet,
+        {
+            "fleet": {"name": "f", "lane": "l"},
+            "hosts": [
+                {"name": "a", "ssh": "spark@192.0.2.5", "rank": 0, "role": "head", "expect": {"gpu_count": 1}}
+            ],
+        },
+        "t",
+    )
     s = render_launch(f, f.host("a"), "l", lane(tensor_parallel=1), IMAGE, [], [])["start.sh"][0].decode()
     assert "--gpus all" in s

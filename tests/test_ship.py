@@ -39,7 +39,10 @@ def _ship_to(p: bl.Project, dest: Path) -> dict[str, Any]:
 
 def test_sneakernet_copy_resumes_and_verifies(tmp_path: Path) -> None:
     p = bl.make_project(tmp_path)
-    assert p.cli("bundle", "spark-b", "--with-models", "--part-size", "5000", "--key", str(p.key)).returncode == 0
+    assert (
+        p.cli("bundle", "spark-b", "--with-models", "--part-size", "5000", "--key", str(p.key)).returncode
+        == 0
+    )
     usb = tmp_path / "usb"
     first = _ship_to(p, usb)
     dest = usb / bl.FLEET / "spark-b"
@@ -51,8 +54,10 @@ def test_sneakernet_copy_resumes_and_verifies(tmp_path: Path) -> None:
     (dest / "parts/models/demo-model/weights-r1of2.bin.part0003").unlink()
     (dest / "stray").write_text("x")
     again = _ship_to(p, usb)
-    assert sorted(again["sent"]) == ["parts/models/demo-model/weights-r1of2.bin.part0001",
-                                     "parts/models/demo-model/weights-r1of2.bin.part0003"]
+    assert sorted(again["sent"]) == [
+        "parts/models/demo-model/weights-r1of2.bin.part0001",
+        "parts/models/demo-model/weights-r1of2.bin.part0003",
+    ]
     assert again["removed"] == ["stray"]
     assert bl.tree_bytes(dest) == bl.tree_bytes(p.out("spark-b"))
     assert _ship_to(p, usb)["sent"] == []
@@ -80,16 +85,33 @@ def fleet2(request: pytest.FixtureRequest) -> Any:
     return fleetlib.fleet_fixture(request, 2, skip_if_unavailable=not os.environ.get("CI"))
 
 
-FLEET_PATHS = {"models": "/home/spark/models", "engram": "/home/spark/engram", "bundles": "/home/spark/builder"}
+FLEET_PATHS = {
+    "models": "/home/spark/models",
+    "engram": "/home/spark/engram",
+    "bundles": "/home/spark/builder",
+}
 
 
 def fleet_project(tmp_path: Path, fleet: Any) -> bl.Project:
     hosts = []
     for i, h in enumerate(fleet.hosts):
-        hosts.append({"name": h.name, "ssh": h.name, "rank": i, "role": "head" if i == 0 else "worker",
-                      "address": h.ip, "paths": FLEET_PATHS})
-    return bl.make_project(tmp_path, hosts=hosts, docker_image=True, marker=f"fleet-{fleet.network}",
-                           ssh_config=str(fleet.ssh_config))
+        hosts.append(
+            {
+                "name": h.name,
+                "ssh": h.name,
+                "rank": i,
+                "role": "head" if i == 0 else "worker",
+                "address": h.ip,
+                "paths": FLEET_PATHS,
+            }
+        )
+    return bl.make_project(
+        tmp_path,
+        hosts=hosts,
+        docker_image=True,
+        marker=f"fleet-{fleet.network}",
+        ssh_config=str(fleet.ssh_config),
+    )
 
 
 def _applied(fleet: Any, h: Any) -> dict[str, Any]:
@@ -109,8 +131,9 @@ def _health(ip: str, port: int = bl.PORT, timeout: float = 30) -> str:
 
 
 def _remote_installer(fleet: Any, h: Any, *args: str) -> subprocess.CompletedProcess[str]:
-    return fleet.ssh(h, "python3 - " + " ".join(shlex.quote(a) for a in args), input=inst.assemble().decode(),
-                     timeout=120)
+    return fleet.ssh(
+        h, "python3 - " + " ".join(shlex.quote(a) for a in args), input=inst.assemble().decode(), timeout=120
+    )
 
 
 @pytest.mark.fleet
@@ -118,8 +141,17 @@ def test_ship_install_start_rollback_on_the_fleet(fleet2: Any, tmp_path: Path) -
     fleet = fleet2
     p = fleet_project(tmp_path, fleet)
     head, worker = fleet.hosts
-    r = p.cli("bundle", "--fleet", bl.FLEET, "--with-image", "--with-models", "--part-size", "512KiB",
-              "--key", str(p.key))
+    r = p.cli(
+        "bundle",
+        "--fleet",
+        bl.FLEET,
+        "--with-image",
+        "--with-models",
+        "--part-size",
+        "512KiB",
+        "--key",
+        str(p.key),
+    )
     assert r.returncode == 0, r.stderr
     ids1 = {h.name: bl.manifest(p.out(h.name))["bundle_id"] for h in fleet.hosts}
 
@@ -134,9 +166,23 @@ def test_ship_install_start_rollback_on_the_fleet(fleet2: Any, tmp_path: Path) -
         fleet.close_connection(worker)
 
     # ship killed part-way, then a rerun resumes
-    proc = subprocess.Popen([sys.executable, "-m", "builder", "--pins", str(p.pins), "ship", worker.name,
-                             "--signing-key", str(p.key)], cwd=p.root, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "builder",
+            "--pins",
+            str(p.pins),
+            "ship",
+            worker.name,
+            "--signing-key",
+            str(p.key),
+        ],
+        cwd=p.root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     time.sleep(2.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -176,7 +222,9 @@ def test_ship_install_start_rollback_on_the_fleet(fleet2: Any, tmp_path: Path) -
     id2 = bl.manifest(d2)["bundle_id"]
     incoming = f"{FLEET_PATHS['bundles']}/incoming/{id2}"
     fleet.exec(head, f"mkdir -p {incoming}")
-    subprocess.run(["docker", "cp", f"{d2}/.", f"{head.container}:{incoming}"], check=True, capture_output=True)
+    subprocess.run(
+        ["docker", "cp", f"{d2}/.", f"{head.container}:{incoming}"], check=True, capture_output=True
+    )
     fleet.exec(head, f"chown -R spark {FLEET_PATHS['bundles']}")
     damaged = "parts/image.tar.part0001"
     fleet.exec(head, f"truncate -s 1000 {incoming}/{damaged}")

@@ -10,8 +10,13 @@ from builder.cli import get_ctx
 
 
 @click.command()
-@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder for builder.key and builder.pub [default: $XDG_CONFIG_HOME/builder].")
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder for builder.key and builder.pub [default: $XDG_CONFIG_HOME/builder].",
+)
 @click.option("--force", is_flag=True, help="Replace an existing key pair.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def keygen(out: Path | None, force: bool, as_json: bool) -> int:
@@ -30,17 +35,40 @@ def keygen(out: Path | None, force: bool, as_json: bool) -> int:
 @click.command()
 @click.argument("host", required=False)
 @click.option("--fleet", "fleet", metavar="NAME", help="Bundle every host of this fleet.")
-@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Output folder [default: out/bundles/<fleet>/<host>; with --fleet, the parent].")
-@click.option("--key", "key", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Signing key [default: $BUILDER_SIGNING_KEY, else the keygen default].")
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Output folder [default: out/bundles/<fleet>/<host>; with --fleet, the parent].",
+)
+@click.option(
+    "--key",
+    "key",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Signing key [default: $BUILDER_SIGNING_KEY, else the keygen default].",
+)
 @click.option("--with-image", is_flag=True, help="Include the image as a docker-load archive (image.tar).")
 @click.option("--with-models", is_flag=True, help="Include this rank's model files (models/).")
-@click.option("--part-size", "part_size", default="256MiB", show_default=True,
-              help="Files larger than this are stored in hashed parts.")
+@click.option(
+    "--part-size",
+    "part_size",
+    default="256MiB",
+    show_default=True,
+    help="Files larger than this are stored in hashed parts.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def bundle(host: str | None, fleet: str | None, out: Path | None, key: Path | None, with_image: bool,
-           with_models: bool, part_size: str, as_json: bool) -> int:
+def bundle(
+    host: str | None,
+    fleet: str | None,
+    out: Path | None,
+    key: Path | None,
+    with_image: bool,
+    with_models: bool,
+    part_size: str,
+    as_json: bool,
+) -> int:
     """Render a signed, deterministic launch bundle for HOST (or every host of --fleet)."""
     from builder import bundle as core
     from builder import output
@@ -49,25 +77,46 @@ def bundle(host: str | None, fleet: str | None, out: Path | None, key: Path | No
     if (host is None) == (fleet is None):
         raise ConfigError("give a HOST or --fleet NAME (one of them)")
     c = get_ctx()
-    opts = core.BundleOptions(out=out, key=key, with_image=with_image, with_models=with_models,
-                              part_size=core.parse_size(part_size))
+    opts = core.BundleOptions(
+        out=out, key=key, with_image=with_image, with_models=with_models, part_size=core.parse_size(part_size)
+    )
     ctx = core.load_context(c.pins, c.lock, c.store)
     results = core.make_fleet_bundles(ctx, fleet, opts) if fleet else [core.make_bundle(ctx, str(host), opts)]
     for r in results:
         note = " (unchanged)" if r.unchanged else ""
-        output.status(f"{r.fleet}/{r.host} (rank {r.rank}): {r.path}: bundle {r.bundle_id[:16]}, {r.files} files, "
-                      f"{r.size} bytes, {r.parts} parts{note}")
+        output.status(
+            f"{r.fleet}/{r.host} (rank {r.rank}): {r.path}: bundle {r.bundle_id[:16]}, {r.files} files, "
+            f"{r.size} bytes, {r.parts} parts{note}"
+        )
     if as_json:
-        output.data_json([{"fleet": r.fleet, "host": r.host, "rank": r.rank, "path": str(r.path),
-                           "bundle_id": r.bundle_id, "files": r.files, "size": r.size, "parts": r.parts,
-                           "unchanged": r.unchanged} for r in results])
+        output.data_json(
+            [
+                {
+                    "fleet": r.fleet,
+                    "host": r.host,
+                    "rank": r.rank,
+                    "path": str(r.path),
+                    "bundle_id": r.bundle_id,
+                    "files": r.files,
+                    "size": r.size,
+                    "parts": r.parts,
+                    "unchanged": r.unchanged,
+                }
+                for r in results
+            ]
+        )
     return 0
 
 
 @click.command()
 @click.argument("bundle_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--key", "key", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Public key [default: the fleet's trusted_key, else the keygen default].")
+@click.option(
+    "--key",
+    "key",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Public key [default: the fleet's trusted_key, else the keygen default].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def verify(bundle_dir: Path, key: Path | None, as_json: bool) -> int:
     """Check a bundle folder: the signature, then every file's hash (extra, missing, changed: exit 1)."""
@@ -78,8 +127,19 @@ def verify(bundle_dir: Path, key: Path | None, as_json: bool) -> int:
     pub = core.public_key_for(bundle_dir, key, c.root)
     m = core.verify_dir(bundle_dir, pub)
     if as_json:
-        output.data_json({"ok": True, "bundle_id": m["bundle_id"], "fleet": m["fleet"], "host": m["host"],
-                          "lane": m["lane"], "rank": m["rank"], "files": len(m["files"])})
-    output.status(f"{bundle_dir}: OK: bundle {m['bundle_id'][:16]} for {m['fleet']}/{m['host']} "
-                  f"(lane {m['lane']}, rank {m['rank']}), {len(m['files'])} files verified")
+        output.data_json(
+            {
+                "ok": True,
+                "bundle_id": m["bundle_id"],
+                "fleet": m["fleet"],
+                "host": m["host"],
+                "lane": m["lane"],
+                "rank": m["rank"],
+                "files": len(m["files"]),
+            }
+        )
+    output.status(
+        f"{bundle_dir}: OK: bundle {m['bundle_id'][:16]} for {m['fleet']}/{m['host']} "
+        f"(lane {m['lane']}, rank {m['rank']}), {len(m['files'])} files verified"
+    )
     return 0

@@ -11,39 +11,88 @@ from builder.cli import get_ctx
 
 @click.command()
 @click.argument("host")
-@click.option("--to", "to", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Copy the bundle to DIR/<fleet>/<host>/ (sneakernet) instead of installing over SSH.")
-@click.option("--bundle", "bundle_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="The bundle folder [default: out/bundles/<fleet>/<host>].")
-@click.option("--key", "key", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Public key the host trusts [default: fleet.trusted_key, else the signing key's].")
-@click.option("--signing-key", "signing_key", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Signing key whose public half to trust when no public key is configured.")
-@click.option("--timeout", "timeout", type=float, default=60.0, show_default=True,
-              help="Base seconds for every remote call (transfers add size / 1 MiB/s).")
+@click.option(
+    "--to",
+    "to",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Copy the bundle to DIR/<fleet>/<host>/ (sneakernet) instead of installing over SSH.",
+)
+@click.option(
+    "--bundle",
+    "bundle_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The bundle folder [default: out/bundles/<fleet>/<host>].",
+)
+@click.option(
+    "--key",
+    "key",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Public key the host trusts [default: fleet.trusted_key, else the signing key's].",
+)
+@click.option(
+    "--signing-key",
+    "signing_key",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Signing key whose public half to trust when no public key is configured.",
+)
+@click.option(
+    "--timeout",
+    "timeout",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Base seconds for every remote call (transfers add size / 1 MiB/s).",
+)
 @click.option("--insecure", is_flag=True, help="Install without checking the signature (explicit only).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def ship(host: str, to: Path | None, bundle_dir: Path | None, key: Path | None, signing_key: Path | None,
-         timeout: float, insecure: bool, as_json: bool) -> int:
+def ship(
+    host: str,
+    to: Path | None,
+    bundle_dir: Path | None,
+    key: Path | None,
+    signing_key: Path | None,
+    timeout: float,
+    insecure: bool,
+    as_json: bool,
+) -> int:
     """Copy HOST's bundle to it over SSH (resuming) and install it; or copy it to a folder with --to."""
     from builder import output
     from builder import ship as core
 
     c = get_ctx()
-    opts = core.ShipOptions(bundle=bundle_dir, to=to, key=key, signing_key=signing_key, timeout=timeout,
-                            insecure=insecure)
+    opts = core.ShipOptions(
+        bundle=bundle_dir, to=to, key=key, signing_key=signing_key, timeout=timeout, insecure=insecure
+    )
     r = core.ship(c.root, host, opts)
     if as_json:
-        output.data_json({"host": r.host, "fleet": r.fleet, "bundle_id": r.bundle_id, "result": r.result,
-                          "sent": r.sent, "skipped": r.skipped, "removed": r.removed, "dest": r.dest,
-                          "bytes_sent": r.bytes_sent})
+        output.data_json(
+            {
+                "host": r.host,
+                "fleet": r.fleet,
+                "bundle_id": r.bundle_id,
+                "result": r.result,
+                "sent": r.sent,
+                "skipped": r.skipped,
+                "removed": r.removed,
+                "dest": r.dest,
+                "bytes_sent": r.bytes_sent,
+            }
+        )
     if r.result == "copied":
-        output.status(f"{r.host}: bundle {r.bundle_id[:16]} copied to {r.dest} ({len(r.sent)} sent, "
-                      f"{len(r.skipped)} already there); on the host, with a trusted installer: "
-                      f"python3 install.py install {r.dest} --root <paths.bundles>")
+        output.status(
+            f"{r.host}: bundle {r.bundle_id[:16]} copied to {r.dest} ({len(r.sent)} sent, "
+            f"{len(r.skipped)} already there); on the host, with a trusted installer: "
+            f"python3 install.py install {r.dest} --root <paths.bundles>"
+        )
     elif r.result == "unchanged":
         output.status(f"{r.host}: bundle {r.bundle_id[:16]} is already installed; nothing sent")
     else:
-        output.status(f"{r.host}: bundle {r.bundle_id[:16]} {r.result} ({len(r.sent)} files sent, "
-                      f"{len(r.skipped)} already there)")
+        output.status(
+            f"{r.host}: bundle {r.bundle_id[:16]} {r.result} ({len(r.sent)} files sent, "
+            f"{len(r.skipped)} already there)"
+        )
     return 0

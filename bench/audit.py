@@ -1,0 +1,162 @@
+"""(d) `builder audit` wall time over 1, 2, 4 and 8 test hosts; the audit's host-side model hashing.
+
+The hosts are the test fleet's containers with a real sshd (tests/fleetlib.py start_fleet, without
+their own dockerd to spare this 2-core machine), on a private Docker network. Each size gets its own
+small project (tests/auditlib.py make_project with tensor_parallel = N) and fleet file. The hosts
+hold no release, so the audit reports drift (exit 1): the time is the real cost of connecting to
+every host (one ssh master per host, reused by every check) and running every preflight check.
+
+The second part runs the script the audit's model check runs on each host (builder.hostcheck
+FILES_SCRIPT, full mode, 4 threads) here, over the benchmark's model folder, against openssl dgst and
+sha256sum on the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    REPO,
+    Config,
+    Row,
+    builder_argv,
+    gib_s,
+    have,
+    judge,
+    median_interleaved,
+    secs,
+    skipped,
+    warm,
+)
+from bench.data import model_folder
+
+NAME = "audit"
+SIZES = (1, 2, 4, 8)
+TARGET = "<= 2"
+
+
+def run(cfg: Config) -> list[Row]:
+    return _fleet(cfg) + _host_hashing(cfg)
+
+
+def _fleet(cfg: Config) -> list[Row]:
+    fig = "audit 8 hosts vs 1 host (wall time)"
+    sys.path.insert(0, str(REPO / "tests"))
+    try:
+        import auditlib
+        import fleetlib
+    except ImportError as e:
+        return [skipped(NAME, fig, f"test helpers: {e}", TARGET)]
+    if not fleetlib.docker_available():
+        return [skipped(NAME, fig, "Docker engine not reachable", TARGET)]
+    if not fleetlib.image_exists(fleetlib.testhost_tag()):
+        return [skipped(NAME, fig, f"{fleetlib.testhost_tag()} missing: run tests/fleet/build-testhost.sh",
+                        TARGET)]
+    from builder.imagerecord import ImageRecord, tag_for, write_record
+
+    work = cfg.workdir / "audit"
+    fleet = fleetlib.start_fleet(max(SIZES), work / "fleet", dockerd=False, build=False)
+    images: list[str] = []
+    try:
+        fns = {}
+        for n in SIZES:
+            paths = auditlib.make_project(work / f"proj{n}", tp=n)
+            addr = auditlib.plan_address(paths)
+            labels = {"org.builder.lane": "demo", "org.builder.input-address": addr}
+            image_id = fleetlib.tiny_image(f"builder-bench-audit:{n}-{os.getpid()}",
+                                           files={"/etc/demo": b"bench\n"}, labels=labels)
+            images.append(image_id)
+            write_record(paths["store"], ImageRecord(
+                name="demo", input_address=addr, image_id=image_id, diff_ids=[], tag=tag_for("demo", addr),
+                lock_hash="0" * 64, platform="linux/arm64", source_date_epoch=0, labels=labels))
+            hosts = [{"name": h.name, "ssh": h.name, "rank": i, "role": "head" if i == 0 else "worker"}
+                     for i, h in enumerate(fleet.hosts[:n])]
+            (paths["hosts"] / "bench.toml").write_text(
+                auditlib.fleet_toml("bench", hosts, ssh_config=str(fleet.ssh_config)))
+            argv = [*builder_argv(), "--pins", str(paths["pins"]), "--store", str(paths["store"]), "audit",
+                    "--fleet", "bench", "--json", "--checks", str(REPO / "checks"), "--connect-timeout", "10"]
+            fns[n] = _audit_fn(argv)
+        # warm-up: ssh host keys, python caches on the hosts
+        t = median_interleaved({str(n): fns[n] for n in SIZES}, cfg.runs)
+        rows = []
+        for n in SIZES:
+            codes = sorted(_CODES.get(tuple(fns[n].argv), set()))  # type: ignore[attr-defined]
+            rows.append(Row(NAME, f"audit {n} host{'s' if n > 1 else ''}", secs(t[str(n)]), "", None, "",
+                            "report", f"exit {codes}; {_SUMMARY.get(tuple(fns[n].argv), '')}",  # type: ignore[attr-defined]
+                            {"seconds": t[str(n)], "hosts": n}))
+        ratio = t["8"] / t["1"]
+        rows.append(Row(NAME, fig, secs(t["8"]), f"1 host {secs(t['1'])}", ratio, TARGET, judge(ratio, TARGET),
+                        "ratio = 8-host time / 1-host time; hosts hold no release, so checks report drift",
+                        {"t1": t["1"], "t8": t["8"]}))
+        return rows
+    finally:
+        fleet.teardown()
+        for img in images:
+            subprocess.run(["docker", "rmi", "-f", img], capture_output=True)
+
+
+_CODES: dict[tuple[str, ...], set[int]] = {}
+_SUMMARY: dict[tuple[str, ...], str] = {}
+
+
+class _audit_fn:  # noqa: N801 - a callable with its argv attached
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+
+    def __call__(self) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        p = subprocess.run(self.argv, capture_output=True, text=True, env=env, timeout=600)
+        key = tuple(self.argv)
+        _CODES.setdefault(key, set()).add(p.returncode)
+        if p.returncode not in (0, 1):
+            raise RuntimeError(f"builder audit: exit {p.returncode}: {p.stderr.strip()[-300:]}")
+        try:
+            data: dict[str, Any] = json.loads(p.stdout)
+            counts: dict[str, int] = {}
+            for h in data.get("hosts", {}).values():
+                for c in h.get("checks", {}).values():
+                    counts[c["status"]] = counts.get(c["status"], 0) + 1
+            _SUMMARY[key] = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+        except (ValueError, AttributeError):
+            pass
+
+
+def _host_hashing(cfg: Config) -> list[Row]:
+    from builder.hostcheck import FILES_SCRIPT
+
+    mf = model_folder(cfg)
+    warm(mf.paths)
+    paths = [str(p) for p in mf.paths]
+    req = json.dumps({"paths": paths, "hash": True, "jobs": 4})
+
+    def script() -> None:
+        out = subprocess.run([sys.executable, "-c", FILES_SCRIPT, req], check=True, capture_output=True).stdout
+        got = json.loads(out)
+        assert all(got[str(mf.root / n)].get("sha256") == d for n, _, d in mf.entries)
+
+    fns = {"audit": script}
+    if have("openssl"):
+        fns["openssl"] = lambda: subprocess.run(["openssl", "dgst", "-sha256", *paths], check=True,
+                                                stdout=subprocess.DEVNULL)
+    if have("sha256sum"):
+        fns["sha256sum"] = lambda: subprocess.run(["sha256sum", *paths], check=True, stdout=subprocess.DEVNULL)
+    t0 = time.perf_counter()
+    t = median_interleaved(fns, cfg.runs)
+    del t0
+    rows = []
+    for tool in ("openssl", "sha256sum"):
+        fig = f"audit full-mode model hashing (host script) vs {tool}"
+        if tool not in t:
+            rows.append(skipped(NAME, fig, f"{tool} not installed"))
+            continue
+        ratio = t[tool] / t["audit"]
+        rows.append(Row(NAME, fig, gib_s(mf.total, t["audit"]), gib_s(mf.total, t[tool]), ratio, "", "report",
+                        "hostcheck.FILES_SCRIPT run locally (what each host runs in --mode full)",
+                        {"audit_s": t["audit"], f"{tool}_s": t[tool], "bytes": mf.total}))
+    return rows

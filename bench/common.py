@@ -1,0 +1,159 @@
+"""Shared pieces of the benchmarks: the result row, timing as medians, child memory, test data."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+GiB = 1024**3
+MiB = 1024**2
+
+
+@dataclass
+class Config:
+    workdir: Path
+    quick: bool = False
+    runs: int = 5
+
+    def n(self, full: int | None = None) -> int:
+        """Runs for one figure: --runs (at least 5 unless --quick)."""
+        return self.runs if full is None else min(self.runs, full)
+
+
+@dataclass
+class Row:
+    """One figure. ratio is oriented so that the target reads "ratio >= x" or "ratio <= x"."""
+
+    bench: str
+    figure: str
+    builder: str = ""
+    standard: str = ""
+    ratio: float | None = None
+    target: str = ""
+    status: str = "report"  # pass | fail | report | skipped
+    note: str = ""
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def judge(ratio: float | None, target: str) -> str:
+    """pass/fail from a target like ">= 1.7" or "<= 0.5"; report when there is none."""
+    if ratio is None or not target:
+        return "report"
+    op, _, num = target.partition(" ")
+    want = float(num.rstrip("xs MiB"))
+    ok = ratio >= want if op == ">=" else ratio <= want
+    return "pass" if ok else "fail"
+
+
+def skipped(bench: str, figure: str, reason: str, target: str = "") -> Row:
+    return Row(bench=bench, figure=figure, target=target, status="skipped", note=f"skipped: {reason}")
+
+
+def median_time(fn: Callable[[], Any], runs: int, warmup: int = 0) -> tuple[float, list[float]]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), times
+
+
+def median_interleaved(fns: dict[str, Callable[[], Any]], runs: int, warmup: int = 1) -> dict[str, float]:
+    """Medians of several contenders run round-robin (A B A B ...), so a noisy neighbour or the page
+    cache drifting hits each of them alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(runs):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def run(argv: Sequence[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
+        check: bool = True, stdin: Any = None, stdout: Any = subprocess.DEVNULL) -> int:
+    p = subprocess.run(list(argv), cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=subprocess.PIPE)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, argv))[:200]}: exit {p.returncode}: "
+                           f"{p.stderr.decode(errors='replace').strip()[-300:]}")
+    return p.returncode
+
+
+def run_measured(argv: Sequence[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,
+                 ) -> tuple[int, float, int, str]:
+    """Run a child; return (exit code, wall seconds, peak RSS in bytes of that child, stderr tail).
+
+    Peak RSS comes from wait4()'s rusage for exactly this child (ru_maxrss, KiB on Linux), not the
+    cumulative RUSAGE_CHILDREN of everything run so far.
+    """
+    t = time.perf_counter()
+    p = subprocess.Popen(list(argv), cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert p.stderr is not None
+    err = p.stderr.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, wall, ru.ru_maxrss * 1024, err.decode(errors="replace").strip()[-300:]
+
+
+def builder_argv() -> list[str]:
+    """How a user runs builder: the installed console script when it is there, else python -m builder."""
+    exe = Path(sys.executable).parent / "builder"
+    if exe.is_file() and os.access(exe, os.X_OK):
+        return [str(exe)]
+    return [sys.executable, "-m", "builder"]
+
+
+def have(tool: str) -> bool:
+    return shutil.which(tool) is not None
+
+
+def write_data_file(path: Path, size: int, seed: int) -> None:
+    """size bytes of incompressible data (like model weights), fast: a 16 MiB random block, each copy
+    with its own 16-byte prefix so no two chunks or files are equal."""
+    block = bytearray(os.urandom(16 * MiB))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        left, i = size, 0
+        while left > 0:
+            block[:16] = seed.to_bytes(8, "little") + i.to_bytes(8, "little")
+            n = min(left, len(block))
+            f.write(memoryview(block)[:n])
+            left -= n
+            i += 1
+
+
+def warm(paths: Sequence[Path]) -> None:
+    """Read files once so the page cache holds them (the benchmarks measure a warm cache)."""
+    buf = bytearray(8 * MiB)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def gib_s(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / GiB / seconds:.2f} GiB/s" if seconds > 0 else "inf"
+
+
+def secs(s: float) -> str:
+    if s < 0.01:
+        return f"{s * 1000:.2f} ms"
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"

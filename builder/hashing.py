@@ -1,0 +1,264 @@
+"""Verify a folder of files against expected (path, size, sha256), at the machine's limit.
+
+Two modes:
+
+``full``
+    Every file's size is compared first (a mismatch is reported without reading a byte); then the
+    files that remain are hashed with sha256, several files at once on a thread pool. hashlib hands
+    large updates to OpenSSL with the GIL released, so N threads use N cores. Each file is read with
+    ``readinto`` into one reusable buffer per thread (no allocation per read, no copy into a bytes
+    object), in reads of :data:`READ_SIZE`, which measured fastest here; on this 2-core machine one
+    thread of it beats ``openssl dgst -sha256`` (which reads in 8 KiB BIO chunks) on a single file.
+
+``fast``
+    Size, mtime (ns) and inode of each file against the record an install wrote when it last
+    verified the file in full (the apply record's ``models`` list). Nothing is read. **This trusts
+    the file system**: a file replaced by a copy (new inode), truncated, or rewritten without care for
+    its mtime is caught; an in-place edit of the same size whose mtime was put back (``touch -d``, a
+    tool that preserves times, bit rot, a raw write to the block device) is NOT. Full mode is what
+    catches those; run it after anything you do not trust.
+
+Entries may be :class:`Entry` objects, ``(path, size, sha256)`` tuples or dicts with those keys
+(the lock's and the manifest's shapes). Paths are relative to ``root`` unless absolute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+#: Read size for hashing. Large reads keep OpenSSL in its multi-block path and cut syscalls; 1-8 MiB
+#: measured within noise of each other here, all 10-30 % ahead of openssl dgst's 8 KiB reads. 4 MiB
+#: keeps a thread's buffer small enough that 8 workers stay far under the memory target.
+READ_SIZE = 4 * 1024 * 1024
+
+Mode = Literal["full", "fast"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One file that does not match. ``kind``: missing, not-a-file, size, sha256, unreadable,
+    replaced (inode), modified (mtime), no-record."""
+
+    path: str
+    kind: str
+    expected: str
+    found: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.kind}: expected {self.expected}, found {self.found}"
+
+
+def default_workers() -> int:
+    """One thread per usable core (at least 1, at most 16: past that the disk, not the CPU, limits)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(16, n))
+
+
+def sha256_file(path: str | os.PathLike[str], read_size: int = READ_SIZE) -> tuple[str, int]:
+    """(sha256 hex, size) of one file: readinto one reusable buffer, hashed through a memoryview."""
+    h = hashlib.sha256()
+    buf = bytearray(read_size)
+    view = memoryview(buf)
+    size = 0
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        # Tell the kernel we read front to back: it doubles readahead on a cold cache; no cost warm.
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass
+        with open(fd, "rb", buffering=0, closefd=False) as f:
+            while True:
+                n = f.readinto(buf)
+                if not n:
+                    break
+                # hashlib releases the GIL for updates over 2 KiB: other threads hash meanwhile.
+                h.update(view[:n])
+                size += n
+    finally:
+        os.close(fd)
+    return h.hexdigest(), size
+
+
+def hash_files(
+    paths: Iterable[str | os.PathLike[str]], workers: int | None = None
+) -> dict[str, tuple[str, int]]:
+    """{path: (sha256 hex, size)} for many files, hashed in parallel. OSError propagates."""
+    items = [os.fspath(p) for p in paths]
+    if not items:
+        return {}
+    n = min(workers or default_workers(), len(items))
+    if n <= 1:
+        return {p: sha256_file(p) for p in items}
+    # Largest first, so one big file started last does not leave the other threads idle at the end.
+    order = sorted(items, key=_size_or_zero, reverse=True)
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as ex:
+        results = dict(zip(order, ex.map(sha256_file, order), strict=True))
+    return {p: results[p] for p in items}
+
+
+def _size_or_zero(p: str) -> int:
+    try:
+        return os.stat(p).st_size
+    except OSError:
+        return 0
+
+
+def _entry(e: Entry | Sequence[Any] | Mapping[str, Any]) -> Entry:
+    if isinstance(e, Entry):
+        return e
+    if isinstance(e, Mapping):
+        return Entry(str(e["path"]), int(e["size"]), str(e["sha256"]))
+    path, size, digest = e
+    return Entry(str(path), int(size), str(digest))
+
+
+def _full_path(root: str | os.PathLike[str] | None, path: str) -> str:
+    if root is None or os.path.isabs(path):
+        return path
+    return os.path.join(os.fspath(root), path)
+
+
+def stamp(path: str | os.PathLike[str]) -> dict[str, int]:
+    """What fast mode compares: {size, mtime (ns), inode}, the apply record's keys for a model file."""
+    st = os.stat(path)
+    return {"size": st.st_size, "mtime": st.st_mtime_ns, "inode": st.st_ino}
+
+
+def _record_map(record: Any) -> dict[str, Mapping[str, Any]]:
+    """Accept an apply record (dict with "models"), a list of {path, size, mtime, inode}, or a mapping
+    path -> {size, mtime, inode}."""
+    if record is None:
+        return {}
+    if isinstance(record, Mapping) and isinstance(record.get("models"), list):
+        record = record["models"]
+    if isinstance(record, Mapping):
+        return {str(k): v for k, v in record.items() if isinstance(v, Mapping)}
+    out: dict[str, Mapping[str, Any]] = {}
+    for r in record:
+        if isinstance(r, Mapping) and "path" in r:
+            out[str(r["path"])] = r
+    return out
+
+
+def _mtime_ns(value: Any) -> int | None:
+    """An apply record's mtime: int nanoseconds, or float seconds from an older writer."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, int) and value > 10**12:
+        return value
+    return int(round(float(value) * 1e9))
+
+
+def verify_files(
+    entries: Iterable[Entry | Sequence[Any] | Mapping[str, Any]],
+    root: str | os.PathLike[str] | None = None,
+    mode: Mode = "full",
+    record: Any = None,
+    workers: int | None = None,
+) -> list[Problem]:
+    """Check files against their expected size and sha256; return the problems (empty when all match).
+
+    ``mode="full"`` hashes every file whose size matches (in parallel); ``mode="fast"`` compares
+    size, mtime and inode with ``record`` (see the module docstring: it trusts the file system) and
+    reads nothing. In fast mode, a file with no record entry, or whose record names another sha256,
+    is a problem (``no-record``): fast mode never vouches for bytes nobody hashed.
+    Problems come back in the entries' order.
+    """
+    if mode not in ("full", "fast"):
+        raise ValueError(f"mode must be 'full' or 'fast', not {mode!r}")
+    items = [_entry(e) for e in entries]
+    problems: dict[int, Problem] = {}
+    to_hash: list[tuple[int, str]] = []
+    rec = _record_map(record) if mode == "fast" else {}
+    for i, e in enumerate(items):
+        full = _full_path(root, e.path)
+        try:
+            st = os.stat(full)
+        except FileNotFoundError:
+            problems[i] = Problem(e.path, "missing", f"{e.size} bytes", "no such file")
+            continue
+        except OSError as err:
+            problems[i] = Problem(e.path, "unreadable", f"{e.size} bytes", err.strerror or str(err))
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems[i] = Problem(e.path, "not-a-file", "a regular file", "something else")
+            continue
+        if st.st_size != e.size:  # size first: no byte is read to report this
+            problems[i] = Problem(e.path, "size", f"{e.size} bytes", f"{st.st_size} bytes")
+            continue
+        if mode == "full":
+            to_hash.append((i, full))
+            continue
+        r = rec.get(e.path) or rec.get(full) or rec.get(os.path.abspath(full))
+        if r is None or (r.get("sha256") is not None and r.get("sha256") != e.sha256):
+            problems[i] = Problem(e.path, "no-record", "an apply record entry for this sha256", "none")
+        elif r.get("size") != st.st_size:
+            problems[i] = Problem(e.path, "size", f"{r.get('size')} bytes (record)", f"{st.st_size} bytes")
+        elif r.get("inode") != st.st_ino:
+            problems[i] = Problem(e.path, "replaced", f"inode {r.get('inode')}", f"inode {st.st_ino}")
+        elif _mtime_ns(r.get("mtime")) != st.st_mtime_ns:
+            problems[i] = Problem(
+                e.path, "modified", f"mtime {r.get('mtime')} ns", f"mtime {st.st_mtime_ns} ns"
+            )
+    if to_hash:
+        problems.update(_hash_and_compare(items, to_hash, workers))
+    return [problems[i] for i in sorted(problems)]
+
+
+def _hash_and_compare(
+    items: list[Entry], to_hash: list[tuple[int, str]], workers: int | None
+) -> dict[int, Problem]:
+    def one(job: tuple[int, str]) -> tuple[int, Problem | None]:
+        i, full = job
+        e = items[i]
+        try:
+            digest, size = sha256_file(full)
+        except OSError as err:
+            return i, Problem(e.path, "unreadable", f"{e.size} bytes", err.strerror or str(err))
+        if size != e.size:  # changed while we read it
+            return i, Problem(e.path, "size", f"{e.size} bytes", f"{size} bytes")
+        if digest != e.sha256:
+            return i, Problem(e.path, "sha256", e.sha256, digest)
+        return i, None
+
+    n = min(workers or default_workers(), len(to_hash))
+    # Largest first (see hash_files).
+    jobs = sorted(to_hash, key=lambda j: items[j[0]].size, reverse=True)
+    if n <= 1:
+        results = [one(j) for j in jobs]
+    else:
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as ex:
+            results = list(ex.map(one, jobs))
+    return {i: p for i, p in results if p is not None}
+
+
+def record_for(
+    entries: Iterable[Entry | Sequence[Any] | Mapping[str, Any]], root: str | os.PathLike[str] | None = None
+) -> list[dict[str, Any]]:
+    """Fast mode's record for files just verified in full: [{path, size, sha256, mtime, inode}].
+
+    Call it only right after :func:`verify_files` in full mode returned no problem for these files.
+    """
+    out = []
+    for e in (_entry(x) for x in entries):
+        s = stamp(_full_path(root, e.path))
+        out.append({"path": e.path, "sha256": e.sha256, **s})
+    return out

@@ -1,0 +1,205 @@
+"""builder.hashing on real files.
+
+Full mode finds a changed byte; size mismatches are found without reading; fast mode catches a
+replaced file and (documented) trusts an in-place edit whose mtime was put back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from builder import canon, hashing
+from builder.hashing import Entry, verify_files
+
+
+def _make(root: Path, n: int = 6) -> list[Entry]:
+    out = []
+    for i in range(n):
+        data = os.urandom(1000 + i * 70_000) + bytes([i]) * (i * 5_000_000 // max(1, n))
+        p = root / "sub" / f"f{i}.bin" if i % 2 else root / f"f{i}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        out.append(Entry(str(p.relative_to(root)), len(data), hashlib.sha256(data).hexdigest()))
+    return out
+
+
+def test_sha256_file_matches_hashlib_and_openssl(tmp_path: Path) -> None:
+    p = tmp_path / "x"
+    data = os.urandom(hashing.READ_SIZE * 2 + 12345)
+    p.write_bytes(data)
+    want = hashlib.sha256(data).hexdigest()
+    assert hashing.sha256_file(p) == (want, len(data))
+    assert canon.sha256_file(p) == (want, len(data))
+    assert hashing.sha256_file(p, read_size=1000) == (want, len(data))
+    out = subprocess.run(["openssl", "dgst", "-sha256", "-r", str(p)], capture_output=True, text=True)
+    if out.returncode == 0:
+        assert out.stdout.split()[0] == want
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    p = tmp_path / "empty"
+    p.write_bytes(b"")
+    assert hashing.sha256_file(p) == (hashlib.sha256(b"").hexdigest(), 0)
+    assert verify_files([("empty", 0, hashlib.sha256(b"").hexdigest())], tmp_path) == []
+
+
+def test_hash_files_parallel_equals_serial(tmp_path: Path) -> None:
+    entries = _make(tmp_path)
+    paths = [tmp_path / e.path for e in entries]
+    par = hashing.hash_files(paths, workers=4)
+    ser = hashing.hash_files(paths, workers=1)
+    assert par == ser
+    assert list(par) == [str(p) for p in paths]  # the caller's order
+    for e, p in zip(entries, paths, strict=True):
+        assert par[str(p)] == (e.sha256, e.size)
+
+
+def test_full_mode_all_good(tmp_path: Path) -> None:
+    entries = _make(tmp_path)
+    assert verify_files(entries, tmp_path, workers=3) == []
+    # the other entry shapes: tuples, dicts, absolute paths
+    assert verify_files([(e.path, e.size, e.sha256) for e in entries], tmp_path) == []
+    dicts = [{"path": str(tmp_path / e.path), "size": e.size, "sha256": e.sha256} for e in entries]
+    assert verify_files(dicts) == []
+
+
+def test_full_mode_finds_one_corrupted_byte(tmp_path: Path) -> None:
+    entries = _make(tmp_path)
+    victim = tmp_path / entries[3].path
+    with open(victim, "r+b") as f:
+        f.seek(entries[3].size // 2)
+        b = f.read(1)
+        f.seek(entries[3].size // 2)
+        f.write(bytes([b[0] ^ 0x01]))
+    probs = verify_files(entries, tmp_path, workers=2)
+    assert [(p.path, p.kind) for p in probs] == [(entries[3].path, "sha256")]
+    assert probs[0].expected == entries[3].sha256
+    assert probs[0].found == hashing.sha256_file(victim)[0]
+    assert entries[3].path in str(probs[0])
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("rchar:"))
+
+
+def test_size_mismatch_found_without_reading(tmp_path: Path) -> None:
+    """The kernel's count of bytes this process read (/proc/self/io rchar, all threads) barely moves:
+    the 32 MiB file with one byte appended is reported from its size, never hashed."""
+    if not os.path.exists("/proc/self/io"):
+        pytest.skip("no /proc/self/io")
+    big = tmp_path / "big.bin"
+    data = os.urandom(1 << 20) * 32
+    big.write_bytes(data + b"x")
+    entries = [Entry("big.bin", len(data), hashlib.sha256(data).hexdigest())]
+    before = _rchar()
+    probs = verify_files(entries, tmp_path, workers=2)
+    read = _rchar() - before
+    assert [(p.path, p.kind) for p in probs] == [("big.bin", "size")]
+    assert probs[0].found == f"{len(data) + 1} bytes"
+    assert read < 1 << 20, f"read {read} bytes"
+    # and the same file with the right size is read in full (the counter does count our reads)
+    big.write_bytes(data)
+    before = _rchar()
+    assert verify_files(entries, tmp_path, workers=2) == []
+    assert _rchar() - before >= len(data)
+
+
+def test_size_mismatch_on_sparse_file_is_instant(tmp_path: Path) -> None:
+    """A 1 TiB sparse file with the wrong size is reported from its stat alone (reading it would take
+    minutes, and the check returns the size problem, not a hash)."""
+    p = tmp_path / "huge"
+    with open(p, "wb") as f:
+        f.truncate(1 << 40)
+    probs = verify_files([("huge", 5, "0" * 64)], tmp_path, workers=1)
+    assert [(x.kind, x.found) for x in probs] == [("size", f"{1 << 40} bytes")]
+
+
+def test_missing_and_not_a_file(tmp_path: Path) -> None:
+    (tmp_path / "dir").mkdir()
+    probs = verify_files([("nope", 1, "0" * 64), ("dir", 1, "0" * 64)], tmp_path)
+    assert [(p.path, p.kind) for p in probs] == [("nope", "missing"), ("dir", "not-a-file")]
+
+
+def test_fast_mode_passes_with_a_fresh_record(tmp_path: Path) -> None:
+    entries = _make(tmp_path)
+    assert verify_files(entries, tmp_path) == []
+    record = hashing.record_for(entries, tmp_path)
+    assert verify_files(entries, tmp_path, mode="fast", record=record) == []
+    # the apply record's own shape ({"models": [...]}) with absolute paths works too
+    abs_rec = {"models": [dict(r, path=str(tmp_path / r["path"])) for r in record]}
+    assert verify_files(entries, tmp_path, mode="fast", record=abs_rec) == []
+
+
+def test_fast_mode_catches_a_replaced_file(tmp_path: Path) -> None:
+    entries = _make(tmp_path, n=3)
+    record = hashing.record_for(entries, tmp_path)
+    victim = tmp_path / entries[2].path
+    st = os.stat(victim)
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0xFF
+    new = victim.with_name(victim.name + ".new")
+    new.write_bytes(bytes(data))
+    os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime: only the inode differs
+    os.replace(new, victim)
+    assert os.stat(victim).st_ino != st.st_ino
+    probs = verify_files(entries, tmp_path, mode="fast", record=record)
+    assert [(p.path, p.kind) for p in probs] == [(entries[2].path, "replaced")]
+
+
+def test_fast_mode_catches_an_edit_that_moves_mtime(tmp_path: Path) -> None:
+    entries = _make(tmp_path, n=3)
+    record = hashing.record_for(entries, tmp_path)
+    victim = tmp_path / entries[0].path
+    st = os.stat(victim)
+    with open(victim, "r+b") as f:
+        f.write(b"Z")
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+    probs = verify_files(entries, tmp_path, mode="fast", record=record)
+    assert [(p.path, p.kind) for p in probs] == [(entries[0].path, "modified")]
+
+
+def test_fast_mode_trusts_an_in_place_same_size_edit_with_restored_mtime(tmp_path: Path) -> None:
+    """Documented limit: fast mode trusts the file system. An in-place edit of the same size whose
+    mtime is put back keeps size, mtime and inode, so fast mode passes it; full mode catches it."""
+    entries = _make(tmp_path, n=3)
+    record = hashing.record_for(entries, tmp_path)
+    victim = tmp_path / entries[1].path
+    st = os.stat(victim)
+    with open(victim, "r+b") as f:
+        f.seek(10)
+        f.write(b"\x00\x01\x02")
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(victim).st_ino == st.st_ino
+    assert verify_files(entries, tmp_path, mode="fast", record=record) == []
+    full = verify_files(entries, tmp_path, mode="full")
+    assert [(p.path, p.kind) for p in full] == [(entries[1].path, "sha256")]
+
+
+def test_fast_mode_never_vouches_without_a_record(tmp_path: Path) -> None:
+    entries = _make(tmp_path, n=2)
+    record = hashing.record_for(entries[:1], tmp_path)
+    probs = verify_files(entries, tmp_path, mode="fast", record=record)
+    assert [(p.path, p.kind) for p in probs] == [(entries[1].path, "no-record")]
+    # a record for another sha256 (a new lock for the same path) does not count either
+    stale = [dict(r, sha256="f" * 64) for r in hashing.record_for(entries, tmp_path)]
+    assert {p.kind for p in verify_files(entries, tmp_path, mode="fast", record=stale)} == {"no-record"}
+
+
+def test_fast_mode_size_change_reported(tmp_path: Path) -> None:
+    entries = _make(tmp_path, n=2)
+    record = hashing.record_for(entries, tmp_path)
+    with open(tmp_path / entries[0].path, "ab") as f:
+        f.write(b"more")
+    probs = verify_files(entries, tmp_path, mode="fast", record=record)
+    assert [(p.path, p.kind) for p in probs] == [(entries[0].path, "size")]
+
+
+def test_bad_mode_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        verify_files([], tmp_path, mode="quick")  # type: ignore[arg-type]
