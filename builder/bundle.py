@@ -243,6 +243,14 @@ def write_stream(src: IO[bytes], rel: str, dest: Path, part_size: int, mode: str
     cur: IO[bytes] | None = None
     cur_hash = hashlib.sha256()
     in_part = 0
+    # Performance (issue 6, bench/bundle.py): the whole-file sha256 runs on a second thread while this
+    # one writes the chunk and hashes its part (hashlib and file writes release the GIL), so the two
+    # hashes of every byte use two cores. At most one chunk is in flight on that thread, and a single
+    # worker keeps the updates in order.
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    pending: Future[None] | None = None
+    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-sha256")
     try:
         while True:
             want = min(READ_SIZE, part_size - in_part)
@@ -252,9 +260,11 @@ def write_stream(src: IO[bytes], rel: str, dest: Path, part_size: int, mode: str
             if cur is None:
                 cur = open(dest / part_name(idx), "wb")
                 cur_hash, in_part = hashlib.sha256(), 0
+            if pending is not None:
+                pending.result()
+            pending = hasher.submit(whole.update, chunk)
             cur.write(chunk)
             cur_hash.update(chunk)
-            whole.update(chunk)
             in_part += len(chunk)
             total += len(chunk)
             if in_part >= part_size:
@@ -267,7 +277,10 @@ def write_stream(src: IO[bytes], rel: str, dest: Path, part_size: int, mode: str
             cur.close()
             cur = None
             parts.append({"path": part_name(idx), "size": in_part, "sha256": cur_hash.hexdigest()})
+        if pending is not None:
+            pending.result()
     finally:
+        hasher.shutdown(wait=True)
         if cur is not None:
             cur.close()
     target = dest / rel

@@ -210,7 +210,10 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
         shutil.copyfile(blob, dest / "files" / fname)
     base = p.closure["base"]
     if base:
-        buildargs["BASE"] = f"{base['ref'].split('@', 1)[0].rsplit(':', 1)[0] if _has_tag(base['ref']) else base['ref']}@{base['manifest_digest']}"
+        name_only = base["ref"].split("@", 1)[0]
+        if _has_tag(name_only):
+            name_only = name_only.rsplit(":", 1)[0]
+        buildargs["BASE"] = f"{name_only}@{base['manifest_digest']}"
     (dest / ".builder-closure.json").write_text(json.dumps(p.closure, sort_keys=True, indent=1))
     return buildargs
 

@@ -11,7 +11,8 @@ from builder.cli import get_ctx
 @click.argument("names", nargs=-1)
 @click.option("--offline", is_flag=True, help="Use caches and local files only; name every input not reachable.")
 @click.option("--update", "update", multiple=True, metavar="NAME", help="Re-resolve this input (repeatable).")
-@click.option("--check", "check", is_flag=True, help="Exit 1 if the lock is stale, incomplete or malformed (no network).")
+@click.option("--check", "check", is_flag=True,
+              help="Exit 1 if the lock is stale, incomplete or malformed (no network).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def lock(names: tuple[str, ...], offline: bool, update: tuple[str, ...], check: bool, as_json: bool) -> int:
     """Resolve every input of pins.toml (or of the named lanes/images/inputs) into the lock.
