@@ -128,9 +128,7 @@ def mutate(data: st.DataObject, doc: Any, n_max: int = 4) -> Any:
         elif op == "add":
             target = parent[key]
             if isinstance(target, dict):
-                target[data.draw(st.sampled_from(["extra", "note", "x"]) | st.text(max_size=8))] = data.draw(
-                    json_value
-                )
+                target[data.draw(st.sampled_from(["extra", "note", "x"]) | st.text(max_size=8))] = data.draw(json_value)
             elif isinstance(target, list):
                 target.append(data.draw(json_value))
             else:
@@ -350,9 +348,7 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("bundleproj")
     p = bl.make_project(base)
     ctx = load_context(p.pins, p.root / "pins.lock", p.store)
-    d = make_bundle(
-        ctx, "spark-b", BundleOptions(key=p.key, out=base / "b", with_models=True, part_size=4096)
-    ).path
+    d = make_bundle(ctx, "spark-b", BundleOptions(key=p.key, out=base / "b", with_models=True, part_size=4096)).path
     return d, p.pub
 
 

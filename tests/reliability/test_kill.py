@@ -46,12 +46,8 @@ def measure(argv: list[str], cwd: Path, reset: Callable[[], None] | None = None)
 
 
 def git(*args: str, cwd: Path) -> str:
-    env = rlib.builder_env(
-        {"GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"}
-    )
-    return subprocess.run(
-        ["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True
-    ).stdout.strip()
+    env = rlib.builder_env({"GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"})
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout.strip()
 
 
 # --------------------------------------------------------------------------- builder lock
@@ -125,11 +121,14 @@ def test_lock_killed_at_random_points(tmp_path: Path) -> None:
     old = (base / "pins.lock").read_bytes()
     new_pins = lock_pins(bare, b"{{ messages }}\n", "second reason", extra_model=True)
     probe = tmp_path / "probe"
-    shutil.copytree(base, probe, symlinks=True)
-    (probe / "pins.toml").write_text(new_pins)
-    shutil.rmtree(probe / ".cache", ignore_errors=True)
+
+    def reset() -> None:
+        shutil.rmtree(probe, ignore_errors=True)
+        shutil.copytree(base, probe, symlinks=True)
+        (probe / "pins.toml").write_text(new_pins)
+
     argv = [sys.executable, "-m", "builder", "--pins", "pins.toml", "lock"]
-    span = rlib.timed(argv, cwd=probe)
+    span = measure(argv, probe, reset)
     rng = random.Random(rlib.kill_seed(7))
     outcomes = {"old": 0, "new": 0, "finished": 0}
     leftovers = 0
@@ -235,18 +234,14 @@ def test_store_writes_killed_at_random_points(tmp_path: Path) -> None:
     spans = {}
     for mode, src, digest in (("file", blob, blob_sha), ("tree", tree, tree_sha)):
         probe = tmp_path / f"probe-{mode}"
-        spans[mode] = rlib.timed(
-            [sys.executable, str(script), str(probe), mode, str(src), digest], cwd=tmp_path
-        )
+        spans[mode] = rlib.timed([sys.executable, str(script), str(probe), mode, str(src), digest], cwd=tmp_path)
         shutil.rmtree(probe, ignore_errors=True)
     rng = random.Random(rlib.kill_seed(11))
     figures: dict[str, int] = {"complete_after_kill": 0, "absent_after_kill": 0, "staging_left": 0}
     for i in range(rlib.kill_runs()):
         for mode, src, digest in (("file", blob, blob_sha), ("tree", tree, tree_sha)):
             store = tmp_path / f"s{i}-{mode}"
-            proc = rlib.start_killable(
-                [sys.executable, str(script), str(store), mode, str(src), digest], cwd=tmp_path
-            )
+            proc = rlib.start_killable([sys.executable, str(script), str(store), mode, str(src), digest], cwd=tmp_path)
             time.sleep(kill_delay(rng, spans[mode]))
             rlib.killpg(proc)
             n_obj, n_tree = check_store(store)
@@ -304,10 +299,14 @@ def test_bundle_killed_at_random_points(tmp_path: Path) -> None:
     v1 = tmp_path / "v1"
     shutil.copytree(out, v1)
     bl.relock(p, streams=7)
-    probe = tmp_path / "probe"
-    argv = [sys.executable, "-m", "builder", *args, "--out", str(probe)]
-    span = rlib.timed(argv, cwd=p.root)
-    id2 = bl.manifest(probe)["bundle_id"]
+
+    def reset() -> None:
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(v1, out)
+
+    span = measure([sys.executable, "-m", "builder", *args], p.root, reset)
+    id2 = bl.manifest(out)["bundle_id"]
     assert id2 != id1
     rng = random.Random(rlib.kill_seed(13))
     outcomes = {"old": 0, "new": 0, "absent": 0}
@@ -357,7 +356,7 @@ def test_ship_to_folder_killed_at_random_points(tmp_path: Path) -> None:
     bid = bl.manifest(p.out("spark-b"))["bundle_id"]
     usb = tmp_path / "usb"
     args = ["--pins", str(p.pins), "ship", "spark-b", "--to", str(usb), "--key", str(p.pub)]
-    span = rlib.timed([sys.executable, "-m", "builder", *args], cwd=p.root)
+    span = measure([sys.executable, "-m", "builder", *args], p.root, lambda: shutil.rmtree(usb, ignore_errors=True))
     rng = random.Random(rlib.kill_seed(17))
     outcomes = {"complete": 0, "incomplete_refused": 0}
     dest = usb / bl.FLEET / "spark-b"

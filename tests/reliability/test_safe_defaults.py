@@ -97,9 +97,7 @@ def wrong_known_hosts_config(fleet: Any, tmp: Path) -> Path:
     cm = tmp / "cm"
     cm.mkdir(exist_ok=True)
     cfg = fleet.ssh_config.read_text().replace(str(fleet.known_hosts), str(wrong))
-    cfg = re.sub(
-        r"ControlPath .*", f"ControlPath {cm}/%C", cfg
-    )  # never reuse a master opened with the right keys
+    cfg = re.sub(r"ControlPath .*", f"ControlPath {cm}/%C", cfg)  # never reuse a master opened with the right keys
     out = tmp / "ssh_config.wrong"
     out.write_text(cfg)
     return out
@@ -193,9 +191,7 @@ def test_signatures_are_required_unless_insecure_is_given(tmp_path: Path) -> Non
         {},
         {"BUILDER_INSECURE": "1", "INSECURE": "1", "BUILDER_VERIFY": "0"},
     ):  # no env var turns it off
-        r = rlib.run_builder(
-            *pins, "ship", "spark-b", "--to", str(usb), "--key", str(p.pub), cwd=p.root, env=env
-        )
+        r = rlib.run_builder(*pins, "ship", "spark-b", "--to", str(usb), "--key", str(p.pub), cwd=p.root, env=env)
         rlib.assert_clean_cli(r, allowed=(1,))
         assert "manifest.json.minisig: missing" in r.stderr and not usb.exists()
         r = rlib.run_builder(*pins, "verify", str(d), "--key", str(p.pub), cwd=p.root, env=env)
@@ -206,9 +202,7 @@ def test_signatures_are_required_unless_insecure_is_given(tmp_path: Path) -> Non
     with pytest.raises(inst.InstallError, match="minisig: missing"):
         inst.verify_bundle(str(d), p.pub.read_bytes())
     # the explicit flag, on the command line only, lets it through (and says so on the host)
-    r = rlib.run_builder(
-        *pins, "ship", "spark-b", "--to", str(usb), "--insecure", "--key", str(p.pub), cwd=p.root
-    )
+    r = rlib.run_builder(*pins, "ship", "spark-b", "--to", str(usb), "--insecure", "--key", str(p.pub), cwd=p.root)
     assert r.returncode == 0, r.stderr
     root = tmp_path / "root"
     rb = subprocess.run(

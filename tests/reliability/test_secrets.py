@@ -147,9 +147,7 @@ def test_no_secret_in_lock_bundle_verify_ship_or_errors(tmp_path: Path) -> None:
     # a base image at a closed loopback registry port, with the password planted
     bp = tmp_path / "baseproj"
     bp.mkdir()
-    (bp / "pins.toml").write_text(
-        'format = 1\n[bases.b]\nref = "127.0.0.1:9/demo/x:v1"\nplatforms = ["linux/arm64"]\n'
-    )
+    (bp / "pins.toml").write_text('format = 1\n[bases.b]\nref = "127.0.0.1:9/demo/x:v1"\nplatforms = ["linux/arm64"]\n')
     sc.run("--pins", str(bp / "pins.toml"), "lock", "--json", cwd=bp, expect=(1,))
     # bundle (key from BUILDER_SIGNING_KEY), verify, ship to a folder: every --json output
     sc.run(*pins, "bundle", "--fleet", bl.FLEET, "--with-models", "--part-size", "4KiB", "--json", cwd=p.root)
@@ -169,9 +167,7 @@ def test_no_secret_in_lock_bundle_verify_ship_or_errors(tmp_path: Path) -> None:
     sc.run(*pins, "lock", "--check", "--json", cwd=p.root, expect=(0, 1))
     # error paths with the key in play
     (p.out("spark-b") / "stop.sh").write_text("#!/bin/sh\n")
-    sc.run(
-        *pins, "verify", str(p.out("spark-b")), "--key", str(keys / "builder.pub"), cwd=p.root, expect=(1,)
-    )
+    sc.run(*pins, "verify", str(p.out("spark-b")), "--key", str(keys / "builder.pub"), cwd=p.root, expect=(1,))
     os.chmod(keys / "builder.key", 0o644)
     sc.run(*pins, "bundle", "spark-b", "--json", cwd=p.root, expect=(2,))
     os.chmod(keys / "builder.key", 0o600)
@@ -207,12 +203,8 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
     try:
         sc.run(*pins, "why", "t", "--json", cwd=proj, expect=(0, 2))
         sc.run(*pins, "image", "t", "--plan", "--json", cwd=proj, expect=(0, 2))
-        insp = subprocess.run(
-            ["docker", "image", "inspect", image_id], capture_output=True, check=True
-        ).stdout
-        hist = subprocess.run(
-            ["docker", "history", "--no-trunc", image_id], capture_output=True, check=True
-        ).stdout
+        insp = subprocess.run(["docker", "image", "inspect", image_id], capture_output=True, check=True).stdout
+        hist = subprocess.run(["docker", "history", "--no-trunc", image_id], capture_output=True, check=True).stdout
         save = subprocess.run(["docker", "save", image_id], capture_output=True, check=True).stdout
         assert b"org.opencontainers.image.title" in insp and len(save) > 1000
         sc.add("docker image inspect (config, labels)", insp)
@@ -231,9 +223,7 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
         }
     p = bl.make_project(tmp_path / "b", hosts=hs, docker_image=True, marker=f"secrets-{tmp_path}")
     try:
-        sc.run(
-            "--pins", str(p.pins), "bundle", "spark-b", "--with-image", "--with-models", "--json", cwd=p.root
-        )
+        sc.run("--pins", str(p.pins), "bundle", "spark-b", "--with-image", "--with-models", "--json", cwd=p.root)
         script = inst.assemble()
         bdir = p.out("spark-b")
         r = subprocess.run(

@@ -104,9 +104,7 @@ def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: 
         v2 = make_bundle(
             ctx,
             "spark-b",
-            BundleOptions(
-                key=p.key, out=tmp_path / "v2", with_image=True, with_models=True, part_size=300_000
-            ),
+            BundleOptions(key=p.key, out=tmp_path / "v2", with_image=True, with_models=True, part_size=300_000),
         ).path
         files = {f.relative_to(v2).as_posix() for f in v2.rglob("*") if f.is_file()}
         assert {"manifest.json", "manifest.json.minisig"} <= files
@@ -142,9 +140,7 @@ def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: 
 def _patch_project(base: Path) -> Path:
     up = base / "up"
     up.mkdir()
-    env = rlib.builder_env(
-        {"GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"}
-    )
+    env = rlib.builder_env({"GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"})
 
     def git(*a: str, cwd: Path = up) -> None:
         subprocess.run(["git", *a], cwd=cwd, env=env, check=True, capture_output=True)
@@ -349,9 +345,7 @@ def test_audit_full_mode_names_every_model_file_with_a_changed_byte(tmp_path: Pa
             },
         }
     ]
-    (paths["hosts"] / "l.toml").write_text(
-        auditlib.fleet_toml("l", hosts, expect="docker = false\ngpu_count = 0\n")
-    )
+    (paths["hosts"] / "l.toml").write_text(auditlib.fleet_toml("l", hosts, expect="docker = false\ngpu_count = 0\n"))
 
     def audit() -> tuple[int, dict[str, Any], str]:
         r = rlib.run_builder(
