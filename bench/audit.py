@@ -17,8 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
 from bench.common import (
@@ -146,9 +144,7 @@ def _host_hashing(cfg: Config) -> list[Row]:
                                                 stdout=subprocess.DEVNULL)
     if have("sha256sum"):
         fns["sha256sum"] = lambda: subprocess.run(["sha256sum", *paths], check=True, stdout=subprocess.DEVNULL)
-    t0 = time.perf_counter()
     t = median_interleaved(fns, cfg.runs)
-    del t0
     rows = []
     for tool in ("openssl", "sha256sum"):
         fig = f"audit full-mode model hashing (host script) vs {tool}"

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    GiB,
-    MiB,
     REPO,
     Config,
+    GiB,
+    MiB,
     Row,
     builder_argv,
     gib_s,

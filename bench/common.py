@@ -91,7 +91,7 @@ def run(argv: Sequence[str], *, cwd: Path | None = None, env: dict[str, str] | N
         check: bool = True, stdin: Any = None, stdout: Any = subprocess.DEVNULL) -> int:
     p = subprocess.run(list(argv), cwd=cwd, env=env, stdin=stdin, stdout=stdout, stderr=subprocess.PIPE)
     if check and p.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, argv))[:200]}: exit {p.returncode}: "
+        raise RuntimeError(f"{' '.join(map(str, argv[:3]))}: exit {p.returncode}: "
                            f"{p.stderr.decode(errors='replace').strip()[-300:]}")
     return p.returncode
 

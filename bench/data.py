@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import GiB, MiB, Config, warm, write_data_file
+from bench.common import Config, GiB, MiB, warm, write_data_file
 
 
 @dataclass

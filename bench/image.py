@@ -70,7 +70,12 @@ def run(cfg: Config) -> list[Row]:
         for k, v in sorted(buildargs.items()):
             argv += ["--build-arg", f"{k}={v}"]
         argv.append(str(ctx_dir))
-        sh(argv)  # fills docker's build cache for this context (not timed)
+        # Fill docker's build cache for this context (not timed). Retried once: on a shared engine
+        # another job's `docker image prune` can remove the fresh image before it is tagged.
+        try:
+            sh(argv)
+        except RuntimeError:
+            sh(argv)
 
         def noop() -> None:
             sh([*b, "image", "demo"], cwd=proj)

@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             except Exception as e:  # one broken benchmark must not hide the others
                 traceback.print_exc(file=sys.stderr)
+                first = str(e).splitlines()[0][:300] if str(e) else ""
                 got = [Row(bench=name, figure="(benchmark)", status="skipped",
-                           note=f"skipped: error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")]
+                           note=f"skipped: error: {type(e).__name__}: {first}")]
             for r in got:
                 sys.stderr.write(f"   {r.figure}: {r.builder} vs {r.standard} "
                                  f"{'' if r.ratio is None else f'ratio {r.ratio:.2f}'} {r.status} {r.note}\n")

@@ -90,10 +90,13 @@ def labels_for(p: Plan, lock: Lock, pins: Pins) -> dict[str, str]:
 
 def _public_url(url: str) -> str:
     # never put credentials (https://user:token@host/...) in a label
-    if "://" in url and "@" in url.split("://", 1)[1].split("/", 1)[0]:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://{rest.split('@', 1)[1]}"
-    return url
+    if "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    authority, sep, path = rest.partition("/")
+    authority = authority.rpartition("@")[2]
+    path = path.split("?", 1)[0].split("#", 1)[0]  # no tokens in query strings either
+    return f"{scheme}://{authority}{sep}{path}"
 
 
 def _rfc3339(epoch: int) -> str:
@@ -133,6 +136,7 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
     shutil.copytree(root / img.recipe, dest, dirs_exist_ok=True)
     buildargs: dict[str, str] = dict(img.build_args)
     buildargs["SOURCE_DATE_EPOCH"] = str(p.source_date_epoch)
+    ignored = dockerignore_literals(dest)
     cache = store.root / "git"
     for i, sname in enumerate(img.sources):
         ls = lock.sources[sname]
@@ -172,7 +176,8 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
             wheelhouses = [Path(x) for x in _wheelhouses(root)]
             blob = store.fetch_wheel(lt.package or tname, lt.version or "", art.filename or "", art.sha256, what,
                                      wheelhouses, offline)
-            extract_wheel_folder(blob, "ziglang/", dest / "zig")
+            extract_wheel_folder(blob, "ziglang/", dest / "zig",
+                                 skip=[x.removeprefix("zig/") for x in ignored if x.startswith("zig/")])
         else:
             if not store.has(art.sha256):
                 if art.url is None:
@@ -249,9 +254,37 @@ def apply_patch(tree: Path, patch: Path, what: str) -> None:
             raise VerifyError(f"{what}: patch does not apply: {first}")
 
 
-def extract_wheel_folder(wheel: Path, prefix: str, dest: Path) -> None:
-    """Extract one top-level folder of a wheel, keeping the exec bits, refusing escapes."""
+def dockerignore_literals(ctx: Path) -> list[str]:
+    """The plain paths (no wildcards) a context's .dockerignore excludes; [] when it has exceptions (`!`).
+
+    Docker leaves these out of the upload anyway; assembly uses them to skip extracting what would
+    be ignored (the demo recipe keeps Zig's 175 MB of libc sources and headers out this way).
+    """
+    f = ctx / ".dockerignore"
+    if not f.is_file():
+        return []
+    out: list[str] = []
+    for raw in f.read_text(encoding="utf-8").splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("!"):
+            return []
+        if any(c in line for c in "*?[\\"):
+            continue
+        norm = os.path.normpath(line.lstrip("/"))
+        if norm not in (".", "..") and not norm.startswith("../"):
+            out.append(Path(norm).as_posix())
+    return out
+
+
+def extract_wheel_folder(wheel: Path, prefix: str, dest: Path, skip: list[str] | None = None) -> None:
+    """Extract one top-level folder of a wheel, keeping the exec bits, refusing escapes.
+
+    ``skip``: paths relative to ``dest`` (files or folders) not to extract.
+    """
     dest.mkdir(parents=True, exist_ok=True)
+    skipped = tuple(skip or ())
     with zipfile.ZipFile(wheel) as z:
         for info in z.infolist():
             if not info.filename.startswith(prefix) or info.is_dir():
@@ -259,6 +292,9 @@ def extract_wheel_folder(wheel: Path, prefix: str, dest: Path) -> None:
             rel = Path(info.filename[len(prefix):])
             if rel.is_absolute() or ".." in rel.parts:
                 raise VerifyError(f"{wheel.name}: unsafe path in wheel: {info.filename}")
+            posix = rel.as_posix()
+            if any(posix == s or posix.startswith(s + "/") for s in skipped):
+                continue
             out = dest / rel
             out.parent.mkdir(parents=True, exist_ok=True)
             with z.open(info) as src, open(out, "wb") as dst:

@@ -133,12 +133,16 @@ class Lock(LStrict):
     files: dict[str, LockedFile] = {}
     images: dict[str, LockedImage] = {}
     lanes: dict[str, LockedLane] = {}
+    seal: Sha256 | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
+    def body(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude={"seal"})
+
     def lock_hash(self) -> str:
         """Identity of this lock's resolved content (what images and bundles record)."""
-        return address(self.model_dump(mode="json", by_alias=True))
+        return address(self.body())
 
 
 # ---------------------------------------------------------------------------------------
@@ -150,8 +154,14 @@ def spec_hash(spec: BaseModel) -> str:
 
 
 def render_lock(lock: Lock) -> bytes:
-    """The lock's bytes: pretty, sorted JSON with a header key first and a trailing newline."""
-    return pretty_json(lock.model_dump(mode="json", by_alias=True, exclude_none=False))
+    """The lock's bytes: pretty, sorted JSON with a header key first and a trailing newline.
+
+    `seal` is the sha256 of everything else, so `--check` catches a value edited by hand even
+    when the file keeps the form `builder lock` writes.
+    """
+    data = lock.body()
+    data["seal"] = address(data)
+    return pretty_json(data)
 
 
 def recipe_files(root: Path, recipe: str) -> dict[str, str]:
@@ -205,7 +215,9 @@ def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None)
     root = pins_path.resolve().parent
     lock = load_lock(lock_path)
     problems: list[str] = []
-    if render_lock(lock) != lock_path.read_bytes():
+    if lock.seal != address(lock.body()):
+        problems.append(f"{lock_path.name}: seal does not match the content (edited by hand?)")
+    elif render_lock(lock) != lock_path.read_bytes():
         problems.append(f"{lock_path.name}: not in the form `builder lock` writes (edited by hand?)")
     selected = pins.closure(names) if names else pins.all_inputs()
     for kind in KINDS:
@@ -363,6 +375,8 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
             previous = load_lock(lock_path)
         except ConfigError:
             previous = None  # a malformed lock is replaced, never merged
+        if previous is not None and previous.seal != address(previous.body()):
+            previous = None  # edited by hand: resolve everything again rather than trust it
     selected = pins.closure(opts.names) if opts.names else pins.all_inputs()
     report = ResolveReport(lock_path=lock_path, written=False)
     new: dict[str, dict[str, Any]] = {k: {} for k in KINDS}

@@ -44,6 +44,21 @@ def _need(lock: Lock, kind: str, name: str, image: str) -> Any:
     return entry
 
 
+_ZIG_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "riscv64": "riscv64", "powerpc64le": "ppc64le", "s390x": "s390x"}
+
+
+def _check_zig_target(name: str, platform: str, build_args: dict[str, str]) -> None:
+    """A ZIG_TARGET build arg must name the image platform's CPU (aarch64-... for linux/arm64)."""
+    triple = build_args.get("ZIG_TARGET")
+    if not triple or triple == "native":
+        return
+    arch = _ZIG_ARCH.get(triple.split("-", 1)[0])
+    want = platform.split("/")[1] if "/" in platform else platform
+    if arch is not None and arch != want:
+        raise ConfigError(f"images.{name}.build_args.ZIG_TARGET: {triple} builds for {arch}, but the image "
+                          f"platform is {platform}")
+
+
 def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
     if name not in pins.images:
         have = ", ".join(sorted(pins.images)) or "none"
@@ -58,6 +73,7 @@ def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
         raise ConfigError(f"images.{name}: recipe file {changed[0][0]} changed since the lock "
                           f"(run `builder lock {name}`)")
     plat = img.platform
+    _check_zig_target(name, plat, img.build_args)
     used: dict[str, Any] = {}
     base: dict[str, Any] | None = None
     if img.base:

@@ -29,10 +29,10 @@ pytestmark = pytest.mark.slow
 
 
 def kill_delay(rng: random.Random, span: float) -> float:
-    """Half the kills anywhere in a run, half in its second half (where the writing happens); a few after."""
+    """Half the kills anywhere in a run, half in its last 60 % (where the writing happens); a few after."""
     if rng.random() < 0.5:
-        return rng.uniform(0, span * 1.2)
-    return rng.uniform(span * 0.5, span * 1.2)
+        return rng.uniform(0, span * 1.05)
+    return rng.uniform(span * 0.4, span * 1.05)
 
 
 def measure(argv: list[str], cwd: Path, reset: Callable[[], None] | None = None) -> float:
