@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(workdir=work, quick=args.quick, runs=runs)
     rows: list[Row] = []
     started = time.time()
+    load_before = os.getloadavg()
     try:
         for name in names:
             sys.stderr.write(f"== {name}\n")
@@ -112,12 +113,17 @@ def main(argv: list[str] | None = None) -> int:
                         "platform": platform.platform()},
             "quick": args.quick,
             "runs": runs,
+            # Other work on the machine skews the ratios (the parallel hashing needs idle cores):
+            # the 1-minute load average before and after the run says how quiet it was.
+            "loadavg_1m": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
             "results": [r.as_dict() for r in rows],
         }
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
         sys.stdout.write(format_table(rows) + "\n")
+        sys.stdout.write(f"\n(load average 1 min: {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
+                         f"{os.cpu_count()} CPUs)\n")
     return 0
 
 

@@ -87,6 +87,21 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -
     fsync_dir(p.parent)
 
 
+def clean_stale_tmp(path: str | os.PathLike[str]) -> int:
+    """Remove `.NAME.*.tmp` files a killed atomic_write left beside `path`.
+
+    Call it only while holding the lock that serialises writers of `path`.
+    """
+    p = Path(path)
+    n = 0
+    if p.parent.is_dir():
+        for t in p.parent.glob(f".{p.name}.*.tmp"):
+            with contextlib.suppress(OSError):
+                t.unlink()
+                n += 1
+    return n
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)

@@ -47,12 +47,4 @@ def collect(pins_path: Path, lock_path: Path, store_root: Path, *, dry_run: bool
         objects |= o
         trees |= t
         images |= i
-    store = Store(store_root)
-    if dry_run:
-        removed = []
-        for folder, keep in ((store.objects, objects), (store.root / "images", images), (store.trees, trees)):
-            if folder.is_dir():
-                removed += [f"{folder.name}/{p.name}" for p in sorted(folder.iterdir())
-                            if p.name.removesuffix(".json") not in keep]
-        return GcReport(removed=removed, kept=0, freed_bytes=0)
-    return store.gc(objects, trees, images, verify=verify)
+    return Store(store_root).gc(objects, trees, images, verify=verify, dry_run=dry_run)

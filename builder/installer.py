@@ -937,13 +937,13 @@ def check_disk(needs: list[tuple[str, int]], reserve: int) -> None:
 
 def _model_cached(m: dict[str, Any], old: dict[str, Any] | None) -> bool:
     """Is a model file unchanged since the last apply record vouched for its sha256? (size, mtime, inode)"""
-    if not old:
-        return False
+    if not isinstance(old, dict) or not isinstance(old.get("models"), list):
+        return False  # no record, or a damaged one: hash the file instead of trusting it
     try:
         st = os.stat(m["path"])
     except OSError:
         return False
-    for r in old.get("models") or []:
+    for r in old["models"]:
         if (
             isinstance(r, dict)
             and r.get("path") == m["path"]

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from builder import __version__
-from builder.canon import address, atomic_write, file_lock, pretty_json, sha256_file
+from builder.canon import address, atomic_write, clean_stale_tmp, file_lock, pretty_json, sha256_file
 from builder.errors import BuilderError, ConfigError, ResolveError
 from builder.loader import read_json, validate
 from builder.pins import Pins, check_patch_files, load_pins
@@ -427,6 +427,7 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
                 **{k: dict(sorted(new[k].items())) for k in KINDS})  # type: ignore[arg-type]
     data = render_lock(lock)
     with file_lock(lock_path.parent / f".{lock_path.name}.lck"):
+        clean_stale_tmp(lock_path)
         if not lock_path.exists() or lock_path.read_bytes() != data:
             atomic_write(lock_path, data)
             report.written = True

@@ -74,7 +74,7 @@ def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
                           f"(run `builder lock {name}`)")
     plat = img.platform
     _check_zig_target(name, plat, img.build_args)
-    used: dict[str, Any] = {}
+    used: dict[str, Any] = {f"images.{name}": li.model_dump(mode="json")}
     base: dict[str, Any] | None = None
     if img.base:
         lb = _need(lock, "bases", img.base, name)

@@ -15,6 +15,7 @@ at most a folder under tmp/, which the next writer removes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -95,28 +96,31 @@ class Store:
         return self.put_stream(_read_chunks(src), sha256, what)
 
     def put_stream(self, chunks: Iterable[bytes], sha256: str, what: str) -> Path:
-        import hashlib
-
+        """Write chunks into staging, check their sha256, then rename into objects/ (under the lock)."""
         dest = self.object_path(sha256)
         if dest.is_file():
             return self.verified(sha256, what)
-        with self.locked(), self.staging() as st:
-            tmp = st / "blob"
-            h = hashlib.sha256()
-            with open(tmp, "wb") as f:
-                for c in chunks:
-                    h.update(c)
-                    f.write(c)
-                f.flush()
-                os.fsync(f.fileno())
-            got = h.hexdigest()
-            if got != sha256:
-                raise VerifyError(f"{what}: bytes do not match the lock (expected sha256 {sha256[:16]}, "
-                                  f"got {got[:16]})")
-            self.objects.mkdir(parents=True, exist_ok=True)
-            os.chmod(tmp, 0o444)
-            os.replace(tmp, dest)
-            fsync_dir(self.objects)
+        with self.locked():
+            self.clean_tmp()
+            if dest.is_file():  # another writer finished it while we waited for the lock
+                return self.verified(sha256, what)
+            with self.staging() as st:
+                tmp = st / "blob"
+                h = hashlib.sha256()
+                with open(tmp, "wb") as f:
+                    for c in chunks:
+                        h.update(c)
+                        f.write(c)
+                    f.flush()
+                    os.fsync(f.fileno())
+                got = h.hexdigest()
+                if got != sha256:
+                    raise VerifyError(f"{what}: bytes do not match the lock (expected sha256 {sha256[:16]}, "
+                                      f"got {got[:16]})")
+                self.objects.mkdir(parents=True, exist_ok=True)
+                os.chmod(tmp, 0o444)
+                os.replace(tmp, dest)
+                fsync_dir(self.objects)
         return dest
 
     # ---- trees ------------------------------------------------------------------------
@@ -130,17 +134,21 @@ class Store:
         dest = self.tree_path(tree_sha256)
         if dest.is_dir():
             return dest
-        with self.locked(), self.staging() as st:
-            work = st / "tree"
-            work.mkdir()
-            export(work)
-            got = hasher(work)
-            if got != tree_sha256:
-                raise VerifyError(f"{what}: exported tree does not match the lock (expected {tree_sha256[:16]}, "
-                                  f"got {got[:16]})")
-            self.trees.mkdir(parents=True, exist_ok=True)
-            os.replace(work, dest)
-            fsync_dir(self.trees)
+        with self.locked():
+            self.clean_tmp()
+            if dest.is_dir():
+                return dest
+            with self.staging() as st:
+                work = st / "tree"
+                work.mkdir()
+                export(work)
+                got = hasher(work)
+                if got != tree_sha256:
+                    raise VerifyError(f"{what}: exported tree does not match the lock (expected "
+                                      f"{tree_sha256[:16]}, got {got[:16]})")
+                self.trees.mkdir(parents=True, exist_ok=True)
+                os.replace(work, dest)
+                fsync_dir(self.trees)
         return dest
 
     def verified_tree(self, tree_sha256: str, what: str, hasher: Callable[[Path], str] = sha256_tree) -> Path:
@@ -182,12 +190,17 @@ class Store:
     # ---- gc ---------------------------------------------------------------------------
 
     def gc(self, keep_objects: set[str], keep_trees: set[str], keep_images: set[str],
-           verify: bool = False) -> GcReport:
+           verify: bool = False, dry_run: bool = False) -> GcReport:
+        """Remove objects, trees and image records not in the keep sets (and, with ``verify``, those whose
+        bytes no longer match their name), plus staging left by killed writers. ``dry_run``: only report."""
         removed: list[str] = []
         freed = 0
         kept = 0
+        if not self.root.is_dir():
+            return GcReport(removed=removed, kept=kept, freed_bytes=freed)
         with self.locked():
-            self.clean_tmp()
+            if not dry_run:
+                self.clean_tmp()
             for folder, keep in ((self.objects, keep_objects), (self.root / "images", keep_images)):
                 if not folder.is_dir():
                     continue
@@ -198,7 +211,8 @@ class Store:
                         kept += 1
                         continue
                     freed += p.stat().st_size
-                    p.unlink()
+                    if not dry_run:
+                        p.unlink()
                     removed.append(f"{folder.name}/{p.name}")
             if self.trees.is_dir():
                 for p in sorted(self.trees.iterdir()):
@@ -206,7 +220,8 @@ class Store:
                         kept += 1
                         continue
                     freed += sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
-                    _rmtree_ro(p)
+                    if not dry_run:
+                        _rmtree_ro(p)
                     removed.append(f"trees/{p.name}")
         return GcReport(removed=removed, kept=kept, freed_bytes=freed)
 
@@ -218,7 +233,7 @@ def _owner_alive(name: str) -> bool:
         return False
     pid = int(parts[1])
     if pid == os.getpid():
-        return False
+        return True  # ours: an image context or download being assembled right now
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

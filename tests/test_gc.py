@@ -1,0 +1,179 @@
+"""`builder gc`: what the lock refers to stays, the rest goes; `--dry-run` removes nothing.
+
+A copy of the shipped project with its own store, filled through the real store API (the engine
+tree exported from the real git bundle) plus entries no lock names; then the real CLI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_plan import PATCH_REL, builder, copy_project, plan_of, relock  # noqa: E402
+
+from builder import gitsrc  # noqa: E402
+from builder.lock import load_lock  # noqa: E402
+from builder.store import Store  # noqa: E402
+
+
+def snapshot(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+class Filled:
+    """A project copy and a store holding what its lock names plus strays."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.root = copy_project(tmp / "proj")
+        self.store_root = tmp / "store"
+        self.store = Store(self.store_root)
+        self.refresh()
+
+    def refresh(self) -> None:
+        lock = load_lock(self.root / "pins.lock")
+        self.lock = lock
+        src = lock.sources["demo-engine"]
+        for p in src.patches:
+            self.store.put_file(self.root / p.file, p.sha256, p.file)
+        f = lock.files["demo-chat-template"]
+        self.store.put_file(self.root / f.url, f.sha256, "files.demo-chat-template")
+        url = gitsrc.source_url(src.url, self.root)
+
+        def export(d: Path) -> None:
+            mirror = gitsrc.ensure_mirror(url, self.store_root / "git", offline=True, name="demo-engine")
+            gitsrc.export_tree(mirror, src.commit, d)
+
+        self.store.put_tree(src.tree_sha256, export, "sources.demo-engine")
+        self.address = plan_of(self.root)["input_address"]
+        (self.store_root / "images").mkdir(exist_ok=True)
+        (self.store_root / "images" / f"{self.address}.json").write_text("{}\n")
+
+    def add_strays(self) -> set[str]:
+        stray = b"an old patch nobody pins any more\n"
+        sha = hashlib.sha256(stray).hexdigest()
+        (self.store.tmp).mkdir(parents=True, exist_ok=True)
+        src = self.store.tmp.parent / "stray.in"
+        src.write_bytes(stray)
+        self.store.put_file(src, sha, "stray")
+        src.unlink()
+        old_tree = self.store.trees / ("e" * 64)
+        (old_tree / "src").mkdir(parents=True)
+        (old_tree / "src" / "main.zig").write_text("old\n")
+        (old_tree / "src" / "main.zig").chmod(0o444)
+        (old_tree / "src").chmod(0o555)  # read-only folders, as exported trees may be
+        (self.store_root / "images" / ("d" * 64 + ".json")).write_text("{}\n")
+        leftover = self.store.tmp / f"stage-{dead_pid()}-abc"
+        leftover.mkdir()
+        (leftover / "blob").write_bytes(b"half")
+        return {f"objects/{sha}", f"trees/{'e' * 64}", f"images/{'d' * 64}.json"}
+
+    def gc(self, *args: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+        return builder(self.root, "gc", "--json", *args, store=self.store_root, env=env)
+
+    def referenced(self) -> set[str]:
+        src = self.lock.sources["demo-engine"]
+        return {
+            *(f"objects/{p.sha256}" for p in src.patches),
+            f"objects/{self.lock.files['demo-chat-template'].sha256}",
+            f"trees/{src.tree_sha256}",
+            f"images/{self.address}.json",
+        }
+
+
+@pytest.fixture
+def filled(tmp_path: Path) -> Filled:
+    return Filled(tmp_path)
+
+
+def present(f: Filled) -> set[str]:
+    out: set[str] = set()
+    for folder in ("objects", "trees", "images"):
+        d = f.store_root / folder
+        if d.is_dir():
+            out |= {f"{folder}/{p.name}" for p in d.iterdir()}
+    return out
+
+
+def test_dry_run_removes_nothing_then_gc_removes_only_strays(filled: Filled) -> None:
+    strays = filled.add_strays()
+    assert present(filled) == filled.referenced() | strays
+    before = snapshot(filled.store_root)
+
+    dry = filled.gc("--dry-run")
+    assert dry.rc == 0, dry.err
+    d = dry.json()
+    assert d["dry_run"] is True and set(d["removed"]) == strays
+    assert d["kept"] == len(filled.referenced()) and d["freed_bytes"] > 0
+    assert snapshot(filled.store_root) == before  # nothing removed, not even tmp
+    assert "would remove 3" in dry.err
+
+    real = filled.gc()
+    assert real.rc == 0, real.err
+    r = real.json()
+    assert set(r["removed"]) == strays and r["kept"] == len(filled.referenced()) and r["dry_run"] is False
+    assert present(filled) == filled.referenced()
+    assert list(filled.store.tmp.iterdir()) == []  # a killed writer's staging went too
+    assert (filled.store_root / "git").is_dir()  # the mirror cache is not the store's to collect
+    # what stays is still good: the tree verifies, the objects verify
+    src = filled.lock.sources["demo-engine"]
+    filled.store.verified_tree(src.tree_sha256, "sources.demo-engine")
+    for p in src.patches:
+        filled.store.verified(p.sha256, p.file)
+
+    again = filled.gc()
+    assert again.rc == 0 and again.json()["removed"] == []
+
+
+def test_verify_removes_corrupt_entries(filled: Filled) -> None:
+    sha = filled.lock.files["demo-chat-template"].sha256
+    obj = filled.store.object_path(sha)
+    obj.chmod(0o644)
+    obj.write_bytes(b"{{ not the template }}\n")
+    plain = filled.gc()
+    assert plain.rc == 0 and plain.json()["removed"] == []  # without --verify bytes are not re-read
+    r = filled.gc("--verify")
+    assert r.rc == 0 and r.json()["removed"] == [f"objects/{sha}"]
+    assert not obj.exists()
+
+
+def test_keeps_what_other_locks_refer_to(filled: Filled, tmp_path: Path) -> None:
+    old_lock = tmp_path / "old.lock"
+    old_lock.write_bytes((filled.root / "pins.lock").read_bytes())
+    old_patch = filled.lock.sources["demo-engine"].patches[0].sha256
+    p = filled.root / PATCH_REL
+    p.write_text(p.read_text().replace("Subject: [PATCH] ", "Subject: [PATCH]  ", 1))
+    relock(filled.root)
+    filled.refresh()
+    new_patch = filled.lock.sources["demo-engine"].patches[0].sha256
+    assert new_patch != old_patch
+    kept = filled.gc("--dry-run", env={"BUILDER_KEEP_LOCKS": str(old_lock)}).json()
+    assert f"objects/{old_patch}" not in kept["removed"]
+    r = filled.gc().json()
+    assert f"objects/{old_patch}" in r["removed"] and f"objects/{new_patch}" not in r["removed"]
+    assert filled.store.has(new_patch) and not filled.store.has(old_patch)
+
+
+def test_missing_lock_is_one_line(filled: Filled) -> None:
+    (filled.root / "pins.lock").unlink()
+    before = snapshot(filled.store_root)
+    r = filled.gc()
+    assert r.rc == 2 and len(r.err_lines) == 1 and "no lock file" in r.err
+    assert snapshot(filled.store_root) == before
+
+
+def test_empty_store(tmp_path: Path) -> None:
+    root = copy_project(tmp_path / "proj")
+    r = builder(root, "gc", "--json", store=tmp_path / "none")
+    assert r.rc == 0 and r.json()["removed"] == []
+    assert not (tmp_path / "none").exists()

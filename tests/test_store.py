@@ -1,0 +1,190 @@
+"""The content-addressed store: nothing unverified goes in or comes out; a killed writer leaves no entry.
+
+Real files, real processes (a writer is SIGKILLed mid-write), real git for a tree export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from builder.canon import sha256_tree
+from builder.errors import ResolveError, VerifyError
+from builder.store import Store
+
+DATA = b"the bytes the lock names\n" * 100
+SHA = hashlib.sha256(DATA).hexdigest()
+
+
+def visible(store: Store) -> list[str]:
+    """Every entry a reader could see (objects and trees)."""
+    out = []
+    for folder in (store.objects, store.trees):
+        if folder.is_dir():
+            out += [f"{folder.name}/{p.name}" for p in folder.iterdir()]
+    return sorted(out)
+
+
+def tmp_entries(store: Store) -> list[str]:
+    return sorted(p.name for p in store.tmp.iterdir()) if store.tmp.is_dir() else []
+
+
+def test_put_file_verifies_and_stores_read_only(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    src = tmp_path / "in.bin"
+    src.write_bytes(DATA)
+    p = store.put_file(src, SHA, "files.x")
+    assert p == store.object_path(SHA) and p.read_bytes() == DATA
+    assert (p.stat().st_mode & 0o777) == 0o444
+    assert store.verified(SHA, "files.x") == p
+    assert store.put_file(src, SHA, "files.x") == p  # already there: verified, not rewritten
+    assert tmp_entries(store) == []
+
+
+def test_put_refuses_bytes_that_do_not_match(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    src = tmp_path / "in.bin"
+    src.write_bytes(DATA + b"x")
+    with pytest.raises(VerifyError) as e:
+        store.put_file(src, SHA, "sources.engine.patches[0]")
+    msg = str(e.value)
+    assert "\n" not in msg and "sources.engine.patches[0]" in msg and "do not match the lock" in msg
+    assert visible(store) == [] and tmp_entries(store) == []
+
+
+def test_a_corrupted_object_is_refused(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    src = tmp_path / "in.bin"
+    src.write_bytes(DATA)
+    p = store.put_file(src, SHA, "files.x")
+    p.chmod(0o644)
+    with open(p, "r+b") as f:  # one flipped byte, same size
+        f.seek(10)
+        f.write(b"X")
+    with pytest.raises(VerifyError, match=r"files\.x: store entry [0-9a-f]{16} is corrupt"):
+        store.verified(SHA, "files.x")
+    # putting the good bytes again does not silently trust the corrupt entry either
+    with pytest.raises(VerifyError, match="corrupt"):
+        store.put_file(src, SHA, "files.x")
+    with pytest.raises(ResolveError, match="not in the store"):
+        store.verified("0" * 64, "files.y")
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from builder.store import Store
+
+    marker = Path(sys.argv[2])
+
+    def chunks():
+        yield b"a" * 65536
+        marker.write_text("writing")
+        while True:  # stall mid-write until killed
+            time.sleep(0.05)
+            yield b""
+
+    Store(Path(sys.argv[1])).put_stream(chunks(), "{sha}", "files.big")
+    """
+)
+
+
+def test_a_killed_writer_leaves_no_entry_and_the_next_writer_cleans_up(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    marker = tmp_path / "marker"
+    sha = hashlib.sha256(b"never finished").hexdigest()
+    proc = subprocess.Popen([sys.executable, "-c", WRITER.format(sha=sha), str(store.root), str(marker)])
+    try:
+        for _ in range(600):
+            if marker.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert marker.exists(), "the writer never started writing"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    # what it wrote sits in staging only; no entry is visible
+    assert visible(store) == []
+    left = tmp_entries(store)
+    assert left and all(n.startswith(f"stage-{proc.pid}-") for n in left)
+    assert any((store.tmp / n / "blob").exists() for n in left)
+    # the next writer (another process would do the same) removes the dead writer's staging
+    src = tmp_path / "in.bin"
+    src.write_bytes(DATA)
+    store.put_file(src, SHA, "files.x")
+    assert tmp_entries(store) == []
+    assert visible(store) == [f"objects/{SHA}"]
+
+
+def test_staging_of_a_live_writer_is_left_alone(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    src = tmp_path / "in.bin"
+    src.write_bytes(DATA)
+    with store.staging() as st:  # ours, in use (a download or an image context being assembled)
+        (st / "part").write_bytes(b"x")
+        store.put_file(src, SHA, "files.x")  # a writer cleans tmp, but not what a live process owns
+        assert (st / "part").exists()
+    assert tmp_entries(store) == []
+
+
+def _export(files: dict[str, bytes]):  # type: ignore[no-untyped-def]
+    def export(d: Path) -> None:
+        for rel, data in files.items():
+            (d / rel).parent.mkdir(parents=True, exist_ok=True)
+            (d / rel).write_bytes(data)
+
+    return export
+
+
+def test_put_tree_checks_the_tree_hash(tmp_path: Path) -> None:
+    files = {"build.zig": b"const std = @import(\"std\");\n", "src/main.zig": b"pub fn main() void {}\n"}
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    _export(files)(ref)
+    good = sha256_tree(ref)
+    store = Store(tmp_path / "store")
+    with pytest.raises(VerifyError) as e:
+        store.put_tree("1" * 64, _export(files), "sources.engine")
+    assert "\n" not in str(e.value) and "sources.engine: exported tree does not match the lock" in str(e.value)
+    assert visible(store) == [] and tmp_entries(store) == []
+    # an export that fails half-way leaves nothing either
+    def broken(d: Path) -> None:
+        (d / "half").write_bytes(b"x")
+        raise ResolveError("sources.engine: the mirror went away")
+
+    with pytest.raises(ResolveError):
+        store.put_tree(good, broken, "sources.engine")
+    assert visible(store) == [] and tmp_entries(store) == []
+    tree = store.put_tree(good, _export(files), "sources.engine")
+    assert tree == store.tree_path(good) and (tree / "src" / "main.zig").read_bytes() == files["src/main.zig"]
+    assert store.verified_tree(good, "sources.engine") == tree
+    (tree / "src" / "main.zig").write_bytes(b"pub fn main() void { unreachable; }\n")
+    with pytest.raises(VerifyError, match="sources.engine: store tree .* is corrupt"):
+        store.verified_tree(good, "sources.engine")
+
+
+def test_wheel_from_a_wheelhouse_is_verified(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    wh = tmp_path / "wheelhouse"
+    wh.mkdir()
+    name = "demo-1.0-py3-none-any.whl"
+    (wh / name).write_bytes(DATA + b"tampered")
+    with pytest.raises(VerifyError, match="toolchains.w: bytes do not match the lock"):
+        store.fetch_wheel("demo", "1.0", name, SHA, "toolchains.w", [wh], offline=True)
+    assert visible(store) == []
+    (wh / name).write_bytes(DATA)
+    assert store.fetch_wheel("demo", "1.0", name, SHA, "toolchains.w", [wh], offline=True).read_bytes() == DATA
+    with pytest.raises(ResolveError) as e:
+        store.fetch_wheel("other", "1.0", "other-1.0-py3-none-any.whl", "2" * 64, "toolchains.o",
+                          [wh], offline=True)
+    assert "--offline" in str(e.value) and "\n" not in str(e.value)
