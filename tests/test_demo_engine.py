@@ -290,8 +290,7 @@ def test_serve_answers_like_tensorfold(local_engine: tuple[Path, str]) -> None:
 
 def assemble_context(dest: Path) -> tuple[Path, str, int]:
     """The build context as `builder image demo` lays it out: Dockerfile, zig/, src/."""
-    dest.mkdir(parents=True)
-    shutil.copy2(RECIPE / "Dockerfile", dest / "Dockerfile")
+    shutil.copytree(RECIPE, dest)
 
     def link_or_copy(src: str, dst: str) -> None:
         try:
@@ -353,7 +352,7 @@ def demo_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DemoI
 @pytest.mark.docker
 def test_demo_image_runs_version(demo_image: tuple[DemoImage, layers.ImageRecord]) -> None:
     image, record = demo_image
-    assert any('RUN ["/zig/zig", "build"' in line for line in image.log)
+    assert any('RUN ["/zig/zig", "run"' in line for line in image.log)
     result = dockerio.run(f"{image.repo}:one", ["--version"])
     assert result.exit_code == 0, result.stderr
     assert result.stdout == f"demo-engine 0.1.0+patched (commit {image.commit})\n"
