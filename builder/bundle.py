@@ -192,7 +192,10 @@ def model_source(ctx: Context, name: str, spec: HfModel, lm: LockedModel, rel: s
     cands: list[Path] = []
     if spec.local:
         base = Path(spec.local) if Path(spec.local).is_absolute() else ctx.root / spec.local
-        cands += [base / rel, base / "snapshots" / lm.commit / rel]
+        from builder.hf import repo_folder_name
+
+        cands += [base / rel, base / "snapshots" / lm.commit / rel,
+                  base / repo_folder_name(spec.repo) / "snapshots" / lm.commit / rel]
     hub = os.environ.get("HF_HUB_CACHE")
     if not hub:
         hf_home = os.environ.get("HF_HOME") or str(Path.home() / ".cache" / "huggingface")
