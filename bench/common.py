@@ -100,17 +100,36 @@ def run_measured(argv: Sequence[str], *, cwd: Path | None = None, env: dict[str,
                  ) -> tuple[int, float, int, str]:
     """Run a child; return (exit code, wall seconds, peak RSS in bytes of that child, stderr tail).
 
-    Peak RSS comes from wait4()'s rusage for exactly this child (ru_maxrss, KiB on Linux), not the
-    cumulative RUSAGE_CHILDREN of everything run so far.
+    Peak RSS is the child's ru_maxrss. A forked child starts with its parent's resident pages, and
+    ru_maxrss keeps that high-water mark across exec, so the child is started by GNU time (a small
+    process) and its %M is read; without /usr/bin/time, wait4()'s rusage of the direct child is used
+    (an upper bound: it includes this process's RSS at the fork).
     """
+    import tempfile
+
+    gnu_time = Path("/usr/bin/time")
+    rss_file = None
+    cmd = list(argv)
+    if gnu_time.is_file():
+        fd, rss_file = tempfile.mkstemp(prefix="rss-")
+        os.close(fd)
+        cmd = [str(gnu_time), "-f", "%M", "-o", rss_file, *cmd]
     t = time.perf_counter()
-    p = subprocess.Popen(list(argv), cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert p.stderr is not None
     err = p.stderr.read()
     _, status, ru = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t
     p.returncode = os.waitstatus_to_exitcode(status)
-    return p.returncode, wall, ru.ru_maxrss * 1024, err.decode(errors="replace").strip()[-300:]
+    rss = ru.ru_maxrss * 1024
+    if rss_file is not None:
+        try:
+            lines = Path(rss_file).read_text().split()
+            if lines and lines[-1].isdigit():
+                rss = int(lines[-1]) * 1024
+        finally:
+            os.unlink(rss_file)
+    return p.returncode, wall, rss, err.decode(errors="replace").strip()[-300:]
 
 
 def builder_argv() -> list[str]:

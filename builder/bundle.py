@@ -36,7 +36,7 @@ from typing import IO, Any
 
 from builder import __version__
 from builder import installer as inst
-from builder.canon import canonical_json, file_lock, fsync_dir, pretty_json
+from builder.canon import ChunkReader, canonical_json, file_lock, fsync_dir, pretty_json
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
 from builder.launch import ModelMount, render_launch
@@ -318,28 +318,6 @@ def _prune_empty(d: Path) -> None:
 # --------------------------------------------------------------------------- the image archive
 
 
-class _ChunkStream(io.RawIOBase):
-    """A readable file over an iterator of byte chunks."""
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self._it = chunks
-        self._buf = memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        while not len(self._buf):
-            try:
-                self._buf = memoryview(next(self._it))
-            except StopIteration:
-                return 0
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-
 @contextlib.contextmanager
 def image_archive(
     image_id: str, work: Path, *, tag: str | None = None, mtime: int = 0
@@ -364,7 +342,7 @@ def image_archive(
     if record.image_id != image_id:
         raise VerifyError(f"--with-image: the engine saved {record.image_id} for {image_id}")
     chunks = layers.archive_chunks(record, repo_tags=[tag] if tag else [], mtime=mtime)
-    yield io.BufferedReader(_ChunkStream(iter(chunks)), buffer_size=READ_SIZE)  # type: ignore[arg-type]
+    yield io.BufferedReader(ChunkReader(iter(chunks)), buffer_size=READ_SIZE)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager

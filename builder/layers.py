@@ -38,7 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from builder.canon import canonical_json, fsync_dir
+from builder.canon import ChunkReader, atomic_writer, canonical_json
 from builder.errors import BuilderError
 
 #: Bumped whenever a change here changes the bytes produced (recorded in every image closure).
@@ -150,28 +150,6 @@ class _HashingWriter(io.RawIOBase):
         self.size += len(data)
         self.sink.write(data)
         return len(data)
-
-
-class _ChunkReader(io.RawIOBase):
-    """A read-only file over an iterator of byte chunks (for tarfile's stream mode)."""
-
-    def __init__(self, chunks: Iterable[bytes]) -> None:
-        self._it = iter(chunks)
-        self._buf = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        while not self._buf:
-            try:
-                self._buf = next(self._it)
-            except StopIteration:
-                return 0
-        n = min(len(b), len(self._buf))
-        b[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
 
 
 def _clean_name(raw: str, where: str) -> str:
@@ -358,7 +336,7 @@ def _spool(saved: str | os.PathLike[str] | IO[bytes] | Iterable[bytes], root: Pa
     elif hasattr(saved, "read"):
         ctx = contextlib.nullcontext(saved)
     else:
-        ctx = contextlib.nullcontext(io.BufferedReader(_ChunkReader(saved), COPY_CHUNK))  # type: ignore[arg-type]
+        ctx = contextlib.nullcontext(io.BufferedReader(ChunkReader(saved), COPY_CHUNK))  # type: ignore[arg-type]
     files: dict[str, Path] = {}
     links: dict[str, str] = {}
     root.mkdir(parents=True, exist_ok=True)
@@ -681,24 +659,11 @@ def write_archive(
     mtime: int = 0,
 ) -> str:
     """Write the archive atomically to ``dest``; return its sha256 hex."""
-    p = Path(dest)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     h = hashlib.sha256()
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in archive_chunks(record, repo_tags=repo_tags, mtime=mtime):
-                h.update(chunk)
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(p.parent)
+    with atomic_writer(dest) as f:
+        for chunk in archive_chunks(record, repo_tags=repo_tags, mtime=mtime):
+            h.update(chunk)
+            f.write(chunk)
     return h.hexdigest()
 
 
