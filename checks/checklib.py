@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 import pytest
 
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
+EXISTS_CACHE: dict[str, bool] = {}
+LIST_CACHE: dict[str, Any] = {}
+
+#: the commands the checks look for, found with one remote command (one pytest process = one host)
+KNOWN_COMMANDS = ("docker", "nvidia-smi")
 
 
 def need(value: Any, reason: str) -> Any:
@@ -47,3 +53,30 @@ def read_applied(host: Any, expect: dict[str, Any]) -> tuple[dict[str, Any] | No
             out = (None, f"{key}: malformed JSON ({e.msg})")
     APPLIED_CACHE[key] = out
     return out
+
+
+def exists(host: Any, name: str) -> bool:
+    """`command -v NAME` on the host, cached; the first call looks up every known command at once."""
+    if name not in EXISTS_CACHE:
+        names = sorted(set(KNOWN_COMMANDS) | {name})
+        words = " ".join(shlex.quote(n) for n in names)
+        r = host.run(f'for c in {words}; do command -v "$c" >/dev/null 2>&1 && echo "$c"; done; true')
+        if r.rc == 0:
+            found = set(r.stdout.split())
+            for n in names:
+                EXISTS_CACHE[n] = n in found
+        else:  # an odd shell: ask testinfra, one name at a time
+            EXISTS_CACHE[name] = bool(host.exists(name))
+    return EXISTS_CACHE[name]
+
+
+def listing(host: Any, expect: dict[str, Any], root: str) -> Any:
+    """LIST_SCRIPT's answer for `root` (None: no such folder). One remote call lists every model
+    root and the Engram folder together, the first time any of them is asked for."""
+    if root not in LIST_CACHE:
+        from builder.hostcheck import LIST_SCRIPT, dumps
+
+        roots = [m["root"] for m in expect.get("models") or []] + [expect["paths"]["engram"].rstrip("/")]
+        roots = list(dict.fromkeys(roots + [root]))
+        LIST_CACHE.update(remote_json(host, LIST_SCRIPT, dumps(roots)))
+    return LIST_CACHE[root]

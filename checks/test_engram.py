@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import need, read_applied, remote_json
+from checklib import listing, need, read_applied, remote_json
 
-from builder.hostcheck import FILES_SCRIPT, LIST_SCRIPT, dumps, rank_tag, shown
+from builder.hostcheck import FILES_SCRIPT, dumps, rank_tag, shown
 
 
 @pytest.fixture(scope="module")
@@ -18,13 +18,13 @@ def engram(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
     rec, _ = read_applied(host, expect)
     recorded = [m for m in (rec or {}).get("models") or [] if str(m.get("path", "")).startswith(root + "/")]
     wanted = any(m.get("role") == "engram" for m in expect.get("models") or []) or bool(recorded)
-    listing = remote_json(host, LIST_SCRIPT, dumps([root]))[root]
-    if listing is None:
+    files = listing(host, expect, root)
+    if files is None:
         if wanted:
             pytest.fail(f"Engram folder: expected {root}, found none")
         pytest.skip(f"the lane has no Engram or per-rank inputs (no {root} and none recorded)")
     tagged = {}
-    for rel in listing:
+    for rel in files:
         t = rank_tag(rel)
         if t is not None:
             tagged[rel] = t
@@ -34,7 +34,7 @@ def engram(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
         "root": root,
         "tp": serve["tensor_parallel"],
         "rank": expect["host"]["rank"],
-        "files": listing,
+        "files": files,
         "tagged": tagged,
         "recorded": recorded,
     }

@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 import pytest
-from checklib import need
+from checklib import exists, need
 
 _CACHE: dict[str, Any] = {}
 
@@ -31,7 +31,7 @@ def _inspect(host: Any, ref: str) -> dict[str, Any] | None:
 @pytest.fixture(scope="module")
 def image(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
     img: dict[str, Any] = need(expect.get("image"), expect.get("image_reason") or "no image expected")
-    if not host.exists("docker"):
+    if not exists(host, "docker"):
         pytest.fail(f"docker CLI: expected on PATH to inspect image {img['image_id'][:19]}, found none")
     return img
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import need, read_applied, remote_json
+from checklib import listing, need, read_applied, remote_json
 
-from builder.hostcheck import FILES_SCRIPT, LIST_SCRIPT, batches, dumps, same_mtime, shown
+from builder.hostcheck import FILES_SCRIPT, batches, dumps, same_mtime, shown
 
 
 def _expected(expect: dict[str, Any]) -> list[dict[str, Any]]:
@@ -102,10 +102,9 @@ def test_content(host: Any, expect: dict[str, Any], facts: dict[str, Any]) -> No
 
 def test_file_count(host: Any, expect: dict[str, Any]) -> None:
     models = need(expect.get("models"), expect.get("models_reason") or "no models expected")
-    listing = remote_json(host, LIST_SCRIPT, dumps([m["root"] for m in models]))
     bad = []
     for m in models:
-        have = listing.get(m["root"])
+        have = listing(host, expect, m["root"])
         want = {f["path"] for f in m["files"]}
         if have is None:
             bad.append(f"{m['root']}: expected {len(want)} files, found no folder")

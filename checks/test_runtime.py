@@ -6,27 +6,56 @@ import json
 from typing import Any
 
 import pytest
-from checklib import need
+from checklib import exists, need
 
 
-def test_docker(host: Any, expect: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def docker_facts(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
+    """Engine answer (rc, last stderr line) and runtimes; one remote command, read by both checks."""
+    want = expect["expect"]
+    if not want["docker"]:
+        return {}
+    if not exists(host, "docker"):
+        return {"cli": False}
+    if not want["nvidia_runtime"]:
+        r = host.run("docker version --format '{{.Server.Version}}'")
+        return {"cli": True, "version_rc": r.rc, "version_err": _last(r.stderr)}
+    r = host.run(
+        "err=$(docker version --format '{{.Server.Version}}' 2>&1 >/dev/null); echo $?; "
+        "printf '%s\\n' \"$err\" | tail -n 1; echo @@; "
+        "docker info --format '{{json .Runtimes}}' 2>/dev/null && echo @@0 || echo @@1"
+    )
+    head, _, tail = r.stdout.partition("\n@@\n")
+    lines = head.splitlines()
+    info, _, info_rc = tail.rstrip("\n").rpartition("@@")
+    return {
+        "cli": True,
+        "version_rc": int(lines[0]) if lines and lines[0].strip().isdigit() else r.rc or 1,
+        "version_err": _last("\n".join(lines[1:])),
+        "info_rc": int(info_rc) if info_rc.isdigit() else 1,
+        "info": info.strip(),
+    }
+
+
+def _last(text: str) -> str:
+    return (text.strip().splitlines() or [""])[-1][:120]
+
+
+def test_docker(docker_facts: dict[str, Any], expect: dict[str, Any]) -> None:
     if not expect["expect"]["docker"]:
         pytest.skip("docker not expected on this host")
-    assert host.exists("docker"), "docker CLI: expected on PATH, found none"
-    r = host.run("docker version --format '{{.Server.Version}}'")
-    assert r.rc == 0, (
-        f"docker engine: expected to answer, found exit {r.rc}: "
-        f"{(r.stderr.strip().splitlines() or [''])[-1][:120]}"
-    )
+    assert docker_facts["cli"], "docker CLI: expected on PATH, found none"
+    rc = docker_facts["version_rc"]
+    assert rc == 0, f"docker engine: expected to answer, found exit {rc}: {docker_facts['version_err']}"
 
 
-def test_nvidia_runtime(host: Any, expect: dict[str, Any]) -> None:
+def test_nvidia_runtime(docker_facts: dict[str, Any], expect: dict[str, Any]) -> None:
     if not expect["expect"]["docker"] or not expect["expect"]["nvidia_runtime"]:
         pytest.skip("the NVIDIA container runtime is not expected on this host")
-    if not host.exists("docker"):
+    if not docker_facts["cli"]:
         pytest.fail("NVIDIA runtime: expected docker with an nvidia runtime, found no docker CLI")
-    r = host.run("docker info --format '{{json .Runtimes}}'")
-    runtimes = sorted(json.loads(r.stdout or "{}")) if r.rc == 0 else []
+    ok = docker_facts["info_rc"] == 0
+    runtimes = sorted(json.loads(docker_facts["info"] or "{}")) if ok else []
     assert "nvidia" in runtimes, f"docker runtimes: expected nvidia, found {', '.join(runtimes) or 'none'}"
 
 
