@@ -177,12 +177,21 @@ def parse_only(value: str | None) -> list[str] | None:
     return out
 
 
+def fleet_targets(hosts_dir: Path, fleet: str | None) -> list[Target]:
+    """Every host of one fleet, or of every fleet (by fleet name), in rank order."""
+    if fleet:
+        path, f = find_fleet(hosts_dir, fleet)
+        fleets = {f.fleet.name: (path, f)}
+    else:
+        fleets = load_fleets(hosts_dir)
+    return [Target(p, f, h) for _, (p, f) in sorted(fleets.items()) for h in f.by_rank()]
+
+
 def select_targets(hosts_dir: Path, names: list[str], fleet: str | None) -> list[Target]:
     if fleet and names:
         raise ConfigError("give host names or --fleet, not both")
     if fleet:
-        path, f = find_fleet(hosts_dir, fleet)
-        return [Target(path, f, h) for h in f.by_rank()]
+        return fleet_targets(hosts_dir, fleet)
     if not names:
         fleets = load_fleets(hosts_dir)
         have = ", ".join(sorted(fleets)) or "none"
@@ -478,9 +487,9 @@ def _python_env() -> dict[str, str]:
     return env
 
 
-def _kill_group(p: subprocess.Popen[Any]) -> None:
+def _kill_group(pid: int) -> None:
     try:
-        os.killpg(p.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -608,6 +617,16 @@ class PytestRunner:
 
     def run(self, args: list[str], log: Path, cwd: Path, timeout: float) -> int | None:
         """pytest's exit code; None when it ran past `timeout` (then its process group is killed)."""
+        if not self.dead:
+            code = self._run_forked(args, log, cwd, timeout)
+            if not (code == -1 and self.dead):
+                return code
+        # the zygote is gone (it could not start, or died): run this host's pytest as its own
+        # process rather than report a failure that is not the host's
+        return _run_pytest_process(args, log, cwd, timeout)
+
+    def _run_forked(self, args: list[str], log: Path, cwd: Path, timeout: float) -> int | None:
+        """As run, through a fork of the zygote; -1 with self.dead set when the zygote is gone."""
         with self.cond:
             rid = str(self.next_id)
             self.next_id += 1
@@ -631,10 +650,7 @@ class PytestRunner:
                 return -1
             pid = self.pids.get(rid)
         if pid is not None:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _kill_group(pid)
         with self.cond:
             end = time.monotonic() + 10
             while rid not in self.codes and not self.dead and time.monotonic() < end:
@@ -651,7 +667,7 @@ class PytestRunner:
         try:
             self.proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            _kill_group(self.proc)
+            _kill_group(self.proc.pid)
             self.proc.wait()
 
 
@@ -696,15 +712,8 @@ def run_host(
         "--builder-results",
         str(res_path),
     ]
-    code: int | None
-    if runner is not None and not runner.dead:
-        code = runner.run(args, log_path, checks_dir, opts.host_timeout)
-        if code == -1 and runner.dead:
-            # the pre-imported zygote is gone (it could not start, or died): run this host's
-            # pytest as its own process rather than report a failure that is not the host's
-            code = _run_pytest_process(args, log_path, checks_dir, opts.host_timeout)
-    else:
-        code = _run_pytest_process(args, log_path, checks_dir, opts.host_timeout)
+    run = runner.run if runner is not None else _run_pytest_process
+    code = run(args, log_path, checks_dir, opts.host_timeout)
     if code is None:
         res.status = "unreachable"
         res.message = f"checks did not finish within {opts.host_timeout:g} s"
@@ -747,7 +756,7 @@ def _run_pytest_process(args: list[str], log_path: Path, cwd: Path, timeout: flo
         try:
             return p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(p)
+            _kill_group(p.pid)
             p.wait()
             return None
 
@@ -891,28 +900,20 @@ def write_junit(report: AuditReport, path: Path) -> None:
 
 
 def host_rows(hosts_dir: Path, fleet: str | None) -> list[dict[str, Any]]:
-    if fleet:
-        path, f = find_fleet(hosts_dir, fleet)
-        fleets = {f.fleet.name: (path, f)}
-    else:
-        fleets = load_fleets(hosts_dir)
-    rows = []
-    for fname, (path, f) in sorted(fleets.items()):
-        for h in f.by_rank():
-            rows.append(
-                {
-                    "fleet": fname,
-                    "lane": f.fleet.lane,
-                    "name": h.name,
-                    "rank": h.rank,
-                    "role": h.role,
-                    "connection": h.connection,
-                    "target": h.ssh,
-                    "address": h.address,
-                    "file": str(path),
-                }
-            )
-    return rows
+    return [
+        {
+            "fleet": t.fleet.fleet.name,
+            "lane": t.fleet.fleet.lane,
+            "name": t.name,
+            "rank": t.host.rank,
+            "role": t.host.role,
+            "connection": t.host.connection,
+            "target": t.host.ssh,
+            "address": t.host.address,
+            "file": str(t.path),
+        }
+        for t in fleet_targets(hosts_dir, fleet)
+    ]
 
 
 def _yaml_scalar(v: Any) -> str:
@@ -975,13 +976,7 @@ def ansible_inventory(targets: list[Target], fmt: str = "yaml") -> str:
 
 
 def write_ansible_inventory(hosts_dir: Path, fleet: str | None, path: Path) -> int:
-    if fleet:
-        p, f = find_fleet(hosts_dir, fleet)
-        targets = [Target(p, f, h) for h in f.by_rank()]
-    else:
-        targets = [
-            Target(p, f, h) for _, (p, f) in sorted(load_fleets(hosts_dir).items()) for h in f.by_rank()
-        ]
+    targets = fleet_targets(hosts_dir, fleet)
     if path.suffix.lower() not in (".ini", ".cfg", ".yml", ".yaml"):
         raise ConfigError(f"{path}: name the inventory *.yml, *.yaml or *.ini")
     fmt = "ini" if path.suffix.lower() in (".ini", ".cfg") else "yaml"

@@ -15,7 +15,7 @@ import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from builder.canon import fsync_dir, sha256_file
@@ -51,11 +51,10 @@ def local_path(url: str, root: Path | None, *, where: str = "url") -> Path:
     return root / p
 
 
-def _open(url: str, timeout: float) -> tuple[object, int | None]:
+def _open(url: str, timeout: float) -> IO[bytes]:
     req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT, "Accept-Encoding": "identity"})
-    resp = urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 (scheme checked by callers)
-    length = resp.headers.get("Content-Length")
-    return resp, int(length) if length and length.isdigit() else None
+    resp: IO[bytes] = urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 (scheme checked by callers)
+    return resp
 
 
 def _stream_to(url: str, fd: int, *, root: Path | None, timeout: float) -> tuple[str, int]:
@@ -63,25 +62,12 @@ def _stream_to(url: str, fd: int, *, root: Path | None, timeout: float) -> tuple
     h = hashlib.sha256()
     size = 0
     with os.fdopen(fd, "wb", closefd=False) as out:
-        if is_remote(url):
-            resp, _ = _open(url, timeout)
-            with resp:  # type: ignore[attr-defined]
-                while True:
-                    chunk = resp.read(CHUNK)  # type: ignore[attr-defined]
-                    if not chunk:
-                        break
-                    h.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
-        else:
-            with open(local_path(url, root), "rb") as src:
-                while True:
-                    chunk = src.read(CHUNK)
-                    if not chunk:
-                        break
-                    h.update(chunk)
-                    out.write(chunk)
-                    size += len(chunk)
+        src = _open(url, timeout) if is_remote(url) else open(local_path(url, root), "rb")
+        with src:
+            while chunk := src.read(CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
         out.flush()
         os.fsync(out.fileno())
     return h.hexdigest(), size

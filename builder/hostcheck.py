@@ -113,9 +113,6 @@ for a in addrs:
 sys.stdout.write(json.dumps({"dev_infiniband": os.path.isdir("/dev/infiniband"), "rdma": devs, "net": net}))
 """
 
-#: MemAvailable etc. in KiB, one read of /proc/meminfo.
-MEMINFO_PATH = "/proc/meminfo"
-
 RANK_TAG_RE = re.compile(r"(?:^|[^a-z0-9])r(?:ank)?(\d{1,3})of(\d{1,3})(?=[^0-9]|$)", re.IGNORECASE)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from builder import ASSEMBLY_FORMAT, __version__
-from builder.errors import BuilderError, ConfigError, ResolveError, VerifyError
+from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.imagerecord import ImageRecord, read_record, tag_for, write_record
 from builder.lock import Lock, check_lock, load_lock
 from builder.pins import Pins, load_pins
@@ -173,44 +173,18 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
         if art is None:
             raise ConfigError(f"{what}: no artifact for {build_platform} in the lock")
         if lt.kind == "wheel":
-            wheelhouses = [Path(x) for x in _wheelhouses(root)]
             blob = store.fetch_wheel(lt.package or tname, lt.version or "", art.filename or "", art.sha256, what,
-                                     wheelhouses, offline)
+                                     _wheelhouses(root), offline)
             extract_wheel_folder(blob, "ziglang/", dest / "zig",
                                  skip=[x.removeprefix("zig/") for x in ignored if x.startswith("zig/")])
         else:
-            if not store.has(art.sha256):
-                if art.url is None:
-                    raise ResolveError(f"{what}: no URL to fetch from")
-                from builder import fetch
-
-                if offline:
-                    raise ResolveError(f"{what}: {art.filename} is not in the store and --offline was given")
-                with store.staging() as st:
-                    fetch.download(art.url, st / "dl", art.sha256)
-                    store.put_file(st / "dl", art.sha256, what)
-            blob = store.verified(art.sha256, what)
+            blob = store.fetch_url(art.url, art.sha256, what, root=root, offline=offline, filename=art.filename)
             tdir = dest / "toolchains" / tname
             tdir.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(blob, tdir / (art.filename or "toolchain.tar.xz"))
     for fname in img.files:
         lf = lock.files[fname]
-        what = f"files.{fname}"
-        if not store.has(lf.sha256):
-            from builder import fetch
-
-            local = fetch.local_path(lf.url, root) if hasattr(fetch, "local_path") else None
-            if local is not None and Path(local).is_file():
-                store.put_file(Path(local), lf.sha256, what)
-            elif (root / lf.url).is_file():
-                store.put_file(root / lf.url, lf.sha256, what)
-            elif offline:
-                raise ResolveError(f"{what}: not in the store and --offline was given")
-            else:
-                with store.staging() as st:
-                    fetch.download(lf.url, st / "dl", lf.sha256)
-                    store.put_file(st / "dl", lf.sha256, what)
-        blob = store.verified(lf.sha256, what)
+        blob = store.fetch_url(lf.url, lf.sha256, f"files.{fname}", root=root, offline=offline)
         (dest / "files").mkdir(exist_ok=True)
         shutil.copyfile(blob, dest / "files" / fname)
     base = p.closure["base"]
@@ -228,11 +202,9 @@ def _has_tag(ref: str) -> bool:
     return ":" in last
 
 
-def _wheelhouses(root: Path) -> list[str]:
-    import os
-
-    out = [x for x in os.environ.get("BUILDER_WHEELHOUSE", "").split(os.pathsep) if x]
-    out.append(str(root / ".cache" / "wheelhouse"))
+def _wheelhouses(root: Path) -> list[Path]:
+    out = [Path(x) for x in os.environ.get("BUILDER_WHEELHOUSE", "").split(os.pathsep) if x]
+    out.append(root / ".cache" / "wheelhouse")
     return out
 
 

@@ -70,7 +70,7 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -183,16 +183,21 @@ def fsync_dir(path: str) -> None:
             os.close(fd)
 
 
-def atomic_write(path: str, data: bytes, mode: int = 0o644) -> None:
+def _tmp_stem(path: str) -> str:
+    """Start of the temp names atomic_write uses beside path (.tmp-builder-NAME.)."""
+    return "%sbuilder-%s." % (TMP_PREFIX, os.path.basename(path))
+
+
+def atomic_write(path: str, data: bytes | Iterable[bytes | memoryview], mode: int = 0o644) -> None:
+    """Write data (bytes, or an iterable of chunks) to path via a temp name beside it, then rename."""
     d = os.path.dirname(path) or "."
     os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(
-        d, "%s%s.%d.%s" % (TMP_PREFIX, os.path.basename(path), os.getpid(), secrets.token_hex(4))
-    )
+    tmp = os.path.join(d, "%s%d.%s" % (_tmp_stem(path), os.getpid(), secrets.token_hex(4)))
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for chunk in [data] if isinstance(data, bytes) else data:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
@@ -214,11 +219,14 @@ def human(n: int) -> str:
 
 
 def hash_file(path: str) -> tuple[str, int]:
+    """sha256 and size of one regular file: readinto one reusable buffer (no allocation per read)."""
     h = hashlib.sha256()
     size = 0
     buf = bytearray(READ_SIZE)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise InstallError("%s: not a regular file" % path)
         while True:
             n = f.readinto(buf)
             if not n:
@@ -600,24 +608,6 @@ def verify_bundle(
     return manifest, mbytes, sbytes
 
 
-def _hash_piece(path: str) -> tuple[str, int]:
-    """sha256 and size of one file: readinto one reusable buffer (no allocation per read)."""
-    h = hashlib.sha256()
-    size = 0
-    buf = bytearray(READ_SIZE)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise InstallError("%s: not a regular file" % path)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            size += n
-    return h.hexdigest(), size
-
-
 def check_all_hashes(bundle_dir: str, files: list[dict[str, Any]]) -> None:
     """Every part (and every file not in parts) against its signed sha256, several at once.
 
@@ -641,9 +631,9 @@ def check_all_hashes(bundle_dir: str, files: list[dict[str, Any]]) -> None:
     def one(job: tuple[str, int, str, str]) -> str | None:
         rel, size, digest, what = job
         try:
-            got, n = _hash_piece(os.path.join(bundle_dir, rel))
-        except InstallError as e:
-            return "%s: not a regular file" % rel if "not a regular file" in str(e) else str(e)
+            got, n = hash_file(os.path.join(bundle_dir, rel))
+        except InstallError:  # its one refusal: not a regular file
+            return "%s: not a regular file" % rel
         except OSError as e:
             return "%s: cannot read: %s" % (rel, e.strerror)
         if n != size or got != digest:
@@ -715,27 +705,13 @@ def check_file_hashes(bundle_dir: str, entry: dict[str, Any]) -> None:
 def copy_entry(bundle_dir: str, entry: dict[str, Any], dest: str, mode: int) -> None:
     """Write a manifest file (reassembled, hash-checked) to dest via a temp name beside it."""
     d = os.path.dirname(dest)
-    os.makedirs(d, exist_ok=True)
-    stale = "%sbuilder-%s." % (TMP_PREFIX, os.path.basename(dest))
-    for n in os.listdir(d):  # left by a killed run
-        if n.startswith(stale):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(d, n))
-    tmp = os.path.join(d, "%s%d" % (stale, os.getpid()))
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            for chunk in iter_file(bundle_dir, entry):
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(d)
+    stale = _tmp_stem(dest)
+    with contextlib.suppress(FileNotFoundError):
+        for n in os.listdir(d):  # left by a killed run (dest may lie outside ROOT: clean_temps misses it)
+            if n.startswith(stale):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(d, n))
+    atomic_write(dest, iter_file(bundle_dir, entry), mode)
 
 
 # --------------------------------------------------------------------------- docker

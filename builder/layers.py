@@ -38,7 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
-from builder.canon import ChunkReader, atomic_writer, canonical_json
+from builder.canon import ChunkReader, atomic_writer, canonical_json, sha256_file
 from builder.errors import BuilderError
 
 #: Bumped whenever a change here changes the bytes produced (recorded in every image closure).
@@ -170,16 +170,6 @@ def _clean_name(raw: str, where: str) -> str:
 
 def _sort_key(name: str) -> bytes:
     return name.encode("utf-8", "surrogateescape")
-
-
-def _sha256_path(path: Path) -> tuple[str, int]:
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(COPY_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return h.hexdigest(), size
 
 
 def _uncompressed(path: Path, scratch: Path) -> Path:
@@ -402,7 +392,7 @@ def _base_count(base_layers: int | Sequence[str], diff_ids: Sequence[str], where
 def _store_layer(src: Path, blobs: Path, scratch: Path, expected: str, where: str) -> Layer:
     """Pass a layer through untouched (decompressed if needed), checking its DiffID."""
     plain = _uncompressed(src, scratch)
-    digest, size = _sha256_path(plain)
+    digest, size = sha256_file(plain)
     if "sha256:" + digest != expected:
         raise BuilderError(f"{where}: layer is sha256:{digest}, the config says {expected}")
     dest = blobs / digest
@@ -487,13 +477,41 @@ def normalize_image(
     or the list of their DiffIDs, which must match. ``workdir`` must be empty or absent; it holds
     the layer blobs the record points to and must live until the archive is written.
     """
+    return _convert(saved, workdir, normalize=True, source_date_epoch=source_date_epoch,
+                    base_layers=base_layers, labels=labels, keep_owners=keep_owners)
+
+
+def read_image(
+    saved: str | os.PathLike[str] | IO[bytes] | Iterable[bytes],
+    workdir: str | os.PathLike[str],
+) -> ImageRecord:
+    """Read a docker-archive as it is: config bytes and layers untouched, every DiffID checked.
+
+    With ``write_archive`` this is a deterministic ``docker save`` for an image already loaded
+    (for bundles): the same image gives the same archive bytes on any engine with a classic store.
+    """
+    return _convert(saved, workdir, normalize=False)
+
+
+def _convert(
+    saved: str | os.PathLike[str] | IO[bytes] | Iterable[bytes],
+    workdir: str | os.PathLike[str],
+    *,
+    normalize: bool,
+    source_date_epoch: int = 0,
+    base_layers: int | Sequence[str] = 0,
+    labels: Mapping[str, str] | None = None,
+    keep_owners: bool = False,
+) -> ImageRecord:
+    """The shared body of ``normalize_image`` (``normalize``) and ``read_image`` (every layer and the
+    config passed through)."""
     work = Path(workdir)
     where = str(saved) if isinstance(saved, (str, os.PathLike)) else "image archive"
     blobs, scratch = _prepare_workdir(work)
     spool = _spool(saved, scratch / "in")
-    config, _, layer_names = _read_manifest(spool, where)
+    config, config_bytes, layer_names = _read_manifest(spool, where)
     old_ids = list(config["rootfs"]["diff_ids"])
-    n_base = _base_count(base_layers, old_ids, where)
+    n_base = _base_count(base_layers, old_ids, where) if normalize else len(layer_names)
     layers: list[Layer] = []
     skipped: list[str] = []
     for i, name in enumerate(layer_names):
@@ -512,42 +530,18 @@ def normalize_image(
         os.replace(tmp, dest)
         layers.append(Layer(res.diff_id, res.size, dest, rewritten=True))
         skipped.extend(f"layer {i + 1}: {s}" for s in res.skipped)
-    new_config = canonical_config(
-        config,
-        diff_ids=[layer.diff_id for layer in layers],
-        source_date_epoch=source_date_epoch,
-        base_layers=n_base,
-        labels=labels,
-    )
+    if normalize:
+        config_bytes = canonical_config(
+            config,
+            diff_ids=[layer.diff_id for layer in layers],
+            source_date_epoch=source_date_epoch,
+            base_layers=n_base,
+            labels=labels,
+        )
     shutil.rmtree(scratch, ignore_errors=True)
     return ImageRecord(
-        "sha256:" + hashlib.sha256(new_config).hexdigest(), new_config, tuple(layers), tuple(skipped)
+        "sha256:" + hashlib.sha256(config_bytes).hexdigest(), config_bytes, tuple(layers), tuple(skipped)
     )
-
-
-def read_image(
-    saved: str | os.PathLike[str] | IO[bytes] | Iterable[bytes],
-    workdir: str | os.PathLike[str],
-) -> ImageRecord:
-    """Read a docker-archive as it is: config bytes and layers untouched, every DiffID checked.
-
-    With ``write_archive`` this is a deterministic ``docker save`` for an image already loaded
-    (for bundles): the same image gives the same archive bytes on any engine with a classic store.
-    """
-    work = Path(workdir)
-    where = str(saved) if isinstance(saved, (str, os.PathLike)) else "image archive"
-    blobs, scratch = _prepare_workdir(work)
-    spool = _spool(saved, scratch / "in")
-    config, config_bytes, layer_names = _read_manifest(spool, where)
-    old_ids = list(config["rootfs"]["diff_ids"])
-    layers = [
-        _store_layer(
-            spool.path(name, f"{where}: layer {i + 1}"), blobs, scratch, old_ids[i], f"{where}: layer {i + 1}"
-        )
-        for i, name in enumerate(layer_names)
-    ]
-    shutil.rmtree(scratch, ignore_errors=True)
-    return ImageRecord("sha256:" + hashlib.sha256(config_bytes).hexdigest(), config_bytes, tuple(layers))
 
 
 def _prepare_workdir(work: Path) -> tuple[Path, Path]:

@@ -228,6 +228,16 @@ def _file_order(manifest: dict[str, Any]) -> list[tuple[str, int, str]]:
     return [(p, s, h) for p, (s, h) in sorted(phys.items())]
 
 
+def _meta_files(bdir: Path) -> list[tuple[str, int, str]]:
+    """(path, size, sha256) of the manifest and (when there is one) the signature in bdir."""
+    out = []
+    for name in (inst.MANIFEST, inst.SIGNATURE):
+        if (bdir / name).exists():
+            digest, size = inst.hash_file(str(bdir / name))
+            out.append((name, size, digest))
+    return out
+
+
 # --------------------------------------------------------------------------- ship over ssh
 
 
@@ -259,11 +269,7 @@ def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
     have = remote.python(
         script, ["inventory", incoming], timeout=opts.timeout + total / opts.hash_rate, what="inventory"
     )
-    expected = {p: (s, h) for p, s, h in files}
-    expected[inst.MANIFEST] = ((bdir / inst.MANIFEST).stat().st_size, "")
-    expected[inst.SIGNATURE] = (
-        ((bdir / inst.SIGNATURE).stat().st_size, "") if (bdir / inst.SIGNATURE).exists() else (0, "")
-    )
+    expected = {p for p, _, _ in files} | {inst.MANIFEST, inst.SIGNATURE}
     extras = sorted(p for p in have if p not in expected)
     if extras:
         cmd = f"cd {shlex.quote(incoming)} && rm -f -- " + " ".join(shlex.quote(p) for p in extras)
@@ -280,11 +286,7 @@ def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
     )
     if prep.returncode != 0:
         raise BuilderError(f"{host.name}: cannot create {incoming}: {_last_line(prep.stderr)}")
-    sends: list[tuple[str, int, str]] = list(files)
-    for name in (inst.MANIFEST, inst.SIGNATURE):
-        if (bdir / name).exists():
-            data = (bdir / name).read_bytes()
-            sends.append((name, len(data), hashlib.sha256(data).hexdigest()))
+    sends = files + _meta_files(bdir)
     for rel, size, digest in sends:
         got = have.get(rel)
         if isinstance(got, list) and len(got) == 2 and got[0] == size and got[1] == digest:
@@ -359,12 +361,9 @@ def ship_to_dir(bdir: Path, manifest: dict[str, Any], dest: Path, key: bytes | N
     for rel in sorted(set(present) - expected):
         (dest / rel).unlink()
         res.removed.append(rel)
-    sends = list(files)
-    for name in (inst.MANIFEST, inst.SIGNATURE):
-        if (bdir / name).exists():
-            sends.append((name, (bdir / name).stat().st_size, inst.hash_file(str(bdir / name))[0]))
-        elif (dest / name).exists():
-            (dest / name).unlink()
+    sends = files + _meta_files(bdir)
+    if not (bdir / inst.SIGNATURE).exists():  # an unsigned bundle: no stale signature in the copy
+        (dest / inst.SIGNATURE).unlink(missing_ok=True)
     modes = {f["path"]: inst.MODES[f["mode"]] for f in manifest["files"] if not f.get("parts")}
     for rel, size, digest in sends:
         target = dest / rel

@@ -123,6 +123,28 @@ class Store:
                 fsync_dir(self.objects)
         return dest
 
+    def fetch_url(self, url: str | None, sha256: str, what: str, *, root: Path, offline: bool,
+                  filename: str | None = None) -> Path:
+        """A file by url (project path, file:// or http(s)://) from the store, or copied/downloaded
+        into it, verified by sha256."""
+        if self.has(sha256):
+            return self.verified(sha256, what)
+        if url is None:
+            raise ResolveError(f"{what}: no URL to fetch from")
+        from builder import fetch
+
+        if not fetch.is_remote(url):
+            local = fetch.local_path(url, root, where=f"{what}.url")
+            if not local.is_file():
+                raise ResolveError(f"{what}: no such file: {url}")
+            return self.put_file(local, sha256, what)
+        if offline:
+            raise ResolveError(f"{what}: {filename + ' is ' if filename else ''}not in the store "
+                               f"and --offline was given")
+        with self.staging() as st:
+            fetch.download(url, st / "dl", sha256)
+            return self.put_file(st / "dl", sha256, what)
+
     # ---- trees ------------------------------------------------------------------------
 
     def tree_path(self, tree_sha256: str) -> Path:

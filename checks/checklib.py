@@ -23,11 +23,6 @@ def need(value: Any, reason: str) -> Any:
     return value
 
 
-def run(host: Any, command: str, *args: str) -> Any:
-    """host.run with its args shell-quoted by testinfra."""
-    return host.run(command, *args)
-
-
 def remote_json(host: Any, script: str, arg: str) -> Any:
     """Run a python3 fact script on the host and parse its JSON output."""
     r = host.run("python3 -c %s %s", script, arg)

@@ -306,51 +306,14 @@ def test_local_gpu_drift_expected_vs_found(tmp_path: Path) -> None:
 def test_local_gpu_absent(tmp_path: Path) -> None:
     root, env = local_project(tmp_path, "gpu_count = 0\ndocker = false\n")
     env["PATH"] = "/usr/bin:/bin"  # no nvidia-smi
-    env["PYTHONPATH"] = str(ROOT)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "builder",
-            "--pins",
-            str(root / "pins.toml"),
-            "audit",
-            "--fleet",
-            "l",
-            "--json",
-            "--only",
-            "gpu",
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, **env),
-    )
-    data = json.loads(r.stdout)
+    rc, data, _ = run_local(root, env, "--only", "gpu")
     st = {v["status"] for v in data["hosts"]["me"]["checks"].values()}
-    assert st == {"skip"} and r.returncode == 0
+    assert st == {"skip"} and rc == 0
     # a GPU expected and no nvidia-smi: fail, not skip
     f = root / "hosts" / "l.toml"
     f.write_text(f.read_text().replace("gpu_count = 0", "gpu_count = 1"))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "builder",
-            "--pins",
-            str(root / "pins.toml"),
-            "audit",
-            "--fleet",
-            "l",
-            "--json",
-            "--only",
-            "gpu",
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, **env),
-    )
-    data = json.loads(r.stdout)
-    assert r.returncode == 1
+    rc, data, _ = run_local(root, env, "--only", "gpu")
+    assert rc == 1
     msgs = {v["message"] for v in data["hosts"]["me"]["checks"].values()}
     assert "nvidia-smi: expected on PATH (1 GPU(s) expected), found none" in msgs
 

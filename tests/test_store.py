@@ -188,3 +188,35 @@ def test_wheel_from_a_wheelhouse_is_verified(tmp_path: Path) -> None:
         store.fetch_wheel("other", "1.0", "other-1.0-py3-none-any.whl", "2" * 64, "toolchains.o",
                           [wh], offline=True)
     assert "--offline" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_fetch_url_from_project_path_file_url_and_loopback_http(tmp_path: Path) -> None:
+    """One fetch step for toolchains and files: a project path, file://, or a real HTTP download."""
+    import http.server
+    import threading
+
+    root = tmp_path / "proj"
+    (root / "files").mkdir(parents=True)
+    (root / "files" / "a.bin").write_bytes(DATA)
+    store = Store(tmp_path / "store")
+    assert store.fetch_url("files/a.bin", SHA, "files.a", root=root, offline=True).read_bytes() == DATA
+    store2 = Store(tmp_path / "store2")
+    url = (root / "files" / "a.bin").as_uri()
+    assert store2.fetch_url(url, SHA, "files.a", root=root, offline=True).read_bytes() == DATA
+    with pytest.raises(ResolveError, match="no such file"):
+        Store(tmp_path / "s3").fetch_url("files/missing.bin", SHA, "files.m", root=root, offline=False)
+
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(root / "files"))  # noqa: E731
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        http_url = f"http://127.0.0.1:{srv.server_address[1]}/a.bin"
+        store4 = Store(tmp_path / "s4")
+        with pytest.raises(ResolveError, match="--offline"):
+            store4.fetch_url(http_url, SHA, "files.a", root=root, offline=True)
+        assert store4.fetch_url(http_url, SHA, "files.a", root=root, offline=False).read_bytes() == DATA
+        with pytest.raises(VerifyError):
+            Store(tmp_path / "s5").fetch_url(http_url, "0" * 64, "files.a", root=root, offline=False)
+    finally:
+        srv.shutdown()
+    assert visible(Store(tmp_path / "s5")) == []

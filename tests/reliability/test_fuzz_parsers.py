@@ -15,6 +15,7 @@ import json
 import math
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +248,22 @@ def _json_load(b: bytes) -> Any:
     return json.loads(b)
 
 
+def fuzz_toml_file(
+    path: Path, data: st.DataObject, seeds: list[bytes], load: Callable[[Path], Any], check: Callable[[Any], None]
+) -> None:
+    """Write a fuzzed TOML document to `path` and load it: a valid result passes `check`, or the load
+    fails with a one-line BuilderError; either way nothing is written beside it."""
+    path.write_bytes(draw_document(data, seeds, _toml_load, to_toml))
+    before = rlib.listing(path.parent)
+    try:
+        obj = load(path)
+    except BuilderError as e:
+        rlib.assert_one_line(e)
+    else:
+        check(obj)
+    assert rlib.listing(path.parent) == before
+
+
 # --------------------------------------------------------------------------- seeds
 
 PINS_SEEDS = [(rlib.REPO / "pins.toml").read_bytes()]
@@ -360,19 +377,13 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_pins_parser(tmp_path: Path, data: st.DataObject) -> None:
     from builder.pins import load_pins
 
-    path = tmp_path / "pins.toml"
-    path.write_bytes(draw_document(data, PINS_SEEDS, _toml_load, to_toml))
-    before = rlib.listing(tmp_path)
-    try:
-        pins = load_pins(path)
-    except BuilderError as e:
-        rlib.assert_one_line(e)
-    else:
+    def check(pins: Any) -> None:
         for kind in pins.all_inputs().values():
             assert isinstance(kind, set)
         for lane in pins.lanes:
             pins.closure([lane])
-    assert rlib.listing(tmp_path) == before
+
+    fuzz_toml_file(tmp_path / "pins.toml", data, PINS_SEEDS, load_pins, check)
 
 
 # --------------------------------------------------------------------------- the lock
@@ -420,17 +431,11 @@ def test_lock_parser_and_check(lock_project: Path, data: st.DataObject) -> None:
 def test_fleet_parser(tmp_path: Path, data: st.DataObject) -> None:
     from builder.hosts import load_fleet
 
-    path = tmp_path / "fleet.toml"
-    path.write_bytes(draw_document(data, FLEET_SEEDS, _toml_load, to_toml))
-    before = rlib.listing(tmp_path)
-    try:
-        fleet = load_fleet(path)
-    except BuilderError as e:
-        rlib.assert_one_line(e)
-    else:
+    def check(fleet: Any) -> None:
         ranks = [h.rank for h in fleet.by_rank()]
         assert ranks == list(range(len(ranks))) and fleet.head().role == "head"
-    assert rlib.listing(tmp_path) == before
+
+    fuzz_toml_file(tmp_path / "fleet.toml", data, FLEET_SEEDS, load_fleet, check)
 
 
 # --------------------------------------------------------------------------- bundle manifests

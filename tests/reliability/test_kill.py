@@ -14,7 +14,6 @@ import hashlib
 import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rlib  # noqa: E402
+from test_gitsrc import Upstream  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -45,25 +45,14 @@ def measure(argv: list[str], cwd: Path, reset: Callable[[], None] | None = None)
     return max(spans)
 
 
-def git(*args: str, cwd: Path) -> str:
-    env = rlib.builder_env({"GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"})
-    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout.strip()
-
-
 # --------------------------------------------------------------------------- builder lock
 
 
 def make_lock_project(base: Path) -> Path:
     """A project with a git source (file:// remote), a patch, a plain file and a local model (~24 MiB)."""
-    up = base / "up-work"
-    up.mkdir(parents=True)
-    git("init", "-q", "-b", "main", cwd=up)
-    for i in range(40):
-        (up / f"src{i}.txt").write_text(f"line {i}\n" * 200)
-    git("add", "-A", cwd=up)
-    git("commit", "-q", "-m", "c1", cwd=up)
-    bare = base / "up.git"
-    git("clone", "-q", "--bare", str(up), str(bare), cwd=base)
+    up = Upstream(base, "up")
+    up.commit({f"src{i}.txt": f"line {i}\n" * 200 for i in range(40)}, "c1")
+    up.push()
     root = base / "proj"
     (root / "patches").mkdir(parents=True)
     (root / "patches" / "0001.patch").write_text("--- a/src0.txt\n+++ b/src0.txt\n")
@@ -76,7 +65,7 @@ def make_lock_project(base: Path) -> Path:
     m.mkdir(parents=True)
     for i in range(6):
         (m / f"model-0000{i + 1}-of-00006.safetensors").write_bytes(bytes([i]) * (4 << 20))
-    (root / "pins.toml").write_text(lock_pins(bare, tpl, "first reason"))
+    (root / "pins.toml").write_text(lock_pins(up.bare, tpl, "first reason"))
     return root
 
 

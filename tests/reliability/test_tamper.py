@@ -23,6 +23,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import rlib  # noqa: E402
+from test_gitsrc import Upstream  # noqa: E402
 
 from builder import installer as inst  # noqa: E402
 from builder.errors import BuilderError, ConfigError, VerifyError  # noqa: E402
@@ -138,18 +139,9 @@ def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: 
 
 
 def _patch_project(base: Path) -> Path:
-    up = base / "up"
-    up.mkdir()
-    env = rlib.builder_env({"GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z"})
-
-    def git(*a: str, cwd: Path = up) -> None:
-        subprocess.run(["git", *a], cwd=cwd, env=env, check=True, capture_output=True)
-
-    git("init", "-q", "-b", "main")
-    (up / "README").write_text("engine\n")
-    git("add", "-A")
-    git("commit", "-q", "-m", "c1")
-    git("clone", "-q", "--bare", str(up), str(base / "up.git"), cwd=base)
+    up = Upstream(base, "up")
+    up.commit({"README": "engine\n"}, "c1")
+    up.push()
     root = base / "proj"
     (root / "patches").mkdir(parents=True)
     (root / "patches" / "0001-fix.patch").write_text(
@@ -159,7 +151,7 @@ def _patch_project(base: Path) -> Path:
     (root / "images" / "demo" / "Dockerfile").write_text("FROM scratch\n")
     (root / "pins.toml").write_text(f"""format = 1
 [sources.engine]
-url = "file://{base / "up.git"}"
+url = "{up.url}"
 ref = "main"
 patches = [{{ file = "patches/0001-fix.patch", reason = "mark the build" }}]
 [images.demo]
