@@ -318,6 +318,7 @@ def build_expectations(
         "world_size": len(f.hosts),
         "mode": opts.mode,
         "phase": opts.phase,
+        "concerns": concerns,
         "hash_jobs": opts.hash_jobs,
         "paths": h.paths.model_dump(mode="json"),
         "applied_path": f"{h.paths.bundles.rstrip('/')}/{APPLIED_RELPATH}",
@@ -447,6 +448,11 @@ def close_master(t: Target, opts: AuditOptions, control_dir: Path) -> None:
         pass
 
 
+#: pytest's plugins a host's checks do not use; each one costs hook calls around every check
+NOT_PLUGINS = ("cacheprovider", "logging", "warnings", "faulthandler", "junitxml", "doctest", "pastebin",
+               "stepwise", "unraisableexception", "threadexception", "legacypath", "debugging", "unittest")
+
+
 def pytest_host_args(t: Target, opts: AuditOptions, control_dir: Path) -> list[str]:
     h = t.host
     if opts.backend == "ansible":
@@ -509,6 +515,26 @@ ZYGOTE = r"""
 import json, os, select, signal, sys
 import pytest
 import testinfra.plugin
+try:  # what the checks import (builder.gpu brings pydantic): once here, not once per host
+    import builder.gpu, builder.hostcheck
+except ImportError:
+    pass
+# The check modules themselves, imported here from the checks folder (argv[1]) under the names
+# pytest's prepend import mode gives them, so each fork finds them in sys.modules instead of
+# compiling them again (run_host passes --assert=plain: no assertion rewriting to redo). Their
+# module-level state is still empty in every fork. A module that fails here is left for pytest,
+# whose own import then reports the error for that host.
+import glob
+sys.path.insert(0, sys.argv[1])
+for _f in ["conftest.py"] + sorted(glob.glob(os.path.join(sys.argv[1], "test_*.py"))):
+    try:
+        __import__(os.path.basename(_f)[:-3])
+    except Exception:
+        sys.modules.pop(os.path.basename(_f)[:-3], None)
+# everything imported so far lives as long as the forks: keep the garbage collector off it, so a
+# fork's collections neither scan it nor touch (and so copy) its pages
+import gc
+gc.freeze()
 r, w = os.pipe()
 os.set_blocking(w, False)
 signal.signal(signal.SIGCHLD, lambda *a: None)
@@ -583,7 +609,7 @@ class PytestRunner:
 
     def __init__(self, cwd: Path) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE],
+            [sys.executable, "-c", ZYGOTE, str(cwd)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -701,9 +727,17 @@ def run_host(
         str(checks_dir),
         "-q",
         "-rN",
+        # the results go to JSON (checks/conftest.py); the log only needs a plain traceback, and
+        # pytest's default long form parses each failing check's source (~10 ms per failure)
+        "--tb=native",
         "--no-header",
-        "-p",
-        "no:cacheprovider",
+        # Per-host CPU is what an audit of many hosts costs on a small operator machine: no
+        # assertion rewriting (each check's message says expected and found by itself, and the
+        # zygote's pre-imported modules are used as they are), no output capture (the output
+        # goes to this host's log file), and none of the per-test plugins the checks do not use.
+        "--assert=plain",
+        "--capture=no",
+        *[x for p in NOT_PLUGINS for x in ("-p", f"no:{p}")],
         "-p",
         "testinfra.plugin",
         *pytest_host_args(t, opts, control_dir),

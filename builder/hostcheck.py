@@ -18,8 +18,7 @@ from typing import Any
 #: stat (fast) or stat + sha256 (full) many files on the host, in parallel threads.
 #: argv[1] = JSON {"paths": [...], "hash": bool, "jobs": int}; prints JSON {path: {...}}.
 FILES_SCRIPT = r"""
-import hashlib, json, os, sys
-from concurrent.futures import ThreadPoolExecutor
+import json, os, sys
 req = json.loads(sys.argv[1])
 def one(p):
     try:
@@ -30,6 +29,7 @@ def one(p):
         return p, {"error": "not a regular file"}
     r = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
     if req.get("hash"):
+        import hashlib
         h = hashlib.sha256()
         try:
             with open(p, "rb", buffering=0) as f:
@@ -42,8 +42,12 @@ def one(p):
             return p, {"error": e.strerror or str(e)}
         r["sha256"] = h.hexdigest()
     return p, r
-with ThreadPoolExecutor(max(1, int(req.get("jobs", 4)))) as ex:
-    out = dict(ex.map(one, req["paths"]))
+if req.get("hash") and len(req["paths"]) > 1:
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max(1, int(req.get("jobs", 4)))) as ex:
+        out = dict(ex.map(one, req["paths"]))
+else:  # stat only: no threads (their imports cost more than the stats)
+    out = dict(map(one, req["paths"]))
 sys.stdout.write(json.dumps(out))
 """
 
@@ -112,6 +116,93 @@ for a in addrs:
     net[n]["ipv4"] = [i["local"] for i in a.get("addr_info", []) if i.get("family") == "inet"]
 sys.stdout.write(json.dumps({"dev_infiniband": os.path.isdir("/dev/infiniband"), "rdma": devs, "net": net}))
 """
+
+#: run many commands on the host at once and report each one's exit status and output.
+#: argv[1] = JSON list of items: a shell command line (a string), or ["py", line, script, arg] for a
+#: python3 fact script, which runs inside this process (sys.argv = ["-c", arg], its stdout kept) one
+#: after another while the shell commands run in threads. Prints JSON {line: [rc, out, err]}, out
+#: and err base64 (a command's output need not be text). The checks read most of a host's facts
+#: through one call of this (checks/checklib.py prefetch): one ssh channel and one python3 start
+#: instead of one of each per fact, which is most of what an audit costs per host.
+BATCH_SCRIPT = r"""
+import binascii, io, json, subprocess, sys, threading
+def enc(rc, out, err):
+    return [rc, binascii.b2a_base64(out, newline=False).decode(), binascii.b2a_base64(err, newline=False).decode()]
+def sh(c):
+    try:
+        p = subprocess.run(["/bin/sh", "-c", c], stdin=subprocess.DEVNULL, capture_output=True)
+        return enc(p.returncode, p.stdout, p.stderr)
+    except OSError as e:
+        return enc(127, b"", str(e).encode())
+def py(script, arg):
+    real, argv, out, rc, err = sys.stdout, sys.argv, io.StringIO(), 0, ""
+    sys.stdout, sys.argv = out, ["-c", arg]
+    try:
+        exec(compile(script, "<string>", "exec"), {"__name__": "__main__"})
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+        rc, err = 1, traceback.format_exc()
+    finally:
+        sys.stdout, sys.argv = real, argv
+    return enc(rc, out.getvalue().encode("utf-8", "surrogateescape"), err.encode())
+items = json.loads(sys.argv[1])
+res = {}
+def put(c):
+    res[c] = sh(c)
+threads = [threading.Thread(target=put, args=(i,)) for i in items if isinstance(i, str)]
+for t in threads:
+    t.start()
+for i in items:
+    if not isinstance(i, str):
+        res[i[1]] = py(i[2], i[3])
+for t in threads:
+    t.join()
+sys.stdout.write(json.dumps(res))
+"""
+
+#: the most characters of command lines sent in one BATCH_SCRIPT call: Linux caps one argument
+#: at 128 KiB (MAX_ARG_STRLEN), and the list is quoted once more for the remote shell.
+BATCH_MAX_CHARS = 60_000
+
+
+def batch_groups(items: Iterable[Any], max_chars: int = BATCH_MAX_CHARS) -> tuple[list[list[Any]], list[Any]]:
+    """Split BATCH_SCRIPT items into calls of at most `max_chars` (JSON-encoded); an item too long
+    for any call on its own comes back in the second list, to be run by itself."""
+    groups: list[list[Any]] = []
+    alone: list[Any] = []
+    cur: list[Any] = []
+    size = 2
+    for item in items:
+        n = len(json.dumps(item)) + 1
+        if n + 2 > max_chars:
+            alone.append(item)
+            continue
+        if cur and size + n > max_chars:
+            groups.append(cur)
+            cur, size = [], 2
+        cur.append(item)
+        size += n
+    if cur:
+        groups.append(cur)
+    return groups, alone
+
+
+def parse_batch(text: str) -> dict[str, tuple[int, bytes, bytes]]:
+    """BATCH_SCRIPT's output -> {command: (rc, stdout, stderr)}; ValueError when it is not that."""
+    import base64
+
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("batch output: not a JSON object")
+    out: dict[str, tuple[int, bytes, bytes]] = {}
+    for cmd, v in data.items():
+        if not (isinstance(v, list) and len(v) == 3 and isinstance(v[0], int)):
+            raise ValueError(f"batch output: bad entry for {cmd[:40]!r}")
+        out[cmd] = (v[0], base64.b64decode(v[1]), base64.b64decode(v[2]))
+    return out
+
 
 RANK_TAG_RE = re.compile(r"(?:^|[^a-z0-9])r(?:ank)?(\d{1,3})of(\d{1,3})(?=[^0-9]|$)", re.IGNORECASE)
 

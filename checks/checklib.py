@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
+#: results of the commands the prefetch ran, by command line (see prefetch)
+RAN: dict[str, Any] = {}
+PREFETCHED: list[bool] = []
 EXISTS_CACHE: dict[str, bool] = {}
 LIST_CACHE: dict[str, Any] = {}
 
@@ -23,9 +26,167 @@ def need(value: Any, reason: str) -> Any:
     return value
 
 
+# ----------------------------------------------------------------------------- commands and prefetch
+#
+# Every command a check runs is built by one of these functions (a command is testinfra's
+# (format, *args) pair), so the prefetch below can run the same command lines ahead of the checks,
+# all in one remote call, and `run` can answer a check from there.
+
+Cmd = tuple[str, ...]
+
+MEMINFO: Cmd = ("cat /proc/meminfo",)
+FSTAB: Cmd = ("cat /etc/fstab",)
+LISTENERS: Cmd = ("ss -Hltn 2>/dev/null || cat /proc/net/tcp /proc/net/tcp6",)
+#: one docker process for whether the engine answers (ServerErrors, ServerVersion) and its runtimes
+DOCKER_INFO: Cmd = ("docker info --format '{{json .}}'",)
+
+
+def cat(path: str) -> Cmd:
+    return ("cat %s", path)
+
+
+PYTHON = "python3 -c %s %s"
+
+
+def python(script: str, arg: str) -> Cmd:
+    return (PYTHON, script, arg)
+
+
+def inspect_images(refs: list[str]) -> Cmd:
+    """One `docker image inspect` for several references (one docker process, not one each)."""
+    return ("docker image inspect" + " %s" * len(refs), *refs)
+
+
+def free_disk(path: str) -> Cmd:
+    # the nearest existing folder above the path holds the filesystem it will use
+    return ('p=%s; while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname "$p"); done; df -Pk "$p" | tail -n 1', path)
+
+
+def readable_within(mount: str) -> Cmd:
+    return ("timeout 10 ls -d %s/.", mount)
+
+
+def argv_command(argv: list[str]) -> Cmd:
+    return (" ".join(shlex.quote(a) for a in argv),)
+
+
+def lookup_commands(names: list[str]) -> Cmd:
+    words = " ".join(shlex.quote(n) for n in names)
+    return (f'for c in {words}; do command -v "$c" >/dev/null 2>&1 && echo "$c"; done; true',)
+
+
+def model_files_commands(expect: dict[str, Any]) -> list[Cmd]:
+    """The FILES_SCRIPT calls that stat (fast) or hash (full) every model file the lock lists."""
+    from builder.hostcheck import FILES_SCRIPT, batches, dumps
+
+    paths = [f"{m['root']}/{f['path']}" for m in expect.get("models") or [] for f in m["files"]]
+    full = expect.get("mode") == "full"
+    jobs = expect.get("hash_jobs", 4)
+    return [python(FILES_SCRIPT, dumps({"paths": c, "hash": full, "jobs": jobs})) for c in batches(paths)]
+
+
+def listing_roots(expect: dict[str, Any]) -> list[str]:
+    roots = [m["root"] for m in expect.get("models") or []] + [expect["paths"]["engram"].rstrip("/")]
+    return list(dict.fromkeys(roots))
+
+
+def listing_command(roots: list[str]) -> Cmd:
+    from builder.hostcheck import LIST_SCRIPT, dumps
+
+    return python(LIST_SCRIPT, dumps(roots))
+
+
+def gpu_commands() -> list[Cmd]:
+    from builder import gpu as G
+
+    return [argv_command(G.query_command()), argv_command(["nvidia-smi", "--version"]),
+            argv_command(G.compute_apps_command())]
+
+
+def planned(expect: dict[str, Any]) -> list[Cmd]:
+    """The commands the selected checks will run on this host whatever they find (commands that
+    depend on another command's answer, such as the apply record's file list, are not here)."""
+    from builder.hostcheck import FABRIC_SCRIPT
+
+    concerns = set(expect.get("concerns") or [])
+    want = expect["expect"]
+    cmds: list[Cmd] = [lookup_commands(sorted(KNOWN_COMMANDS))]
+    if concerns & {"release", "models", "engram"}:
+        cmds.append(cat(expect["applied_path"]))
+    img = expect.get("image")
+    if "image" in concerns and img:
+        cmds.append(inspect_images([img["image_id"], img["tag"]]))
+    if "release" in concerns:
+        cmds.append(cat(f"{expect['current_path']}/manifest.json"))
+    if "models" in concerns:
+        cmds += model_files_commands(expect)
+    if concerns & {"models", "engram"}:
+        cmds.append(listing_command(listing_roots(expect)))
+    if "gpu" in concerns and want.get("gpu_count"):
+        cmds += gpu_commands()
+    if "memory" in concerns:
+        cmds.append(MEMINFO)
+    if "fabric" in concerns and want.get("rdma"):
+        cmds.append(python(FABRIC_SCRIPT, "/sys"))
+    if "storage" in concerns:
+        mounts = want.get("nfs_mounts") or []
+        cmds += [readable_within(m) for m in mounts]
+        if mounts:
+            cmds.append(FSTAB)
+        if want.get("min_free_disk_gib"):
+            cmds.append(free_disk(expect["paths"]["models"]))
+    if "runtime" in concerns and want.get("docker"):
+        cmds.append(DOCKER_INFO)
+    if "runtime" in concerns and expect.get("phase") == "preflight" and expect["host"]["role"] == "head":
+        cmds.append(LISTENERS)
+    return cmds
+
+
+def prefetch(host: Any, expect: dict[str, Any]) -> None:
+    """Run the planned commands in one remote python3 (a few for very long lists), once per host.
+
+    Any failure of the batch itself (no python3 on the host, odd output) leaves the cache empty,
+    so each check runs its own command as before; a lost connection is raised, as from a check.
+    """
+    if PREFETCHED:
+        return
+    PREFETCHED.append(True)
+    from builder.hostcheck import BATCH_SCRIPT, batch_groups, parse_batch
+
+    items: dict[str, Any] = {}
+    for c in planned(expect):
+        line = host.backend.quote(*c)
+        # a python3 fact script runs inside the batch's own python3 rather than starting another
+        items[line] = ["py", line, c[1], c[2]] if c[0] == PYTHON and len(c) == 3 else line
+    groups, _alone = batch_groups(items.values())
+    for group in groups:
+        # -I -S: the batch needs only the standard library; no site-packages scan, no user paths
+        r = host.run("python3 -I -S -c %s %s", BATCH_SCRIPT, json.dumps(group))
+        if r.rc != 0:
+            return
+        try:
+            got = parse_batch(r.stdout)
+        except ValueError:
+            return
+        for line, (rc, out, err) in got.items():
+            if line in items:
+                RAN[line] = host.backend.result(rc, host.backend.encode(line), out, err)
+
+
+def run(host: Any, command: str, *args: str) -> Any:
+    """host.run(command, *args), answered from the prefetch when it ran that command line."""
+    line = host.backend.quote(command, *args)
+    if line in RAN:
+        return RAN[line]
+    return host.run(command, *args)
+
+
 def remote_json(host: Any, script: str, arg: str) -> Any:
     """Run a python3 fact script on the host and parse its JSON output."""
-    r = host.run("python3 -c %s %s", script, arg)
+    return json_output(run(host, *python(script, arg)))
+
+
+def json_output(r: Any) -> Any:
     if r.rc != 0:
         err = (r.stderr or r.stdout).strip().splitlines()
         raise RuntimeError(f"remote python3 failed (exit {r.rc}): {err[-1] if err else 'no output'}")
@@ -37,7 +198,7 @@ def read_applied(host: Any, expect: dict[str, Any]) -> tuple[dict[str, Any] | No
     key = expect["applied_path"]
     if key in APPLIED_CACHE:
         return APPLIED_CACHE[key]
-    r = host.run("cat %s", key)
+    r = run(host, *cat(key))
     if r.rc != 0:
         out: tuple[dict[str, Any] | None, str] = (None, f"no apply record at {key} (nothing installed?)")
     else:
@@ -54,8 +215,7 @@ def exists(host: Any, name: str) -> bool:
     """`command -v NAME` on the host, cached; the first call looks up every known command at once."""
     if name not in EXISTS_CACHE:
         names = sorted(set(KNOWN_COMMANDS) | {name})
-        words = " ".join(shlex.quote(n) for n in names)
-        r = host.run(f'for c in {words}; do command -v "$c" >/dev/null 2>&1 && echo "$c"; done; true')
+        r = run(host, *lookup_commands(names))
         if r.rc == 0:
             found = set(r.stdout.split())
             for n in names:
@@ -69,9 +229,8 @@ def listing(host: Any, expect: dict[str, Any], root: str) -> Any:
     """LIST_SCRIPT's answer for `root` (None: no such folder). One remote call lists every model
     root and the Engram folder together, the first time any of them is asked for."""
     if root not in LIST_CACHE:
-        from builder.hostcheck import LIST_SCRIPT, dumps
-
-        roots = [m["root"] for m in expect.get("models") or []] + [expect["paths"]["engram"].rstrip("/")]
-        roots = list(dict.fromkeys(roots + [root]))
-        LIST_CACHE.update(remote_json(host, LIST_SCRIPT, dumps(roots)))
+        roots = listing_roots(expect)
+        if root not in roots:
+            roots.append(root)
+        LIST_CACHE.update(json_output(run(host, *listing_command(roots))))
     return LIST_CACHE[root]

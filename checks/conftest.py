@@ -5,8 +5,9 @@ the inventory and the image record; nothing here reads an expectation from the h
 results go to `--builder-results` as JSON: one entry per check with status and message.
 
 Rules every check follows: an assertion message says `expected X, found Y`; a check whose
-hardware or input is absent calls `pytest.skip(reason)` (never passes); the facts of one topic
-are read with one remote command and cached per module.
+hardware or input is absent calls `pytest.skip(reason)` (never passes); every remote command is
+built by a checklib function and run through `checklib.run`, so that the prefetch (one remote
+call before the first check, running every command the selected checks will need) answers it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 from typing import Any
 
 import pytest
-from checklib import read_applied
+from checklib import prefetch, read_applied
 
 _STATE: dict[str, Any] = {"unreachable": None, "results": {}, "order": []}
 
@@ -40,6 +41,12 @@ def expect(pytestconfig: pytest.Config) -> dict[str, Any]:
     with open(path) as f:
         data: dict[str, Any] = json.load(f)
     return data
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prefetch(host: Any, expect: dict[str, Any]) -> None:
+    """Before the first check: read most of this host's facts in one remote call (checklib.prefetch)."""
+    prefetch(host, expect)
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,10 @@ with builder.gpu. Where no GPU is expected (gpu_count = 0) and none is found, th
 
 from __future__ import annotations
 
-import shlex
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from checklib import exists, need
+from checklib import argv_command, exists, need, run
 
 if TYPE_CHECKING:  # builder.gpu imports pydantic: only load it where a host has nvidia-smi
     from builder import gpu as G
@@ -23,7 +22,7 @@ def report(host: Any, expect: dict[str, Any]) -> G.GpuReport:
         pytest.fail(f"nvidia-smi: expected on PATH ({want} GPU(s) expected), found none")
 
     def runner(argv: list[str]) -> tuple[int, str, str]:
-        r = host.run(" ".join(shlex.quote(a) for a in argv))
+        r = run(host, *argv_command(argv))
         return r.rc, r.stdout, r.stderr
 
     from builder import gpu as G

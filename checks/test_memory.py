@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from checklib import MEMINFO, run
 
 from builder.hostcheck import gib, parse_meminfo
 
 
 @pytest.fixture(scope="module")
 def meminfo(host: Any) -> dict[str, int]:
-    r = host.run("cat /proc/meminfo")
+    r = run(host, *MEMINFO)
     assert r.rc == 0, f"/proc/meminfo: expected readable, found exit {r.rc}"
     info = parse_meminfo(r.stdout)
     assert "MemAvailable" in info, "/proc/meminfo: expected a MemAvailable line, found none"

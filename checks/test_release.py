@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from checklib import need, read_applied, remote_json
+from checklib import cat, need, read_applied, remote_json, run
 
 from builder.hostcheck import FILES_SCRIPT, dumps, shown
 
@@ -50,7 +50,7 @@ def test_record_image(record: dict[str, Any], expect: dict[str, Any]) -> None:
 def test_manifest_hash(host: Any, record: dict[str, Any], expect: dict[str, Any]) -> None:
     want = need(record.get("manifest_sha256"), "the apply record names no manifest hash")
     path = f"{expect['current_path']}/manifest.json"
-    r = host.run("cat %s", path)
+    r = run(host, *cat(path))
     assert r.rc == 0, f"{path}: expected present, found absent"
     got = hashlib.sha256(r.stdout_bytes).hexdigest()
     assert got == want, f"{path} sha256: expected {want[:16]}, found {got[:16]}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import need
+from checklib import FSTAB, free_disk, need, readable_within, run
 
 
 def _fstab_targets(text: str) -> set[str]:
@@ -24,13 +24,13 @@ def test_nfs_mounted(host: Any, expect: dict[str, Any]) -> None:
         mp = host.mount_point(m)
         assert mp.exists, f"NFS mount {m}: expected mounted, found not mounted"
         assert mp.filesystem.startswith("nfs"), f"mount {m}: expected nfs, found {mp.filesystem}"
-        r = host.run("timeout 10 ls -d %s/.", m)
+        r = run(host, *readable_within(m))
         assert r.rc == 0, f"NFS mount {m}: expected readable within 10 s, found exit {r.rc} (stale?)"
 
 
 def test_nfs_in_fstab(host: Any, expect: dict[str, Any]) -> None:
     mounts = need(expect["expect"].get("nfs_mounts"), "no NFS mount expected on this host")
-    r = host.run("cat /etc/fstab")
+    r = run(host, *FSTAB)
     found = _fstab_targets(r.stdout if r.rc == 0 else "")
     missing = [m for m in mounts if m.rstrip("/") not in found]
     assert not missing, (
@@ -44,11 +44,7 @@ def test_free_disk(host: Any, expect: dict[str, Any]) -> None:
     if not want:
         pytest.skip("no min_free_disk_gib in the host's expectations")
     path = expect["paths"]["models"]
-    # the nearest existing folder above the models path holds the filesystem it will use
-    r = host.run(
-        'p=%s; while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname "$p"); done; df -Pk "$p" | tail -n 1',
-        path,
-    )
+    r = run(host, *free_disk(path))
     assert r.rc == 0, f"df {path}: expected an answer, found exit {r.rc}: {r.stderr.strip()[:100]}"
     avail_gib = int(r.stdout.split()[3]) / (1024 * 1024)
     assert avail_gib >= want, f"free disk for {path}: expected >= {want:g} GiB, found {avail_gib:.1f} GiB"
