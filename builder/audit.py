@@ -32,11 +32,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from builder.canon import atomic_write, pretty_json
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, ConfigError
-from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host, load_fleets
+
+if TYPE_CHECKING:  # builder.hosts brings pydantic: run_audit imports it after starting the zygote
+    from builder.hosts import Fleet, Host
 
 CONCERNS: tuple[str, ...] = (
     "image",
@@ -179,6 +181,8 @@ def parse_only(value: str | None) -> list[str] | None:
 
 def fleet_targets(hosts_dir: Path, fleet: str | None) -> list[Target]:
     """Every host of one fleet, or of every fleet (by fleet name), in rank order."""
+    from builder.hosts import find_fleet, load_fleets
+
     if fleet:
         path, f = find_fleet(hosts_dir, fleet)
         fleets = {f.fleet.name: (path, f)}
@@ -188,6 +192,8 @@ def fleet_targets(hosts_dir: Path, fleet: str | None) -> list[Target]:
 
 
 def select_targets(hosts_dir: Path, names: list[str], fleet: str | None) -> list[Target]:
+    from builder.hosts import find_host, load_fleets
+
     if fleet and names:
         raise ConfigError("give host names or --fleet, not both")
     if fleet:
@@ -231,6 +237,7 @@ class LaneContext:
 
 
 def load_context(opts: AuditOptions, targets: list[Target]) -> LaneContext:
+    from builder.hosts import check_against_pins
     from builder.lock import load_lock
     from builder.pins import load_pins
 
@@ -392,12 +399,20 @@ def ssh_options(opts: AuditOptions, control_dir: Path) -> list[str]:
 
 
 def probe_argv(t: Target, opts: AuditOptions, control_dir: Path) -> list[str] | None:
-    """The command that proves a host answers (None for local)."""
+    """The command that proves a host answers (None for local). Over ssh it opens the host's one
+    connection, the master every later command shares, and returns once that connection is
+    authenticated (-f -N: no remote command, no session on the host)."""
     h = t.host
     if h.connection == "local":
         return None
     if h.connection == "docker":
         return ["docker", "exec", h.ssh, "true"]
+    return _ssh_argv(t, opts, control_dir, ["-f", "-N"])
+
+
+def _ssh_argv(t: Target, opts: AuditOptions, control_dir: Path, extra: list[str]) -> list[str]:
+    """ssh with the audit's options, then `extra`, then the host."""
+    h = t.host
     cfg = ssh_config_path(t)
     user, hostpart, port = _ssh_parts(h.ssh)
     argv = ["ssh"] + (["-F", str(cfg)] if cfg else []) + ssh_options(opts, control_dir)
@@ -405,7 +420,7 @@ def probe_argv(t: Target, opts: AuditOptions, control_dir: Path) -> list[str] | 
         argv += ["-l", user]
     if port:
         argv += ["-p", port]
-    return argv + [hostpart, "true"]
+    return argv + extra + [hostpart]
 
 
 def probe(t: Target, opts: AuditOptions, control_dir: Path) -> str | None:
@@ -437,11 +452,7 @@ def probe(t: Target, opts: AuditOptions, control_dir: Path) -> str | None:
 def close_master(t: Target, opts: AuditOptions, control_dir: Path) -> None:
     if t.host.connection != "ssh":
         return
-    argv = probe_argv(t, opts, control_dir)
-    assert argv is not None
-    argv = argv[:-1]
-    argv.insert(1, "-O")
-    argv.insert(2, "exit")
+    argv = _ssh_argv(t, opts, control_dir, ["-O", "exit"])
     try:
         subprocess.run(argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL, check=False)
     except (subprocess.TimeoutExpired, OSError):
@@ -684,9 +695,15 @@ class PytestRunner:
             self.codes.pop(rid, None)
         return None
 
+    def kill(self) -> None:
+        """Stop the zygote now (nothing was sent to it yet, or nothing it runs is wanted)."""
+        _kill_group(self.proc.pid)
+        self.close()
+
     def close(self) -> None:
+        """Let the zygote's children finish, then wait for it to exit (idempotent)."""
         try:
-            if self.proc.stdin is not None:
+            if self.proc.stdin is not None and not self.proc.stdin.closed:
                 self.proc.stdin.close()
         except OSError:
             pass
@@ -803,8 +820,6 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
         raise ConfigError(f"--phase: expected one of {', '.join(PHASES)}, got {opts.phase!r}")
     if opts.backend not in BACKENDS:
         raise ConfigError(f"--backend: expected one of {', '.join(BACKENDS)}, got {opts.backend!r}")
-    hosts_dir = opts.hosts_dir or opts.root / "hosts"
-    targets = select_targets(hosts_dir, opts.names, opts.fleet)
     concerns = opts.concerns()
     if not concerns:
         raise ConfigError(f"--only selects no check for --phase {opts.phase}")
@@ -812,6 +827,38 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
     for c in concerns:
         if not (checks_dir / f"test_{c}.py").is_file():
             raise ConfigError(f"{checks_dir}: no check module test_{c}.py")
+    # The zygote's imports (~0.3 s of CPU) overlap with reading the inventory, pins and lock here
+    # rather than delaying the first host's checks. It contacts no host; on a config error it is
+    # killed before the error is raised.
+    runner = PytestRunner(checks_dir)
+    try:
+        return _audit(opts, concerns, checks_dir, runner, on_host)
+    finally:
+        runner.close()
+
+
+def _audit(
+    opts: AuditOptions,
+    concerns: list[str],
+    checks_dir: Path,
+    runner: PytestRunner,
+    on_host: Callable[[HostResult], None] | None,
+) -> AuditReport:
+    hosts_dir = opts.hosts_dir or opts.root / "hosts"
+    try:
+        targets = select_targets(hosts_dir, opts.names, opts.fleet)
+        _check_backend(opts)
+        ctx = load_context(opts, targets)
+        expectations = {
+            (t.fleet.fleet.name, t.name): build_expectations(t, opts, ctx, concerns) for t in targets
+        }
+    except BaseException:
+        runner.kill()
+        raise
+    return _run_hosts(opts, concerns, checks_dir, runner, on_host, targets, expectations)
+
+
+def _check_backend(opts: AuditOptions) -> None:
     if opts.backend == "ansible":
         if opts.inventory is None or not opts.inventory.is_file():
             raise ConfigError(
@@ -822,9 +869,17 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
             raise ConfigError(
                 "--backend ansible: ansible-inventory is not installed (pip install ansible-core)"
             )
-    ctx = load_context(opts, targets)
-    expectations = {(t.fleet.fleet.name, t.name): build_expectations(t, opts, ctx, concerns) for t in targets}
 
+
+def _run_hosts(
+    opts: AuditOptions,
+    concerns: list[str],
+    checks_dir: Path,
+    runner: PytestRunner,
+    on_host: Callable[[HostResult], None] | None,
+    targets: list[Target],
+    expectations: dict[tuple[str, str], dict[str, Any]],
+) -> AuditReport:
     start = time.monotonic()
     tmp_root = opts.workdir
     cleanup: list[Path] = []
@@ -835,19 +890,25 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
     control_dir = Path(tempfile.mkdtemp(prefix="bA-", dir="/tmp"))
     cleanup.append(control_dir)
     lock = threading.Lock()
-    runner = PytestRunner(checks_dir)
 
-    def one(t: Target) -> HostResult:
-        r = run_host(
-            t,
-            opts,
-            expectations[(t.fleet.fleet.name, t.name)],
-            tmp_root,
-            control_dir,
-            checks_dir,
-            concerns,
-            runner,
-        )
+    open_masters = set(range(len(targets)))
+
+    def one(i: int) -> HostResult:
+        t = targets[i]
+        try:
+            r = run_host(
+                t,
+                opts,
+                expectations[(t.fleet.fleet.name, t.name)],
+                tmp_root,
+                control_dir,
+                checks_dir,
+                concerns,
+                runner,
+            )
+        finally:  # the host's connection is done with: close it now, in this host's thread
+            close_master(t, opts, control_dir)
+            open_masters.discard(i)
         if on_host is not None:
             with lock:
                 on_host(r)
@@ -855,11 +916,11 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
 
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(targets)))) as ex:
-            results = list(ex.map(one, targets))
+            results = list(ex.map(one, range(len(targets))))
     finally:
         runner.close()
-        for t in targets:
-            close_master(t, opts, control_dir)
+        for i in sorted(open_masters):
+            close_master(targets[i], opts, control_dir)
         for d in cleanup:
             shutil.rmtree(d, ignore_errors=True)
     return AuditReport(
