@@ -175,7 +175,7 @@ def batch_groups(items: Iterable[Any], max_chars: int = BATCH_MAX_CHARS) -> tupl
     cur: list[Any] = []
     size = 2
     for item in items:
-        n = len(json.dumps(item)) + 1
+        n = len(json.dumps(item)) + 2  # json.dumps(list) separates items with ", "
         if n + 2 > max_chars:
             alone.append(item)
             continue

@@ -173,7 +173,7 @@ def install(
     fleet.exec(h, ["python3", "-c", FAKE_INSTALL], input=json.dumps(spec))
 
 
-def audit(env: dict[str, Any], *args: str) -> tuple[int, dict[str, Any], str]:
+def audit(env: dict[str, Any], *args: str, path_prefix: str | None = None) -> tuple[int, dict[str, Any], str]:
     p = env["paths"]
     argv = [
         sys.executable,
@@ -192,6 +192,8 @@ def audit(env: dict[str, Any], *args: str) -> tuple[int, dict[str, Any], str]:
         *args,
     ]
     e = dict(os.environ, PYTHONPATH=str(ROOT))
+    if path_prefix:
+        e["PATH"] = path_prefix + os.pathsep + e["PATH"]
     r = subprocess.run(argv, capture_output=True, text=True, env=e, timeout=600)
     data = json.loads(r.stdout) if r.stdout.strip() else {}
     return r.returncode, data, r.stderr
@@ -233,6 +235,47 @@ def test_clean_fleet_passes_fast_and_full(env: dict[str, Any]) -> None:
         assert checks["fabric::dev_infiniband"]["status"] == "skip"
         assert "infiniband" in checks["fabric::dev_infiniband"]["message"]
     assert "spark-test-2" in err and "pass" in err  # the matrix on stderr
+
+
+# A logging `ssh` put first on PATH for one audit: it records each call's arguments, then runs the
+# real ssh. Both the audit (probe, close) and testinfra (every remote command) find ssh on PATH.
+SSH_LOGGER = """#!{python}
+import json, os, sys
+with open({log!r}, "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+os.execv({ssh!r}, ["ssh"] + sys.argv[1:])
+"""
+
+
+def test_one_connection_and_three_remote_commands_per_host(env: dict[str, Any], tmp_path: Path) -> None:
+    import shutil
+
+    fleet = env["fleet"]
+
+    def accepted(h: Any) -> int:  # connections the host's sshd accepted so far
+        r = fleet.exec(h, ["grep", "-c", "Accepted publickey", "/var/log/sshd.log"], check=False)
+        return int(r.stdout.strip() or 0)
+
+    bindir, log = tmp_path / "bin", tmp_path / "ssh.log"
+    bindir.mkdir()
+    real = shutil.which("ssh")
+    assert real is not None
+    (bindir / "ssh").write_text(SSH_LOGGER.format(python=sys.executable, log=str(log), ssh=real))
+    (bindir / "ssh").chmod(0o755)
+    before = {h.name: accepted(h) for h in fleet.hosts}
+    rc, data, err = audit(env, "--fleet", "test", path_prefix=str(bindir))
+    assert rc == 0, err
+    assert {h.name: accepted(h) - before[h.name] for h in fleet.hosts} == {"spark-test-1": 1, "spark-test-2": 1}
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    for h in fleet.hosts:
+        mine = [c for c in calls if h.name in c]
+        assert sum("-N" in c for c in mine) == 1 and sum("-O" in c for c in mine) == 1  # open, close
+        remote = [c[-1] for c in mine if "-N" not in c and "-O" not in c]
+        # the prefetch batch, then what only the apply record names: the launch files' hashes and
+        # the recorded Engram files' stat
+        assert len(remote) == 3, remote
+        assert remote[0].startswith("python3 -I -S -c ") and "b2a_base64" in remote[0]
+        assert all(r.startswith("python3 -c ") for r in remote[1:])
 
 
 def test_corrupt_model_byte_full_mode_names_file(env: dict[str, Any]) -> None:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,3 +133,124 @@ def test_fabric_script_and_gid_evaluation(tmp_path: Path) -> None:
     facts["net"]["enp1s0f0np0"]["ipv4"] = ["192.0.2.10"]
     assert hc.iface_of(facts, "192.0.2.10") == "enp1s0f0np0"
     assert hc.iface_of(facts, "192.0.2.11") is None
+
+
+# ----------------------------------------------------------------------------- the prefetch batch
+
+
+def test_batch_script_runs_shell_and_python_items(tmp_path: Path) -> None:
+    a = tmp_path / "a.bin"
+    a.write_bytes(b"\xff\x00binary")
+    fail = "echo oops >&2; exit 7"
+    items = [
+        f"cat {a}",
+        fail,
+        ["py", "files", hc.FILES_SCRIPT, json.dumps({"paths": [str(a)], "hash": True})],
+        ["py", "raises", "raise ValueError('bad fact')", ""],
+        ["py", "exits", "import sys; sys.stdout.write('x'); sys.exit(3)", ""],
+    ]
+    # as the checks run it on a host: python3 -I -S (standard library only)
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", hc.BATCH_SCRIPT, json.dumps(items)], capture_output=True,
+                       text=True, check=True)
+    got = hc.parse_batch(r.stdout)
+    assert got[f"cat {a}"] == (0, b"\xff\x00binary", b"")
+    assert got[fail] == (7, b"", b"oops\n")
+    rc, out, _ = got["files"]
+    assert rc == 0 and json.loads(out)[str(a)]["sha256"] == hashlib.sha256(a.read_bytes()).hexdigest()
+    rc, out, err = got["raises"]
+    assert rc == 1 and out == b"" and b"ValueError: bad fact" in err
+    assert got["exits"] == (3, b"x", b"")
+
+
+def test_parse_batch_refuses_what_the_batch_does_not_print() -> None:
+    for text in ("[]", '{"c": [0, "", ""', '{"c": ["0", "", ""]}', '{"c": [0, ""]}'):
+        with pytest.raises(ValueError):
+            hc.parse_batch(text)
+
+
+def test_batch_groups_stay_under_the_argument_limit() -> None:
+    items: list[object] = [f"cat /srv/f{i:04d}" for i in range(400)] + [["py", "big", "x" * 200, "y"]]
+    groups, alone = hc.batch_groups(items, max_chars=2_000)
+    assert alone == [] and len(groups) > 1
+    assert [i for g in groups for i in g] == items
+    assert all(len(json.dumps(g)) <= 2_000 for g in groups)
+    huge = "z" * 5_000
+    groups, alone = hc.batch_groups(["a", huge, "b"], max_chars=2_000)
+    assert groups == [["a", "b"]] and alone == [huge]
+
+
+def checklib_fresh() -> object:
+    """checks/checklib as the per-host pytest imports it, with its per-host caches empty."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "checks"))
+    try:
+        import checklib
+    finally:
+        sys.path.pop(0)
+    for cache in (checklib.RAN, checklib.APPLIED_CACHE, checklib.EXISTS_CACHE, checklib.LIST_CACHE):
+        cache.clear()
+    checklib.PREFETCHED.clear()
+    return checklib
+
+
+def local_expect(tmp_path: Path) -> dict[str, object]:
+    root = tmp_path / "models" / "tiny"
+    root.mkdir(parents=True)
+    (root / "w.bin").write_bytes(b"w" * 10)
+    return {
+        "concerns": ["release", "models", "engram", "memory", "storage", "runtime"],
+        "mode": "fast",
+        "phase": "preflight",
+        "host": {"role": "head"},
+        "paths": {"engram": str(tmp_path / "engram"), "models": str(tmp_path / "models")},
+        "applied_path": str(tmp_path / "state" / "applied.json"),
+        "current_path": str(tmp_path / "current"),
+        "models": [{"root": str(root), "files": [{"path": "w.bin", "size": 10, "sha256": "0" * 64}]}],
+        "expect": {"gpu_count": 0, "rdma": False, "nfs_mounts": [], "min_free_disk_gib": 1, "docker": False},
+    }
+
+
+def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> None:
+    import testinfra
+
+    cl: Any = checklib_fresh()
+    host = testinfra.get_host("local://")
+    expect = local_expect(tmp_path)
+    planned = cl.planned(expect)
+    calls: list[str] = []
+    real_run = host.run
+
+    def counting_run(command: str, *args: str) -> Any:
+        calls.append(command)
+        return real_run(command, *args)
+
+    host.run = counting_run
+    cl.prefetch(host, expect)
+    assert calls == ["python3 -I -S -c %s %s"]  # every planned command, one remote call
+    assert len(cl.RAN) == len(planned) >= 6
+    meminfo = cl.run(host, *cl.MEMINFO)
+    assert meminfo.rc == 0 and "MemAvailable:" in meminfo.stdout
+    assert cl.listing(host, expect, str(tmp_path / "models" / "tiny")) == ["w.bin"]
+    rec, why = cl.read_applied(host, expect)
+    assert rec is None and "no apply record" in why
+    df = cl.run(host, *cl.free_disk(str(tmp_path / "models")))
+    assert df.rc == 0 and len(df.stdout.split()) >= 4
+    assert calls == ["python3 -I -S -c %s %s"]  # all of that answered from the prefetch
+    cl.run(host, "true")  # a command nobody planned still runs, on its own
+    assert calls[-1] == "true"
+    cl.prefetch(host, expect)  # once per host
+    assert len(calls) == 2
+
+
+def test_prefetch_that_fails_leaves_each_check_to_run_its_own_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import testinfra
+
+    cl: Any = checklib_fresh()
+    host = testinfra.get_host("local://")
+    expect = local_expect(tmp_path)
+    monkeypatch.setattr(hc, "BATCH_SCRIPT", "print('not the batch output')")
+    cl.prefetch(host, expect)
+    assert cl.RAN == {}
+    r = cl.run(host, *cl.MEMINFO)  # runs for real
+    assert r.rc == 0 and "MemAvailable:" in r.stdout
