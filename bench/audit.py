@@ -4,7 +4,13 @@ The hosts are the test fleet's containers with a real sshd (tests/fleetlib.py st
 their own dockerd to spare this 2-core machine), on a private Docker network. Each size gets its own
 small project (tests/auditlib.py make_project with tensor_parallel = N) and fleet file. The hosts
 hold no release, so the audit reports drift (exit 1): the time is the real cost of connecting to
-every host (one ssh master per host, reused by every check) and running every preflight check.
+every host (one ssh connection per host, shared by every command), reading its facts (one remote
+call, checks/checklib.py prefetch) and running every preflight check.
+
+The test hosts are containers on this machine, so their sshd, python3 and docker CLI run on the
+same 2 cores as the audit. Beside the wall times the benchmark reports where the CPU went, per host
+added: on the operator's side (the audit's own process tree: pytest, ssh clients) and on the whole
+machine (/proc/stat: that plus the hosts' side and the kernel).
 
 The second part runs the script the audit's model check runs on each host (builder.hostcheck
 FILES_SCRIPT, full mode, 4 threads) here, over the benchmark's model folder, against openssl dgst and
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 from typing import Any
@@ -83,6 +91,7 @@ def _fleet(cfg: Config) -> list[Row]:
         # warm-up: ssh host keys, python caches on the hosts
         t = median_interleaved({str(n): fns[n] for n in SIZES}, cfg.runs)
         rows = []
+        cpu = {n: _cpu_medians(tuple(fns[n].argv)) for n in SIZES}
         for n in SIZES:
             codes = sorted(_CODES.get(tuple(fns[n].argv), set()))  # type: ignore[attr-defined]
             rows.append(Row(NAME, f"audit {n} host{'s' if n > 1 else ''}", secs(t[str(n)]), "", None, "",
@@ -92,6 +101,13 @@ def _fleet(cfg: Config) -> list[Row]:
         rows.append(Row(NAME, fig, secs(t["8"]), f"1 host {secs(t['1'])}", ratio, TARGET, judge(ratio, TARGET),
                         "ratio = 8-host time / 1-host time; hosts hold no release, so checks report drift",
                         {"t1": t["1"], "t8": t["8"]}))
+        (o1, m1), (o8, m8) = cpu[1], cpu[8]
+        rows.append(Row(NAME, "audit CPU per added host: operator side", f"{(o8 - o1) / 7:.3f} s", "", None, "",
+                        "report", f"the audit's process tree: {o1:.2f} s of CPU for 1 host, {o8:.2f} s for 8",
+                        {"cpu1": o1, "cpu8": o8}))
+        rows.append(Row(NAME, "audit CPU per added host: whole machine", f"{(m8 - m1) / 7:.3f} s", "", None, "",
+                        "report", f"/proc/stat, test hosts included: {m1:.2f} s for 1 host, {m8:.2f} s for 8",
+                        {"cpu1": m1, "cpu8": m8}))
         return rows
     finally:
         fleet.teardown()
@@ -101,6 +117,19 @@ def _fleet(cfg: Config) -> list[Row]:
 
 _CODES: dict[tuple[str, ...], set[int]] = {}
 _SUMMARY: dict[tuple[str, ...], str] = {}
+_CPU: dict[tuple[str, ...], list[tuple[float, float]]] = {}
+
+
+def _machine_cpu() -> float:
+    """Busy CPU seconds of the whole machine so far (every core; idle and iowait excluded)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_medians(key: tuple[str, ...]) -> tuple[float, float]:
+    got = _CPU.get(key, [])[1:]  # the first call is the warm-up
+    return statistics.median(c[0] for c in got), statistics.median(c[1] for c in got)
 
 
 class _audit_fn:  # noqa: N801 - a callable with its argv attached
@@ -109,8 +138,12 @@ class _audit_fn:  # noqa: N801 - a callable with its argv attached
 
     def __call__(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
+        r0, m0 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_cpu()
         p = subprocess.run(self.argv, capture_output=True, text=True, env=env, timeout=600)
+        r1, m1 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_cpu()
         key = tuple(self.argv)
+        own = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+        _CPU.setdefault(key, []).append((own, m1 - m0))
         _CODES.setdefault(key, set()).add(p.returncode)
         if p.returncode not in (0, 1):
             raise RuntimeError(f"builder audit: exit {p.returncode}: {p.stderr.strip()[-300:]}")
