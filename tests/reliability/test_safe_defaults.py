@@ -204,6 +204,11 @@ def test_signatures_are_required_unless_insecure_is_given(tmp_path: Path) -> Non
     # the explicit flag, on the command line only, lets it through (and says so on the host)
     r = rlib.run_builder(*pins, "ship", "spark-b", "--to", str(usb), "--insecure", "--key", str(p.pub), cwd=p.root)
     assert r.returncode == 0, r.stderr
+    # --insecure checks no signature, so it needs no key either (none configured, none given)
+    r = rlib.run_builder(*pins, "ship", "spark-b", "--to", str(tmp_path / "usb2"), "--insecure", cwd=p.root,
+                         env={"BUILDER_SIGNING_KEY": str(tmp_path / "no-such-key")})
+    assert r.returncode == 0, r.stderr
+    assert len(list((tmp_path / "usb2").rglob(inst.MANIFEST))) == 1
     root = tmp_path / "root"
     rb = subprocess.run(
         [sys.executable, "-I", "-", "install", str(d), "--root", str(root)],
