@@ -4,7 +4,8 @@ Expectations come in a JSON file (`--builder-expect`) that `builder audit` wrote
 the inventory and the image record; nothing here reads an expectation from the host. The
 results go to `--builder-results` as JSON: one entry per check with status and message.
 
-Rules every check follows: an assertion message says `expected X, found Y`; a check whose
+Rules every check follows: an assertion message says `expected X, found Y` (the checks run with
+`--assert=plain`, so a bare `assert a == b` would report only "assertion failed"); a check whose
 hardware or input is absent calls `pytest.skip(reason)` (never passes); every remote command is
 built by a checklib function and run through `checklib.run`, so that the prefetch (one remote
 call before the first check, running every command the selected checks will need) answers it.
