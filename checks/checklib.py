@@ -202,11 +202,13 @@ def read_applied(host: Any, expect: dict[str, Any]) -> tuple[dict[str, Any] | No
     if r.rc != 0:
         out: tuple[dict[str, Any] | None, str] = (None, f"no apply record at {key} (nothing installed?)")
     else:
-        try:
-            rec = json.loads(r.stdout)
+        try:  # the bytes: a damaged record need not even be text
+            rec = json.loads(r.stdout_bytes)
             out = (rec, "") if isinstance(rec, dict) else (None, f"{key}: not a JSON object")
+        except UnicodeDecodeError:
+            out = (None, f"{key}: not UTF-8 text")
         except ValueError as e:
-            out = (None, f"{key}: malformed JSON ({e.msg})")
+            out = (None, f"{key}: malformed JSON ({getattr(e, 'msg', e)})")
     APPLIED_CACHE[key] = out
     return out
 
