@@ -917,8 +917,7 @@ def _run_hosts(
     try:
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(targets)))) as ex:
             results = list(ex.map(one, range(len(targets))))
-    finally:
-        runner.close()
+    finally:  # (run_audit closes the runner)
         for i in sorted(open_masters):
             close_master(targets[i], opts, control_dir)
         for d in cleanup:
