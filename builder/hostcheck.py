@@ -120,20 +120,37 @@ sys.stdout.write(json.dumps({"dev_infiniband": os.path.isdir("/dev/infiniband"),
 #: run many commands on the host at once and report each one's exit status and output.
 #: argv[1] = JSON list of items: a shell command line (a string), or ["py", line, script, arg] for a
 #: python3 fact script, which runs inside this process (sys.argv = ["-c", arg], its stdout kept) one
-#: after another while the shell commands run in threads. Prints JSON {line: [rc, out, err]}, out
+#: after another while the shell commands run in threads. argv[2], if given, bounds each shell
+#: command's seconds: one that runs longer (a hung nvidia-smi, df on a stale NFS mount) is killed
+#: with its process group and answers exit status 124, so the other facts still come back. The
+#: python3 scripts have no bound (full mode hashes for minutes). Prints JSON {line: [rc, out, err]}, out
 #: and err base64 (a command's output need not be text). The checks read most of a host's facts
 #: through one call of this (checks/checklib.py prefetch): one ssh channel and one python3 start
 #: instead of one of each per fact, which is most of what an audit costs per host.
 BATCH_SCRIPT = r"""
-import binascii, io, json, subprocess, sys, threading
+import binascii, io, json, os, signal, subprocess, sys, threading
 def enc(rc, out, err):
     return [rc, binascii.b2a_base64(out, newline=False).decode(), binascii.b2a_base64(err, newline=False).decode()]
+limit = float(sys.argv[2]) if len(sys.argv) > 2 else None
 def sh(c):
     try:
-        p = subprocess.run(["/bin/sh", "-c", c], stdin=subprocess.DEVNULL, capture_output=True)
-        return enc(p.returncode, p.stdout, p.stderr)
+        p = subprocess.Popen(["/bin/sh", "-c", c], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True)
     except OSError as e:
         return enc(127, b"", str(e).encode())
+    try:
+        out, err = p.communicate(timeout=limit)
+        return enc(p.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            out, err = p.communicate(timeout=5)
+        except subprocess.TimeoutExpired:  # a process that cannot die (D state) still holds the pipes
+            out, err = b"", b""
+        return enc(124, out, err + f"builder: timed out after {limit:g} s\n".encode())
 def py(script, arg):
     real, argv, out, rc, err = sys.stdout, sys.argv, io.StringIO(), 0, ""
     sys.stdout, sys.argv = out, ["-c", arg]

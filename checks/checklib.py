@@ -34,6 +34,10 @@ def need(value: Any, reason: str) -> Any:
 
 Cmd = tuple[str, ...]
 
+#: the most seconds one prefetched shell command may take; past it, it answers exit status 124
+#: ("builder: timed out after N s") and the check that reads it fails saying so
+COMMAND_SECONDS = 120
+
 MEMINFO: Cmd = ("cat /proc/meminfo",)
 FSTAB: Cmd = ("cat /etc/fstab",)
 LISTENERS: Cmd = ("ss -Hltn 2>/dev/null || cat /proc/net/tcp /proc/net/tcp6",)
@@ -161,7 +165,7 @@ def prefetch(host: Any, expect: dict[str, Any]) -> None:
     groups, _alone = batch_groups(items.values())
     for group in groups:
         # -I -S: the batch needs only the standard library; no site-packages scan, no user paths
-        r = host.run("python3 -I -S -c %s %s", BATCH_SCRIPT, json.dumps(group))
+        r = host.run("python3 -I -S -c %s %s %s", BATCH_SCRIPT, json.dumps(group), str(COMMAND_SECONDS))
         if r.rc != 0:
             return
         try:

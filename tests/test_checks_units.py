@@ -225,7 +225,7 @@ def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> N
 
     host.run = counting_run
     cl.prefetch(host, expect)
-    assert calls == ["python3 -I -S -c %s %s"]  # every planned command, one remote call
+    assert calls == ["python3 -I -S -c %s %s %s"]  # every planned command, one remote call
     assert len(cl.RAN) == len(planned) >= 6
     meminfo = cl.run(host, *cl.MEMINFO)
     assert meminfo.rc == 0 and "MemAvailable:" in meminfo.stdout
@@ -234,7 +234,7 @@ def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> N
     assert rec is None and "no apply record" in why
     df = cl.run(host, *cl.free_disk(str(tmp_path / "models")))
     assert df.rc == 0 and len(df.stdout.split()) >= 4
-    assert calls == ["python3 -I -S -c %s %s"]  # all of that answered from the prefetch
+    assert calls == ["python3 -I -S -c %s %s %s"]  # all of that answered from the prefetch
     cl.run(host, "true")  # a command nobody planned still runs, on its own
     assert calls[-1] == "true"
     cl.prefetch(host, expect)  # once per host
@@ -254,3 +254,39 @@ def test_prefetch_that_fails_leaves_each_check_to_run_its_own_command(
     assert cl.RAN == {}
     r = cl.run(host, *cl.MEMINFO)  # runs for real
     assert r.rc == 0 and "MemAvailable:" in r.stdout
+
+
+def test_batch_bounds_each_shell_command_and_kills_its_group() -> None:
+    hung = "sleep 300 & sleep 300; wait"  # a child of the command's shell must go too
+    items = [hung, "echo fine", ["py", "fact", "import sys; sys.stdout.write('ok')", ""]]
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", hc.BATCH_SCRIPT, json.dumps(items), "1"],
+                       capture_output=True, text=True, check=True, timeout=120)
+    got = hc.parse_batch(r.stdout)
+    rc, _, err = got[hung]
+    assert rc == 124 and err.endswith(b"builder: timed out after 1 s\n")
+    assert got["echo fine"] == (0, b"fine\n", b"") and got["fact"] == (0, b"ok", b"")
+    left = subprocess.run(["pgrep", "-f", "^sleep 300$"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", f"left running: {left.stdout}"
+
+
+def test_a_hung_tool_costs_its_own_fact_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FAKE nvidia-smi (test only: no GPU here) that hangs, as a wedged driver's does."""
+    import testinfra
+
+    cl: Any = checklib_fresh()
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nexec sleep 300\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(cl, "COMMAND_SECONDS", 1)
+    expect = local_expect(tmp_path)
+    expect["concerns"] = ["gpu", "memory"]
+    expect["expect"]["gpu_count"] = 1  # type: ignore[index]
+    host = testinfra.get_host("local://")
+    cl.prefetch(host, expect)
+    assert cl.exists(host, "nvidia-smi")
+    for c in cl.gpu_commands():
+        r = cl.run(host, *c)
+        assert r.rc == 124 and "timed out after 1 s" in r.stderr
+    assert "MemAvailable:" in cl.run(host, *cl.MEMINFO).stdout
