@@ -155,6 +155,7 @@ def local_engine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return exe, commit
 
 
+@pytest.mark.build
 def test_static_build_is_byte_identical(local_engine: tuple[Path, str], tmp_path: Path) -> None:
     exe, commit = local_engine
     machine, types = elf_facts(exe)
@@ -168,6 +169,7 @@ def test_static_build_is_byte_identical(local_engine: tuple[Path, str], tmp_path
     assert again.read_bytes() == exe.read_bytes()
 
 
+@pytest.mark.build
 def test_aarch64_build(tmp_path: Path) -> None:
     tree, commit, _ = checkout(tmp_path / "src", patched=True)
     exe = compile_engine(
@@ -178,6 +180,7 @@ def test_aarch64_build(tmp_path: Path) -> None:
     assert PT_INTERP not in types and PT_DYNAMIC not in types
 
 
+@pytest.mark.build
 def test_engine_unit_tests(tmp_path: Path) -> None:
     tree, commit, _ = checkout(tmp_path / "src", patched=False)
     (tree / "build_options.zig").write_text(
@@ -195,6 +198,7 @@ def test_engine_unit_tests(tmp_path: Path) -> None:
     assert "passed" in out.stderr or out.stderr == ""
 
 
+@pytest.mark.build
 def test_version_and_capabilities(local_engine: tuple[Path, str]) -> None:
     exe, commit = local_engine
     v = subprocess.run([str(exe), "--version"], capture_output=True, text=True, check=True)
@@ -257,6 +261,7 @@ def check_api(port: int, served: str) -> None:
     assert http(port, "/nope")[0] == 404
 
 
+@pytest.mark.build
 def test_serve_answers_like_tensorfold(local_engine: tuple[Path, str]) -> None:
     exe, _ = local_engine
     port = free_port()
