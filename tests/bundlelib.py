@@ -314,3 +314,23 @@ def resign(d: Path, key: Path, obj: dict[str, Any], *, fix_id: bool = True) -> N
     (d / "manifest.json.minisig").write_text(
         sign.sign(data, sign.load_secret_key(key), inst.trusted_comment_for(obj))
     )
+
+
+def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Everything under root by content (files by sha256, links by target)."""
+    out: dict[str, Any] = {}
+    if not root.exists():
+        return out
+    for dirpath, dirs, files in os.walk(root):
+        for n in dirs + files:
+            full = Path(dirpath) / n
+            rel = full.relative_to(root).as_posix()
+            if rel in skip:
+                continue
+            if full.is_symlink():
+                out[rel] = ("link", os.readlink(full))
+            elif full.is_file():
+                out[rel] = ("file", hashlib.sha256(full.read_bytes()).hexdigest())
+            else:
+                out[rel] = ("dir",)
+    return out

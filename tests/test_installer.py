@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bundlelib
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -67,22 +68,7 @@ def bundle(p: bl.Project, out: Path, host: str = "spark-b", **kw: Any) -> Path:
 
 def snapshot(root: Path) -> dict[str, Any]:
     """Everything under root (files by content, links by target), ignoring the lock file."""
-    out: dict[str, Any] = {}
-    if not root.exists():
-        return out
-    for dirpath, dirs, files in os.walk(root):
-        for n in dirs + files:
-            full = Path(dirpath) / n
-            rel = full.relative_to(root).as_posix()
-            if rel == "state/install.lock":
-                continue
-            if full.is_symlink():
-                out[rel] = ("link", os.readlink(full))
-            elif full.is_file():
-                out[rel] = ("file", hashlib.sha256(full.read_bytes()).hexdigest())
-            else:
-                out[rel] = ("dir",)
-    return out
+    return bundlelib.snapshot(root, skip=("state/install.lock",))
 
 
 def install(bdir: Path, root: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -25,6 +24,8 @@ REPO = TESTS.parent
 for _p in (str(TESTS), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+
+from bundlelib import snapshot  # noqa: E402,F401 - the reliability tests' snapshot is the shared one
 
 
 def kill_runs() -> int:
@@ -57,26 +58,6 @@ def listing(root: Path) -> dict[str, tuple[str, int]]:
                 out[rel] = ("file", full.stat().st_size)
             else:
                 out[rel] = ("dir", 0)
-    return out
-
-
-def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Everything under root by content (files by sha256, links by target)."""
-    out: dict[str, Any] = {}
-    if not root.exists():
-        return out
-    for dirpath, dirs, files in os.walk(root):
-        for n in dirs + files:
-            full = Path(dirpath) / n
-            rel = full.relative_to(root).as_posix()
-            if rel in skip:
-                continue
-            if full.is_symlink():
-                out[rel] = ("link", os.readlink(full))
-            elif full.is_file():
-                out[rel] = ("file", hashlib.sha256(full.read_bytes()).hexdigest())
-            else:
-                out[rel] = ("dir",)
     return out
 
 
