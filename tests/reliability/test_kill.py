@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -264,23 +265,18 @@ def test_store_writes_killed_at_random_points(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- builder bundle
 
 
+def parted_bundle_args(p: Any) -> list[str]:
+    """`builder bundle spark-b` with its models, in 1 KiB parts (many files: many points to kill at)."""
+    return ["--pins", str(p.pins), "bundle", "spark-b", "--key", str(p.key), "--with-models", "--part-size", "1KiB"]
+
+
 def test_bundle_killed_at_random_points(tmp_path: Path) -> None:
     import bundlelib as bl
 
     from builder.bundle import verify_dir
 
     p = bl.make_project(tmp_path)
-    args = [
-        "--pins",
-        str(p.pins),
-        "bundle",
-        "spark-b",
-        "--key",
-        str(p.key),
-        "--with-models",
-        "--part-size",
-        "1KiB",
-    ]
+    args = parted_bundle_args(p)
     r = rlib.run_builder(*args, cwd=p.root)
     assert r.returncode == 0, r.stderr
     out = p.out("spark-b")
@@ -329,18 +325,7 @@ def test_ship_to_folder_killed_at_random_points(tmp_path: Path) -> None:
     from builder.bundle import verify_dir
 
     p = bl.make_project(tmp_path)
-    r = rlib.run_builder(
-        "--pins",
-        str(p.pins),
-        "bundle",
-        "spark-b",
-        "--key",
-        str(p.key),
-        "--with-models",
-        "--part-size",
-        "1KiB",
-        cwd=p.root,
-    )
+    r = rlib.run_builder(*parted_bundle_args(p), cwd=p.root)
     assert r.returncode == 0, r.stderr
     bid = bl.manifest(p.out("spark-b"))["bundle_id"]
     usb = tmp_path / "usb"
