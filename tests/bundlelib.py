@@ -334,3 +334,13 @@ def snapshot(root: Path, skip: tuple[str, ...] = ()) -> dict[str, Any]:
             else:
                 out[rel] = ("dir",)
     return out
+
+
+def local_hosts(host: Path, *, bundles: str = "builder", connection: str | None = None) -> list[dict[str, Any]]:
+    """DEFAULT_HOSTS with every host's models, Engram and bundles folders under the local folder `host`."""
+    hs: list[dict[str, Any]] = json.loads(json.dumps(DEFAULT_HOSTS))
+    for h in hs:
+        if connection is not None:
+            h["connection"] = connection
+        h["paths"] = {"models": str(host / "models"), "engram": str(host / "engram"), "bundles": str(host / bundles)}
+    return hs

@@ -46,19 +46,8 @@ def run_installer(*args: str, timeout: float = 300) -> subprocess.CompletedProce
     )
 
 
-def host_paths(base: Path) -> dict[str, str]:
-    return {
-        "models": str(base / "host" / "models"),
-        "engram": str(base / "host" / "engram"),
-        "bundles": str(base / "host" / "builder"),
-    }
-
-
 def local_hosts(base: Path) -> list[dict[str, Any]]:
-    hs = json.loads(json.dumps(bl.DEFAULT_HOSTS))
-    for h in hs:
-        h["paths"] = host_paths(base)
-    return hs
+    return bl.local_hosts(base / "host")
 
 
 def bundle(p: bl.Project, out: Path, host: str = "spark-b", **kw: Any) -> Path:

@@ -369,14 +369,7 @@ def test_nothing_from_the_bundle_runs_before_or_during_install(tmp_path: Path) -
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
     host = tmp_path / "host"
-    hs = json.loads(json.dumps(bl.DEFAULT_HOSTS))
-    for h in hs:
-        h["connection"] = "local"
-        h["paths"] = {
-            "models": str(host / "models"),
-            "engram": str(host / "engram"),
-            "bundles": str(host / "b"),
-        }
+    hs = bl.local_hosts(host, bundles="b", connection="local")
     p = bl.make_project(tmp_path, hosts=hs, docker_image=True, marker=f"canary-{tmp_path}")
     marker = tmp_path / "CANARY-RAN"
     try:

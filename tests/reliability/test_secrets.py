@@ -214,13 +214,7 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
         subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
     # a bundle carrying an image, installed: the apply record and the installer's output
     host = tmp_path / "host"
-    hs = json.loads(json.dumps(bl.DEFAULT_HOSTS))
-    for h in hs:
-        h["paths"] = {
-            "models": str(host / "models"),
-            "engram": str(host / "engram"),
-            "bundles": str(host / "b"),
-        }
+    hs = bl.local_hosts(host, bundles="b")
     p = bl.make_project(tmp_path / "b", hosts=hs, docker_image=True, marker=f"secrets-{tmp_path}")
     try:
         sc.run("--pins", str(p.pins), "bundle", "spark-b", "--with-image", "--with-models", "--json", cwd=p.root)

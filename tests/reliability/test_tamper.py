@@ -85,13 +85,7 @@ def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: 
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
     host = tmp_path / "host"
-    hs = json.loads(json.dumps(bl.DEFAULT_HOSTS))
-    for h in hs:
-        h["paths"] = {
-            "models": str(host / "models"),
-            "engram": str(host / "engram"),
-            "bundles": str(host / "builder"),
-        }
+    hs = bl.local_hosts(host)
     p = bl.make_project(tmp_path, hosts=hs, docker_image=True, marker=f"tamper-{tmp_path}")
     try:
         ctx = load_context(p.pins, p.root / "pins.lock", p.store)
