@@ -518,10 +518,16 @@ def parse_compute_apps(text: str) -> list[ComputeApp]:
 Runner = Callable[[list[str]], tuple[int, str, str]]
 
 
+def probe_commands(nvidia_smi: str = "nvidia-smi") -> list[list[str]]:
+    """What :func:`probe` runs when nothing fails: the GPU query, the versions, the compute apps."""
+    return [query_command(QUERY_FIELDS, nvidia_smi), [nvidia_smi, "--version"], compute_apps_command(nvidia_smi)]
+
+
 def probe(run: Runner, nvidia_smi: str = "nvidia-smi") -> GpuReport:
     """Query every GPU (falling back to :data:`FALLBACK_FIELDS`), the versions and the compute apps."""
+    query, version, apps_cmd = probe_commands(nvidia_smi)
     fields, fallback = list(QUERY_FIELDS), False
-    rc, out, err = run(query_command(fields, nvidia_smi))
+    rc, out, err = run(query)
     if rc != 0 and _BAD_FIELD_RE.search(out + err):
         fields, fallback = list(FALLBACK_FIELDS), True
         rc, out, err = run(query_command(fields, nvidia_smi))
@@ -530,14 +536,14 @@ def probe(run: Runner, nvidia_smi: str = "nvidia-smi") -> GpuReport:
         raise GpuError(f"nvidia-smi --query-gpu: exit status {rc}: {_first_line(err or out)}")
     gpus = parse_query(out, fields)
 
-    rc, vout, verr = run([nvidia_smi, "--version"])
+    rc, vout, verr = run(version)
     if rc != 0:  # drivers before ~525 have no --version: read the summary table header
         rc, vout, verr = run([nvidia_smi])
         if rc != 0:
             raise GpuError(f"nvidia-smi: exit status {rc}: {_first_line(verr or vout)}")
     versions = parse_version(vout)
 
-    rc, aout, aerr = run(compute_apps_command(nvidia_smi))
+    rc, aout, aerr = run(apps_cmd)
     if rc != 0:
         raise GpuError(f"nvidia-smi --query-compute-apps: exit status {rc}: {_first_line(aerr or aout)}")
     apps = parse_compute_apps(aout)

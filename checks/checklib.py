@@ -103,8 +103,7 @@ def listing_command(roots: list[str]) -> Cmd:
 def gpu_commands() -> list[Cmd]:
     from builder import gpu as G
 
-    return [argv_command(G.query_command()), argv_command(["nvidia-smi", "--version"]),
-            argv_command(G.compute_apps_command())]
+    return [argv_command(argv) for argv in G.probe_commands()]
 
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:
