@@ -184,17 +184,15 @@ sys.stdout.write(json.dumps(res))
 BATCH_MAX_CHARS = 60_000
 
 
-def batch_groups(items: Iterable[Any], max_chars: int = BATCH_MAX_CHARS) -> tuple[list[list[Any]], list[Any]]:
-    """Split BATCH_SCRIPT items into calls of at most `max_chars` (JSON-encoded); an item too long
-    for any call on its own comes back in the second list, to be run by itself."""
+def batch_groups(items: Iterable[Any], max_chars: int = BATCH_MAX_CHARS) -> list[list[Any]]:
+    """Split BATCH_SCRIPT items into calls of at most `max_chars` (JSON-encoded). An item too long
+    for any call is left out: the check that needs it runs it by itself."""
     groups: list[list[Any]] = []
-    alone: list[Any] = []
     cur: list[Any] = []
     size = 2
     for item in items:
         n = len(json.dumps(item)) + 2  # json.dumps(list) separates items with ", "
         if n + 2 > max_chars:
-            alone.append(item)
             continue
         if cur and size + n > max_chars:
             groups.append(cur)
@@ -203,7 +201,7 @@ def batch_groups(items: Iterable[Any], max_chars: int = BATCH_MAX_CHARS) -> tupl
         size += n
     if cur:
         groups.append(cur)
-    return groups, alone
+    return groups
 
 
 def parse_batch(text: str) -> dict[str, tuple[int, bytes, bytes]]:

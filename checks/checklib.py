@@ -161,8 +161,7 @@ def prefetch(host: Any, expect: dict[str, Any]) -> None:
         line = host.backend.quote(*c)
         # a python3 fact script runs inside the batch's own python3 rather than starting another
         items[line] = ["py", line, c[1], c[2]] if c[0] == PYTHON and len(c) == 3 else line
-    groups, _alone = batch_groups(items.values())
-    for group in groups:
+    for group in batch_groups(items.values()):
         # -I -S: the batch needs only the standard library; no site-packages scan, no user paths
         r = host.run("python3 -I -S -c %s %s %s", BATCH_SCRIPT, json.dumps(group), str(COMMAND_SECONDS))
         if r.rc != 0:
