@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from builder import gpu as G
 
@@ -208,3 +209,15 @@ def fleet_toml(
         lines.append("[hosts.expect]")
         lines.append(expect)
     return "\n".join(lines) + "\n"
+
+
+def local_host(base: Path) -> dict[str, Any]:
+    """One head audited on this machine (testinfra's local backend), its folders under `base`."""
+    return {
+        "name": "me",
+        "ssh": "localhost",
+        "connection": "local",
+        "rank": 0,
+        "role": "head",
+        "paths": {"models": str(base / "m"), "engram": str(base / "e"), "bundles": str(base / "b")},
+    }

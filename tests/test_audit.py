@@ -230,20 +230,7 @@ def test_matrix_json_junit_exit() -> None:
 
 def local_project(tmp_path: Path, expect: str, **kw: Any) -> tuple[Path, dict[str, str]]:
     paths = auditlib.make_project(tmp_path / "proj", **kw)
-    hosts = [
-        {
-            "name": "me",
-            "ssh": "localhost",
-            "connection": "local",
-            "rank": 0,
-            "role": "head",
-            "paths": {
-                "models": str(tmp_path / "m"),
-                "engram": str(tmp_path / "e"),
-                "bundles": str(tmp_path / "b"),
-            },
-        }
-    ]
+    hosts = [auditlib.local_host(tmp_path)]
     (paths["hosts"] / "l.toml").write_text(auditlib.fleet_toml("l", hosts, expect=expect))
     auditlib.install_fake(tmp_path / "bin", tmp_path / "nvstate")
     env = {

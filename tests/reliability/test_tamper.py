@@ -317,20 +317,7 @@ def test_audit_full_mode_names_every_model_file_with_a_changed_byte(tmp_path: Pa
     mroot.mkdir(parents=True)
     for rel, data in auditlib.MODEL_FILES.items():
         (mroot / rel).write_bytes(data)
-    hosts = [
-        {
-            "name": "me",
-            "ssh": "localhost",
-            "connection": "local",
-            "rank": 0,
-            "role": "head",
-            "paths": {
-                "models": str(tmp_path / "m"),
-                "engram": str(tmp_path / "e"),
-                "bundles": str(tmp_path / "b"),
-            },
-        }
-    ]
+    hosts = [auditlib.local_host(tmp_path)]
     (paths["hosts"] / "l.toml").write_text(auditlib.fleet_toml("l", hosts, expect="docker = false\ngpu_count = 0\n"))
 
     def audit() -> tuple[int, dict[str, Any], str]:
