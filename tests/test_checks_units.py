@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -257,7 +258,8 @@ def test_prefetch_that_fails_leaves_each_check_to_run_its_own_command(
 
 
 def test_batch_bounds_each_shell_command_and_kills_its_group() -> None:
-    hung = "sleep 300 & sleep 300; wait"  # a child of the command's shell must go too
+    # a child of the command's shell must go too; 317 s: a duration no other test's process has
+    hung = "sleep 317 & sleep 317; wait"
     items = [hung, "echo fine", ["py", "fact", "import sys; sys.stdout.write('ok')", ""]]
     r = subprocess.run([sys.executable, "-I", "-S", "-c", hc.BATCH_SCRIPT, json.dumps(items), "1"],
                        capture_output=True, text=True, check=True, timeout=120)
@@ -265,7 +267,12 @@ def test_batch_bounds_each_shell_command_and_kills_its_group() -> None:
     rc, _, err = got[hung]
     assert rc == 124 and err.endswith(b"builder: timed out after 1 s\n")
     assert got["echo fine"] == (0, b"fine\n", b"") and got["fact"] == (0, b"ok", b"")
-    left = subprocess.run(["pgrep", "-f", "^sleep 300$"], capture_output=True, text=True)
+    # SIGKILL is sent at once, but a busy machine may take a moment to finish the processes off
+    for _ in range(100):
+        left = subprocess.run(["pgrep", "-f", "^sleep 317$"], capture_output=True, text=True)
+        if not left.stdout.strip():
+            break
+        time.sleep(0.1)
     assert left.stdout.strip() == "", f"left running: {left.stdout}"
 
 
