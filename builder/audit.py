@@ -17,6 +17,7 @@ Exit: 0 all pass, 1 drift (or a check errored), 3 a host unreachable (wins over 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -58,6 +59,8 @@ PHASES = ("preflight", "serving", "all")
 BACKENDS = ("native", "ansible")
 EXPECT_FORMAT = 1
 APPLIED_RELPATH = "state/applied.json"
+#: default seconds a host's ssh connection outlives the audit (Ansible's ControlPersist default)
+SSH_PERSIST = 60.0
 
 
 # ----------------------------------------------------------------------------- options
@@ -82,6 +85,11 @@ class AuditOptions:
     host_timeout: float = 900.0
     hash_jobs: int = 4
     workdir: Path | None = None  # keep expectations/results here (default: a temp folder)
+    #: seconds each host's ssh connection stays open after the audit, for the next one to reuse
+    #: (0: close them when the audit ends)
+    ssh_persist: float = SSH_PERSIST
+    #: where the connections' control sockets live (default: control_folder())
+    control_dir: Path | None = None
 
     def concerns(self) -> list[str]:
         base = {"preflight": PRE_CONCERNS, "serving": ("serving",), "all": CONCERNS}[self.phase]
@@ -378,7 +386,65 @@ def _ssh_parts(target: str) -> tuple[str | None, str, str | None]:
     return (user or None), hostpart, port
 
 
-def ssh_options(opts: AuditOptions, control_dir: Path) -> list[str]:
+def control_folder() -> Path:
+    """Where the audit's ssh control sockets live across runs: $BUILDER_SSH_DIR, else
+    $XDG_RUNTIME_DIR/builder-ssh, else /tmp/builder-ssh-UID (unix socket paths are short)."""
+    if os.environ.get("BUILDER_SSH_DIR"):
+        return Path(os.environ["BUILDER_SSH_DIR"])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "builder-ssh"
+    return Path(f"/tmp/builder-ssh-{os.geteuid()}")
+
+
+def private_folder(path: Path) -> bool:
+    """Make `path` (mode 0700) or accept it as it is: a real folder, ours, closed to others.
+    Anyone who can reach a control socket can run commands on its host as the audit's user."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.lstat()
+    except OSError:
+        return False
+    import stat
+
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+#: room left in a unix socket path (108 bytes) for the control socket's name, with ssh's own
+#: temporary suffix while it binds (about 20 characters)
+_SOCKET_NAME = 48
+
+
+@dataclass
+class Connections:
+    """Where this audit's ssh connections (ControlMaster sockets) live, and whether they are
+    shared with later audits (a private folder of the user's) or this run's own (a temp folder)."""
+
+    folder: Path
+    shared: bool
+    persist: float
+
+    def path(self, t: Target) -> str:
+        """The host's ControlPath: a hash of the fleet's ssh_config and the host's ssh target, so a
+        fleet with other keys or options gets a connection of its own, and the audit can tell
+        from the file alone whether a connection may be open (no ssh process to ask)."""
+        key = f"{ssh_config_path(t) or ''}\0{t.host.ssh}"
+        return f"{self.folder}/{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+
+    def keep(self) -> bool:
+        """Whether connections stay open after the audit (for the next one to reuse)."""
+        return self.shared and self.persist > 0
+
+
+def open_connections(opts: AuditOptions) -> Connections:
+    """The shared folder when it is usable (see private_folder) and its path leaves room for the
+    socket names; otherwise a temp folder of this run's own, whose connections close at the end."""
+    folder = opts.control_dir or control_folder()
+    if len(str(folder)) + 1 + _SOCKET_NAME < 104 and private_folder(folder):
+        return Connections(folder, True, opts.ssh_persist)
+    return Connections(Path(tempfile.mkdtemp(prefix="bA-", dir="/tmp")), False, 0)
+
+
+def ssh_options(opts: AuditOptions, control_path: str, persist: float) -> list[str]:
     t = max(1, int(opts.connect_timeout))
     return [
         "-o",
@@ -388,9 +454,10 @@ def ssh_options(opts: AuditOptions, control_dir: Path) -> list[str]:
         "-o",
         "ControlMaster=auto",
         "-o",
-        f"ControlPath={control_dir}/%C",
+        f"ControlPath={control_path}",
         "-o",
-        "ControlPersist=120s",
+        # a connection the audit closes itself still ends on its own if the audit is killed
+        f"ControlPersist={max(1, int(persist)) if persist > 0 else 120}s",
         "-o",
         "ServerAliveInterval=5",
         "-o",
@@ -398,7 +465,7 @@ def ssh_options(opts: AuditOptions, control_dir: Path) -> list[str]:
     ]
 
 
-def probe_argv(t: Target, opts: AuditOptions, control_dir: Path) -> list[str] | None:
+def probe_argv(t: Target, opts: AuditOptions, conns: Connections) -> list[str] | None:
     """The command that proves a host answers (None for local). Over ssh it opens the host's one
     connection, the master every later command shares, and returns once that connection is
     authenticated (-f -N: no remote command, no session on the host)."""
@@ -407,15 +474,15 @@ def probe_argv(t: Target, opts: AuditOptions, control_dir: Path) -> list[str] | 
         return None
     if h.connection == "docker":
         return ["docker", "exec", h.ssh, "true"]
-    return _ssh_argv(t, opts, control_dir, ["-f", "-N"])
+    return _ssh_argv(t, opts, conns, ["-f", "-N"])
 
 
-def _ssh_argv(t: Target, opts: AuditOptions, control_dir: Path, extra: list[str]) -> list[str]:
+def _ssh_argv(t: Target, opts: AuditOptions, conns: Connections, extra: list[str]) -> list[str]:
     """ssh with the audit's options, then `extra`, then the host."""
     h = t.host
     cfg = ssh_config_path(t)
     user, hostpart, port = _ssh_parts(h.ssh)
-    argv = ["ssh"] + (["-F", str(cfg)] if cfg else []) + ssh_options(opts, control_dir)
+    argv = ["ssh"] + (["-F", str(cfg)] if cfg else []) + ssh_options(opts, conns.path(t), conns.persist)
     if user:
         argv += ["-l", user]
     if port:
@@ -423,14 +490,10 @@ def _ssh_argv(t: Target, opts: AuditOptions, control_dir: Path, extra: list[str]
     return argv + extra + [hostpart]
 
 
-def probe(t: Target, opts: AuditOptions, control_dir: Path) -> str | None:
-    """None when the host answers within the bounded time; otherwise why not (one line)."""
-    argv = probe_argv(t, opts, control_dir)
-    if argv is None:
-        return None
-    limit = opts.connect_timeout + 5
+def _run_bounded(argv: list[str], limit: float) -> subprocess.CompletedProcess[str] | None:
+    """Run argv (its own session, no stdin); None when it ran past `limit` seconds."""
     try:
-        p = subprocess.run(
+        return subprocess.run(
             argv,
             capture_output=True,
             text=True,
@@ -440,19 +503,48 @@ def probe(t: Target, opts: AuditOptions, control_dir: Path) -> str | None:
             start_new_session=True,
         )
     except subprocess.TimeoutExpired:
-        return f"no answer within {limit:g} s"
+        return None
+
+
+def reuse(t: Target, opts: AuditOptions, conns: Connections) -> bool:
+    """Whether an earlier audit's connection to the host is open and the host still answers on it:
+    one `true` through it, bounded like a new connection. A connection that is open but gets no
+    answer (the host went away without closing it) is closed here, so the probe starts afresh."""
+    if t.host.connection != "ssh" or not conns.shared or not os.path.exists(conns.path(t)):
+        return False
+    try:
+        alive = _run_bounded(_ssh_argv(t, opts, conns, []) + ["true"], opts.connect_timeout + 5)
+    except OSError:  # no ssh here: the probe says so
+        return False
+    if alive is not None and alive.returncode == 0:
+        return True
+    close_master(t, opts, conns, force=True)
+    return False
+
+
+def probe(t: Target, opts: AuditOptions, conns: Connections) -> str | None:
+    """None when the host answers within the bounded time; otherwise why not (one line)."""
+    argv = probe_argv(t, opts, conns)
+    if argv is None or reuse(t, opts, conns):
+        return None
+    limit = opts.connect_timeout + 5
+    try:
+        p = _run_bounded(argv, limit)
     except FileNotFoundError:
         return f"{argv[0]}: not found on this machine"
+    if p is None:
+        return f"no answer within {limit:g} s"
     if p.returncode == 0:
         return None
     lines = [ln.strip() for ln in (p.stderr or p.stdout).splitlines() if ln.strip()]
     return lines[-1] if lines else f"{argv[0]} exit status {p.returncode}"
 
 
-def close_master(t: Target, opts: AuditOptions, control_dir: Path) -> None:
-    if t.host.connection != "ssh":
+def close_master(t: Target, opts: AuditOptions, conns: Connections, force: bool = False) -> None:
+    """Close the host's connection, unless it is kept for the next audit (force: close it anyway)."""
+    if t.host.connection != "ssh" or (conns.keep() and not force):
         return
-    argv = _ssh_argv(t, opts, control_dir, ["-O", "exit"])
+    argv = _ssh_argv(t, opts, conns, ["-O", "exit"])
     try:
         subprocess.run(argv, capture_output=True, timeout=10, stdin=subprocess.DEVNULL, check=False)
     except (subprocess.TimeoutExpired, OSError):
@@ -464,21 +556,55 @@ NOT_PLUGINS = ("cacheprovider", "logging", "warnings", "faulthandler", "junitxml
                "stepwise", "unraisableexception", "threadexception", "legacypath", "debugging", "unittest")
 
 
-def pytest_host_args(t: Target, opts: AuditOptions, control_dir: Path) -> list[str]:
+def pytest_host_options(t: Target, opts: AuditOptions, conns: Connections) -> dict[str, str]:
+    """The pytest options that differ from host to host, by option name (dest): the host's
+    testinfra backend (ssh, docker, local or ansible) and its connection settings."""
     h = t.host
     if opts.backend == "ansible":
         assert opts.inventory is not None
-        return ["--hosts", f"ansible://{h.name}", "--ansible-inventory", str(opts.inventory)]
+        return {"hosts": f"ansible://{h.name}", "ansible_inventory": str(opts.inventory)}
     if h.connection == "local":
-        return ["--hosts", "local://"]
+        return {"hosts": "local://"}
     if h.connection == "docker":
-        return ["--hosts", f"docker://{h.ssh}"]
+        return {"hosts": f"docker://{h.ssh}"}
     cfg = ssh_config_path(t)
-    # the = form: argparse would take a value starting with '-' for an option
-    args = ["--hosts", f"ssh://{h.ssh}", "--ssh-extra-args=" + " ".join(ssh_options(opts, control_dir))]
+    extra = ssh_options(opts, conns.path(t), conns.persist)
+    out = {"hosts": f"ssh://{h.ssh}", "ssh_extra_args": " ".join(extra)}
     if cfg:
-        args.append(f"--ssh-config={cfg}")
-    return args
+        out["ssh_config"] = str(cfg)
+    return out
+
+
+def option_args(options: dict[str, str]) -> list[str]:
+    """The command-line form of pytest options by name: {"ssh_config": V} -> ["--ssh-config=V"]
+    (the = form: argparse would take a value starting with '-' for an option)."""
+    return [f"--{k.replace('_', '-')}={v}" for k, v in options.items()]
+
+
+def common_pytest_args(checks_dir: Path, concerns: list[str]) -> list[str]:
+    """The pytest arguments every host's checks share (the per-host ones: pytest_host_options)."""
+    return [
+        *[str(checks_dir / f"test_{c}.py") for c in concerns],
+        "-c",
+        str(checks_dir / "pytest.ini"),
+        "--rootdir",
+        str(checks_dir),
+        "-q",
+        "-rN",
+        # the results go to JSON (checks/conftest.py); the log only needs a plain traceback, and
+        # pytest's default long form parses each failing check's source (~10 ms per failure)
+        "--tb=native",
+        "--no-header",
+        # Per-host CPU is what an audit of many hosts costs on a small operator machine: no
+        # assertion rewriting (each check's message says expected and found by itself, and the
+        # zygote's pre-imported modules are used as they are), no output capture (the output
+        # goes to this host's log file), and none of the per-test plugins the checks do not use.
+        "--assert=plain",
+        "--capture=no",
+        *[x for p in NOT_PLUGINS for x in ("-p", f"no:{p}")],
+        "-p",
+        "testinfra.plugin",
+    ]
 
 
 # ----------------------------------------------------------------------------- running
@@ -520,8 +646,16 @@ def read_results(path: Path) -> tuple[str | None, list[CheckResult]]:
 #: A small process that imports pytest and testinfra once and forks one pytest per host from
 #: there, so a fleet pays the interpreter start and those imports (about 0.2 s of CPU) once
 #: instead of once per host. It is single-threaded, so forking it is safe. Protocol, one line
-#: each: in `{"id", "args", "log", "cwd"}`; out `pid ID PID` after the fork, `exit ID CODE` when
-#: that child ends. EOF on stdin: wait for the children, then exit.
+#: each: in `{"prepare": COMMON}` (optional, once) or `{"id", "args", "common", "options", "log",
+#: "cwd"}`; out `pid ID PID` after the fork, `exit ID CODE` when that child ends. EOF on stdin:
+#: wait for the children, then exit.
+#:
+#: `prepare` parses pytest's configuration for the arguments every host shares (loading the
+#: plugins and conftest.py, building the option parser: about 40 ms of CPU) once, in the zygote.
+#: A host's fork whose `common` equals them sets its own `options` (the host and where its
+#: expectations and results live, by option name) on that configuration and runs the session
+#: from there, as `pytest.main` would after parsing. That uses pytest's `_prepareconfig`, which
+#: is not public API: if it is missing or fails, each fork runs `pytest.main(args)` as before.
 ZYGOTE = r"""
 import json, os, select, signal, sys
 import pytest
@@ -546,6 +680,29 @@ for _f in ["conftest.py"] + sorted(glob.glob(os.path.join(sys.argv[1], "test_*.p
 # fork's collections neither scan it nor touch (and so copy) its pages
 import gc
 gc.freeze()
+PREPARED = []  # [common args, pytest Config] once prepared
+def prepare(common):
+    import contextlib, io
+    try:
+        from _pytest.config import _prepareconfig
+        os.environ["PYTEST_VERSION"] = pytest.__version__
+        with contextlib.redirect_stdout(io.StringIO()):  # stdout is this protocol's channel
+            PREPARED[:] = [common, _prepareconfig(list(common), None)]
+        gc.freeze()
+    except BaseException:
+        PREPARED[:] = []
+def run_prepared(config, options):
+    from _pytest.config import UsageError
+    for k, v in options.items():
+        setattr(config.option, k, v)
+    try:
+        try:
+            return int(config.hook.pytest_cmdline_main(config=config))
+        finally:
+            config._ensure_unconfigure()
+    except UsageError as e:
+        sys.stderr.write(f"ERROR: {e}\n")
+        return 4
 r, w = os.pipe()
 os.set_blocking(w, False)
 signal.signal(signal.SIGCHLD, lambda *a: None)
@@ -583,6 +740,9 @@ while stdin_open or ids:
     while b"\n" in buf:
         line, buf = buf.split(b"\n", 1)
         req = json.loads(line)
+        if "prepare" in req:
+            prepare(req["prepare"])
+            continue
         pid = os.fork()
         if pid == 0:
             code = 4
@@ -600,7 +760,10 @@ while stdin_open or ids:
                 os.dup2(nul, 0)
                 os.close(nul)
                 os.chdir(req["cwd"])
-                code = int(pytest.main(req["args"]))
+                if PREPARED and req.get("common") == PREPARED[0] and req.get("options") is not None:
+                    code = run_prepared(PREPARED[1], req["options"])
+                else:
+                    code = int(pytest.main(req["args"]))
             except BaseException:
                 import traceback
                 traceback.print_exc()
@@ -652,28 +815,43 @@ class PytestRunner:
             self.dead = True
             self.cond.notify_all()
 
-    def run(self, args: list[str], log: Path, cwd: Path, timeout: float) -> int | None:
-        """pytest's exit code; None when it ran past `timeout` (then its process group is killed)."""
+    def prepare(self, common: list[str]) -> None:
+        """Have the zygote parse pytest's configuration for `common` once (see ZYGOTE)."""
+        with self.cond:
+            self._send({"prepare": common})
+
+    def run(
+        self, common: list[str], options: dict[str, str], log: Path, cwd: Path, timeout: float
+    ) -> int | None:
+        """pytest's exit code for `common` plus `options` (pytest options by name); None when it
+        ran past `timeout` (then its process group is killed)."""
+        args = common + option_args(options)
         if not self.dead:
-            code = self._run_forked(args, log, cwd, timeout)
+            req = {"args": args, "common": common, "options": options, "log": str(log), "cwd": str(cwd)}
+            code = self._run_forked(req, timeout)
             if not (code == -1 and self.dead):
                 return code
         # the zygote is gone (it could not start, or died): run this host's pytest as its own
         # process rather than report a failure that is not the host's
         return _run_pytest_process(args, log, cwd, timeout)
 
-    def _run_forked(self, args: list[str], log: Path, cwd: Path, timeout: float) -> int | None:
+    def _send(self, req: dict[str, Any]) -> bool:
+        """Write one request line (hold self.cond); False with self.dead set when the zygote is gone."""
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+            self.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, OSError):
+            self.dead = True
+            return False
+
+    def _run_forked(self, req: dict[str, Any], timeout: float) -> int | None:
         """As run, through a fork of the zygote; -1 with self.dead set when the zygote is gone."""
         with self.cond:
             rid = str(self.next_id)
             self.next_id += 1
-            req = json.dumps({"id": rid, "args": args, "log": str(log), "cwd": str(cwd)}) + "\n"
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(req.encode())
-                self.proc.stdin.flush()
-            except (BrokenPipeError, OSError):
-                self.dead = True
+            if not self._send({"id": rid, **req}):
                 return -1
             deadline = time.monotonic() + timeout
             while rid not in self.codes and not self.dead:
@@ -719,14 +897,14 @@ def run_host(
     opts: AuditOptions,
     exp: dict[str, Any],
     work: Path,
-    control_dir: Path,
+    conns: Connections,
     checks_dir: Path,
     concerns: list[str],
     runner: PytestRunner | None = None,
 ) -> HostResult:
     start = time.monotonic()
     res = HostResult(name=t.name, fleet=t.fleet.fleet.name, status="pass")
-    why = probe(t, opts, control_dir)
+    why = probe(t, opts, conns)
     if why is not None:
         res.status, res.message = "unreachable", why
         res.seconds = time.monotonic() - start
@@ -735,36 +913,16 @@ def run_host(
     hdir.mkdir(parents=True, exist_ok=True)
     exp_path, res_path, log_path = hdir / "expect.json", hdir / "results.json", hdir / "pytest.log"
     atomic_write(exp_path, pretty_json(exp))
-    files = [str(checks_dir / f"test_{c}.py") for c in concerns]
-    args = [
-        *files,
-        "-c",
-        str(checks_dir / "pytest.ini"),
-        "--rootdir",
-        str(checks_dir),
-        "-q",
-        "-rN",
-        # the results go to JSON (checks/conftest.py); the log only needs a plain traceback, and
-        # pytest's default long form parses each failing check's source (~10 ms per failure)
-        "--tb=native",
-        "--no-header",
-        # Per-host CPU is what an audit of many hosts costs on a small operator machine: no
-        # assertion rewriting (each check's message says expected and found by itself, and the
-        # zygote's pre-imported modules are used as they are), no output capture (the output
-        # goes to this host's log file), and none of the per-test plugins the checks do not use.
-        "--assert=plain",
-        "--capture=no",
-        *[x for p in NOT_PLUGINS for x in ("-p", f"no:{p}")],
-        "-p",
-        "testinfra.plugin",
-        *pytest_host_args(t, opts, control_dir),
-        "--builder-expect",
-        str(exp_path),
-        "--builder-results",
-        str(res_path),
-    ]
-    run = runner.run if runner is not None else _run_pytest_process
-    code = run(args, log_path, checks_dir, opts.host_timeout)
+    common = common_pytest_args(checks_dir, concerns)
+    options = {
+        **pytest_host_options(t, opts, conns),
+        "builder_expect": str(exp_path),
+        "builder_results": str(res_path),
+    }
+    if runner is not None:
+        code = runner.run(common, options, log_path, checks_dir, opts.host_timeout)
+    else:
+        code = _run_pytest_process(common + option_args(options), log_path, checks_dir, opts.host_timeout)
     if code is None:
         res.status = "unreachable"
         res.message = f"checks did not finish within {opts.host_timeout:g} s"
@@ -831,6 +989,7 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
     # rather than delaying the first host's checks. It contacts no host; on a config error it is
     # killed before the error is raised.
     runner = PytestRunner(checks_dir)
+    runner.prepare(common_pytest_args(checks_dir, concerns))
     try:
         return _audit(opts, concerns, checks_dir, runner, on_host)
     finally:
@@ -886,9 +1045,9 @@ def _run_hosts(
     if tmp_root is None:
         tmp_root = Path(tempfile.mkdtemp(prefix="builder-audit-"))
         cleanup.append(tmp_root)
-    # unix socket paths are short (108 bytes): keep the ControlPath folder in /tmp
-    control_dir = Path(tempfile.mkdtemp(prefix="bA-", dir="/tmp"))
-    cleanup.append(control_dir)
+    conns = open_connections(opts)
+    if not conns.shared:
+        cleanup.append(conns.folder)
     lock = threading.Lock()
 
     open_masters = set(range(len(targets)))
@@ -901,13 +1060,13 @@ def _run_hosts(
                 opts,
                 expectations[(t.fleet.fleet.name, t.name)],
                 tmp_root,
-                control_dir,
+                conns,
                 checks_dir,
                 concerns,
                 runner,
             )
-        finally:  # the host's connection is done with: close it now, in this host's thread
-            close_master(t, opts, control_dir)
+        finally:  # the host's connection is done with: close it now (unless kept), in this host's thread
+            close_master(t, opts, conns)
             open_masters.discard(i)
         if on_host is not None:
             with lock:
@@ -919,7 +1078,7 @@ def _run_hosts(
             results = list(ex.map(one, range(len(targets))))
     finally:  # (run_audit closes the runner)
         for i in sorted(open_masters):
-            close_master(targets[i], opts, control_dir)
+            close_master(targets[i], opts, conns)
         for d in cleanup:
             shutil.rmtree(d, ignore_errors=True)
     return AuditReport(

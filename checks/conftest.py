@@ -99,9 +99,36 @@ def _message(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".strip()
 
 
-def pytest_runtest_setup(item: pytest.Item) -> None:
+# Drift (a failed assertion, or pytest.fail in a check or its fact fixture) is reported by its
+# message alone (expected X, found Y), without a traceback: formatting one costs ~1 ms per failed
+# check, a good part of each host's time on a drifted fleet. Other exceptions keep theirs.
+
+
+def _no_trace(e: BaseException) -> BaseException:
+    if isinstance(e, AssertionError):
+        text = str(e).strip()
+        return pytest.fail.Exception(text.splitlines()[0] if text else "assertion failed", pytrace=False)
+    if isinstance(e, pytest.fail.Exception):
+        e.pytrace = False
+    return e
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
     if _STATE["unreachable"]:
         pytest.skip(f"unreachable: {_STATE['unreachable']}")
+    try:
+        return (yield)
+    except pytest.fail.Exception as e:
+        raise _no_trace(e) from None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    try:
+        return (yield)
+    except (AssertionError, pytest.fail.Exception) as e:
+        raise _no_trace(e) from None
 
 
 @pytest.hookimpl(hookwrapper=True)

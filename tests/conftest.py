@@ -32,6 +32,24 @@ def _isolated_env(
     yield
 
 
+@pytest.fixture(autouse=True)
+def _ssh_connections(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The ssh connections a test's audits keep open (`--ssh-persist`) live in a folder of that test's
+    own, so no test reuses another's, and are closed when the test ends. (/tmp and a short name:
+    unix socket paths are limited to 108 bytes.)"""
+    import shutil
+    import subprocess
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="bS-", dir="/tmp"))
+    monkeypatch.setenv("BUILDER_SSH_DIR", str(folder))
+    yield
+    for sock in folder.iterdir():
+        subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "unused"], capture_output=True,
+                       stdin=subprocess.DEVNULL, timeout=30, check=False)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture
 def project_root() -> Path:
     return ROOT

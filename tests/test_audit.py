@@ -344,3 +344,96 @@ def test_a_dead_zygote_falls_back_to_one_process_per_host(monkeypatch: pytest.Mo
     statuses = {c.status for h in report.hosts for c in h.checks}
     assert report.hosts and report.hosts[0].status != "unreachable"
     assert "pass" in statuses, statuses
+
+
+def _probe_checks(tmp_path: Path) -> Path:
+    """A checks folder whose one check writes down how its pytest was configured."""
+    d = tmp_path / "checks"
+    d.mkdir()
+    (d / "pytest.ini").write_text("[pytest]\n")
+    (d / "conftest.py").write_text(
+        "def pytest_addoption(parser):\n"
+        "    parser.addoption('--builder-expect')\n"
+        "    parser.addoption('--builder-results')\n"
+    )
+    (d / "test_probe.py").write_text(
+        "import json, os\n"
+        "def test_probe(pytestconfig):\n"
+        "    with open(pytestconfig.option.builder_results, 'w') as f:\n"
+        "        json.dump({'invocation': list(pytestconfig.invocation_params.args),\n"
+        "                   'expect': pytestconfig.option.builder_expect,\n"
+        "                   'hosts': pytestconfig.option.hosts, 'pid': os.getpid()}, f)\n"
+    )
+    return d
+
+
+def test_zygote_parses_the_shared_config_once_and_each_host_sets_its_own(tmp_path: Path) -> None:
+    checks = _probe_checks(tmp_path)
+    common = core.common_pytest_args(checks, ["probe"])
+    runner = core.PytestRunner(checks)
+    try:
+        runner.prepare(common)
+        got = []
+        for i in range(2):
+            res = tmp_path / f"r{i}.json"
+            opts = {"hosts": "local://", "builder_expect": f"E{i}", "builder_results": str(res)}
+            assert runner.run(common, opts, tmp_path / f"log{i}", checks, 60) == 0
+            got.append(json.loads(res.read_text()))
+        # other shared arguments than the prepared ones: that host parses its own (pytest.main)
+        res = tmp_path / "r2.json"
+        other = [*common, "-v"]
+        opts = {"hosts": "local://", "builder_expect": "E2", "builder_results": str(res)}
+        assert runner.run(other, opts, tmp_path / "log2", checks, 60) == 0
+        got.append(json.loads(res.read_text()))
+    finally:
+        runner.close()
+    # the prepared configuration (its arguments are the shared ones alone), each fork with its own options
+    assert [g["invocation"] for g in got[:2]] == [common, common]
+    assert [g["expect"] for g in got] == ["E0", "E1", "E2"]
+    assert {g["hosts"] for g in got} == {"local://"} and len({g["pid"] for g in got}) == 3
+    assert got[2]["invocation"] == [*other, *core.option_args(opts)]
+
+
+def _targets(tmp_path: Path, ssh_config: str | None) -> list[Any]:
+    d = tmp_path / f"hosts-{ssh_config is not None}"
+    d.mkdir()
+    if ssh_config:
+        (d / ssh_config).write_text("")
+    hosts = [{"name": "a", "ssh": "spark@192.0.2.10", "rank": 0, "role": "head"},
+             {"name": "b", "ssh": "spark@192.0.2.11:2222", "rank": 1, "role": "worker"}]
+    (d / "f.toml").write_text(auditlib.fleet_toml("f", hosts, ssh_config=ssh_config))
+    return core.fleet_targets(d, "f")
+
+
+def test_connection_paths_differ_by_host_and_ssh_config(tmp_path: Path) -> None:
+    conns = core.Connections(Path("/tmp/x"), True, 60)
+    plain, other = _targets(tmp_path, None), _targets(tmp_path, "ssh_config")
+    paths = {conns.path(t) for t in plain + other}
+    assert len(paths) == 4 and all(p.startswith("/tmp/x/") and len(p) == len("/tmp/x/") + 24 for p in paths)
+    assert conns.path(plain[0]) == core.Connections(Path("/tmp/x"), True, 0).path(plain[0])  # stable
+
+
+def test_connections_are_kept_only_in_a_private_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    opts = core.AuditOptions(root=tmp_path, pins=tmp_path / "p", lock=tmp_path / "l", store=tmp_path / "s")
+    short = Path(os.environ["BUILDER_SSH_DIR"]) / "k"
+    c = core.open_connections(opts)  # the test's own $BUILDER_SSH_DIR
+    assert c.shared and c.keep() and c.folder == Path(os.environ["BUILDER_SSH_DIR"])
+    opts.control_dir = short
+    c = core.open_connections(opts)
+    assert c.shared and short.is_dir() and short.stat().st_mode & 0o777 == 0o700
+    opts.ssh_persist = 0
+    assert not core.open_connections(opts).keep()  # shared (reused), but closed at the end
+    opts.ssh_persist = 60
+    short.chmod(0o770)  # others could reach the sockets: this run's own temp folder instead
+    c = core.open_connections(opts)
+    assert not c.shared and not c.keep() and c.folder != short
+    c.folder.rmdir()
+    opts.control_dir = Path("/tmp/" + "d" * 80)  # no room for a socket name within 108 bytes
+    c = core.open_connections(opts)
+    assert not c.shared and not opts.control_dir.exists()
+    c.folder.rmdir()
+    monkeypatch.delenv("BUILDER_SSH_DIR")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short))
+    assert core.control_folder() == short / "builder-ssh"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert core.control_folder() == Path(f"/tmp/builder-ssh-{os.geteuid()}")

@@ -263,7 +263,7 @@ def test_one_connection_and_three_remote_commands_per_host(env: dict[str, Any], 
     (bindir / "ssh").write_text(SSH_LOGGER.format(python=sys.executable, log=str(log), ssh=real))
     (bindir / "ssh").chmod(0o755)
     before = {h.name: accepted(h) for h in fleet.hosts}
-    rc, data, err = audit(env, "--fleet", "test", path_prefix=str(bindir))
+    rc, data, err = audit(env, "--fleet", "test", "--ssh-persist", "0", path_prefix=str(bindir))
     assert rc == 0, err
     assert {h.name: accepted(h) - before[h.name] for h in fleet.hosts} == {"spark-test-1": 1, "spark-test-2": 1}
     calls = [json.loads(line) for line in log.read_text().splitlines()]
@@ -276,6 +276,49 @@ def test_one_connection_and_three_remote_commands_per_host(env: dict[str, Any], 
         assert len(remote) == 3, remote
         assert remote[0].startswith("python3 -I -S -c ") and "b2a_base64" in remote[0]
         assert all(r.startswith("python3 -c ") for r in remote[1:])
+    assert not any(Path(os.environ["BUILDER_SSH_DIR"]).iterdir())  # --ssh-persist 0: all closed
+
+
+def test_the_next_audit_reuses_each_hosts_connection(env: dict[str, Any], tmp_path: Path) -> None:
+    fleet = env["fleet"]
+    folder = Path(os.environ["BUILDER_SSH_DIR"])
+
+    def accepted(h: Any) -> int:
+        r = fleet.exec(h, ["grep", "-c", "Accepted publickey", "/var/log/sshd.log"], check=False)
+        return int(r.stdout.strip() or 0)
+
+    rc, first, err = audit(env, "--fleet", "test")
+    assert rc == 0, err
+    socks = sorted(folder.iterdir())
+    assert len(socks) == 2 and all(s.is_socket() for s in socks)  # kept open for the next audit
+    assert all(s.stat().st_mode & 0o077 == 0 for s in [folder, *socks])
+    before = {h.name: accepted(h) for h in fleet.hosts}
+    rc, second, err = audit(env, "--fleet", "test")
+    assert rc == 0, err
+    assert {h.name: accepted(h) - before[h.name] for h in fleet.hosts} == {"spark-test-1": 0, "spark-test-2": 0}
+    assert sorted(folder.iterdir()) == socks
+    strip = {n: {c: (v["status"], v["message"]) for c, v in h["checks"].items()} for n, h in first["hosts"].items()}
+    assert strip == {n: {c: (v["status"], v["message"]) for c, v in h["checks"].items()}
+                     for n, h in second["hosts"].items()}
+
+
+def test_a_kept_connection_to_a_host_that_stopped_answering_is_dropped(env: dict[str, Any]) -> None:
+    """The kept connection is still open on this side, but the host answers nothing on it (frozen):
+    that host is reported unreachable in bounded time, the other reuses its connection, and once the
+    host answers again the next audit passes on a connection of its own."""
+    fleet = env["fleet"]
+    h2 = fleet.hosts[1]
+    rc, _, err = audit(env, "--fleet", "test")
+    assert rc == 0, err
+    fleet.pause(h2)
+    try:
+        rc, data, err = audit(env, "--fleet", "test", "--connect-timeout", "2")
+    finally:
+        fleet.unpause(h2)
+    assert rc == 3, err
+    assert statuses(data) == {"spark-test-1": "pass", "spark-test-2": "unreachable"}
+    rc, data, err = audit(env, "--fleet", "test")
+    assert rc == 0, err
 
 
 def test_corrupt_model_byte_full_mode_names_file(env: dict[str, Any]) -> None:

@@ -83,6 +83,15 @@ from builder.cli import get_ctx
     help="Seconds all checks of one host may take.",
 )
 @click.option(
+    "--ssh-persist",
+    type=click.FloatRange(min=0),
+    default=60.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Keep each host's ssh connection open this long after the audit, for the next audit to "
+    "reuse (0: close them at the end).",
+)
+@click.option(
     "--hash-jobs",
     type=click.IntRange(1, 64),
     default=4,
@@ -104,6 +113,7 @@ def audit(
     connect_timeout: float,
     host_timeout: float,
     hash_jobs: int,
+    ssh_persist: float,
 ) -> int:
     """Check that hosts match the lock and inventory (testinfra; hosts in parallel).
 
@@ -130,6 +140,7 @@ def audit(
         connect_timeout=connect_timeout,
         host_timeout=host_timeout,
         hash_jobs=hash_jobs,
+        ssh_persist=ssh_persist,
     )
 
     def progress(h: core.HostResult) -> None:
