@@ -41,8 +41,6 @@ COMMAND_SECONDS = 120
 MEMINFO: Cmd = ("cat /proc/meminfo",)
 FSTAB: Cmd = ("cat /etc/fstab",)
 LISTENERS: Cmd = ("ss -Hltn 2>/dev/null || cat /proc/net/tcp /proc/net/tcp6",)
-#: one docker process for whether the engine answers (ServerErrors, ServerVersion) and its runtimes
-DOCKER_INFO: Cmd = ("docker info --format '{{json .}}'",)
 
 
 def cat(path: str) -> Cmd:
@@ -56,9 +54,20 @@ def python(script: str, arg: str) -> Cmd:
     return (PYTHON, script, arg)
 
 
+def docker_info() -> Cmd:
+    """Whether the engine answers (ServerErrors, ServerVersion) and its runtimes, as
+    `docker info --format '{{json .}}'` prints them (hostcheck.DOCKER_SCRIPT: no docker CLI run)."""
+    from builder.hostcheck import DOCKER_SCRIPT, dumps
+
+    return python(DOCKER_SCRIPT, dumps({"cmd": "info", "seconds": COMMAND_SECONDS}))
+
+
 def inspect_images(refs: list[str]) -> Cmd:
-    """One `docker image inspect` for several references (one docker process, not one each)."""
-    return ("docker image inspect" + " %s" * len(refs), *refs)
+    """`docker image inspect REF...` for several references at once, as the CLI prints it
+    (hostcheck.DOCKER_SCRIPT: one Engine API connection, no docker CLI run)."""
+    from builder.hostcheck import DOCKER_SCRIPT, dumps
+
+    return python(DOCKER_SCRIPT, dumps({"cmd": "inspect", "refs": refs, "seconds": COMMAND_SECONDS}))
 
 
 def free_disk(path: str) -> Cmd:
@@ -139,7 +148,7 @@ def planned(expect: dict[str, Any]) -> list[Cmd]:
         if want.get("min_free_disk_gib"):
             cmds.append(free_disk(expect["paths"]["models"]))
     if "runtime" in concerns and want.get("docker"):
-        cmds.append(DOCKER_INFO)
+        cmds.append(docker_info())
     if "runtime" in concerns and expect.get("phase") == "preflight" and expect["host"]["role"] == "head":
         cmds.append(LISTENERS)
     return cmds

@@ -19,9 +19,9 @@ _CACHE: dict[str, Any] = {}
 def _inspect(host: Any, ref: str, image: dict[str, Any]) -> dict[str, Any] | None:
     """`docker image inspect` of the image's ID or tag (None: absent, or no engine answer).
 
-    Both references are inspected by one docker process. It prints the images it found, in the
-    order asked, and names each one it did not find on stderr; if its output cannot be matched
-    up that way, each reference is inspected on its own.
+    Both references are inspected by one answer (checklib.inspect_images). It lists the images it
+    found, in the order asked, and names each one it did not find on stderr; if its output cannot
+    be matched up that way, each reference is inspected on its own.
     """
     if ref not in _CACHE:
         refs = [image["image_id"], image["tag"]]

@@ -6,18 +6,19 @@ import json
 from typing import Any
 
 import pytest
-from checklib import DOCKER_INFO, LISTENERS, exists, need, run
+from checklib import LISTENERS, docker_info, exists, need, run
 
 
 @pytest.fixture(scope="module")
 def docker_facts(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
-    """Whether the engine answers (and why not) and its runtimes: one `docker info`, read by both checks."""
+    """Whether the engine answers (and why not) and its runtimes: one `docker info` answer (checklib.docker_info),
+    read by both checks."""
     want = expect["expect"]
     if not want["docker"]:
         return {}
     if not exists(host, "docker"):
         return {"cli": False}
-    r = run(host, *DOCKER_INFO)
+    r = run(host, *docker_info())
     try:
         info = json.loads(r.stdout)
     except ValueError:

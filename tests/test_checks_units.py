@@ -149,6 +149,7 @@ def test_batch_script_runs_shell_and_python_items(tmp_path: Path) -> None:
         ["py", "files", hc.FILES_SCRIPT, json.dumps({"paths": [str(a)], "hash": True})],
         ["py", "raises", "raise ValueError('bad fact')", ""],
         ["py", "exits", "import sys; sys.stdout.write('x'); sys.exit(3)", ""],
+        ["py", "says", "import sys; sys.stderr.write('why'); sys.exit(1)", ""],
     ]
     # as the checks run it on a host: python3 -I -S (standard library only)
     r = subprocess.run([sys.executable, "-I", "-S", "-c", hc.BATCH_SCRIPT, json.dumps(items)], capture_output=True,
@@ -161,6 +162,7 @@ def test_batch_script_runs_shell_and_python_items(tmp_path: Path) -> None:
     rc, out, err = got["raises"]
     assert rc == 1 and out == b"" and b"ValueError: bad fact" in err
     assert got["exits"] == (3, b"x", b"")
+    assert got["says"] == (1, b"", b"why")  # a fact script's stderr is kept too
 
 
 def test_parse_batch_refuses_what_the_batch_does_not_print() -> None:
@@ -297,3 +299,84 @@ def test_a_hung_tool_costs_its_own_fact_only(tmp_path: Path, monkeypatch: pytest
         r = cl.run(host, *c)
         assert r.rc == 124 and "timed out after 1 s" in r.stderr
     assert "MemAvailable:" in cl.run(host, *cl.MEMINFO).stdout
+
+
+# ----------------------------------------------------------------------------- DOCKER_SCRIPT
+
+
+def docker_script(req: dict[str, Any], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-I", "-S", "-c", hc.DOCKER_SCRIPT, json.dumps(req)],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def docker_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.docker
+def test_docker_script_answers_as_the_docker_cli_does() -> None:
+    """Against this machine's real Docker Engine: the same images, runtimes and misses as the CLI."""
+    import fleetlib
+
+    if not fleetlib.docker_available():
+        pytest.skip("Docker engine not reachable")
+    image_id = fleetlib.tiny_image("builder-test-dockerscript:1", labels={"org.builder.test": "yes"})
+    refs = [image_id, "builder-test-dockerscript:1", "builder-test-missing:0"]
+    cli, ours = docker_cli("image", "inspect", *refs), docker_script({"cmd": "inspect", "refs": refs})
+    assert cli.returncode == ours.returncode == 1
+    assert json.loads(ours.stdout) == json.loads(cli.stdout) and len(json.loads(ours.stdout)) == 2
+    assert "No such image: builder-test-missing:0" in cli.stderr and "No such image: builder-test-missing:0" in ours.stderr
+    found = docker_script({"cmd": "inspect", "refs": refs[:2]})
+    assert found.returncode == 0 and found.stderr == ""
+    info_cli = json.loads(docker_cli("info", "--format", "{{json .}}").stdout)
+    info = docker_script({"cmd": "info"})
+    assert info.returncode == 0
+    got = json.loads(info.stdout)
+    for key in ("ServerVersion", "Runtimes", "DefaultRuntime", "ID"):
+        assert got[key] == info_cli[key], key
+
+
+def test_docker_script_without_an_engine(tmp_path: Path) -> None:
+    env = dict(os.environ, DOCKER_HOST=f"unix://{tmp_path}/none.sock")
+    info = docker_script({"cmd": "info"}, env)
+    assert info.returncode == 1
+    assert json.loads(info.stdout) == {"ServerErrors": [
+        f"Cannot connect to the Docker daemon at unix://{tmp_path}/none.sock. Is the docker daemon running?"]}
+    insp = docker_script({"cmd": "inspect", "refs": ["a:1", "b:2"]}, env)
+    # no answer about either image: not "No such image" (the check then says the engine did not answer)
+    assert insp.returncode == 1 and "No such image" not in insp.stderr and "Cannot connect" in insp.stderr
+
+
+def test_docker_script_bounds_an_engine_that_does_not_answer(tmp_path: Path) -> None:
+    """A unix socket that accepts and then says nothing, as a wedged dockerd does."""
+    import socket
+
+    path = tmp_path / "hung.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+    try:
+        r = docker_script({"cmd": "info", "seconds": 1}, dict(os.environ, DOCKER_HOST=f"unix://{path}"))
+    finally:
+        srv.close()
+    assert r.returncode == 1 and json.loads(r.stdout) == {"ServerErrors": ["builder: timed out after 1 s"]}
+
+
+def test_docker_script_leaves_other_engines_to_the_cli(tmp_path: Path) -> None:
+    """DOCKER_HOST over tcp (or a docker context): only the CLI knows how to reach it, so the script
+    runs the real CLI; its answer names the tcp address, which the socket path never would. The port
+    is a closed one on loopback."""
+    import shutil
+
+    if shutil.which("docker") is None:
+        pytest.skip("no docker CLI")
+    env = dict(os.environ, DOCKER_HOST="tcp://127.0.0.1:9")
+    r = docker_script({"cmd": "inspect", "refs": ["a:1"]}, env)
+    cli = docker_cli("image", "inspect", "a:1", env=env)
+    assert r.returncode == cli.returncode != 0 and "127.0.0.1:9" in r.stderr
+    ctx = tmp_path / "dockercfg"
+    ctx.mkdir()
+    (ctx / "config.json").write_text(json.dumps({"currentContext": "remote-spark"}))
+    r = docker_script({"cmd": "info"}, dict(os.environ, DOCKER_CONFIG=str(ctx)))
+    # the CLI itself fails on the unknown context: proof that the CLI, not the socket, answered
+    assert r.returncode != 0 and "remote-spark" in (r.stdout + r.stderr)
