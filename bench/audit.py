@@ -7,6 +7,12 @@ hold no release, so the audit reports drift (exit 1): the time is the real cost 
 every host (one ssh connection per host, shared by every command), reading its facts (one remote
 call, checks/checklib.py prefetch) and running every preflight check.
 
+Two ways, each with its own folder of ssh connections ($BUILDER_SSH_DIR), all runs round-robin:
+- kept (the default, `--ssh-persist 60`): each audit reuses the connections the one before it
+  left open, as an operator's repeated audits do; the warm-up run opens them.
+- first contact (`--ssh-persist 0`): every audit opens (ssh key exchange and login) and closes its
+  connection to every host.
+
 The test hosts are containers on this machine, so their sshd, python3 and docker CLI run on the
 same 2 cores as the audit. Beside the wall times the benchmark reports where the CPU went, per host
 added: on the operator's side (the audit's own process tree: pytest, ssh clients) and on the whole
@@ -25,6 +31,8 @@ import resource
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench.common import (
@@ -51,6 +59,10 @@ def run(cfg: Config) -> list[Row]:
     return _fleet(cfg) + _host_hashing(cfg)
 
 
+#: the two ways, each one's extra arguments
+WAYS = {"kept": [], "first contact": ["--ssh-persist", "0"]}
+
+
 def _fleet(cfg: Config) -> list[Row]:
     fig = "audit 8 hosts vs 1 host (wall time)"
     sys.path.insert(0, str(REPO / "tests"))
@@ -64,11 +76,15 @@ def _fleet(cfg: Config) -> list[Row]:
     if not fleetlib.image_exists(fleetlib.testhost_tag()):
         return [skipped(NAME, fig, f"{fleetlib.testhost_tag()} missing: run tests/fleet/build-testhost.sh",
                         TARGET)]
+    import tempfile
+
     from builder.imagerecord import ImageRecord, tag_for, write_record
 
     work = cfg.workdir / "audit"
     fleet = fleetlib.start_fleet(max(SIZES), work / "fleet", dockerd=False, build=False)
     images: list[str] = []
+    # unix socket paths are short: the connection folders live in /tmp
+    folders = {w: Path(tempfile.mkdtemp(prefix="bB-", dir="/tmp")) for w in WAYS}
     try:
         fns = {}
         for n in SIZES:
@@ -85,34 +101,57 @@ def _fleet(cfg: Config) -> list[Row]:
                      for i, h in enumerate(fleet.hosts[:n])]
             (paths["hosts"] / "bench.toml").write_text(
                 auditlib.fleet_toml("bench", hosts, ssh_config=str(fleet.ssh_config)))
-            argv = [*builder_argv(), "--pins", str(paths["pins"]), "--store", str(paths["store"]), "audit",
+            base = [*builder_argv(), "--pins", str(paths["pins"]), "--store", str(paths["store"]), "audit",
                     "--fleet", "bench", "--json", "--checks", str(REPO / "checks"), "--connect-timeout", "10"]
-            fns[n] = _audit_fn(argv)
-        # warm-up: ssh host keys, python caches on the hosts
-        t = median_interleaved({str(n): fns[n] for n in SIZES}, cfg.runs)
+            for w, extra in WAYS.items():
+                fns[(w, n)] = _audit_fn(base + extra, {"BUILDER_SSH_DIR": str(folders[w])})
+        # warm-up: ssh host keys, python caches on the hosts, the kept connections
+        t = median_interleaved({f"{w}/{n}": fns[(w, n)] for w in WAYS for n in SIZES}, cfg.runs)
         rows = []
-        cpu = {n: _cpu_medians(tuple(fns[n].argv)) for n in SIZES}
-        for n in SIZES:
-            codes = sorted(_CODES.get(tuple(fns[n].argv), set()))  # type: ignore[attr-defined]
-            rows.append(Row(NAME, f"audit {n} host{'s' if n > 1 else ''}", secs(t[str(n)]), "", None, "",
-                            "report", f"exit {codes}; {_SUMMARY.get(tuple(fns[n].argv), '')}",  # type: ignore[attr-defined]
-                            {"seconds": t[str(n)], "hosts": n}))
-        ratio = t["8"] / t["1"]
-        rows.append(Row(NAME, fig, secs(t["8"]), f"1 host {secs(t['1'])}", ratio, TARGET, judge(ratio, TARGET),
-                        "ratio = 8-host time / 1-host time; hosts hold no release, so checks report drift",
-                        {"t1": t["1"], "t8": t["8"]}))
-        (o1, m1), (o8, m8) = cpu[1], cpu[8]
-        rows.append(Row(NAME, "audit CPU per added host: operator side", f"{(o8 - o1) / 7:.3f} s", "", None, "",
-                        "report", f"the audit's process tree: {o1:.2f} s of CPU for 1 host, {o8:.2f} s for 8",
-                        {"cpu1": o1, "cpu8": o8}))
-        rows.append(Row(NAME, "audit CPU per added host: whole machine", f"{(m8 - m1) / 7:.3f} s", "", None, "",
-                        "report", f"/proc/stat, test hosts included: {m1:.2f} s for 1 host, {m8:.2f} s for 8",
-                        {"cpu1": m1, "cpu8": m8}))
+        for w in WAYS:
+            rows += _rows(w, fig, {n: t[f"{w}/{n}"] for n in SIZES}, {n: fns[(w, n)] for n in SIZES})
         return rows
     finally:
+        for f in folders.values():
+            _close_connections(f)
         fleet.teardown()
         for img in images:
             subprocess.run(["docker", "rmi", "-f", img], capture_output=True)
+
+
+def _rows(way: str, fig: str, t: dict[int, float], fns: dict[int, _audit_fn]) -> list[Row]:
+    rows = []
+    how = "connections kept" if way == "kept" else "first contact"
+    cpu = {n: _cpu_medians(tuple(fns[n].argv)) for n in SIZES}
+    for n in SIZES:
+        key = tuple(fns[n].argv)
+        codes = sorted(_CODES.get(key, set()))
+        rows.append(Row(NAME, f"audit {n} host{'s' if n > 1 else ''} ({how})", secs(t[n]), "", None, "",
+                        "report", f"exit {codes}; {_SUMMARY.get(key, '')}", {"seconds": t[n], "hosts": n, "way": way}))
+    ratio = t[8] / t[1]
+    note = ("each audit reuses the ssh connections the one before it left open (--ssh-persist, the default)"
+            if way == "kept" else "every audit opens and closes its ssh connections (--ssh-persist 0)")
+    rows.append(Row(NAME, f"{fig}, {how}", secs(t[8]), f"1 host {secs(t[1])}", ratio, TARGET, judge(ratio, TARGET),
+                    f"ratio = 8-host time / 1-host time; {note}; hosts hold no release, so checks report drift",
+                    {"t1": t[1], "t8": t[8], "way": way}))
+    (o1, m1), (o8, m8) = cpu[1], cpu[8]
+    rows.append(Row(NAME, f"audit CPU per added host, {how}: operator side", f"{(o8 - o1) / 7:.3f} s", "", None,
+                    "", "report", f"the audit's process tree: {o1:.2f} s of CPU for 1 host, {o8:.2f} s for 8",
+                    {"cpu1": o1, "cpu8": o8, "way": way}))
+    rows.append(Row(NAME, f"audit CPU per added host, {how}: whole machine", f"{(m8 - m1) / 7:.3f} s", "", None,
+                    "", "report", f"/proc/stat, test hosts included: {m1:.2f} s for 1 host, {m8:.2f} s for 8",
+                    {"cpu1": m1, "cpu8": m8, "way": way}))
+    return rows
+
+
+def _close_connections(folder: Path) -> None:
+    """Close the ssh connections the kept audits left open, and remove their folder."""
+    import shutil
+
+    for sock in folder.iterdir():
+        subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "unused"], capture_output=True,
+                       stdin=subprocess.DEVNULL, timeout=30, check=False)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 _CODES: dict[tuple[str, ...], set[int]] = {}
@@ -133,11 +172,12 @@ def _cpu_medians(key: tuple[str, ...]) -> tuple[float, float]:
 
 
 class _audit_fn:  # noqa: N801 - a callable with its argv attached
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         self.argv = argv
+        self.env = env
 
     def __call__(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = dict(os.environ, PYTHONPATH=str(REPO), **self.env)
         r0, m0 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_cpu()
         p = subprocess.run(self.argv, capture_output=True, text=True, env=env, timeout=600)
         r1, m1 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_cpu()
@@ -171,7 +211,7 @@ def _host_hashing(cfg: Config) -> list[Row]:
         got = json.loads(out)
         assert all(got[str(mf.root / n)].get("sha256") == d for n, _, d in mf.entries)
 
-    fns = {"audit": script}
+    fns: dict[str, Callable[[], object]] = {"audit": script}
     if have("openssl"):
         fns["openssl"] = lambda: subprocess.run(["openssl", "dgst", "-sha256", *paths], check=True,
                                                 stdout=subprocess.DEVNULL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 
 from bench.common import Config, Row, gib_s, have, judge, median_interleaved, secs, skipped, warm
 from bench.data import model_folder
@@ -46,7 +47,7 @@ def run(cfg: Config) -> list[Row]:
     # One large file: a single thread of builder's read loop against openssl on the same file.
     big = paths[0]
     size = mf.entries[0][1]
-    single = {"builder": lambda: hashing.sha256_file(big)}
+    single: dict[str, Callable[[], object]] = {"builder": lambda: hashing.sha256_file(big)}
     if have("openssl"):
         single["openssl"] = lambda: _tool(["openssl", "dgst", "-sha256", big])
         t1 = median_interleaved(single, cfg.runs)

@@ -95,8 +95,8 @@ def _message(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
         res = e.args[0]
         err = (getattr(res, "stderr", "") or "").strip().splitlines()
         return "connection lost: " + (err[-1] if err else "ssh exit status 255")
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".strip()
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".strip()
 
 
 # Drift (a failed assertion, or pytest.fail in a check or its fact fixture) is reported by its
