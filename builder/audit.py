@@ -437,9 +437,11 @@ class Connections:
 
 def open_connections(opts: AuditOptions) -> Connections:
     """The shared folder when it is usable (see private_folder) and its path leaves room for the
-    socket names; otherwise a temp folder of this run's own, whose connections close at the end."""
+    socket names; otherwise (or for --backend ansible) a temp folder of this run's own, whose
+    connections close at the end."""
     folder = opts.control_dir or control_folder()
-    if len(str(folder)) + 1 + _SOCKET_NAME < 104 and private_folder(folder):
+    # (the Ansible backend runs the checks over Ansible's own connections: nothing here to keep)
+    if opts.backend == "native" and len(str(folder)) + 1 + _SOCKET_NAME < 104 and private_folder(folder):
         return Connections(folder, True, opts.ssh_persist)
     return Connections(Path(tempfile.mkdtemp(prefix="bA-", dir="/tmp")), False, 0)
 
