@@ -325,7 +325,8 @@ def test_docker_script_answers_as_the_docker_cli_does() -> None:
     cli, ours = docker_cli("image", "inspect", *refs), docker_script({"cmd": "inspect", "refs": refs})
     assert cli.returncode == ours.returncode == 1
     assert json.loads(ours.stdout) == json.loads(cli.stdout) and len(json.loads(ours.stdout)) == 2
-    assert "No such image: builder-test-missing:0" in cli.stderr and "No such image: builder-test-missing:0" in ours.stderr
+    miss = "No such image: builder-test-missing:0"
+    assert miss in cli.stderr and miss in ours.stderr
     found = docker_script({"cmd": "inspect", "refs": refs[:2]})
     assert found.returncode == 0 and found.stderr == ""
     info_cli = json.loads(docker_cli("info", "--format", "{{json .}}").stdout)
