@@ -148,7 +148,7 @@ def _close_connections(folder: Path) -> None:
     """Close the ssh connections the kept audits left open, and remove their folder."""
     import shutil
 
-    for sock in folder.iterdir():
+    for sock in (s for s in folder.iterdir() if s.is_socket()):
         subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "unused"], capture_output=True,
                        stdin=subprocess.DEVNULL, timeout=30, check=False)
     shutil.rmtree(folder, ignore_errors=True)

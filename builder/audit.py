@@ -29,8 +29,9 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -524,11 +525,44 @@ def reuse(t: Target, opts: AuditOptions, conns: Connections) -> bool:
     return False
 
 
+@contextmanager
+def _opening(t: Target, opts: AuditOptions, conns: Connections) -> Iterator[None]:
+    """Hold the host's lock in a shared folder while its connection is opened: two audits that
+    open the same host at once would otherwise both connect, and the one whose control socket
+    lost the race would stay in the background as a connection nobody uses or closes. The holder
+    is bounded (reuse, then a probe), so a waiter that waited that long goes on without it."""
+    if not conns.shared:
+        yield
+        return
+    import fcntl
+
+    fd = os.open(conns.path(t) + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        deadline = time.monotonic() + 2 * (opts.connect_timeout + 5) + 10
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
 def probe(t: Target, opts: AuditOptions, conns: Connections) -> str | None:
     """None when the host answers within the bounded time; otherwise why not (one line)."""
     argv = probe_argv(t, opts, conns)
     if argv is None or reuse(t, opts, conns):
         return None
+    with _opening(t, opts, conns):
+        # another audit may have opened it while this one waited for the lock
+        return None if reuse(t, opts, conns) else _open(argv, opts)
+
+
+def _open(argv: list[str], opts: AuditOptions) -> str | None:
     limit = opts.connect_timeout + 5
     try:
         p = _run_bounded(argv, limit)

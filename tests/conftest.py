@@ -44,7 +44,7 @@ def _ssh_connections(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     folder = Path(tempfile.mkdtemp(prefix="bS-", dir="/tmp"))
     monkeypatch.setenv("BUILDER_SSH_DIR", str(folder))
     yield
-    for sock in folder.iterdir():
+    for sock in (s for s in folder.iterdir() if s.is_socket()):
         subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "unused"], capture_output=True,
                        stdin=subprocess.DEVNULL, timeout=30, check=False)
     shutil.rmtree(folder, ignore_errors=True)

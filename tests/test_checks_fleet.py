@@ -276,7 +276,8 @@ def test_one_connection_and_three_remote_commands_per_host(env: dict[str, Any], 
         assert len(remote) == 3, remote
         assert remote[0].startswith("python3 -I -S -c ") and "b2a_base64" in remote[0]
         assert all(r.startswith("python3 -c ") for r in remote[1:])
-    assert not any(Path(os.environ["BUILDER_SSH_DIR"]).iterdir())  # --ssh-persist 0: all closed
+    # --ssh-persist 0: every connection closed (what is left are the hosts' lock files)
+    assert not [s for s in Path(os.environ["BUILDER_SSH_DIR"]).iterdir() if s.is_socket()]
 
 
 def test_the_next_audit_reuses_each_hosts_connection(env: dict[str, Any], tmp_path: Path) -> None:
@@ -289,17 +290,45 @@ def test_the_next_audit_reuses_each_hosts_connection(env: dict[str, Any], tmp_pa
 
     rc, first, err = audit(env, "--fleet", "test")
     assert rc == 0, err
-    socks = sorted(folder.iterdir())
-    assert len(socks) == 2 and all(s.is_socket() for s in socks)  # kept open for the next audit
+    socks = sorted(s for s in folder.iterdir() if s.is_socket())
+    assert len(socks) == 2  # kept open for the next audit
     assert all(s.stat().st_mode & 0o077 == 0 for s in [folder, *socks])
     before = {h.name: accepted(h) for h in fleet.hosts}
     rc, second, err = audit(env, "--fleet", "test")
     assert rc == 0, err
     assert {h.name: accepted(h) - before[h.name] for h in fleet.hosts} == {"spark-test-1": 0, "spark-test-2": 0}
-    assert sorted(folder.iterdir()) == socks
+    assert sorted(s for s in folder.iterdir() if s.is_socket()) == socks
     strip = {n: {c: (v["status"], v["message"]) for c, v in h["checks"].items()} for n, h in first["hosts"].items()}
     assert strip == {n: {c: (v["status"], v["message"]) for c, v in h["checks"].items()}
                      for n, h in second["hosts"].items()}
+
+
+def test_two_audits_at_once_open_one_connection_per_host(env: dict[str, Any]) -> None:
+    """Both find no connection and open one at the same moment: the per-host lock lets one open it
+    and the other reuse it, instead of leaving a second connection behind in the background."""
+    import threading
+
+    folder = Path(os.environ["BUILDER_SSH_DIR"])
+    codes: list[int] = []
+
+    def one() -> None:
+        codes.append(audit(env, "--fleet", "test")[0])
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert codes == [0, 0]
+    ours = []
+    for pid in os.listdir("/proc"):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"ssh") and any(a.startswith(f"ControlPath={folder}".encode()) for a in argv):
+            ours.append(argv)
+    assert len(ours) == 2, ours  # one master per host, nothing else left running
 
 
 def test_a_kept_connection_to_a_host_that_stopped_answering_is_dropped(env: dict[str, Any]) -> None:

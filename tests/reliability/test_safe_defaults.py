@@ -62,7 +62,7 @@ def test_no_code_path_switches_host_key_checking_off() -> None:
     from builder.audit import AuditOptions, ssh_options
 
     x = Path("/nonexistent")
-    opts = " ".join(ssh_options(AuditOptions(root=x, pins=x, lock=x, store=x), x))
+    opts = " ".join(ssh_options(AuditOptions(root=x, pins=x, lock=x, store=x), "/nonexistent/%C", 60))
     assert "StrictHostKeyChecking" not in opts and "KnownHosts" not in opts and "BatchMode=yes" in opts
 
 
