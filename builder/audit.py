@@ -6,8 +6,9 @@ Flow:
    image plan. Any problem is one ConfigError line (exit 2) before a host is contacted.
 2. Write one expectations file per host, built only from the lock, the inventory and the
    image record in the store (never from the host). checks/conftest.py reads it.
-3. Per host, in parallel threads: a reachability probe with a bounded timeout (it also
-   opens the ssh ControlMaster the checks reuse), then one pytest process over the check
+3. Per host, in parallel threads: a reachability probe with a bounded timeout (it reuses the
+   ssh ControlMaster an earlier audit kept open, or opens one; the checks share it, and it is
+   kept for --ssh-persist seconds afterwards), then one pytest process over the check
    modules with testinfra's backend for that host (ssh, docker, local, or ansible), forked
    from one process that imported pytest and testinfra once for the whole fleet. An
    unreachable host gives one `unreachable` result; the rest of the fleet is audited.
