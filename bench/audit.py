@@ -113,7 +113,7 @@ def _fleet(cfg: Config) -> list[Row]:
         return rows
     finally:
         for f in folders.values():
-            _close_connections(f)
+            fleetlib.close_kept_connections(f)
         fleet.teardown()
         for img in images:
             subprocess.run(["docker", "rmi", "-f", img], capture_output=True)
@@ -142,16 +142,6 @@ def _rows(way: str, fig: str, t: dict[int, float], fns: dict[int, _audit_fn]) ->
                     "", "report", f"/proc/stat, test hosts included: {m1:.2f} s for 1 host, {m8:.2f} s for 8",
                     {"cpu1": m1, "cpu8": m8, "way": way}))
     return rows
-
-
-def _close_connections(folder: Path) -> None:
-    """Close the ssh connections the kept audits left open, and remove their folder."""
-    import shutil
-
-    for sock in (s for s in folder.iterdir() if s.is_socket()):
-        subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "unused"], capture_output=True,
-                       stdin=subprocess.DEVNULL, timeout=30, check=False)
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 _CODES: dict[tuple[str, ...], set[int]] = {}

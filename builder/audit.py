@@ -24,6 +24,7 @@ import os
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -406,8 +407,6 @@ def private_folder(path: Path) -> bool:
         st = path.lstat()
     except OSError:
         return False
-    import stat
-
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 

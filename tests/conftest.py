@@ -37,17 +37,14 @@ def _ssh_connections(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The ssh connections a test's audits keep open (`--ssh-persist`) live in a folder of that test's
     own, so no test reuses another's, and are closed when the test ends. (/tmp and a short name:
     unix socket paths are limited to 108 bytes.)"""
-    import shutil
-    import subprocess
     import tempfile
+
+    from fleetlib import close_kept_connections
 
     folder = Path(tempfile.mkdtemp(prefix="bS-", dir="/tmp"))
     monkeypatch.setenv("BUILDER_SSH_DIR", str(folder))
     yield
-    for sock in (s for s in folder.iterdir() if s.is_socket()):
-        subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "unused"], capture_output=True,
-                       stdin=subprocess.DEVNULL, timeout=30, check=False)
-    shutil.rmtree(folder, ignore_errors=True)
+    close_kept_connections(folder)
 
 
 @pytest.fixture
