@@ -100,7 +100,7 @@ def _fleet(cfg: Config) -> list[Row]:
             hosts = [{"name": h.name, "ssh": h.name, "rank": i, "role": "head" if i == 0 else "worker"}
                      for i, h in enumerate(fleet.hosts[:n])]
             (paths["hosts"] / "bench.toml").write_text(
-                auditlib.fleet_toml("bench", hosts, ssh_config=str(fleet.ssh_config)))
+                auditlib.fleet_toml("bench", hosts, ssh_config=str(fleet.plain_ssh_config)))
             base = [*builder_argv(), "--pins", str(paths["pins"]), "--store", str(paths["store"]), "audit",
                     "--fleet", "bench", "--json", "--checks", str(REPO / "checks"), "--connect-timeout", "10"]
             for w, extra in WAYS.items():

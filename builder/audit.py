@@ -605,7 +605,8 @@ def pytest_host_options(t: Target, opts: AuditOptions, conns: Connections) -> di
         return {"hosts": f"docker://{h.ssh}"}
     cfg = ssh_config_path(t)
     extra = ssh_options(opts, conns.path(t), conns.persist)
-    out = {"hosts": f"ssh://{h.ssh}", "ssh_extra_args": " ".join(extra)}
+    # (a shell command line: testinfra puts it into the ssh command it runs through /bin/sh)
+    out = {"hosts": f"ssh://{h.ssh}", "ssh_extra_args": " ".join(shlex.quote(x) for x in extra)}
     if cfg:
         out["ssh_config"] = str(cfg)
     return out

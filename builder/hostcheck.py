@@ -125,7 +125,7 @@ sys.stdout.write(json.dumps({"dev_infiniband": os.path.isdir("/dev/infiniband"),
 #: Engine API on the unix socket the CLI would use. Where only the CLI knows the engine (DOCKER_HOST
 #: not unix://, a docker context), it runs the CLI itself, so the answer is the CLI's either way.
 DOCKER_SCRIPT = r"""
-import http.client, json, os, socket, subprocess, sys, urllib.parse
+import json, os, socket, sys
 req = json.loads(sys.argv[1])
 limit = float(req.get("seconds") or 120)
 def endpoint():
@@ -143,6 +143,7 @@ def endpoint():
         pass
     return "/var/run/docker.sock"
 def cli(argv):
+    import subprocess
     try:
         p = subprocess.run(argv, capture_output=True, timeout=limit, stdin=subprocess.DEVNULL)
     except FileNotFoundError as e:
@@ -154,29 +155,40 @@ def cli(argv):
     sys.stdout.write(p.stdout.decode("utf-8", "replace"))
     sys.stderr.write(p.stderr.decode("utf-8", "replace"))
     sys.exit(p.returncode)
-class Unix(http.client.HTTPConnection):
-    def __init__(self, path):
-        super().__init__("localhost", timeout=limit)
-        self.unix = path
-    def connect(self):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(limit)
-        try:
-            s.connect(self.unix)
-        except BaseException:
-            s.close()
-            raise
-        self.sock = s
 sock = endpoint()
 if sock is None:
     info = ["docker", "info", "--format", "{{json .}}"]
     cli(info if req["cmd"] == "info" else ["docker", "image", "inspect", *req["refs"]])
-conn = Unix(sock)
+# HTTP/1.0 by hand over the socket (http.client's imports, email and ssl among them, cost more
+# than the rest of a host's batch): the engine answers 1.0 without chunking and closes the
+# connection, so the response is everything read up to EOF.
+SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-~/:@")
+def quote(ref):
+    return "".join(chr(b) if b in SAFE else "%%%02X" % b for b in ref.encode())
+class Malformed(OSError):
+    pass
 def get(path):
-    conn.request("GET", path)
-    r = conn.getresponse()
-    return r.status, r.read()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(limit)
+    try:
+        s.connect(sock)
+        s.sendall(f"GET {path} HTTP/1.0\r\nHost: docker\r\n\r\n".encode())
+        chunks = []
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            chunks.append(b)
+    finally:
+        s.close()
+    head, sep, body = b"".join(chunks).partition(b"\r\n\r\n")
+    first = head.split(b"\r\n", 1)[0].split()
+    if not sep or len(first) < 2 or not first[0].startswith(b"HTTP/") or not first[1].isdigit():
+        raise Malformed("not an HTTP response from the Docker daemon")
+    return int(first[1]), body
 def unreachable(e):
+    if isinstance(e, Malformed):
+        return f"unix://{sock}: {e}"
     if isinstance(e, PermissionError):
         return f"permission denied while trying to connect to the Docker daemon socket at unix://{sock}"
     if isinstance(e, (socket.timeout, TimeoutError)):
@@ -201,7 +213,7 @@ if req["cmd"] == "info":
 found, rc = [], 0
 for ref in req["refs"]:
     try:
-        status, body = get("/images/" + urllib.parse.quote(ref, safe="/:@") + "/json")
+        status, body = get("/images/" + quote(ref) + "/json")
     except OSError as e:
         sys.stderr.write(unreachable(e) + "\n")
         sys.exit(1)

@@ -44,6 +44,29 @@ def expect(pytestconfig: pytest.Config) -> dict[str, Any]:
     return data
 
 
+@pytest.fixture(scope="session")
+def host(pytestconfig: pytest.Config) -> Any:
+    """The one host these checks run on (`builder audit` runs one pytest per host), from testinfra's
+    own options, as testinfra's plugin builds it, with one difference: `--ssh-extra-args` reaches
+    the ssh backend (the plugin drops it: pytest-testinfra issue 618). It carries the audit's ssh
+    options, so every command goes through the host's one audit connection (ControlPath), with
+    BatchMode and keepalives. Being a fixture rather than a collection parameter, the host also
+    leaves the collected checks the same for every host, so the audit collects them once."""
+    import testinfra
+
+    o = pytestconfig.option
+    names = o.hosts.split(",") if o.hosts else [None]
+    extra = {"ssh_extra_args": o.ssh_extra_args} if getattr(o, "ssh_extra_args", None) else {}
+    hosts = testinfra.get_hosts(
+        names, connection=o.connection, ssh_config=o.ssh_config, ssh_identity_file=o.ssh_identity_file,
+        sudo=o.sudo, sudo_user=o.sudo_user, ansible_inventory=o.ansible_inventory,
+        force_ansible=o.force_ansible, **extra,
+    )
+    if len(hosts) != 1:
+        pytest.exit(f"--hosts: the checks run on one host at a time, got {len(hosts)}", returncode=4)
+    return hosts[0]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _prefetch(host: Any, expect: dict[str, Any]) -> None:
     """Before the first check: read most of this host's facts in one remote call (checklib.prefetch)."""

@@ -267,6 +267,13 @@ class Fleet:
 
     # ---- lookup
 
+    @property
+    def plain_ssh_config(self) -> Path:
+        """The same Host entries as ssh_config without ControlMaster, ControlPath and ControlPersist,
+        as an operator's ssh_config often is: a tool given it must keep to one connection per host
+        by itself. The audit's tests and benchmark give `builder audit` this one."""
+        return self.workdir / "ssh_config.plain"
+
     def host(self, ref: HostRef) -> Host:
         """A host by Host, name ('spark-test-2'), container name, or index (0-based)."""
         if isinstance(ref, Host):
@@ -706,6 +713,7 @@ def start_fleet(
             entries = list(pool.map(ready, fleet.hosts))
         fleet.known_hosts.write_text("".join(entries))
         fleet.ssh_config.write_text("".join(_ssh_block(h, fleet) for h in fleet.hosts))
+        fleet.plain_ssh_config.write_text("".join(_ssh_block(h, fleet, control=False) for h in fleet.hosts))
         with ThreadPoolExecutor(max_workers=min(n, 8)) as pool:
             list(pool.map(lambda h: fleet.ssh(h, "true", check=True, timeout=timeout), fleet.hosts))
     except BaseException:
@@ -714,7 +722,12 @@ def start_fleet(
     return fleet
 
 
-def _ssh_block(h: Host, fleet: Fleet) -> str:
+def _ssh_block(h: Host, fleet: Fleet, control: bool = True) -> str:
+    mux = (
+        "  ControlMaster auto\n"
+        f"  ControlPath {fleet.control_dir}/%C\n"
+        "  ControlPersist 60\n"
+    ) if control else ""
     return (
         f"Host {h.name} {h.ip}\n"
         f"  HostName {h.ip}\n"
@@ -727,9 +740,7 @@ def _ssh_block(h: Host, fleet: Fleet) -> str:
         "  StrictHostKeyChecking yes\n"
         "  CheckHostIP no\n"
         "  BatchMode yes\n"
-        "  ControlMaster auto\n"
-        f"  ControlPath {fleet.control_dir}/%C\n"
-        "  ControlPersist 60\n"
+        f"{mux}"
         f"  ConnectTimeout {CONNECT_TIMEOUT}\n"
         "  ServerAliveInterval 2\n"
         "  ServerAliveCountMax 3\n"

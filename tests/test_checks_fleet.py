@@ -113,7 +113,7 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         "min_free_disk_gib = 0.01\nnvidia_runtime = false\n"
     )
     (paths["hosts"] / "test.toml").write_text(
-        auditlib.fleet_toml("test", hosts, ssh_config=str(fleet.ssh_config), expect=expect)
+        auditlib.fleet_toml("test", hosts, ssh_config=str(fleet.plain_ssh_config), expect=expect)
     )
     return {
         "fleet": fleet,
@@ -276,6 +276,9 @@ def test_one_connection_and_three_remote_commands_per_host(env: dict[str, Any], 
         assert len(remote) == 3, remote
         assert remote[0].startswith("python3 -I -S -c ") and "b2a_base64" in remote[0]
         assert all(r.startswith("python3 -c ") for r in remote[1:])
+        # every call names the audit's connection for this host (the fleet's ssh_config names none)
+        paths = {a for c in mine for a in c if a.startswith("ControlPath=")}
+        assert len(paths) == 1 and paths.pop().startswith(f"ControlPath={os.environ['BUILDER_SSH_DIR']}/")
     # --ssh-persist 0: every connection closed (what is left are the hosts' lock files)
     assert not [s for s in Path(os.environ["BUILDER_SSH_DIR"]).iterdir() if s.is_socket()]
 

@@ -381,3 +381,45 @@ def test_docker_script_leaves_other_engines_to_the_cli(tmp_path: Path) -> None:
     r = docker_script({"cmd": "info"}, dict(os.environ, DOCKER_CONFIG=str(ctx)))
     # the CLI itself fails on the unknown context: proof that the CLI, not the socket, answered
     assert r.returncode != 0 and "remote-spark" in (r.stdout + r.stderr)
+
+
+def test_docker_script_speaks_http_1_0_and_names_a_socket_that_is_not_an_engine(tmp_path: Path) -> None:
+    """The request line the script sends (the reference quoted as urllib.parse.quote would), and a
+    socket that answers something other than HTTP: a fake engine on a real unix socket."""
+    import socket
+    import threading
+    from urllib.parse import quote
+
+    path = tmp_path / "odd.sock"
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(4)
+    seen: list[bytes] = []
+
+    def answer() -> None:
+        for _ in range(2):
+            c, _a = srv.accept()
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += c.recv(4096)
+            seen.append(data)
+            c.sendall(b"SSH-2.0-not-docker\r\n" if len(seen) == 1 else
+                      b'HTTP/1.0 404 Not Found\r\nContent-Type: application/json\r\n\r\n{"message":"nope"}\n')
+            c.close()
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    env = dict(os.environ, DOCKER_HOST=f"unix://{path}")
+    ref = "reg.example:5000/a b+c@sha256:00"
+    try:
+        bad = docker_script({"cmd": "info", "seconds": 5}, env)
+        miss = docker_script({"cmd": "inspect", "refs": [ref], "seconds": 5}, env)
+    finally:
+        t.join(5)
+        srv.close()
+    assert bad.returncode == 1
+    assert json.loads(bad.stdout) == {"ServerErrors": [f"unix://{path}: not an HTTP response from the Docker daemon"]}
+    assert seen[0].startswith(b"GET /info HTTP/1.0\r\n")
+    assert seen[1].startswith(f"GET /images/{quote(ref, safe='/:@')}/json HTTP/1.0\r\n".encode())
+    assert miss.returncode == 1 and miss.stderr == "Error response from daemon: nope\n"
+    assert json.loads(miss.stdout) == []
