@@ -687,12 +687,19 @@ def read_results(path: Path) -> tuple[str | None, list[CheckResult]]:
 #: "cwd"}`; out `pid ID PID` after the fork, `exit ID CODE` when that child ends. EOF on stdin:
 #: wait for the children, then exit.
 #:
-#: `prepare` parses pytest's configuration for the arguments every host shares (loading the
-#: plugins and conftest.py, building the option parser: about 40 ms of CPU) once, in the zygote.
-#: A host's fork whose `common` equals them sets its own `options` (the host and where its
-#: expectations and results live, by option name) on that configuration and runs the session
-#: from there, as `pytest.main` would after parsing. That uses pytest's `_prepareconfig`, which
-#: is not public API: if it is missing or fails, each fork runs `pytest.main(args)` as before.
+#: `prepare` does, once in the zygote, what every host's pytest would otherwise do the same way:
+#: parse the configuration for the arguments every host shares (loading the plugins and
+#: conftest.py, building the option parser), configure the plugins, start the session and collect
+#: the checks (about 60 ms of CPU per host, most of a host's pytest). The checks can be collected
+#: once because nothing in them depends on the host: the host is a session fixture
+#: (checks/conftest.py), not a collection parameter as in testinfra's plugin. A host's fork whose
+#: `common` equals the prepared one sets its own `options` (the host and where its expectations
+#: and results live, by option name) and runs the collected checks, then finishes the session, as
+#: pytest's own wrap_session does. That uses pytest internals (`_prepareconfig`, the Session
+#: steps): if any of it is missing or fails, the forks parse (or, failing that, run
+#: `pytest.main(args)`) as before, and a check module that does not import is reported by each
+#: host's own collection. The zygote's fd 1 goes to /dev/null (the protocol has its own copy), so
+#: what pytest writes while preparing is dropped, and a fork's output goes to its host's log.
 ZYGOTE = r"""
 import json, os, select, signal, sys
 import pytest
@@ -717,14 +724,38 @@ for _f in ["conftest.py"] + sorted(glob.glob(os.path.join(sys.argv[1], "test_*.p
 # fork's collections neither scan it nor touch (and so copy) its pages
 import gc
 gc.freeze()
-PREPARED = []  # [common args, pytest Config] once prepared
+PREPARED = []  # [common args, pytest Config, collected Session or None] once prepared
+def collect(config):
+    from _pytest.main import Session
+    session = Session.from_config(config)
+    session.exitstatus = 0
+    config._do_configure()
+    try:
+        config.hook.pytest_sessionstart(session=session)
+        config.hook.pytest_collection(session=session)
+        if session.testsfailed or not session.items:
+            raise RuntimeError("collection errors")
+        # checks that take testinfra's own `host` fixture are parametrized by the host at collection
+        # (here: by no host, which testinfra makes the local machine): those collect in each fork
+        if any("_testinfra_host" in getattr(i, "fixturenames", ()) for i in session.items):
+            raise RuntimeError("checks parametrized by host")
+    except BaseException:
+        config._ensure_unconfigure()
+        raise
+    return session
 def prepare(common):
-    import contextlib, io
     try:
         from _pytest.config import _prepareconfig
         os.environ["PYTEST_VERSION"] = pytest.__version__
-        with contextlib.redirect_stdout(io.StringIO()):  # stdout is this protocol's channel
-            PREPARED[:] = [common, _prepareconfig(list(common), None)]
+        config = _prepareconfig(list(common), None)
+        session = None
+        if config.option.capture == "no":  # (capturing would take over fds 1 and 2 here, in the zygote)
+            try:
+                session = collect(config)
+            except BaseException:
+                config = _prepareconfig(list(common), None)  # a fresh one: each fork collects
+        PREPARED[:] = [common, config, session]
+        sys.stdout.flush()
         gc.freeze()
     except BaseException:
         PREPARED[:] = []
@@ -740,11 +771,45 @@ def run_prepared(config, options):
     except UsageError as e:
         sys.stderr.write(f"ERROR: {e}\n")
         return 4
+def run_collected(config, session, options):
+    # the rest of pytest's wrap_session and _main, after collection
+    from _pytest.main import ExitCode
+    from _pytest.outcomes import Exit, Failed
+    for k, v in options.items():
+        setattr(config.option, k, v)
+    try:
+        try:
+            config.hook.pytest_runtestloop(session=session)
+            if session.testsfailed:
+                session.exitstatus = ExitCode.TESTS_FAILED
+            elif session.testscollected == 0:
+                session.exitstatus = ExitCode.NO_TESTS_COLLECTED
+        except Failed:
+            session.exitstatus = ExitCode.TESTS_FAILED
+        except (KeyboardInterrupt, Exit) as e:
+            code = getattr(e, "returncode", None)
+            session.exitstatus = code if code is not None else ExitCode.INTERRUPTED
+            sys.stderr.write(f"{type(e).__name__}: {getattr(e, 'msg', e)}\n")
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            session.exitstatus = ExitCode.INTERNAL_ERROR
+    finally:
+        try:
+            config.hook.pytest_sessionfinish(session=session, exitstatus=session.exitstatus)
+        finally:
+            config._ensure_unconfigure()
+    return int(session.exitstatus)
+# the protocol gets its own copy of stdout; fd 1 (pytest's terminal output) goes nowhere here
+out = os.fdopen(os.dup(1), "w")
+_nul = os.open(os.devnull, os.O_WRONLY)
+os.dup2(_nul, 1)
+os.close(_nul)
 r, w = os.pipe()
 os.set_blocking(w, False)
 signal.signal(signal.SIGCHLD, lambda *a: None)
 signal.set_wakeup_fd(w)
-ids, out, stdin_open = {}, sys.stdout, True
+ids, stdin_open = {}, True
 def say(line):
     out.write(line + "\n")
     out.flush()
@@ -788,6 +853,7 @@ while stdin_open or ids:
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 os.close(r)
                 os.close(w)
+                os.close(out.fileno())
                 os.setsid()
                 fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
@@ -798,7 +864,10 @@ while stdin_open or ids:
                 os.close(nul)
                 os.chdir(req["cwd"])
                 if PREPARED and req.get("common") == PREPARED[0] and req.get("options") is not None:
-                    code = run_prepared(PREPARED[1], req["options"])
+                    if PREPARED[2] is not None:
+                        code = run_collected(PREPARED[1], PREPARED[2], req["options"])
+                    else:
+                        code = run_prepared(PREPARED[1], req["options"])
                 else:
                     code = int(pytest.main(req["args"]))
             except BaseException:

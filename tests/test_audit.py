@@ -352,9 +352,13 @@ def _probe_checks(tmp_path: Path) -> Path:
     d.mkdir()
     (d / "pytest.ini").write_text("[pytest]\n")
     (d / "conftest.py").write_text(
+        "import os\n"
         "def pytest_addoption(parser):\n"
         "    parser.addoption('--builder-expect')\n"
         "    parser.addoption('--builder-results')\n"
+        "def pytest_collection_finish(session):\n"
+        "    with open(os.path.join(os.path.dirname(__file__), 'collected.log'), 'a') as f:\n"
+        "        f.write(f'{os.getpid()}\\n')\n"
     )
     (d / "test_probe.py").write_text(
         "import json, os\n"
@@ -367,7 +371,7 @@ def _probe_checks(tmp_path: Path) -> Path:
     return d
 
 
-def test_zygote_parses_the_shared_config_once_and_each_host_sets_its_own(tmp_path: Path) -> None:
+def test_zygote_collects_the_checks_once_and_each_host_sets_its_own_options(tmp_path: Path) -> None:
     checks = _probe_checks(tmp_path)
     common = core.common_pytest_args(checks, ["probe"])
     runner = core.PytestRunner(checks)
@@ -392,6 +396,53 @@ def test_zygote_parses_the_shared_config_once_and_each_host_sets_its_own(tmp_pat
     assert [g["expect"] for g in got] == ["E0", "E1", "E2"]
     assert {g["hosts"] for g in got} == {"local://"} and len({g["pid"] for g in got}) == 3
     assert got[2]["invocation"] == [*other, *core.option_args(opts)]
+    # collected twice: once in the zygote for both prepared hosts, once by the third host's own pytest
+    collectors = (checks / "collected.log").read_text().split()
+    assert len(collectors) == 2 and collectors[1] == str(got[2]["pid"])
+    assert collectors[0] not in {str(g["pid"]) for g in got}
+
+
+def test_checks_on_testinfras_own_host_fixture_get_each_hosts_own_host(tmp_path: Path) -> None:
+    """A checks folder without builder's `host` fixture: testinfra parametrizes its checks by the
+    host while collecting, so they cannot be collected once for all hosts (collected there with no
+    host, they would run on this machine). Each host's fork collects its own."""
+    checks = _probe_checks(tmp_path)
+    (checks / "test_probe.py").write_text(
+        "import json\n"
+        "def test_probe(host, pytestconfig):\n"
+        "    with open(pytestconfig.option.builder_results, 'w') as f:\n"
+        "        json.dump({'host': host.backend.get_pytest_id()}, f)\n"
+    )
+    common = core.common_pytest_args(checks, ["probe"])
+    runner = core.PytestRunner(checks)
+    try:
+        runner.prepare(common)
+        got = []
+        for i, spec in enumerate(["docker://spark-a", "local://"]):  # (no command runs: nothing is contacted)
+            res = tmp_path / f"r{i}.json"
+            opts = {"hosts": spec, "builder_expect": "E", "builder_results": str(res)}
+            assert runner.run(common, opts, tmp_path / f"log{i}", checks, 60) == 0
+            got.append(json.loads(res.read_text())["host"])
+    finally:
+        runner.close()
+    assert got == ["docker://spark-a", "local"]
+    assert len((checks / "collected.log").read_text().split()) == 3  # the zygote's try, then each host
+
+
+def test_a_check_module_that_does_not_import_is_reported_by_every_host(tmp_path: Path) -> None:
+    """Collection in the zygote fails: each host collects for itself, and its log names the error."""
+    checks = _probe_checks(tmp_path)
+    (checks / "test_broken.py").write_text("import no_such_module_here\n")
+    common = core.common_pytest_args(checks, ["probe", "broken"])
+    runner = core.PytestRunner(checks)
+    try:
+        runner.prepare(common)
+        for i in range(2):
+            opts = {"hosts": "local://", "builder_expect": "E", "builder_results": str(tmp_path / f"r{i}.json")}
+            assert runner.run(common, opts, tmp_path / f"log{i}", checks, 60) == 2  # interrupted: collection error
+            assert "no_such_module_here" in (tmp_path / f"log{i}").read_text()
+    finally:
+        runner.close()
 
 
 def _targets(tmp_path: Path, ssh_config: str | None) -> list[Any]:
