@@ -44,23 +44,34 @@ def reset() -> None:
     _console = None
 
 
+def _plain(line: str) -> None:
+    # Without colour a line is just its text: rich (~60 ms to import) is not needed for it.
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def status(message: str) -> None:
     """A status line for people, on stderr."""
-    console().print(message, markup=False)
+    if color_enabled():
+        console().print(message, markup=False, emoji=False)
+    else:
+        _plain(message)
 
 
 def warn(message: str) -> None:
-    console().print(f"warning: {message}", markup=False, style="yellow")
+    if color_enabled():
+        console().print(f"warning: {message}", markup=False, emoji=False, style="yellow")
+    else:
+        _plain(f"warning: {message}")
 
 
 def error(message: str) -> None:
     """One line, no traceback."""
     first = message.splitlines()[0] if message else "error"
     if color_enabled():
-        console().print(f"error: {first}", markup=False, style="bold red")
+        console().print(f"error: {first}", markup=False, emoji=False, style="bold red")
     else:
-        sys.stderr.write(f"error: {first}\n")
-        sys.stderr.flush()
+        _plain(f"error: {first}")
 
 
 def data(text: str) -> None:

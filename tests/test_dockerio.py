@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 import tarfile
 import uuid
 from collections.abc import Iterator
@@ -128,3 +131,32 @@ def test_missing_image_and_bad_archive(tmp_path: Path) -> None:
         dockerio.load(junk)
     with pytest.raises(BuilderError, match="no such archive"):
         dockerio.load(tmp_path / "absent.tar")
+
+
+def _import_probe(docker_host: str | None) -> dict[str, bool]:
+    code = (
+        "import json, sys\n"
+        "from builder import dockerio\n"
+        "dockerio._import_docker()\n"
+        "import docker.transport as t\n"
+        "out = {'paramiko_loaded': 'paramiko' in sys.modules, 'ssh_transport': hasattr(t, 'SSHHTTPAdapter')}\n"
+        "import paramiko  # still importable afterwards\n"
+        "out['paramiko_after'] = 'paramiko' in sys.modules\n"
+        "print(json.dumps(out))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DOCKER_HOST"}
+    if docker_host:
+        env["DOCKER_HOST"] = docker_host
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out: dict[str, bool] = json.loads(r.stdout)
+    return out
+
+
+def test_the_sdk_loads_without_paramiko_unless_the_engine_is_reached_over_ssh() -> None:
+    pytest.importorskip("paramiko")
+    assert _import_probe(None) == {"paramiko_loaded": False, "ssh_transport": False, "paramiko_after": True}
+    assert _import_probe("unix:///var/run/docker.sock")["paramiko_loaded"] is False
+    # an ssh:// engine (a documentation address; nothing is contacted): the SDK's ssh transport is there
+    assert _import_probe("ssh://spark@192.0.2.10") == {"paramiko_loaded": True, "ssh_transport": True,
+                                                      "paramiko_after": True}
