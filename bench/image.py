@@ -11,6 +11,7 @@ Clean-up: the copy, the store, the bench tag and the image docker build made.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -57,6 +58,22 @@ def run(cfg: Config) -> list[Row]:
     own = REPO / ".cache" / "builder" / "images"
     if own.is_dir():
         shutil.copytree(own, store / "images", dirs_exist_ok=True)
+    # A first build needs the ziglang wheel and the copy has no .cache: add the project's own
+    # wheelhouse (where .ci/run downloads it) to any the environment names, for the builds and for
+    # _assemble (which assembles docker build's context in this process).
+    saved = os.environ.get("BUILDER_WHEELHOUSE")
+    wheels = [x for x in [saved or "", str(REPO / ".cache" / "wheelhouse")] if x]
+    os.environ["BUILDER_WHEELHOUSE"] = os.pathsep.join(wheels)
+    try:
+        return _timed(cfg, proj, store, b)
+    finally:
+        if saved is None:
+            del os.environ["BUILDER_WHEELHOUSE"]
+        else:
+            os.environ["BUILDER_WHEELHOUSE"] = saved
+
+
+def _timed(cfg: Config, proj: Path, store: Path, b: list[str]) -> list[Row]:
     try:
         sh([*b, "image", "demo"], cwd=proj)  # build once if needed (not timed)
     except RuntimeError as e:
