@@ -51,4 +51,9 @@ def run(cfg: Config) -> list[Row]:
         if status == "fail":
             note += "; heaviest imports: " + _heaviest_imports(argv)
         rows.append(Row(NAME, fig, secs(t), "", None, f"{target} s", status, note, {"seconds": t}))
+    # The floor under both: this interpreter's own start, with the site-packages .pth files it runs
+    # (an editable install's import finder, anything the machine adds), before builder runs at all.
+    t, _ = median_time(lambda: subprocess.run([sys.executable, "-c", "pass"], env=env), max(cfg.runs, 10), warmup=1)
+    rows.append(Row(NAME, "python3 -c pass (the interpreter's start: the floor under both)", secs(t), "", None, "",
+                    "report", "", {"seconds": t}))
     return rows

@@ -28,7 +28,6 @@ import hashlib
 import os
 import stat
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -109,6 +108,8 @@ def hash_files(
         return {p: sha256_file(p) for p in items}
     # Largest first, so one big file started last does not leave the other threads idle at the end.
     order = sorted(items, key=_size_or_zero, reverse=True)
+    from concurrent.futures import ThreadPoolExecutor  # (here: its import, logging's too, costs 8 ms)
+
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as ex:
         results = dict(zip(order, ex.map(sha256_file, order), strict=True))
     return {p: results[p] for p in items}
@@ -245,6 +246,8 @@ def _hash_and_compare(
     if n <= 1:
         results = [one(j) for j in jobs]
     else:
+        from concurrent.futures import ThreadPoolExecutor
+
         with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as ex:
             results = list(ex.map(one, jobs))
     return {i: p for i, p in results if p is not None}
