@@ -922,7 +922,8 @@ class PytestRunner:
             self.cond.notify_all()
 
     def prepare(self, common: list[str]) -> None:
-        """Have the zygote parse pytest's configuration for `common` once (see ZYGOTE)."""
+        """Have the zygote parse pytest's configuration for `common` and collect the checks, once
+        for every host (see ZYGOTE)."""
         with self.cond:
             self._send({"prepare": common})
 

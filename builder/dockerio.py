@@ -67,11 +67,15 @@ def _import_docker() -> Any:
     return docker
 
 
+# The SDK loads with this module, once, through _import_docker: every module that imports this
+# one does so where it is about to talk to the engine.
+docker = _import_docker()
+from docker.errors import DockerException, ImageNotFound, NotFound  # noqa: E402
+from requests.exceptions import RequestException  # noqa: E402
+
+
 def client() -> DockerClient:
     """A connected client for the engine the environment names; BuilderError if none answers."""
-    docker = _import_docker()
-    from docker.errors import DockerException
-
     key = os.environ.get("DOCKER_HOST", "")
     with _clients_lock:
         cached = _clients.get(key)
@@ -105,10 +109,6 @@ def image_store() -> str:
 
 
 def _call(what: str, fn: Callable[[], Any]) -> Any:
-    _import_docker()  # (first: see there)
-    from docker.errors import DockerException
-    from requests.exceptions import RequestException
-
     try:
         return fn()
     except BuilderError:
@@ -211,8 +211,6 @@ def build(
 
 def _remove_intermediates(short_ids: Sequence[str], *, keep: str | None) -> None:
     """Remove intermediate images, newest first (removing a leaf also drops its untagged parents)."""
-    _import_docker()  # (first: see there)
-    from docker.errors import DockerException
 
     api = client().api
     for sid in reversed(short_ids):
@@ -224,8 +222,6 @@ def _remove_intermediates(short_ids: Sequence[str], *, keep: str | None) -> None
 
 def image_inspect(ref: str) -> dict[str, Any] | None:
     """The engine's inspect record for ``ref``, or None when there is no such image."""
-    _import_docker()  # (first: see there)
-    from docker.errors import ImageNotFound, NotFound
 
     def inspect() -> dict[str, Any] | None:
         try:
@@ -248,9 +244,6 @@ def image_id(ref: str) -> str | None:
 
 def save(ref: str, *, chunk_size: int = SAVE_CHUNK) -> Iterator[bytes]:
     """Stream ``docker save ref`` (a docker-archive tar) in chunks."""
-    _import_docker()  # (first: see there)
-    from docker.errors import DockerException
-    from requests.exceptions import RequestException
 
     if image_inspect(ref) is None:
         raise BuilderError(f"docker save {ref}: no such image")
@@ -313,8 +306,6 @@ def tag(image: str, repo: str, tag_name: str) -> None:
 
 def remove(ref: str, *, force: bool = False) -> bool:
     """Remove an image (or untag a reference). False when it did not exist."""
-    _import_docker()  # (first: see there)
-    from docker.errors import ImageNotFound, NotFound
 
     def do() -> bool:
         try:
@@ -428,8 +419,6 @@ def logs(container: str) -> str:
 
 def stop(container: str) -> None:
     """Stop and remove a container started by ``start``; no error if it is already gone."""
-    _import_docker()  # (first: see there)
-    from docker.errors import NotFound
 
     def do() -> None:
         with contextlib.suppress(NotFound):

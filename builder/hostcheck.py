@@ -160,8 +160,9 @@ if sock is None:
     info = ["docker", "info", "--format", "{{json .}}"]
     cli(info if req["cmd"] == "info" else ["docker", "image", "inspect", *req["refs"]])
 # HTTP/1.0 by hand over the socket (http.client's imports, email and ssl among them, cost more
-# than the rest of a host's batch): the engine answers 1.0 without chunking and closes the
-# connection, so the response is everything read up to EOF.
+# than the rest of a host's batch; urllib.parse's quote, 4 ms more, is the three lines below):
+# the engine answers 1.0 without chunking and closes the connection, so the response is
+# everything read up to EOF.
 SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-~/:@")
 def quote(ref):
     return "".join(chr(b) if b in SAFE else "%%%02X" % b for b in ref.encode())

@@ -54,20 +54,23 @@ def python(script: str, arg: str) -> Cmd:
     return (PYTHON, script, arg)
 
 
-def docker_info() -> Cmd:
-    """Whether the engine answers (ServerErrors, ServerVersion) and its runtimes, as
-    `docker info --format '{{json .}}'` prints them (hostcheck.DOCKER_SCRIPT: no docker CLI run)."""
+def _docker(req: dict[str, Any]) -> Cmd:
+    """hostcheck.DOCKER_SCRIPT for one request: the engine's answer as the docker CLI prints it,
+    without running the CLI, each answer bounded by COMMAND_SECONDS."""
     from builder.hostcheck import DOCKER_SCRIPT, dumps
 
-    return python(DOCKER_SCRIPT, dumps({"cmd": "info", "seconds": COMMAND_SECONDS}))
+    return python(DOCKER_SCRIPT, dumps({**req, "seconds": COMMAND_SECONDS}))
+
+
+def docker_info() -> Cmd:
+    """Whether the engine answers (ServerErrors, ServerVersion) and its runtimes, as
+    `docker info --format '{{json .}}'` prints them."""
+    return _docker({"cmd": "info"})
 
 
 def inspect_images(refs: list[str]) -> Cmd:
-    """`docker image inspect REF...` for several references at once, as the CLI prints it
-    (hostcheck.DOCKER_SCRIPT: one Engine API connection, no docker CLI run)."""
-    from builder.hostcheck import DOCKER_SCRIPT, dumps
-
-    return python(DOCKER_SCRIPT, dumps({"cmd": "inspect", "refs": refs, "seconds": COMMAND_SECONDS}))
+    """`docker image inspect REF...` for several references at once (one Engine API connection)."""
+    return _docker({"cmd": "inspect", "refs": refs})
 
 
 def free_disk(path: str) -> Cmd:
