@@ -40,9 +40,11 @@ from typing import TYPE_CHECKING, Any
 
 from builder.canon import atomic_write, pretty_json
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, ConfigError
+from builder.sshtarget import parse_target, ssh_argv_tail, ssh_config_file
 
 if TYPE_CHECKING:  # builder.hosts brings pydantic: run_audit imports it after starting the zygote
     from builder.hosts import Fleet, Host
+    from builder.pins import Lane
 
 CONCERNS: tuple[str, ...] = (
     "image",
@@ -223,14 +225,8 @@ def select_targets(hosts_dir: Path, names: list[str], fleet: str | None) -> list
 
 
 def ssh_config_path(t: Target) -> Path | None:
-    if t.fleet.fleet.ssh_config is None:
-        return None
-    p = Path(t.fleet.fleet.ssh_config).expanduser()
-    if not p.is_absolute():
-        p = (t.path.parent / p).resolve()
-    if not p.is_file():
-        raise ConfigError(f"{t.path}: fleet.ssh_config: no such file: {p}")
-    return p
+    """The fleet's ssh_config (a relative path: from the fleet file's folder, as ship takes it)."""
+    return ssh_config_file(t.path, t.fleet.fleet.ssh_config)
 
 
 # ----------------------------------------------------------------------------- expectations
@@ -298,9 +294,10 @@ def _image_expectation(
     plan = make_plan(ctx.pins, ctx.lock, lane.image, opts.root)
     rec = read_record(opts.store, plan.address)
     if rec is None:
+        # (with a lock, the image checks fail with this: checklib.expected_image)
         return None, (
-            f"image {lane.image} is not built for this lock (no record for input address "
-            f"{plan.address[:16]} in {opts.store}); run `builder image {lane.image}`"
+            f"image {lane.image}: expected a build record for input address {plan.address[:16]} in "
+            f"{opts.store} (run `builder image {lane.image}`), found none"
         )
     return {
         "name": lane.image,
@@ -312,9 +309,17 @@ def _image_expectation(
     }, ""
 
 
-def model_root(host: Host, model_name: str) -> str:
-    """Where the install places a lane model's files on a host: <paths.models>/<model name>/."""
-    return f"{host.paths.models.rstrip('/')}/{model_name}"
+def _launch_expectation(fleet: Fleet, host: Host, lane_name: str, lane: Lane) -> tuple[dict[str, Any] | None, str]:
+    """How start.sh runs this rank (builder.launch, from the pins and inventory): the container's
+    name, its environment and its arguments."""
+    from builder.launch import container_name, rank_env, render_args
+
+    try:
+        env = rank_env(fleet, host, lane_name, lane)
+        args = render_args(fleet, host, lane_name, lane)
+    except ConfigError as e:
+        return None, str(e)
+    return {"container": container_name(lane_name, host.rank), "env": env, "args": args}, ""
 
 
 def build_expectations(
@@ -345,6 +350,8 @@ def build_expectations(
         "expect": h.expect.model_dump(mode="json"),
         "serve": None,
         "serve_reason": ctx.pins_reason,
+        "launch": None,
+        "launch_reason": ctx.pins_reason,
         "lock_hash": ctx.lock_hash,
         "lock_reason": ctx.lock_reason,
         "image": None,
@@ -356,20 +363,11 @@ def build_expectations(
         lane = ctx.pins.lanes[lane_name]
         exp["serve"] = lane.serve.model_dump(mode="json")
         exp["serve_reason"] = ""
+        exp["launch"], exp["launch_reason"] = _launch_expectation(f, h, lane_name, lane)
         if ctx.lock is not None:
-            models = []
-            for m in lane.models:
-                lm = ctx.lock.models[m]
-                spec = ctx.pins.models[m]
-                models.append(
-                    {
-                        "name": m,
-                        "role": spec.role,
-                        "root": model_root(h, m),
-                        "expect_files": spec.expect_files,
-                        "files": [{"path": x.path, "size": x.size, "sha256": x.sha256} for x in lm.files],
-                    }
-                )
+            from builder.placement import place_models
+
+            models = [m.to_json() for m in place_models(ctx.pins, ctx.lock, lane_name, h)]
             exp["models"] = models
             exp["models_reason"] = "" if models else f"lane {lane_name!r} has no models"
     if "image" in concerns or "release" in concerns:
@@ -379,14 +377,6 @@ def build_expectations(
 
 
 # ----------------------------------------------------------------------------- connections
-
-
-def _ssh_parts(target: str) -> tuple[str | None, str, str | None]:
-    user, _, rest = target.rpartition("@")
-    hostpart, port = rest, None
-    if rest.count(":") == 1:
-        hostpart, port = rest.split(":", 1)
-    return (user or None), hostpart, port
 
 
 def control_folder() -> Path:
@@ -481,16 +471,12 @@ def probe_argv(t: Target, opts: AuditOptions, conns: Connections) -> list[str] |
 
 
 def _ssh_argv(t: Target, opts: AuditOptions, conns: Connections, extra: list[str]) -> list[str]:
-    """ssh with the audit's options, then `extra`, then the host."""
-    h = t.host
+    """ssh with the audit's options, then `extra` (options), then `--` and the host; a remote
+    command, if any, goes after that."""
     cfg = ssh_config_path(t)
-    user, hostpart, port = _ssh_parts(h.ssh)
     argv = ["ssh"] + (["-F", str(cfg)] if cfg else []) + ssh_options(opts, conns.path(t), conns.persist)
-    if user:
-        argv += ["-l", user]
-    if port:
-        argv += ["-p", port]
-    return argv + extra + [hostpart]
+    tail = ssh_argv_tail(parse_target(t.host.ssh))
+    return argv + tail[:-2] + extra + tail[-2:]
 
 
 def _run_bounded(argv: list[str], limit: float) -> subprocess.CompletedProcess[str] | None:
@@ -511,12 +497,16 @@ def _run_bounded(argv: list[str], limit: float) -> subprocess.CompletedProcess[s
 
 def reuse(t: Target, opts: AuditOptions, conns: Connections) -> bool:
     """Whether an earlier audit's connection to the host is open and the host still answers on it:
-    one `true` through it, bounded like a new connection. A connection that is open but gets no
-    answer (the host went away without closing it) is closed here, so the probe starts afresh."""
+    one `true` through it, within --connect-timeout, as a new connection must answer within it
+    (ConnectTimeout). The `true` is two round trips (channel open, exec) and no key exchange, so
+    the bound leaves it no more room than a new connection's first answer: a host that became
+    too slow to reach afresh is not audited through an old connection either. A connection that
+    is open but gets no answer in time (the host went away without closing it, or the link got
+    slow) is closed here, so the probe starts afresh and says why the host is unreachable."""
     if t.host.connection != "ssh" or not conns.shared or not os.path.exists(conns.path(t)):
         return False
     try:
-        alive = _run_bounded(_ssh_argv(t, opts, conns, []) + ["true"], opts.connect_timeout + 5)
+        alive = _run_bounded(_ssh_argv(t, opts, conns, []) + ["true"], max(1.0, opts.connect_timeout))
     except OSError:  # no ssh here: the probe says so
         return False
     if alive is not None and alive.returncode == 0:
@@ -603,13 +593,21 @@ def pytest_host_options(t: Target, opts: AuditOptions, conns: Connections) -> di
         return {"hosts": "local://"}
     if h.connection == "docker":
         return {"hosts": f"docker://{h.ssh}"}
+    # testinfra's ssh backend (testinfra/backend/ssh.py, 10.x) runs, through /bin/sh,
+    #   ssh <ssh_extra_args> [-F cfg] [-o User=u] [-o Port=p] [-i key] [-o ConnectTimeout=...]
+    #       [-o ControlMaster=auto -o ControlPersist=...] [-o ControlPath=...] HOST COMMAND
+    # with no `--` before HOST. So the audit gives it the host alone (no user, port or ssh_config:
+    # those go into ssh_extra_args, with ConnectTimeout and ControlMaster, so testinfra adds none of
+    # its own options) and ends ssh_extra_args with `--`: testinfra's command is then
+    # `ssh <ours> -- HOST COMMAND`. The inventory's validation of Host.ssh (builder.sshtarget:
+    # no leading '-', no whitespace, no URL or shell characters) protects it as well, and is
+    # what protects the Ansible backend, whose ssh command line Ansible builds.
     cfg = ssh_config_path(t)
-    extra = ssh_options(opts, conns.path(t), conns.persist)
+    target = parse_target(h.ssh)
+    extra = (["-F", str(cfg)] if cfg else []) + ssh_options(opts, conns.path(t), conns.persist)
+    extra += ssh_argv_tail(target)[:-1]  # -l USER -p PORT --
     # (a shell command line: testinfra puts it into the ssh command it runs through /bin/sh)
-    out = {"hosts": f"ssh://{h.ssh}", "ssh_extra_args": " ".join(shlex.quote(x) for x in extra)}
-    if cfg:
-        out["ssh_config"] = str(cfg)
-    return out
+    return {"hosts": f"ssh://{target.url_host()}", "ssh_extra_args": " ".join(shlex.quote(x) for x in extra)}
 
 
 def option_args(options: dict[str, str]) -> list[str]:
@@ -674,10 +672,40 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def read_results(path: Path) -> tuple[str | None, list[CheckResult]]:
+def read_results(path: Path) -> tuple[str | None, list[CheckResult], list[str]]:
+    """What checks/conftest.py wrote: the lost connection (if any), each check's result, and one
+    line per check module that did not collect ("checks/test_x.py: ImportError: ...")."""
     data = json.loads(path.read_text())
     checks = [CheckResult(c["id"], c["concern"], c["status"], c.get("message", "")) for c in data["checks"]]
-    return data.get("unreachable"), checks
+    return data.get("unreachable"), checks, [str(e) for e in data.get("collect_errors") or []]
+
+
+def _log_hint(log_path: Path) -> str:
+    """The first line of a host's pytest log that mentions an error (else its last line)."""
+    lines = log_path.read_text(errors="replace").strip().splitlines() if log_path.exists() else []
+    tail = [ln.strip() for ln in lines if "error" in ln.lower()][:1] or lines[-1:]
+    return tail[0].strip() if tail else ""
+
+
+def results_problem(
+    code: int, checks: list[CheckResult], collect_errors: list[str], concerns: list[str], checks_dir: Path,
+    log_path: Path,
+) -> str:
+    """Why a host's results cannot stand for its checks (its status is then `error`), or "": a check
+    module did not collect, a selected concern ran no check (a module with no checks, or a run
+    that stopped first), or pytest ended otherwise than with passed or failed checks."""
+    if collect_errors:
+        more = f" (+{len(collect_errors) - 1} more)" if len(collect_errors) > 1 else ""
+        return collect_errors[0] + more
+    ran = {c.concern for c in checks}
+    missing = [f"{checks_dir.name}/test_{c}.py" for c in concerns if c not in ran]
+    if missing:
+        hint = _log_hint(log_path) if code not in (0, 1, 5) else ""
+        return f"no check ran from {', '.join(missing)} (pytest exit {code})" + (f": {hint}" if hint else "")
+    if code not in (0, 1):  # 0: all passed or skipped, 1: some failed
+        hint = _log_hint(log_path)
+        return f"the checks stopped (pytest exit {code})" + (f": {hint}" if hint else "")
+    return ""
 
 
 #: A small process that imports pytest and testinfra once and forks one pytest per host from
@@ -1020,6 +1048,7 @@ def run_host(
     hdir.mkdir(parents=True, exist_ok=True)
     exp_path, res_path, log_path = hdir / "expect.json", hdir / "results.json", hdir / "pytest.log"
     atomic_write(exp_path, pretty_json(exp))
+    res_path.unlink(missing_ok=True)  # (a kept workdir's last results must not stand for this run's)
     common = common_pytest_args(checks_dir, concerns)
     options = {
         **pytest_host_options(t, opts, conns),
@@ -1036,19 +1065,18 @@ def run_host(
         res.seconds = time.monotonic() - start
         return res
     try:
-        lost, checks = read_results(res_path)
-    except (OSError, ValueError, KeyError) as e:
-        lines = log_path.read_text(errors="replace").strip().splitlines() if log_path.exists() else []
-        tail = [ln.strip() for ln in lines if "error" in ln.lower()][:1] or lines[-1:]
+        lost, checks, collect_errors = read_results(res_path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
         res.status = "error"
-        res.message = f"the checks did not report (pytest exit {code}): " + (
-            tail[0] if tail else type(e).__name__
-        )
+        res.message = f"the checks did not report (pytest exit {code}): " + (_log_hint(log_path) or type(e).__name__)
         res.seconds = time.monotonic() - start
         return res
     res.checks = checks
+    problem = results_problem(code, checks, collect_errors, concerns, checks_dir, log_path)
     if lost:
         res.status, res.message = "unreachable", lost
+    elif problem:
+        res.status, res.message = "error", problem
     elif any(c.status == "fail" for c in checks):
         res.status = "drift"
     elif any(c.status == "error" for c in checks):
@@ -1294,13 +1322,13 @@ def ansible_hostvars(t: Target) -> dict[str, Any]:
         v["ansible_connection"] = "docker"
         v["ansible_host"] = h.ssh
     else:
-        user, hostpart, port = _ssh_parts(h.ssh)
+        user, hostpart, port = parse_target(h.ssh)
         v["ansible_connection"] = "ssh"
         v["ansible_host"] = hostpart
         if user:
             v["ansible_user"] = user
-        if port:
-            v["ansible_port"] = int(port)
+        if port is not None:
+            v["ansible_port"] = port
         cfg = ssh_config_path(t)
         if cfg:
             v["ansible_ssh_common_args"] = f"-F {shlex.quote(str(cfg))}"

@@ -43,10 +43,10 @@ from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
 from builder.launch import ModelMount, render_launch
 from builder.lock import Lock, LockedModel, load_lock, spec_hash
 from builder.pins import HfModel, Pins, load_pins
+from builder.placement import host_files
 
 DEFAULT_PART_SIZE = 256 * 1024 * 1024
 READ_SIZE = 4 * 1024 * 1024
-RANK_FILE_RE = re.compile(r"(?:^|[^A-Za-z0-9])r(?:ank)?(\d+)of(\d+)(?![0-9])")
 SIGNING_KEY_ENV = "BUILDER_SIGNING_KEY"
 
 
@@ -136,56 +136,13 @@ def load_context(pins_path: Path, lock_path: Path, store: Path) -> Context:
 # --------------------------------------------------------------------------- models for a rank
 
 
-def rank_of_file(path: str) -> tuple[int, int] | None:
-    """(k, n) when a file's name says it belongs to rank k of n (``r<k>of<n>`` / ``rank<k>of<n>``)."""
-    m = RANK_FILE_RE.search(path.rsplit("/", 1)[-1])
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def _safe_rel(path: str, where: str) -> str:
-    parts = path.split("/")
-    if path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in path or "\x00" in path:
-        raise ConfigError(f"{where}: file path {path!r} escapes its folder")
-    return path
-
-
 def rank_models(ctx: Context, fleet: Fleet, host: Host, lane_name: str) -> list[dict[str, Any]]:
-    """The model files this rank needs: {model, file, path (absolute on the host), size, sha256}."""
-    lane = ctx.pins.lanes[lane_name]
-    tp = lane.serve.tensor_parallel
-    out: list[dict[str, Any]] = []
-    for name in lane.models:
-        spec = ctx.pins.models[name]
-        lm = ctx.lock.models.get(name)
-        if lm is None:
-            raise ConfigError(f"models.{name}: not in the lock (run `builder lock {lane_name}`)")
-        if lm.spec_hash != spec_hash(spec):
-            raise ConfigError(f"models.{name}: changed since the lock (run `builder lock {lane_name}`)")
-        base = host.paths.engram if spec.role == "engram" else host.paths.models
-        for f in lm.files:
-            _safe_rel(f.path, f"lock: models.{name}")
-            rk = rank_of_file(f.path)
-            if rk is not None:
-                k, n = rk
-                if n != tp:
-                    raise ConfigError(
-                        f"models.{name}: file {f.path} is for {n} ranks but lane {lane_name} has "
-                        f"tensor_parallel = {tp}"
-                    )
-                if k >= n:
-                    raise ConfigError(f"models.{name}: file {f.path} names rank {k} of {n}")
-                if k != host.rank:
-                    continue
-            out.append(
-                {
-                    "model": name,
-                    "file": f.path,
-                    "path": f"{base.rstrip('/')}/{name}/{f.path}",
-                    "size": f.size,
-                    "sha256": f.sha256,
-                }
-            )
-    return sorted(out, key=lambda m: m["path"])
+    """The model files this rank needs (builder.placement): {model, file, path (absolute on the host),
+    size, sha256}, sorted by path."""
+    return [
+        {"model": f.model, "file": f.file, "path": f.path, "size": f.size, "sha256": f.sha256}
+        for f in host_files(ctx.pins, ctx.lock, lane_name, host)
+    ]
 
 
 def model_source(ctx: Context, name: str, spec: HfModel, lm: LockedModel, rel: str) -> Path:

@@ -11,20 +11,41 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import re
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+#: how a fact script tells BATCH_SCRIPT it is getting on (`tick()`: one byte to $BUILDER_PROGRESS_FD,
+#: which the batch gives it; a no-op when run on its own), so the batch's bound counts from its last
+#: progress rather than from its start. Goes after the script's `import os`.
+PROGRESS = r"""
+def _progress():
+    fd = os.environ.get("BUILDER_PROGRESS_FD")
+    if not fd:
+        return lambda: None
+    fd = int(fd)
+    os.set_blocking(fd, False)
+    def tick():
+        try:
+            os.write(fd, b".")
+        except OSError:  # a full pipe (progress enough) or a closed one
+            pass
+    return tick
+tick = _progress()
+"""
 
 #: stat (fast) or stat + sha256 (full) many files on the host, in parallel threads.
 #: argv[1] = JSON {"paths": [...], "hash": bool, "jobs": int}; prints JSON {path: {...}}.
 FILES_SCRIPT = r"""
 import json, os, sys
+""" + PROGRESS + r"""
 req = json.loads(sys.argv[1])
 def one(p):
     try:
         st = os.stat(p)
     except OSError as e:
         return p, {"error": e.strerror or str(e)}
+    finally:
+        tick()
     if not os.path.isfile(p):
         return p, {"error": "not a regular file"}
     r = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
@@ -38,6 +59,7 @@ def one(p):
                     if not b:
                         break
                     h.update(b)
+                    tick()
         except OSError as e:
             return p, {"error": e.strerror or str(e)}
         r["sha256"] = h.hexdigest()
@@ -54,13 +76,17 @@ sys.stdout.write(json.dumps(out))
 #: every regular file under some folders (relative paths), or null for a missing folder.
 LIST_SCRIPT = r"""
 import json, os, sys
+""" + PROGRESS + r"""
 out = {}
 for root in json.loads(sys.argv[1]):
-    if not os.path.isdir(root):
+    isdir = os.path.isdir(root)
+    tick()
+    if not isdir:
         out[root] = None
         continue
     files = []
     for d, dirs, names in os.walk(root):
+        tick()
         dirs.sort()
         for n in sorted(names):
             p = os.path.join(d, n)
@@ -229,62 +255,102 @@ sys.exit(rc)
 
 #: run many commands on the host at once and report each one's exit status and output.
 #: argv[1] = JSON list of items: a shell command line (a string), or ["py", line, script, arg] for a
-#: python3 fact script, which runs inside this process (sys.argv = ["-c", arg], its stdout and stderr kept) one
-#: after another while the shell commands run in threads. argv[2], if given, bounds each shell
-#: command's seconds: one that runs longer (a hung nvidia-smi, df on a stale NFS mount) is killed
-#: with its process group and answers exit status 124, so the other facts still come back. The
-#: python3 scripts have no bound (full mode hashes for minutes). Prints JSON {line: [rc, out, err]}, out
-#: and err base64 (a command's output need not be text). The checks read most of a host's facts
-#: through one call of this (checks/checklib.py prefetch): one ssh channel and one python3 start
-#: instead of one of each per fact, which is most of what an audit costs per host.
+#: python3 fact script, which runs as `python3 -I -S -c script arg` (this interpreter). Every item runs
+#: in a child process of its own session, in parallel threads. argv[2], if given, bounds each item's
+#: seconds: one that runs longer (a hung nvidia-smi, df or a stat on a stale NFS mount) is killed with
+#: its process group and answers exit status 124 ("builder: timed out after N s" on stderr), so the
+#: other facts still come back. A fact script may report progress (PROGRESS below: FILES_SCRIPT per
+#: file and per 8 MiB hashed, LIST_SCRIPT per folder); each report restarts its bound, so a full-mode
+#: hash that takes minutes keeps going while one stuck read or stat is killed N s after its last
+#: progress. Prints JSON {line: [rc, out, err]}, out and err base64 (a command's output need not be
+#: text). The checks read most of a host's facts through one call of this (checklib.py prefetch):
+#: one ssh channel instead of one per fact, which is most of what an audit costs per host.
 BATCH_SCRIPT = r"""
-import binascii, io, json, os, signal, subprocess, sys, threading
+import binascii, json, os, selectors, signal, subprocess, sys, threading, time
 def enc(rc, out, err):
     return [rc, binascii.b2a_base64(out, newline=False).decode(), binascii.b2a_base64(err, newline=False).decode()]
 limit = float(sys.argv[2]) if len(sys.argv) > 2 else None
-def sh(c):
+def child(argv, progress):
+    # progress: a pipe whose write end the script finds in $BUILDER_PROGRESS_FD; a byte on it
+    # restarts the bound
+    pr = pw = None
+    env = None
+    if progress:
+        pr, pw = os.pipe()
+        env = dict(os.environ, BUILDER_PROGRESS_FD=str(pw))
     try:
-        p = subprocess.Popen(["/bin/sh", "-c", c], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, start_new_session=True)
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True, env=env, pass_fds=(pw,) if progress else ())
     except OSError as e:
+        if pr is not None:
+            os.close(pr)
         return enc(127, b"", str(e).encode())
-    try:
-        out, err = p.communicate(timeout=limit)
-        return enc(p.returncode, out, err)
-    except subprocess.TimeoutExpired:
+    finally:
+        if pw is not None:
+            os.close(pw)
+    ofd, efd = p.stdout.fileno(), p.stderr.fileno()
+    bufs = {ofd: [], efd: []}
+    sel = selectors.DefaultSelector()
+    for fd in (ofd, efd) if pr is None else (ofd, efd, pr):
+        sel.register(fd, selectors.EVENT_READ)
+    def outputs_open():
+        m = sel.get_map()
+        return ofd in m or efd in m
+    def drain(until, restart):
+        # read what comes until both outputs end or `until` passes: (whether they ended, until)
+        while outputs_open():
+            left = None if until is None else until - time.monotonic()
+            if left is not None and left <= 0:
+                return False, until
+            for key, _ in sel.select(left):
+                b = os.read(key.fd, 65536)
+                if not b:
+                    sel.unregister(key.fd)
+                elif key.fd == pr:
+                    if restart and limit is not None:
+                        until = time.monotonic() + limit
+                else:
+                    bufs[key.fd].append(b)
+        return True, until
+    done, until = drain(None if limit is None else time.monotonic() + limit, True)
+    if done:
+        try:  # both outputs closed: it is exiting (or runs on without them, within the same bound)
+            rc = p.wait(timeout=None if until is None else max(0.0, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            done = False
+    if not done:
         try:
             os.killpg(p.pid, signal.SIGKILL)
         except OSError:
             pass
+        drain(time.monotonic() + 5, False)  # what it wrote before; one that cannot die (D state) keeps the pipes
         try:
-            out, err = p.communicate(timeout=5)
-        except subprocess.TimeoutExpired:  # a process that cannot die (D state) still holds the pipes
-            out, err = b"", b""
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    sel.close()
+    p.stdout.close()
+    p.stderr.close()
+    if pr is not None:
+        os.close(pr)
+    out, err = b"".join(bufs[ofd]), b"".join(bufs[efd])
+    if not done:
         return enc(124, out, err + f"builder: timed out after {limit:g} s\n".encode())
+    return enc(rc, out, err)
+def sh(c):
+    return child(["/bin/sh", "-c", c], False)
 def py(script, arg):
-    real, rerr, argv, out, err, rc = sys.stdout, sys.stderr, sys.argv, io.StringIO(), io.StringIO(), 0
-    sys.stdout, sys.stderr, sys.argv = out, err, ["-c", arg]
-    try:
-        exec(compile(script, "<string>", "exec"), {"__name__": "__main__"})
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        import traceback
-        rc = 1
-        err.write(traceback.format_exc())
-    finally:
-        sys.stdout, sys.stderr, sys.argv = real, rerr, argv
-    return enc(rc, out.getvalue().encode("utf-8", "surrogateescape"), err.getvalue().encode("utf-8", "surrogateescape"))
+    return child([sys.executable or "python3", "-I", "-S", "-c", script, arg], True)
 items = json.loads(sys.argv[1])
 res = {}
-def put(c):
-    res[c] = sh(c)
-threads = [threading.Thread(target=put, args=(i,)) for i in items if isinstance(i, str)]
+def put(i):
+    if isinstance(i, str):
+        res[i] = sh(i)
+    else:
+        res[i[1]] = py(i[2], i[3])
+threads = [threading.Thread(target=put, args=(i,)) for i in items]
 for t in threads:
     t.start()
-for i in items:
-    if not isinstance(i, str):
-        res[i[1]] = py(i[2], i[3])
 for t in threads:
     t.join()
 sys.stdout.write(json.dumps(res))
@@ -328,17 +394,6 @@ def parse_batch(text: str) -> dict[str, tuple[int, bytes, bytes]]:
             raise ValueError(f"batch output: bad entry for {cmd[:40]!r}")
         out[cmd] = (v[0], base64.b64decode(v[1]), base64.b64decode(v[2]))
     return out
-
-
-RANK_TAG_RE = re.compile(r"(?:^|[^a-z0-9])r(?:ank)?(\d{1,3})of(\d{1,3})(?=[^0-9]|$)", re.IGNORECASE)
-
-
-def rank_tag(name: str) -> tuple[int, int] | None:
-    """'engram-r1of2.bin' -> (1, 2); 'rank3of4-cache.bin' -> (3, 4); None when the name has no tag."""
-    m = RANK_TAG_RE.search(name.rsplit("/", 1)[-1])
-    if m is None:
-        return None
-    return int(m.group(1)), int(m.group(2))
 
 
 def roce_v2_gid(ipv4: str) -> str:

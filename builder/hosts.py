@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from builder.errors import ConfigError
 from builder.loader import read_toml, validate
+from builder.sshtarget import parse_target
 
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
 
@@ -77,7 +78,11 @@ class Expect(HStrict):
 
 class Host(HStrict):
     name: Name
-    ssh: str = Field(min_length=1, description="ssh target: [user@]host[:port] or an ssh_config alias")
+    ssh: str = Field(
+        min_length=1,
+        description="ssh target: [user@]host[:port], [user@][v6addr]:port or an ssh_config alias "
+        "(the container's name for connection = docker)",
+    )
     connection: Literal["ssh", "docker", "local"] = "ssh"
     rank: int = Field(ge=0, le=63)
     role: Literal["head", "worker"]
@@ -86,12 +91,19 @@ class Host(HStrict):
     paths: Paths = Paths()
     expect: Expect = Expect()
 
+    @field_validator("ssh")
+    @classmethod
+    def _ssh_target(cls, v: str) -> str:
+        # (every connection kind: a docker container's name goes into argv and testinfra's URL too)
+        parse_target(v)  # ValueError: one line, which the loader names hosts[i].ssh
+        return v
+
 
 class FleetInfo(HStrict):
     name: Name
     lane: Name
     trusted_key: str | None = Field(default=None, description="minisign public key file for bundles")
-    ssh_config: str | None = None
+    ssh_config: str | None = Field(default=None, description="relative paths: from this file's folder")
     note: str | None = None
 
 
@@ -137,7 +149,8 @@ def load_fleet(path: Path) -> Fleet:
     try:
         return validate(Fleet, raw, path)
     except ConfigError as e:
-        raise ConfigError(str(e).replace(": (top level): Value error, ", ": ")) from None
+        msg = str(e).replace(": (top level): Value error, ", ": ").replace(": Value error, ", ": ")
+        raise ConfigError(msg) from None
 
 
 def fleet_files(hosts_dir: Path) -> list[Path]:

@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -36,6 +35,7 @@ from builder import installer as inst
 from builder.bundle import public_key_for, read_public_key, signing_key_path, verify_with_key
 from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
 from builder.hosts import Fleet, Host, find_host
+from builder.sshtarget import parse_target, ssh_argv_tail, ssh_config_file
 
 MiB = 1024 * 1024
 
@@ -71,34 +71,15 @@ class ShipResult:
 # --------------------------------------------------------------------------- the remote end
 
 
-def parse_target(target: str) -> tuple[str | None, str, int | None]:
-    """'[user@]host[:port]' (or '[v6]:port') -> (user, host, port)."""
-    user = None
-    rest = target
-    if "@" in rest:
-        user, rest = rest.rsplit("@", 1)
-    m = re.fullmatch(r"\[([^\]]+)\](?::(\d+))?", rest)
-    if m:
-        return user, m.group(1), int(m.group(2)) if m.group(2) else None
-    if rest.count(":") == 1:
-        h, p = rest.split(":")
-        if p.isdigit():
-            return user, h, int(p)
-    return user, rest, None
-
-
 class Remote:
     """Runs shell commands on a host: over ssh, with `docker exec`, or locally (connection = local)."""
 
-    def __init__(self, root: Path, fleet: Fleet, host: Host, connect_timeout: int = 10) -> None:
+    def __init__(self, fleet_file: Path, fleet: Fleet, host: Host, connect_timeout: int = 10) -> None:
+        """`fleet_file`: the inventory file `fleet` was read from (a relative ssh_config is taken
+        from its folder, as the audit takes it)."""
         self.host = host
         self.kind = host.connection
-        self.ssh_config: Path | None = None
-        if fleet.fleet.ssh_config:
-            p = Path(fleet.fleet.ssh_config)
-            self.ssh_config = p if p.is_absolute() else root / p
-            if not self.ssh_config.is_file():
-                raise ConfigError(f"fleet {fleet.fleet.name}: ssh_config {self.ssh_config} not found")
+        self.ssh_config = ssh_config_file(fleet_file, fleet.fleet.ssh_config)
         self.connect_timeout = connect_timeout
 
     def argv(self, command: str) -> list[str]:
@@ -106,7 +87,6 @@ class Remote:
             return ["sh", "-c", command]
         if self.kind == "docker":
             return ["docker", "exec", "-i", self.host.ssh, "sh", "-c", command]
-        user, hostname, port = parse_target(self.host.ssh)
         argv = ["ssh"]
         if self.ssh_config is not None:
             argv += ["-F", str(self.ssh_config)]
@@ -120,11 +100,7 @@ class Remote:
             "-o",
             "ServerAliveCountMax=3",
         ]
-        if port is not None:
-            argv += ["-p", str(port)]
-        if user:
-            argv += ["-l", user]
-        return [*argv, "--", hostname, command]
+        return [*argv, *ssh_argv_tail(parse_target(self.host.ssh)), command]  # (... -- HOST COMMAND)
 
     def run(
         self, command: str, *, timeout: float, stdin: bytes | IO[bytes] | None = None, what: str = ""
@@ -244,14 +220,14 @@ def _meta_files(bdir: Path) -> list[tuple[str, int, str]]:
 
 def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
     """Ship HOST's bundle (project root = the folder of pins.toml; inventories in root/hosts)."""
-    _, fleet, host = find_host(root / "hosts", host_ref)
+    fleet_file, fleet, host = find_host(root / "hosts", host_ref)
     bdir, manifest, key = _load_bundle(root, fleet, host, opts)
     if opts.to is not None:
         return ship_to_dir(
             bdir, manifest, opts.to / fleet.fleet.name / host.name, key if not opts.insecure else None
         )
     bid = manifest["bundle_id"]
-    remote = Remote(root, fleet, host, opts.connect_timeout)
+    remote = Remote(fleet_file, fleet, host, opts.connect_timeout)
     hroot = host.paths.bundles
     script = inst.assemble()
     res = ShipResult(host=host.name, fleet=fleet.fleet.name, bundle_id=bid, result="")

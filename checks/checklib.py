@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
+
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
 #: results of the commands the prefetch ran, by command line (see prefetch)
 RAN: dict[str, Any] = {}
@@ -24,6 +26,23 @@ def need(value: Any, reason: str) -> Any:
     if value is None or value == [] or value == {}:
         pytest.skip(reason or "no expectation for this check")
     return value
+
+
+def require(value: Any, message: str) -> Any:
+    """The value, or fail the check with `message` ("expected X ..., found none"): for a value
+    whose absence is itself drift (a real Spark always has it), where `need` would skip."""
+    if value is None or value == [] or value == {}:
+        pytest.fail(message)
+    return value
+
+
+def expected_image(expect: dict[str, Any]) -> dict[str, Any]:
+    """The image build record the lock expects. Without a lock there is nothing to compare (skip);
+    with one, a missing record fails: nothing else would compare the host's image with the lock."""
+    why = expect.get("image_reason") or "no image expected"
+    if expect.get("lock_hash") is None:
+        return need(expect.get("image"), why)
+    return require(expect.get("image"), why)
 
 
 # ----------------------------------------------------------------------------- commands and prefetch
@@ -73,6 +92,22 @@ def inspect_images(refs: list[str]) -> Cmd:
     return _docker({"cmd": "inspect", "refs": refs})
 
 
+def lane_containers(lane: str, rank: int) -> Cmd:
+    """`docker container inspect` of every container (running or not) that start.sh made for this
+    lane and rank (by its labels, builder.launch), `[]` when there is none."""
+    return (
+        f'ids=$(docker ps -aq --filter label={LABEL_LANE}=%s --filter label={LABEL_RANK}=%s) && '
+        'if [ -n "$ids" ]; then docker container inspect $ids; else echo "[]"; fi',
+        lane,
+        str(rank),
+    )
+
+
+def container_pids(container_id: str) -> Cmd:
+    """The host PIDs of a container's processes (`docker top`)."""
+    return ("docker top %s -eo pid", container_id)
+
+
 def free_disk(path: str) -> Cmd:
     # the nearest existing folder above the path holds the filesystem it will use
     return ('p=%s; while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname "$p"); done; df -Pk "$p" | tail -n 1', path)
@@ -92,10 +127,10 @@ def lookup_commands(names: list[str]) -> Cmd:
 
 
 def model_files_commands(expect: dict[str, Any]) -> list[Cmd]:
-    """The FILES_SCRIPT calls that stat (fast) or hash (full) every model file the lock lists."""
+    """The FILES_SCRIPT calls that stat (fast) or hash (full) every model file this rank holds."""
     from builder.hostcheck import FILES_SCRIPT, batches, dumps
 
-    paths = [f"{m['root']}/{f['path']}" for m in expect.get("models") or [] for f in m["files"]]
+    paths = [f["path"] for m in expect.get("models") or [] for f in m["files"]]
     full = expect.get("mode") == "full"
     jobs = expect.get("hash_jobs", 4)
     return [python(FILES_SCRIPT, dumps({"paths": c, "hash": full, "jobs": jobs})) for c in batches(paths)]
@@ -152,8 +187,10 @@ def planned(expect: dict[str, Any]) -> list[Cmd]:
             cmds.append(free_disk(expect["paths"]["models"]))
     if "runtime" in concerns and want.get("docker"):
         cmds.append(docker_info())
-    if "runtime" in concerns and expect.get("phase") == "preflight" and expect["host"]["role"] == "head":
+    if "runtime" in concerns and expect["host"]["role"] == "head":
         cmds.append(LISTENERS)
+    if concerns & {"runtime", "serving", "gpu"} and want.get("docker"):
+        cmds.append(lane_containers(expect["lane"], expect["host"]["rank"]))
     return cmds
 
 
@@ -225,6 +262,40 @@ def read_applied(host: Any, expect: dict[str, Any]) -> tuple[dict[str, Any] | No
             out = (None, f"{key}: malformed JSON ({getattr(e, 'msg', e)})")
     APPLIED_CACHE[key] = out
     return out
+
+
+def lane_container(host: Any, expect: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The one container of this host's lane and rank (docker inspect), or None and why: none,
+    several, or no answer from docker."""
+    r = run(host, *lane_containers(expect["lane"], expect["host"]["rank"]))
+    if r.rc != 0:
+        err = (r.stderr or r.stdout).strip().splitlines()
+        return None, f"docker gave no answer (exit {r.rc}: {err[-1] if err else 'no output'})"
+    try:
+        found = json.loads(r.stdout or "[]")
+    except ValueError:
+        return None, "docker container inspect: output is not JSON"
+    name = f"lane {expect['lane']} rank {expect['host']['rank']}"
+    if not found:
+        return None, f"no container of {name}"
+    if len(found) > 1:
+        return None, f"{len(found)} containers of {name}: {', '.join(str(c.get('Name')) for c in found)}"
+    return found[0], ""
+
+
+def lane_owns_running_release(host: Any, expect: dict[str, Any]) -> tuple[bool, str]:
+    """Whether this rank's container is running the installed release (the apply record's bundle),
+    so that what it holds (the API port, the GPU) is the lane's own; and a word on what was found."""
+    c, why = lane_container(host, expect)
+    if c is None:
+        return False, why
+    rec, _ = read_applied(host, expect)
+    bundle = (c.get("Config") or {}).get("Labels", {}).get(LABEL_BUNDLE)
+    if not (c.get("State") or {}).get("Running"):
+        return False, f"container {c.get('Name')} is not running"
+    if rec is None or bundle != rec.get("bundle_id"):
+        return False, f"container {c.get('Name')} runs bundle {str(bundle)[:16]}, not the installed release"
+    return True, f"container {c.get('Name')} of the installed release"
 
 
 def exists(host: Any, name: str) -> bool:

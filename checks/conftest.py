@@ -2,11 +2,15 @@
 
 Expectations come in a JSON file (`--builder-expect`) that `builder audit` wrote from the lock,
 the inventory and the image record; nothing here reads an expectation from the host. The
-results go to `--builder-results` as JSON: one entry per check with status and message.
+results go to `--builder-results` as JSON: one entry per check with status and message, one line per check
+module that did not collect (`collect_errors`: "checks/test_x.py: ImportError: ..."), and pytest's
+exit status; `builder audit` reports a host whose modules did not collect, or that ran no check of
+a selected concern, as `error`.
 
 Rules every check follows: an assertion message says `expected X, found Y` (the checks run with
 `--assert=plain`, so a bare `assert a == b` would report only "assertion failed"); a check whose
-hardware or input is absent calls `pytest.skip(reason)` (never passes); every remote command is
+hardware or input is absent calls `pytest.skip(reason)` (never passes, `checklib.need`), unless a
+real Spark always has it: then it fails saying what was expected (`checklib.require`); every remote command is
 built by a checklib function and run through `checklib.run`, so that the prefetch (one remote
 call before the first check, running every command the selected checks will need) answers it.
 """
@@ -20,7 +24,7 @@ from typing import Any
 import pytest
 from checklib import prefetch, read_applied
 
-_STATE: dict[str, Any] = {"unreachable": None, "results": {}, "order": []}
+_STATE: dict[str, Any] = {"unreachable": None, "results": {}, "order": [], "collect_errors": [], "root": "checks"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -203,11 +207,36 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         entry["message"] = _message(call.excinfo) if call.excinfo is not None else str(rep.longrepr)[:300]
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # (the audit's zygote may have tried a collection of its own before this host's: start afresh)
+    _STATE["collect_errors"] = []
+    _STATE["root"] = session.config.rootpath.name
+
+
+def _collect_message(report: pytest.CollectReport) -> str:
+    """The error of a module that did not collect, in one line: the exception pytest shows last
+    (its `E   ` lines, or a plain traceback's last line)."""
+    lines = [ln.rstrip() for ln in str(report.longrepr).splitlines() if ln.strip()]
+    marked = [ln[1:].strip() for ln in lines if ln.startswith("E ")]
+    return (marked or lines or ["collection failed"])[-1][:300]
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.failed:
+        where = f"{_STATE['root']}/{report.nodeid}" if report.nodeid else _STATE["root"]
+        _STATE["collect_errors"].append(f"{where}: {_collect_message(report)}")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     path = session.config.getoption("builder_results")
     if not path:
         return
-    data = {"unreachable": _STATE["unreachable"], "checks": [_STATE["results"][c] for c in _STATE["order"]]}
+    data = {
+        "unreachable": _STATE["unreachable"],
+        "checks": [_STATE["results"][c] for c in _STATE["order"]],
+        "collect_errors": _STATE["collect_errors"],
+        "exitstatus": int(exitstatus),
+    }
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)

@@ -1,9 +1,9 @@
 """Fabric (RoCE): /dev/infiniband, the RDMA device names, a RoCE v2 GID whose address is each rail's
 IPv4 (from sysfs), ports ACTIVE, interface MTU, exactly one IPv4 per rail interface.
 
-All facts come from one remote python3 read of sysfs plus `ip -j -4 addr`. A host with no
-/dev/infiniband whose inventory names no RDMA device or rail skips (the hardware is absent);
-one whose inventory names them fails.
+All facts come from one remote python3 read of sysfs plus `ip -j -4 addr`. A host whose
+inventory says `expect.rdma = false` skips; one that expects RDMA (the default: a Spark has its
+ConnectX-7) and has no RDMA device in /sys/class/infiniband fails.
 """
 
 from __future__ import annotations
@@ -27,13 +27,11 @@ def fab(expect: dict[str, Any]) -> dict[str, Any]:
 def facts(host: Any, fab: dict[str, Any]) -> dict[str, Any]:
     found: dict[str, Any] = remote_json(host, FABRIC_SCRIPT, "/sys")
     if not found["rdma"]:
-        if fab["rdma_devices"] or fab["rails"]:
-            pytest.fail(
-                f"RDMA devices: expected (devices {', '.join(fab['rdma_devices']) or '-'}, rails "
-                f"{', '.join(fab['rails']) or '-'}), found none in /sys/class/infiniband"
-            )
         dev = "/dev/infiniband present" if found["dev_infiniband"] else "no /dev/infiniband"
-        pytest.skip(f"no RDMA device in /sys/class/infiniband ({dev}); the inventory names no device or rail")
+        pytest.fail(
+            f"expected RDMA devices (expect.rdma = true; devices {', '.join(fab['rdma_devices']) or '-'}, "
+            f"rails {', '.join(fab['rails']) or '-'}), found none in /sys/class/infiniband ({dev})"
+        )
     return found
 
 

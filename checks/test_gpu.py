@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from checklib import argv_command, exists, need, run
+from checklib import argv_command, container_pids, exists, lane_container, lane_owns_running_release, need, run
 
 if TYPE_CHECKING:  # builder.gpu imports pydantic: only load it where a host has nvidia-smi
     from builder import gpu as G
@@ -97,10 +97,18 @@ def test_clock_event_reasons(report: G.GpuReport) -> None:
         )
 
 
-def test_no_other_compute_process(report: G.GpuReport, expect: dict[str, Any]) -> None:
-    if expect.get("phase") != "preflight":
-        pytest.skip("the lane's own engine may hold the GPU after start (checked in --phase preflight)")
-    apps = [f"pid {a.pid} {a.process_name}" for a in report.compute_apps]
-    assert not apps, (
-        f"compute processes: expected none before start, found {len(apps)}: {', '.join(apps[:3])}"
+def test_no_other_compute_process(host: Any, report: G.GpuReport, expect: dict[str, Any]) -> None:
+    """No compute process on the GPU but the lane's own: before start none at all; once the lane
+    serves, only processes of this rank's container running the installed release."""
+    apps = report.compute_apps
+    if apps and expect["expect"]["docker"]:
+        ours, _ = lane_owns_running_release(host, expect)
+        if ours:
+            c, _ = lane_container(host, expect)
+            r = run(host, *container_pids(str((c or {}).get("Id"))))
+            pids = {int(w) for w in r.stdout.split() if w.isdigit()} if r.rc == 0 else set()
+            apps = [a for a in apps if a.pid not in pids]
+    shown_apps = [f"pid {a.pid} {a.process_name}" for a in apps]
+    assert not shown_apps, (
+        f"compute processes: expected none but the lane's own, found {len(shown_apps)}: {', '.join(shown_apps[:3])}"
     )

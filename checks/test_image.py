@@ -2,7 +2,9 @@
 
 The expected image is the one `builder image` recorded for the lock's input address (ImageID =
 sha256 of the config, DiffIDs = the uncompressed layers); every host is compared with that one
-record, so "the same layers on every host" holds exactly when every host passes.
+record, so "the same layers on every host" holds exactly when every host passes. With a lock
+but no such record in the operator's store the checks fail (nothing else compares the host's
+image with the lock); only without a lock do they skip.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import json
 from typing import Any
 
 import pytest
-from checklib import exists, inspect_images, need, run
+from checklib import exists, expected_image, inspect_images, need, run
 
 _CACHE: dict[str, Any] = {}
 
@@ -46,7 +48,7 @@ def _inspect(host: Any, ref: str, image: dict[str, Any]) -> dict[str, Any] | Non
 
 @pytest.fixture(scope="module")
 def image(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
-    img: dict[str, Any] = need(expect.get("image"), expect.get("image_reason") or "no image expected")
+    img = expected_image(expect)  # (no build record for the lock's input address: fail)
     if not exists(host, "docker"):
         pytest.fail(f"docker CLI: expected on PATH to inspect image {img['image_id'][:19]}, found none")
     return img

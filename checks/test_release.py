@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from checklib import cat, need, read_applied, remote_json, run
+from checklib import cat, expected_image, need, read_applied, remote_json, require, run
 
 from builder.hostcheck import FILES_SCRIPT, dumps, shown
 
@@ -39,7 +39,7 @@ def test_record_lock(record: dict[str, Any], expect: dict[str, Any]) -> None:
 
 
 def test_record_image(record: dict[str, Any], expect: dict[str, Any]) -> None:
-    img = need(expect.get("image"), expect.get("image_reason") or "no image expected")
+    img = expected_image(expect)
     got = record.get("image") or {}
     for k in ("input_address", "image_id", "diff_ids"):
         assert got.get(k) == img[k], (
@@ -48,7 +48,9 @@ def test_record_image(record: dict[str, Any], expect: dict[str, Any]) -> None:
 
 
 def test_manifest_hash(host: Any, record: dict[str, Any], expect: dict[str, Any]) -> None:
-    want = need(record.get("manifest_sha256"), "the apply record names no manifest hash")
+    want = require(
+        record.get("manifest_sha256"), "apply record: expected manifest_sha256 (the manifest's hash), found none"
+    )
     path = f"{expect['current_path']}/manifest.json"
     r = run(host, *cat(path))
     assert r.rc == 0, f"{path}: expected present, found absent"
@@ -62,7 +64,9 @@ def test_manifest_hash(host: Any, record: dict[str, Any], expect: dict[str, Any]
 
 
 def test_launch_files_unchanged(host: Any, record: dict[str, Any], expect: dict[str, Any]) -> None:
-    files = need(record.get("files"), "the apply record lists no release files")
+    files = require(
+        record.get("files"), f"apply record: expected files (the release files, {', '.join(LAUNCH_FILES)}), found none"
+    )
     cur = expect["current_path"]
     paths = [f"{cur}/{f['path']}" for f in files]
     got = remote_json(host, FILES_SCRIPT, dumps({"paths": paths, "hash": True, "jobs": 4}))

@@ -1,4 +1,5 @@
-"""After start (--phase serving): /health answers, /v1/models lists the served name, and a one-token
+"""After start (--phase serving): every rank runs the installed release (its container up, from the lock's
+image and the bundle's launch files); on the head /health answers, /v1/models lists the served name, and a one-token
 completion comes back. Run on the head, from the head itself (the API may listen on loopback)."""
 
 from __future__ import annotations
@@ -6,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import need, remote_json
+from checklib import LABEL_BUNDLE, lane_container, need, read_applied, remote_json
 
-from builder.hostcheck import dumps
+from builder.hostcheck import dumps, shown
 
 SERVE_SCRIPT = r"""
 import json, sys, urllib.request
@@ -71,3 +72,35 @@ def test_one_token_completion(api: dict[str, Any]) -> None:
     body = json.loads(_ok(api, "completion", "/v1/completions"))
     choices = body.get("choices") or []
     assert choices, f"/v1/completions: expected a choice, found {str(body)[:120]}"
+
+
+def test_rank_runs_the_release(host: Any, expect: dict[str, Any]) -> None:
+    """Every rank (not only the head): its container is up, runs the lock's image, was started from
+    the installed bundle, with the environment and arguments that bundle's launch files give."""
+    launch = need(expect.get("launch"), expect.get("launch_reason") or "lane settings unknown")
+    img = expect.get("image")
+    c, why = lane_container(host, expect)
+    rank = expect["host"]["rank"]
+    assert c is not None, f"rank {rank}: expected container {launch['container']} running, found {why}"
+    name = str(c.get("Name", "")).lstrip("/")
+    state = c.get("State") or {}
+    assert state.get("Running"), (
+        f"{name}: expected running, found {state.get('Status')} (exit code {state.get('ExitCode')})"
+    )
+    if img is not None:
+        got = str(c.get("Image"))
+        assert got == img["image_id"], f"{name}: expected image {img['image_id'][:19]}, found {got[:19]}"
+    config = c.get("Config") or {}
+    rec, rec_why = read_applied(host, expect)
+    want_bundle = (rec or {}).get("bundle_id")
+    got_bundle = (config.get("Labels") or {}).get(LABEL_BUNDLE)
+    assert rec is not None and got_bundle == want_bundle, (
+        f"{name}: expected bundle {str(want_bundle)[:16] if rec else '(' + rec_why + ')'}, found {str(got_bundle)[:16]}"
+    )
+    env = dict(e.split("=", 1) for e in config.get("Env") or [] if "=" in e)
+    bad = [f"{k}={v!r} (found {env.get(k)!r})" for k, v in launch["env"].items() if env.get(k) != v]
+    assert not bad, f"{name} environment: expected {shown(bad, 2)}"
+    if launch["args"]:
+        assert (config.get("Cmd") or []) == launch["args"], (
+            f"{name} arguments: expected {launch['args']}, found {config.get('Cmd')}"
+        )

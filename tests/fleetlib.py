@@ -531,12 +531,16 @@ class Fleet:
 TestFleet = Fleet  # the name in the brief; pytest does not collect it (__test__ = False)
 
 
-def close_kept_connections(folder: Path) -> None:
-    """Close the ssh connections that audits kept open (`--ssh-persist`) in `folder`, and remove it."""
+def close_kept_connections(folder: Path, remove: bool = True) -> None:
+    """Close the ssh connections that audits kept open (`--ssh-persist`) in `folder`, and remove it
+    (unless `remove` is false)."""
+    if not folder.is_dir():
+        return
     for sock in (s for s in folder.iterdir() if s.is_socket()):
-        subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "unused"], capture_output=True,
-                       stdin=subprocess.DEVNULL, timeout=30, check=False)
-    shutil.rmtree(folder, ignore_errors=True)
+        subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "--", "unused"],
+                       capture_output=True, stdin=subprocess.DEVNULL, timeout=30, check=False)
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _remove_fleet(network: str) -> None:

@@ -307,10 +307,13 @@ def test_local_gpu_absent(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_local_models_engram_release_without_install(tmp_path: Path) -> None:
-    """Nothing installed: model files absent fail, the apply record's absence fails release."""
+    """Nothing installed: model files absent fail, the apply record's absence fails release, the
+    image's missing build record (a lock, no `builder image`) fails the image checks."""
     root, env = local_project(tmp_path, "docker = false\ngpu_count = 0\n")
-    rc, data, err = run_local(root, env, "--only", "models,release,engram,memory,storage", "--mode", "full")
+    rc, data, err = run_local(root, env, "--only", "models,release,engram,memory,storage,image", "--mode", "full")
     checks = data["hosts"]["me"]["checks"]
+    assert checks["image::present_by_id"]["status"] == "fail"
+    assert "expected a build record for input address" in checks["image::present_by_id"]["message"]
     assert checks["models::files_present"]["status"] == "fail"
     assert str(tmp_path / "m" / "tiny" / "config.json") in checks["models::files_present"]["message"]
     assert checks["release::record_identity"]["status"] == "fail"
@@ -325,10 +328,54 @@ def test_local_without_lock_skips_lock_checks(tmp_path: Path) -> None:
     rc, data, err = run_local(root, env, "--only", "models,release,image,gpu")
     checks = data["hosts"]["me"]["checks"]
     assert rc == 0, err
-    for c in ("models::files_present", "release::record_identity", "image::present_by_id"):
+    for c in ("models::files_present", "release::record_identity", "release::record_image", "image::present_by_id",
+              "image::diff_ids"):
         assert checks[c]["status"] == "skip" and "no lock file" in checks[c]["message"], (c, checks[c])
     assert checks["gpu::name"]["status"] == "skip"  # no gpu_name expected here
     assert checks["gpu::count"]["status"] == "pass"
+
+
+def test_local_missing_inputs_fail_rather_than_skip(tmp_path: Path) -> None:
+    """With a lock: no build record for its image, and an apply record without `files` or
+    `manifest_sha256`, fail saying what was expected (a real Spark has them)."""
+    root, env = local_project(tmp_path, "docker = false\ngpu_count = 0\n")
+    from builder.lock import load_lock
+
+    lock_hash = load_lock(root / "pins.lock").lock_hash()
+    rec = {"host": "me", "fleet": "l", "lane": "demo", "rank": 0, "lock_hash": lock_hash, "image": {}}
+    (tmp_path / "b" / "state").mkdir(parents=True)
+    (tmp_path / "b" / "state" / "applied.json").write_text(json.dumps(rec))
+    rc, data, err = run_local(root, env, "--only", "image,release")
+    checks = data["hosts"]["me"]["checks"]
+    assert rc == 1, err
+    want = "image demo: expected a build record for input address "
+    for c in ("image::present_by_id", "image::tag_points_at_image", "image::diff_ids", "image::labels",
+              "release::record_image"):
+        assert checks[c]["status"] == "fail" and checks[c]["message"].startswith(want), (c, checks[c])
+        assert "(run `builder image demo`), found none" in checks[c]["message"]
+    assert checks["release::manifest_hash"] == {
+        "status": "fail", "message": "apply record: expected manifest_sha256 (the manifest's hash), found none"}
+    assert checks["release::launch_files_unchanged"] == {
+        "status": "fail",
+        "message": "apply record: expected files (the release files, start.sh, stop.sh, rank.env), found none"}
+    assert checks["release::record_identity"]["status"] == checks["release::record_lock"]["status"] == "pass"
+
+
+@pytest.mark.skipif(any(Path("/sys/class/infiniband").glob("*")), reason="this machine has RDMA devices")
+def test_local_rdma_expected_but_absent_fails(tmp_path: Path) -> None:
+    root, env = local_project(tmp_path, "docker = false\ngpu_count = 0\n")  # (expect.rdma: true by default)
+    rc, data, err = run_local(root, env, "--only", "fabric")
+    checks = data["hosts"]["me"]["checks"]
+    assert rc == 1, err
+    for c, v in checks.items():
+        assert v["status"] == "fail" and v["message"].startswith("expected RDMA devices (expect.rdma = true"), (c, v)
+        assert "found none in /sys/class/infiniband" in v["message"]
+    f = root / "hosts" / "l.toml"
+    f.write_text(f.read_text().replace("docker = false", "docker = false\nrdma = false"))
+    rc, data, err = run_local(root, env, "--only", "fabric")
+    assert rc == 0, err
+    for v in data["hosts"]["me"]["checks"].values():
+        assert v == {"status": "skip", "message": "RDMA not expected on this host (expect.rdma = false)"}
 
 
 def test_a_dead_zygote_falls_back_to_one_process_per_host(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -429,20 +476,84 @@ def test_checks_on_testinfras_own_host_fixture_get_each_hosts_own_host(tmp_path:
     assert len((checks / "collected.log").read_text().split()) == 3  # the zygote's try, then each host
 
 
-def test_a_check_module_that_does_not_import_is_reported_by_every_host(tmp_path: Path) -> None:
-    """Collection in the zygote fails: each host collects for itself, and its log names the error."""
-    checks = _probe_checks(tmp_path)
-    (checks / "test_broken.py").write_text("import no_such_module_here\n")
-    common = core.common_pytest_args(checks, ["probe", "broken"])
-    runner = core.PytestRunner(checks)
-    try:
-        runner.prepare(common)
-        for i in range(2):
-            opts = {"hosts": "local://", "builder_expect": "E", "builder_results": str(tmp_path / f"r{i}.json")}
-            assert runner.run(common, opts, tmp_path / f"log{i}", checks, 60) == 2  # interrupted: collection error
-            assert "no_such_module_here" in (tmp_path / f"log{i}").read_text()
-    finally:
-        runner.close()
+def two_local_hosts(tmp_path: Path, checks: dict[str, str]) -> core.AuditOptions:
+    """A fleet `l` of two hosts on this machine, audited with a copy of the real checks/ (its
+    conftest and checklib) whose modules are `checks` (name -> source; "" for the real module)."""
+    paths = auditlib.make_project(tmp_path / "proj")
+    me = auditlib.local_host(tmp_path)
+    hosts = [me, {**me, "name": "me2", "rank": 1, "role": "worker"}]
+    (paths["hosts"] / "l.toml").write_text(auditlib.fleet_toml("l", hosts, expect="docker = false\n"))
+    d = tmp_path / "checks"
+    d.mkdir()
+    for name in ("conftest.py", "checklib.py", "pytest.ini", *checks):
+        src = checks.get(name) or (ROOT / "checks" / name).read_text()
+        (d / name).write_text(src)
+    return core.AuditOptions(
+        root=paths["pins"].parent, pins=paths["pins"], lock=paths["lock"], store=paths["store"], fleet="l",
+        only=[n[5:-3] for n in checks], checks_dir=d, workdir=tmp_path / "work",
+    )
+
+
+@pytest.mark.parametrize("zygote", ["zygote", "no zygote"])
+def test_a_check_module_that_does_not_import_is_reported_by_every_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: str
+) -> None:
+    """Collection in the zygote fails: each host collects for itself (or, with no zygote, in its own
+    pytest), and each host is `error` (exit 1), its message naming the module and the error."""
+    if zygote == "no zygote":
+        monkeypatch.setattr(core, "ZYGOTE", "import sys; sys.exit(3)")
+    opts = two_local_hosts(tmp_path, {"test_memory.py": "", "test_storage.py": "import no_such_module_here\n"})
+    report = core.run_audit(opts)
+    assert report.exit_code == 1
+    assert [h.name for h in report.hosts] == ["me", "me2"]
+    for h in report.hosts:
+        assert h.status == "error", (h.name, h.status, h.message)
+        assert h.message == "checks/test_storage.py: ModuleNotFoundError: No module named 'no_such_module_here'"
+        assert h.checks == []  # (pytest runs nothing after a collection error)
+        assert "no_such_module_here" in (tmp_path / "work" / "l" / h.name / "pytest.log").read_text()
+    assert report.to_json()["hosts"]["me"]["message"].startswith("checks/test_storage.py: ")
+
+
+def test_a_module_that_fails_at_import_time_or_does_not_parse_is_error(tmp_path: Path) -> None:
+    opts = two_local_hosts(tmp_path, {"test_memory.py": "x = undefined_name\n", "test_storage.py": "def f(:\n"})
+    report = core.run_audit(opts)
+    assert report.exit_code == 1
+    for h in report.hosts:
+        assert h.status == "error"
+        assert h.message == "checks/test_memory.py: NameError: name 'undefined_name' is not defined (+1 more)"
+
+
+@pytest.mark.parametrize("empty", [["test_storage.py"], ["test_memory.py", "test_storage.py"]])
+def test_a_selected_module_with_no_checks_is_error_not_pass(tmp_path: Path, empty: list[str]) -> None:
+    """A selection (--only) that runs no check of a concern, or a checks folder with no checks at
+    all: `error`, never a host that "passes" with nothing checked."""
+    mods = {n: ("import os\n" if n in empty else "") for n in ("test_memory.py", "test_storage.py")}
+    report = core.run_audit(two_local_hosts(tmp_path, mods))
+    assert report.exit_code == 1
+    code = 5 if len(empty) == 2 else 0  # (5: pytest collected nothing)
+    for h in report.hosts:
+        assert h.status == "error"
+        assert h.message == f"no check ran from {', '.join('checks/' + n for n in empty)} (pytest exit {code})"
+
+
+def test_stale_results_of_a_kept_workdir_do_not_stand_for_this_run(tmp_path: Path) -> None:
+    opts = two_local_hosts(tmp_path, {"test_memory.py": ""})
+    assert core.run_audit(opts).exit_code == 0
+    assert opts.checks_dir is not None
+    (opts.checks_dir / "conftest.py").write_text("raise RuntimeError('conftest broken')\n")
+    report = core.run_audit(opts)
+    assert report.exit_code == 1
+    for h in report.hosts:
+        assert h.status == "error" and h.message.startswith("the checks did not report (pytest exit 4)"), h.message
+
+
+def test_results_problem_from_the_exit_status_alone(tmp_path: Path) -> None:
+    ok = [core.CheckResult("memory::available", "memory", "pass")]
+    assert core.results_problem(0, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log") == ""
+    assert core.results_problem(1, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log") == ""
+    (tmp_path / "log").write_text("x\nINTERNALERROR> boom\n")
+    got = core.results_problem(3, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log")
+    assert got == "the checks stopped (pytest exit 3): INTERNALERROR> boom"
 
 
 def _targets(tmp_path: Path, ssh_config: str | None) -> list[Any]:

@@ -20,7 +20,6 @@ from builder.bundle import (
     make_bundle,
     make_fleet_bundles,
     parse_size,
-    rank_of_file,
     verify_dir,
     write_stream,
 )
@@ -139,13 +138,6 @@ def test_write_stream_splits_exactly(tmp_path: Path) -> None:
         else:
             assert sum(p["size"] for p in w.parts) == size and all(p["size"] > 0 for p in w.parts)
             assert len(w.parts) == -(-size // part)
-
-
-def test_rank_file_names() -> None:
-    assert rank_of_file("engram-l1-r0of2.bin") == (0, 2)
-    assert rank_of_file("rank-cache/rank3of4-2891eb.bin") == (3, 4)
-    assert rank_of_file("model-00001-of-00004.safetensors") is None
-    assert rank_of_file("weights.bin") is None
 
 
 def test_rank_file_count_must_match_tensor_parallel(proj: Project) -> None:

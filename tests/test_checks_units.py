@@ -21,23 +21,6 @@ def run_script(script: str, arg: str) -> object:
     return json.loads(r.stdout)
 
 
-@pytest.mark.parametrize(
-    "name,want",
-    [
-        ("engram-r1of2.bin", (1, 2)),
-        ("rank3of4-cache.bin", (3, 4)),
-        ("x/r0of8_table.npy", (0, 8)),
-        ("tbl.r12of16", (12, 16)),
-        ("model-00001-of-00002.safetensors", None),
-        ("error0of2", None),
-        ("engram.bin", None),
-        ("r1of2x3", (1, 2)),
-    ],
-)
-def test_rank_tag(name: str, want: tuple[int, int] | None) -> None:
-    assert hc.rank_tag(name) == want
-
-
 def test_roce_v2_gid() -> None:
     assert hc.roce_v2_gid("192.0.2.1") == "0000:0000:0000:0000:0000:ffff:c000:0201"
     assert hc.roce_v2_gid("10.0.0.255") == "0000:0000:0000:0000:0000:ffff:0a00:00ff"
@@ -210,6 +193,52 @@ def local_expect(tmp_path: Path) -> dict[str, object]:
         "models": [{"root": str(root), "files": [{"path": "w.bin", "size": 10, "sha256": "0" * 64}]}],
         "expect": {"gpu_count": 0, "rdma": False, "nfs_mounts": [], "min_free_disk_gib": 1, "docker": False},
     }
+
+
+def test_require_fails_where_need_skips() -> None:
+    cl: Any = checklib_fresh()
+    assert cl.require([1], "x") == [1] and cl.need({"a": 1}, "x") == {"a": 1}
+    for empty in (None, [], {}):
+        with pytest.raises(pytest.fail.Exception, match="^expected X, found none$"):
+            cl.require(empty, "expected X, found none")
+        with pytest.raises(pytest.skip.Exception, match="^why$"):
+            cl.need(empty, "why")
+
+
+def test_a_missing_image_record_fails_with_a_lock_and_skips_without() -> None:
+    cl: Any = checklib_fresh()
+    img = {"image_id": "sha256:1"}
+    assert cl.expected_image({"image": img, "lock_hash": "h"}) == img
+    why = "image demo: expected a build record for input address 0123 in S (run `builder image demo`), found none"
+    with pytest.raises(pytest.fail.Exception, match="expected a build record"):
+        cl.expected_image({"image": None, "image_reason": why, "lock_hash": "h"})
+    with pytest.raises(pytest.skip.Exception, match="no lock file"):
+        cl.expected_image({"image": None, "image_reason": "no lock file at pins.lock", "lock_hash": None})
+
+
+def test_collection_error_in_one_line() -> None:
+    import importlib.util
+    from types import SimpleNamespace
+
+    checks = Path(__file__).resolve().parent.parent / "checks"
+    sys.path.insert(0, str(checks))
+    try:
+        spec = importlib.util.spec_from_file_location("builder_checks_conftest", checks / "conftest.py")
+        assert spec is not None and spec.loader is not None
+        conf: Any = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(conf)
+    finally:
+        sys.path.pop(0)
+    imp = "test_x.py:1: in <module>\n    import nope\nE   ModuleNotFoundError: No module named 'nope'"
+    syn = 'ast.py:50: in parse\nE     File "test_x.py", line 1\nE       def f(:\nE   SyntaxError: invalid syntax'
+    native = 'Traceback:\n  File "test_x.py", line 1, in <module>\n    x = y\nNameError: name \'y\' is not defined\n'
+    assert conf._collect_message(SimpleNamespace(longrepr=imp)) == "ModuleNotFoundError: No module named 'nope'"
+    assert conf._collect_message(SimpleNamespace(longrepr=syn)) == "SyntaxError: invalid syntax"
+    assert conf._collect_message(SimpleNamespace(longrepr=native)) == "NameError: name 'y' is not defined"
+    conf._STATE["root"] = "checks"
+    conf.pytest_collectreport(SimpleNamespace(failed=True, nodeid="test_x.py", longrepr=imp))
+    conf.pytest_collectreport(SimpleNamespace(failed=False, nodeid="test_y.py", longrepr=None))
+    assert conf._STATE["collect_errors"] == ["checks/test_x.py: ModuleNotFoundError: No module named 'nope'"]
 
 
 def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> None:

@@ -28,6 +28,47 @@ def test_testhost_tag_matches_build_script_hash() -> None:
     assert fleetlib.testhost_tag() == f"builder-testhost:{out[:16]}"
 
 
+def _print_mirror(tmp_path: Path, env: dict[str, str] | None = None) -> str:
+    """build-testhost.sh's mirror with apt's sources at tmp_path (through APT_CONFIG, as apt-get reads it)."""
+    conf = tmp_path / "apt.conf"
+    conf.write_text(
+        f'Dir::Etc::sourcelist "{tmp_path}/sources.list";\nDir::Etc::sourceparts "{tmp_path}/parts";\n'
+    )
+    (tmp_path / "parts").mkdir(exist_ok=True)
+    full = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "APT_CONFIG": str(conf), **(env or {})}
+    proc = subprocess.run(
+        ["bash", str(fleetlib.FLEET_DIR / "build-testhost.sh"), "--print-mirror"],
+        capture_output=True, text=True, env=full, timeout=30, check=True,
+    )
+    return proc.stdout.strip()
+
+
+def test_build_testhost_mirror_comes_from_apt_sources(tmp_path: Path) -> None:
+    # nothing configured: Debian's own mirror
+    assert _print_mirror(tmp_path) == "http://deb.debian.org/debian"
+    # deb822: the first enabled deb entry of bookworm main; continuation lines and other suites ignored
+    (tmp_path / "parts" / "00-off.sources").write_text(
+        "Enabled: no\nTypes: deb\nURIs: http://off.example/debian\nSuites: bookworm\nComponents: main\n"
+    )
+    (tmp_path / "parts" / "10-debian.sources").write_text(
+        "# comment\nTypes: deb-src\nURIs: http://src.example/debian\nSuites: bookworm\nComponents: main\n\n"
+        "Types: deb\nURIs: http://sec.example/debian-security\nSuites: bookworm-security\nComponents: main\n\n"
+        "Types: deb\nURIs:\n http://mirror.example/debian/\nSuites: bookworm bookworm-updates\n"
+        "Components: contrib main\nSigned-By:\n -----BEGIN PGP PUBLIC KEY BLOCK-----\n .\n xyz\n"
+    )
+    assert _print_mirror(tmp_path) == "http://mirror.example/debian"
+    # the one-line sources.list comes first in apt's order; options in brackets are skipped
+    (tmp_path / "sources.list").write_text(
+        "deb http://other.example/debian bookworm-updates main\n"
+        "deb [arch=amd64 signed-by=/usr/share/keyrings/k.gpg] https://line.example/debian bookworm main\n"
+    )
+    assert _print_mirror(tmp_path) == "https://line.example/debian"
+    # BUILDER_TEST_MIRROR still wins
+    assert _print_mirror(tmp_path, {"BUILDER_TEST_MIRROR": "http://override.example/d"}) == (
+        "http://override.example/d"
+    )
+
+
 def test_deterministic_layer_tar() -> None:
     files = {"etc/a": b"1", "b": b"2"}
     assert registrylib._deterministic_tar(files) == registrylib._deterministic_tar(

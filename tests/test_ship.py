@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from builder import installer as inst
-from builder.ship import parse_target
+from builder.sshtarget import parse_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bundlelib as bl  # noqa: E402

@@ -8,7 +8,42 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cache=${BUILDER_TEST_CACHE:-/var/cache/builder-test}
 suite=bookworm
-mirror=${BUILDER_TEST_MIRROR:-http://deb.debian.org/debian}
+default_mirror=http://deb.debian.org/debian
+
+# The Debian mirror this machine's apt-get uses for "$suite main": the first such entry, in apt's order
+# (the one-line sources.list, then sources.list.d: *.list one-line and *.sources deb822 files, by name),
+# at the paths apt-config reports (so APT_CONFIG and Dir::Etc settings count). Only http(s) and file
+# URIs qualify (what debootstrap can fetch); a trailing slash is dropped so the cache key stays stable.
+# Prints nothing when there is no such entry.
+apt_mirror() {
+    local list=/etc/apt/sources.list parts=/etc/apt/sources.list.d f
+    if command -v apt-config >/dev/null; then
+        eval "$(apt-config shell list Dir::Etc::sourcelist/f parts Dir::Etc::sourceparts/d 2>/dev/null)" || true
+    fi
+    {
+        [ -f "$list" ] && printf 'L %s\n' "$list"
+        for f in "${parts%/}"/*.list "${parts%/}"/*.sources; do
+            [ -f "$f" ] && printf '%s %s\n' "$([ "${f%.sources}" = "$f" ] && echo L || echo S)" "$f"
+        done | sort -k2
+    } | while read -r kind f; do
+        if [ "$kind" = L ]; then
+            sed -e 's/#.*//' -e 's/\[[^]]*\]//g' "$f" \
+                | awk -v s="$suite" '$1 == "deb" && $3 == s { for (i = 4; i <= NF; i++) if ($i == "main") { print $2; exit } }'
+        else
+            awk -v s="$suite" '
+                function has(list, w,   n, a, i) { n = split(list, a, /[ \t]+/); for (i = 1; i <= n; i++) if (a[i] == w) return 1; return 0 }
+                function flush() { if (has(v["types"], "deb") && has(v["suites"], s) && has(v["components"], "main") && tolower(v["enabled"]) != "no") { x = v["uris"]; sub(/^[ \t]+/, "", x); split(x, u, /[ \t]+/); if (u[1] != "") { print u[1]; done = 1; exit } } delete v; key = "" }
+                /^#/ { next }
+                /^[ \t]*$/ { flush(); next }
+                /^[ \t]/ { if (key != "") v[key] = v[key] " " $0; next }
+                { i = index($0, ":"); if (!i) next; key = tolower(substr($0, 1, i - 1)); val = substr($0, i + 1); gsub(/^[ \t]+|[ \t]+$/, "", val); v[key] = val }
+                END { if (!done) flush() }' "$f"
+        fi
+    done | sed -e 's/^[ \t]*//' -e 's:/*$::' | grep -E -m1 '^(https?://[^/]|file:/)' || true
+}
+mirror=${BUILDER_TEST_MIRROR:-$(apt_mirror)}
+mirror=${mirror:-$default_mirror}
+if [ "${1:-}" = --print-mirror ]; then echo "$mirror"; exit 0; fi
 packages=openssh-server,python3,openssl,iproute2,procps,curl,ca-certificates,iptables,docker.io,busybox-static,sudo,psmisc
 
 die() { echo "build-testhost: $*" >&2; exit 1; }

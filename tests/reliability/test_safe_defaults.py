@@ -74,7 +74,7 @@ def test_ship_ssh_argv_keeps_host_key_checking(tmp_path: Path) -> None:
 
     p = bl.make_project(tmp_path)
     fleet = load_fleet(p.root / "hosts" / "test.toml")
-    argv = Remote(p.root, fleet, fleet.hosts[1]).argv("true")
+    argv = Remote(p.root / "hosts" / "test.toml", fleet, fleet.hosts[1]).argv("true")
     joined = " ".join(argv)
     assert argv[0] == "ssh" and "BatchMode=yes" in joined
     assert "StrictHostKeyChecking" not in joined and "UserKnownHostsFile" not in joined

@@ -1,0 +1,131 @@
+"""Where each locked model file of a lane lives on a host of a given rank: the one placement rule.
+
+A lane's model files are placed by role: ``role = "engram"`` under the host's ``paths.engram``, every
+other role under ``paths.models``, each model in a folder of its own name, each file at its locked
+relative path: ``<root by role>/<model name>/<file>``. A file whose name carries a rank tag
+(``r<k>of<n>`` or ``rank<k>of<n>``, any case, after a non-alphanumeric character or at the start)
+belongs to rank k of n only: n must equal the lane's ``tensor_parallel`` and k must be below it; a
+file without a tag goes to every rank.
+
+The bundle (what it ships and records in the manifest), the installer's apply record (from the
+manifest), the audit's expectations and the checks all ask this module; nothing re-derives it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from builder.errors import ConfigError
+from builder.lock import spec_hash
+
+if TYPE_CHECKING:
+    from builder.hosts import Host, Paths
+    from builder.lock import Lock
+    from builder.pins import Pins
+
+RANK_TAG_RE = re.compile(r"(?:^|[^a-z0-9])r(?:ank)?(\d{1,3})of(\d{1,3})(?![0-9])", re.IGNORECASE)
+
+
+def rank_tag(path: str) -> tuple[int, int] | None:
+    """(k, n) when a file's name (its last path part) says it belongs to rank k of n, else None."""
+    m = RANK_TAG_RE.search(path.rsplit("/", 1)[-1])
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def model_root(paths: Paths, model_name: str, role: str) -> str:
+    """The folder a model's files live in on a host: ``<paths.engram or paths.models>/<model name>``."""
+    base = paths.engram if role == "engram" else paths.models
+    return f"{base.rstrip('/')}/{model_name}"
+
+
+@dataclass(frozen=True)
+class PlacedFile:
+    """One locked model file as one host holds it."""
+
+    model: str
+    role: str
+    file: str  # the path relative to the model's root (the lock's path)
+    path: str  # absolute on the host
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class PlacedModel:
+    """One lane model on one host: its root folder, this rank's files, and how many the lock lists."""
+
+    name: str
+    role: str
+    root: str
+    files: tuple[PlacedFile, ...]
+    locked_files: int
+    expect_files: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "role": self.role,
+            "root": self.root,
+            "locked_files": self.locked_files,
+            "expect_files": self.expect_files,
+            "files": [f.to_json() for f in self.files],
+        }
+
+
+def _safe_rel(path: str, where: str) -> str:
+    parts = path.split("/")
+    if path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in path or "\x00" in path:
+        raise ConfigError(f"{where}: file path {path!r} escapes its folder")
+    return path
+
+
+def owns(path: str, rank: int, tensor_parallel: int, where: str) -> bool:
+    """Whether rank ``rank`` of a ``tensor_parallel`` lane holds this file; ConfigError when its tag
+    names another tensor-parallel size or a rank out of range."""
+    tag = rank_tag(path)
+    if tag is None:
+        return True
+    k, n = tag
+    if n != tensor_parallel:
+        raise ConfigError(f"{where}: file {path} is for {n} ranks but the lane has tensor_parallel = {tensor_parallel}")
+    if k >= n:
+        raise ConfigError(f"{where}: file {path} names rank {k} of {n}")
+    return k == rank
+
+
+def place_models(pins: Pins, lock: Lock, lane_name: str, host: Host) -> list[PlacedModel]:
+    """Every model of the lane as this host must hold it (its rank's files only), in the lane's order.
+    ConfigError when a model is not locked, its pin changed since the lock, or a rank tag is wrong."""
+    lane = pins.lanes[lane_name]
+    tp = lane.serve.tensor_parallel
+    out: list[PlacedModel] = []
+    for name in lane.models:
+        spec = pins.models[name]
+        lm = lock.models.get(name)
+        if lm is None:
+            raise ConfigError(f"models.{name}: not in the lock (run `builder lock {lane_name}`)")
+        if lm.spec_hash != spec_hash(spec):
+            raise ConfigError(f"models.{name}: changed since the lock (run `builder lock {lane_name}`)")
+        root = model_root(host.paths, name, spec.role)
+        files = tuple(
+            PlacedFile(model=name, role=spec.role, file=f.path, path=f"{root}/{f.path}", size=f.size, sha256=f.sha256)
+            for f in sorted(lm.files, key=lambda f: f.path)
+            if owns(_safe_rel(f.path, f"lock: models.{name}"), host.rank, tp, f"models.{name}")
+        )
+        out.append(
+            PlacedModel(
+                name=name, role=spec.role, root=root, files=files, locked_files=len(lm.files),
+                expect_files=spec.expect_files,
+            )
+        )
+    return out
+
+
+def host_files(pins: Pins, lock: Lock, lane_name: str, host: Host) -> list[PlacedFile]:
+    """This host's model files, sorted by absolute path."""
+    return sorted((f for m in place_models(pins, lock, lane_name, host) for f in m.files), key=lambda f: f.path)

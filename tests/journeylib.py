@@ -1,0 +1,191 @@
+"""The operator's journey on the test fleet, through the CLI alone: lock, image, keygen, bundle, ship, start.
+
+Each step is the `builder` command an operator types, run in a copy of this checkout's files (what a
+fresh clone holds: `git ls-files`, plus files not yet committed and not ignored) with its own store,
+keys and ssh folder. The hosts are test fleet containers (tests/fleetlib.py) with a real sshd and
+their own dockerd; the only thing done to them outside builder is the one-time host preparation an
+operator does with sudo on a new Spark (the folders builder installs into, owned by the ssh user).
+
+    with journey(tmp_path, 2) as j:   # shipped pins, demo lane, installed on both hosts, not started
+        j.start()                     # current/start.sh on the workers, then the head
+        rc, report = j.audit("--phase", "all")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fleetlib  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+# the command operators type (pip install -e . puts it beside the interpreter)
+BUILDER = shutil.which("builder", path=str(Path(sys.executable).parent)) or shutil.which("builder") or "builder"
+PATHS = {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var/lib/builder"}
+EXPECT = (
+    "{ gpu_count = 0, persistence_mode = false, nvidia_runtime = false, rdma = false, "
+    "min_free_memory_gib = 0.1, min_free_disk_gib = 0.1 }"
+)
+
+
+def project_copy(dest: Path) -> Path:
+    """The checkout's files as a fresh clone would have them (tracked, and new files not ignored)."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.decode().split("\0")
+    for rel in filter(None, out):
+        src = ROOT / rel
+        if not src.is_file():  # deleted in the work tree, not yet in the index
+            continue
+        d = dest / rel
+        d.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, d)
+    return dest
+
+
+def fleet_toml(name: str, lane: str, fleet: fleetlib.Fleet, keys: Path, expect: str = EXPECT) -> str:
+    text = (
+        f'[fleet]\nname = "{name}"\nlane = "{lane}"\n'
+        f'ssh_config = "{fleet.plain_ssh_config}"\ntrusted_key = "{keys / "builder.pub"}"\n'
+    )
+    for rank, h in enumerate(fleet.hosts):
+        text += (
+            f'\n[[hosts]]\nname = "{h.name}"\nssh = "{h.name}"\naddress = "{h.ip}"\nrank = {rank}\n'
+            f'role = "{"head" if rank == 0 else "worker"}"\n'
+            f'paths = {{ models = "{PATHS["models"]}", engram = "{PATHS["engram"]}", '
+            f'bundles = "{PATHS["bundles"]}" }}\nexpect = {expect}\n'
+        )
+    return text
+
+
+def prepare_host(fleet: fleetlib.Fleet, h: fleetlib.Host) -> None:
+    """What an operator does once on a new Spark: the folders builder installs into, owned by its user."""
+    fleet.exec(h, f"install -d -o {h.user} -g {h.user} {' '.join(PATHS.values())}")
+
+
+@dataclass
+class Journey:
+    root: Path  # the project copy
+    fleet: fleetlib.Fleet
+    name: str  # the fleet's name in hosts/
+    env: dict[str, str]
+    keys: Path
+    last_stderr: str = ""
+
+    def builder(
+        self, *args: str, check: bool = True, timeout: float = 600, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        p = subprocess.run(
+            [BUILDER, *args], cwd=self.root, env={**self.env, **self.ssh_dir(), **(env or {})},
+            capture_output=True, text=True, timeout=timeout,
+        )
+        if check and p.returncode != 0:
+            raise AssertionError(
+                f"builder {' '.join(args)}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+            )
+        return p
+
+    @staticmethod
+    def ssh_dir() -> dict[str, str]:
+        """The folder the audit keeps connections in: the running test's own (tests/conftest.py gives
+        each test one and closes what is left in it), else the journey's."""
+        return {"BUILDER_SSH_DIR": os.environ["BUILDER_SSH_DIR"]} if os.environ.get("BUILDER_SSH_DIR") else {}
+
+    def audit(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+        p = self.builder("audit", "--fleet", self.name, "--json", *args, check=False, env=env)
+        self.last_stderr = p.stderr
+        try:
+            data = json.loads(p.stdout)
+        except ValueError:
+            raise AssertionError(f"audit gave no JSON (exit {p.returncode}): {p.stderr[-3000:]}") from None
+        return p.returncode, data
+
+    def host_ref(self, h: fleetlib.Host) -> str:
+        return f"{self.name}/{h.name}"
+
+    @property
+    def workers_then_head(self) -> list[fleetlib.Host]:
+        return list(reversed(self.fleet.hosts))
+
+    def ship_all(self) -> None:
+        for h in self.workers_then_head:
+            self.builder("ship", self.host_ref(h))
+
+    def start(self) -> None:
+        for h in self.workers_then_head:
+            r = self.fleet.ssh(h, f"{PATHS['bundles']}/current/start.sh", timeout=180)
+            assert r.returncode == 0, f"{h.name}: start.sh exit {r.returncode}: {r.stderr[-1500:]}"
+
+    def stop(self) -> None:
+        for h in self.fleet.hosts:
+            r = self.fleet.ssh(h, f"{PATHS['bundles']}/current/stop.sh", timeout=120)
+            assert r.returncode == 0, f"{h.name}: stop.sh exit {r.returncode}: {r.stderr[-1500:]}"
+
+
+def failing(report: dict[str, Any]) -> set[tuple[str, str]]:
+    """(host, check id) of every check that did not pass or skip."""
+    return {
+        (h, cid)
+        for h, hr in report["hosts"].items()
+        for cid, c in hr["checks"].items()
+        if c["status"] not in ("pass", "skip")
+    }
+
+
+@contextmanager
+def journey(
+    workdir: Path, n: int, *, lane: str = "demo", name: str = "journey", store: Path | None = None,
+    expect: str = EXPECT, prepare: Callable[[fleetlib.Fleet, fleetlib.Host], None] | None = None,
+    pins_extra: str = "",
+) -> Iterator[Journey]:
+    """n test hosts with the lane installed by the CLI from the shipped pins (not started).
+    ``pins_extra`` is appended to the copy's pins.toml before the lock (e.g. a lane of another size)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    root = project_copy(workdir / "project")
+    if pins_extra:
+        with open(root / "pins.toml", "a") as f:
+            f.write("\n" + pins_extra)
+    keys = workdir / "keys"
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("BUILDER_", "HF_", "SSH_AUTH"))
+    }
+    env.update(
+        BUILDER_STORE=str(store or workdir / "store"),
+        BUILDER_SSH_DIR=str(workdir / "ssh"),
+        HF_HUB_OFFLINE="1",
+        HF_HOME=str(workdir / "hf-home"),
+        XDG_CONFIG_HOME=str(workdir / "config"),
+        NO_COLOR="1",
+    )
+    if os.environ.get("BUILDER_WHEELHOUSE"):
+        env["BUILDER_WHEELHOUSE"] = os.environ["BUILDER_WHEELHOUSE"]
+    elif (ROOT / ".cache" / "wheelhouse").is_dir():
+        env["BUILDER_WHEELHOUSE"] = str(ROOT / ".cache" / "wheelhouse")
+    (workdir / "ssh").mkdir(mode=0o700, exist_ok=True)
+    fleet = fleetlib.start_fleet(n, workdir / "fleet")
+    try:
+        (root / "hosts" / f"{name}.toml").write_text(fleet_toml(name, lane, fleet, keys, expect))
+        for h in fleet.hosts:
+            prepare_host(fleet, h)
+            if prepare is not None:
+                prepare(fleet, h)
+        j = Journey(root=root, fleet=fleet, name=name, env=env, keys=keys)
+        j.builder("lock", "--offline", lane)
+        j.builder("image", "demo", "--offline")
+        j.builder("keygen", "--out", str(keys))
+        j.builder("bundle", "--fleet", name, "--with-image", "--with-models", "--key", str(keys / "builder.key"))
+        j.ship_all()
+        yield j
+    finally:
+        fleetlib.close_kept_connections(workdir / "ssh")
+        fleet.teardown()

@@ -1,0 +1,293 @@
+"""The operator's journey, end to end, CLI only, on the shipped pins: a correct install passes its own
+audit before start and while it serves, and each drift fails exactly one host, naming exactly that drift.
+
+The steps are the README's quick tour (tests/journeylib.py): `builder lock --offline demo`,
+`builder image demo`, `builder keygen`, `builder bundle --fleet F --with-image --with-models`,
+`builder ship` to each host (workers first), `current/start.sh` (workers first), `builder audit`.
+No fake installer, no hand-written lock, no stand-in image: the real image is built from the shipped
+pins, shipped in the real bundle and installed by the real installer.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fleetlib  # noqa: E402
+from journeylib import PATHS, Journey, failing, journey  # noqa: E402
+
+pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
+
+MODEL = f"{PATHS['models']}/demo-tiny/model-00001-of-00002.safetensors"
+ENGRAM = f"{PATHS['engram']}/demo-engram"
+RANK_ENV = f"{PATHS['bundles']}/current/rank.env"
+
+
+@pytest.fixture(scope="module")
+def j(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Journey]:
+    if not fleetlib.docker_available():
+        pytest.fail("Docker Engine not reachable: the journey needs it")
+    with journey(tmp_path_factory.mktemp("journey"), 2) as jj:
+        yield jj
+
+
+@pytest.fixture
+def up(j: Journey) -> Journey:
+    """The journey's lane serving: started in rank order (start.sh is a no-op for a rank that already
+    runs its installed bundle), so each test stands alone whatever ran before it."""
+    j.start()
+    return j
+
+
+def _ok(rc: int, report: dict[str, Any]) -> None:
+    assert rc == 0 and not failing(report), json.dumps(
+        {h: r["message"] for h, r in report["hosts"].items()}, indent=1
+    )
+
+
+def _passed(report: dict[str, Any], host: str) -> set[str]:
+    return {c for c, r in report["hosts"][host]["checks"].items() if r["status"] == "pass"}
+
+
+def _drift(j: Journey, host: fleetlib.Host, want: set[str], *args: str) -> dict[str, Any]:
+    """Audit the serving fleet; exactly `want` fails, on `host` only. Returns the report."""
+    rc, report = j.audit("--phase", "all", *args)
+    got = failing(report)
+    assert got == {(host.name, c) for c in want}, json.dumps(
+        {h: {c: r for c, r in hr["checks"].items() if r["status"] not in ("pass", "skip")}
+         for h, hr in report["hosts"].items()}, indent=1
+    )
+    assert rc == 1
+    return report
+
+
+def _msg(report: dict[str, Any], host: fleetlib.Host, check: str) -> str:
+    return str(report["hosts"][host.name]["checks"][check]["message"])
+
+
+# The edits below run on the host as root through `docker exec` (the back door): they stand for
+# what goes wrong on a real Spark (bit rot, a hand edit, a copy over the wrong file).
+
+EDIT = r"""
+import base64, json, os, sys
+req = json.loads(sys.argv[1])
+p = req["path"]
+st = os.stat(p)
+if req["op"] == "read":
+    print(json.dumps({"data": base64.b64encode(open(p, "rb").read()).decode(), "mtime_ns": st.st_mtime_ns}))
+elif req["op"] == "write_in_place":  # same inode, same size, mtime put back
+    with open(p, "r+b") as f:
+        f.write(base64.b64decode(req["data"]))
+    os.utime(p, ns=(st.st_atime_ns, req.get("mtime_ns", st.st_mtime_ns)))
+elif req["op"] == "replace":  # the whole file, in place
+    with open(p, "wb") as f:
+        f.write(base64.b64decode(req["data"]))
+elif req["op"] == "touch":
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+elif req["op"] == "set_mtime":
+    os.utime(p, ns=(st.st_atime_ns, req["mtime_ns"]))
+"""
+
+
+def _edit(j: Journey, h: fleetlib.Host, **req: Any) -> dict[str, Any]:
+    r = j.fleet.exec(h, ["python3", "-c", EDIT, json.dumps(req)])
+    return json.loads(r.stdout) if r.stdout.strip() else {}
+
+
+def test_preflight_audit_of_the_installed_lane_passes(j: Journey) -> None:
+    for mode in ("fast", "full"):
+        rc, report = j.audit("--phase", "preflight", "--mode", mode)
+        _ok(rc, report)
+        for h in j.fleet.hosts:
+            must = {
+                "image::present_by_id", "image::diff_ids", "release::record_identity", "release::record_lock",
+                "release::record_image", "release::manifest_hash", "release::launch_files_unchanged",
+                "models::files_present", "models::sizes", "models::content", "models::file_count",
+                "engram::own_rank_files", "engram::no_other_rank_files", "runtime::docker",
+            }
+            assert must <= _passed(report, h.name), (h.name, mode, must - _passed(report, h.name))
+
+
+def test_each_rank_holds_its_own_engram_files_only(j: Journey) -> None:
+    for rank, h in enumerate(j.fleet.hosts):
+        names = sorted(j.fleet.exec(h, f"ls {ENGRAM}").stdout.split())
+        assert names == [f"engram-l1-r{rank}of2.bin", f"engram-l14-r{rank}of2.bin"]
+        assert j.fleet.exec(h, f"ls {PATHS['models']}/demo-tiny | wc -l").stdout.strip() == "4"
+
+
+def test_serving_audit_passes_fast_and_full(up: Journey) -> None:
+    j = up
+    for mode in ("fast", "full"):
+        rc, report = j.audit("--phase", "all", "--mode", mode)
+        _ok(rc, report)
+        head, worker = j.fleet.hosts
+        assert {"serving::health", "serving::one_token_completion", "serving::rank_runs_the_release",
+                "runtime::api_port_free"} <= _passed(report, head.name)
+        assert "serving::rank_runs_the_release" in _passed(report, worker.name)
+    # a second preflight while serving: the port and GPU are the lane's own release's
+    _ok(*j.audit("--phase", "preflight"))
+
+
+def test_changed_model_byte_same_size_and_mtime_fails_full_mode(up: Journey) -> None:
+    j = up
+    worker = j.fleet.hosts[1]
+    orig = _edit(j, worker, op="read", path=MODEL)
+    data = bytearray(base64.b64decode(orig["data"]))
+    data[1000] ^= 0xFF
+    _edit(j, worker, op="write_in_place", path=MODEL, data=base64.b64encode(data).decode())
+    try:
+        _ok(*j.audit("--phase", "all"))  # fast mode trusts size, mtime and inode: that is its rule
+        report = _drift(j, worker, {"models::content"}, "--mode", "full")
+        assert MODEL in _msg(report, worker, "models::content")
+    finally:
+        _edit(j, worker, op="write_in_place", path=MODEL, data=orig["data"], mtime_ns=orig["mtime_ns"])
+    _ok(*j.audit("--phase", "all", "--mode", "full"))
+
+
+def test_touched_model_file_fails_fast_mode(up: Journey) -> None:
+    j = up
+    head = j.fleet.hosts[0]
+    orig = _edit(j, head, op="read", path=MODEL)
+    _edit(j, head, op="touch", path=MODEL)
+    try:
+        report = _drift(j, head, {"models::content"})
+        assert MODEL in _msg(report, head, "models::content") and "modified" in _msg(report, head, "models::content")
+    finally:
+        _edit(j, head, op="set_mtime", path=MODEL, mtime_ns=orig["mtime_ns"])
+    _ok(*j.audit("--phase", "all"))
+
+
+def test_engram_file_with_another_ranks_bytes(up: Journey) -> None:
+    j = up
+    worker = j.fleet.hosts[1]
+    mine = f"{ENGRAM}/engram-l1-r1of2.bin"
+    theirs = (j.root / "models/hf-cache/models--builder-demo--tiny-engram/snapshots").glob("*/engram-l1-r0of2.bin")
+    other = next(theirs).read_bytes()
+    orig = _edit(j, worker, op="read", path=mine)
+    assert base64.b64decode(orig["data"]) != other
+    _edit(j, worker, op="write_in_place", path=mine, data=base64.b64encode(other).decode())
+    try:
+        report = _drift(j, worker, {"models::content"}, "--mode", "full")
+        assert mine in _msg(report, worker, "models::content")
+    finally:
+        _edit(j, worker, op="write_in_place", path=mine, data=orig["data"], mtime_ns=orig["mtime_ns"])
+    _ok(*j.audit("--phase", "all", "--mode", "full"))
+
+
+def test_missing_engram_file(up: Journey) -> None:
+    j = up
+    worker = j.fleet.hosts[1]
+    gone = f"{ENGRAM}/engram-l14-r1of2.bin"
+    j.fleet.exec(worker, f"mv {gone} /tmp/moved.bin")
+    try:
+        report = _drift(j, worker, {"models::files_present"})
+        assert gone in _msg(report, worker, "models::files_present")
+    finally:
+        j.fleet.exec(worker, f"mv /tmp/moved.bin {gone}")
+    _ok(*j.audit("--phase", "all"))
+
+
+def test_edited_launch_file(up: Journey) -> None:
+    j = up
+    head = j.fleet.hosts[0]
+    orig = _edit(j, head, op="read", path=RANK_ENV)
+    j.fleet.exec(head, f"echo TF_DEBUG=1 >> $(readlink -f {RANK_ENV})")
+    try:
+        report = _drift(j, head, {"release::launch_files_unchanged"})
+        assert "rank.env" in _msg(report, head, "release::launch_files_unchanged")
+    finally:
+        _edit(j, head, op="replace", path=RANK_ENV, data=orig["data"])
+    _ok(*j.audit("--phase", "all"))
+
+
+def test_a_rank_running_another_image(up: Journey) -> None:
+    j = up
+    head, worker = j.fleet.hosts
+    cur = f"{PATHS['bundles']}/current"
+    # another image: the worker's own container committed (same files, another ImageID)
+    other = j.fleet.exec(worker, "docker commit builder-demo-r1 other/demo:1").stdout.strip()
+    j.stop()
+    # the same release started from another image: a copy of the release with IMAGE changed
+    j.fleet.exec(worker, f"rm -rf /tmp/other && cp -r $(readlink -f {cur}) /tmp/other && "
+                         f"sed -i 's|^IMAGE=.*|IMAGE={other}|' /tmp/other/start.sh && chown -R spark /tmp/other")
+    assert j.fleet.ssh(worker, "/tmp/other/start.sh", timeout=120).returncode == 0
+    assert j.fleet.ssh(head, f"{cur}/start.sh", timeout=180).returncode == 0
+    try:
+        report = _drift(j, worker, {"serving::rank_runs_the_release"})
+        assert other[:19] in _msg(report, worker, "serving::rank_runs_the_release")
+    finally:
+        j.stop()
+        j.fleet.exec(worker, "docker rmi other/demo:1 >/dev/null; rm -rf /tmp/other")
+        j.start()
+    _ok(*j.audit("--phase", "all"))
+
+
+def test_the_head_stopped(up: Journey) -> None:
+    j = up
+    head = j.fleet.hosts[0]
+    assert j.fleet.ssh(head, f"{PATHS['bundles']}/current/stop.sh").returncode == 0
+    try:
+        rc, report = j.audit("--phase", "all")
+        got = failing(report)
+        assert rc == 1 and {h for h, _ in got} == {head.name}, got
+        assert {c for _, c in got} <= {
+            "serving::health", "serving::models_lists_served_name", "serving::one_token_completion",
+            "serving::rank_runs_the_release",
+        }
+        assert {"serving::health", "serving::rank_runs_the_release"} <= {c for _, c in got}
+        assert "no container" in _msg(report, head, "serving::rank_runs_the_release")
+        # another program on the lane's port: the head is not ready to serve
+        j.fleet.exec(head, "cd /tmp && (setsid python3 -m http.server 8080 >/dev/null 2>&1 & echo $! > /tmp/squat.pid)")
+        j.fleet.exec(head, "for i in $(seq 50); do ss -Hltn | grep -q ':8080 ' && exit 0; sleep 0.1; done; exit 1")
+        try:
+            rc, report = j.audit("--phase", "preflight")
+            assert rc == 1 and failing(report) == {(head.name, "runtime::api_port_free")}, failing(report)
+            assert "no container" in _msg(report, head, "runtime::api_port_free")
+        finally:
+            j.fleet.exec(head, "kill $(cat /tmp/squat.pid)")
+    finally:
+        assert j.fleet.ssh(head, f"{PATHS['bundles']}/current/start.sh", timeout=180).returncode == 0
+    _ok(*j.audit("--phase", "all"))
+
+
+def test_sshd_stopped_on_one_host(up: Journey) -> None:
+    j = up
+    head, worker = j.fleet.hosts
+    j.fleet.stop_sshd(worker)
+    try:
+        rc, report = j.audit("--phase", "all", "--connect-timeout", "3")
+        assert rc == 3
+        assert report["hosts"][worker.name]["status"] == "unreachable"
+        assert report["hosts"][head.name]["status"] == "pass", report["hosts"][head.name]
+    finally:
+        j.fleet.start_sshd(worker)
+    _ok(*j.audit("--phase", "all"))
+
+
+# --------------------------------------------------------------------------- three ranks
+
+
+def test_three_host_tp3_lane_each_host_gets_and_is_audited_for_its_own_rank(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    with journey(tmp_path_factory.mktemp("journey3"), 3, lane="demo-tp3", name="journey3") as j3:
+        for rank, h in enumerate(j3.fleet.hosts):
+            names = j3.fleet.exec(h, f"ls {PATHS['engram']}/demo-engram-tp3").stdout.split()
+            assert names == [f"engram-l1-r{rank}of3.bin"], (h.name, names)
+        j3.start()
+        _ok(*j3.audit("--phase", "all", "--mode", "full"))
+        # rank 2's file on rank 1: rank 1 fails, naming the other rank's file; nobody else does
+        r1 = j3.fleet.hosts[1]
+        j3.fleet.exec(r1, f"cp {PATHS['engram']}/demo-engram-tp3/engram-l1-r1of3.bin "
+                          f"{PATHS['engram']}/demo-engram-tp3/engram-l1-r2of3.bin")
+        rc, report = j3.audit("--phase", "all")
+        got = failing(report)
+        assert rc == 1 and {h for h, _ in got} == {r1.name}, got
+        assert "engram-l1-r2of3.bin" in _msg(report, r1, "engram::no_other_rank_files")
