@@ -6,7 +6,9 @@ and `hf_hub_download`:
 - ``GET /api/models/{org}/{name}/revision/{rev}?blobs=True`` -> ``{"id", "sha", "siblings": [
   {"rfilename", "size", "blobId", "lfs": {"size", "sha256", "pointerSize"}}]}``
 - ``HEAD|GET /{org}/{name}/resolve/{rev}/{path}`` with ``X-Repo-Commit``, ``ETag``,
-  ``Content-Length`` and, for LFS files, ``X-Linked-Etag`` / ``X-Linked-Size``.
+  ``Content-Length`` and, for LFS files, ``X-Linked-Etag`` / ``X-Linked-Size``; ``Range: bytes=N-``
+  answers 206 with ``Content-Range`` (416 past the end), as the Hub's CDN does. ``cut_after`` drops
+  the connection after that many bytes of a file, to test resuming.
 
 Unknown repos and revisions answer 404 with the ``X-Error-Code`` the real Hub sends. With
 ``token`` set, requests without ``Authorization: Bearer <token>`` get 401. Every request's
@@ -37,6 +39,7 @@ class Seen:
     method: str
     path: str
     authorization: str | None
+    range: str | None = None
 
 
 class FakeHub:
@@ -44,6 +47,9 @@ class FakeHub:
         self.token = token
         self.repos: dict[str, FakeRepo] = {}
         self.requests: list[Seen] = []
+        #: cut the next file responses after this many bytes (a dropped connection), then answer whole
+        self.cut_after: int | None = None
+        self.cuts = 0
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -122,8 +128,19 @@ class FakeHub:
             h.send_header(k, v)
         h.send_header("Content-Length", str(len(body)))
         h.end_headers()
-        if not head:
-            h.wfile.write(body)
+        if head:
+            return
+        octets = headers.get("Content-Type") == "application/octet-stream"
+        if self.cut_after is not None and octets and len(body) > self.cut_after:
+            self.cuts += 1
+            h.wfile.write(body[: self.cut_after])
+            h.wfile.flush()
+            h.close_connection = True
+            import socket
+
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
+        h.wfile.write(body)
 
     def _error(
         self, h: BaseHTTPRequestHandler, code: int, error_code: str | None, msg: str, head: bool
@@ -137,7 +154,7 @@ class FakeHub:
     def _handle(self, h: BaseHTTPRequestHandler, *, head: bool) -> None:
         path = unquote(urlsplit(h.path).path)
         auth = h.headers.get("Authorization")
-        self.requests.append(Seen(h.command, path, auth))
+        self.requests.append(Seen(h.command, path, auth, h.headers.get("Range")))
         if self.token is not None and auth != f"Bearer {self.token}":
             self._error(h, 401, None, "Invalid credentials in Authorization header", head)
             return
@@ -202,4 +219,13 @@ class FakeHub:
             sha = hashlib.sha256(data).hexdigest()
             headers["X-Linked-Etag"] = f'"{sha}"'
             headers["X-Linked-Size"] = str(len(data))
+        rng = h.headers.get("Range", "")
+        if rng.startswith("bytes=") and rng.endswith("-") and rng[6:-1].isdigit():
+            start = int(rng[6:-1])
+            if start >= len(data):
+                self._send(h, 416, b"", {"Content-Range": f"bytes */{len(data)}"}, head)
+                return
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+            self._send(h, 206, data[start:], headers, head)
+            return
         self._send(h, 200, data, headers, head)

@@ -1,0 +1,49 @@
+"""`builder fetch`: thin command over builder.models.fetch."""
+
+from __future__ import annotations
+
+import click
+
+from builder.cli import get_ctx
+
+
+@click.command()
+@click.argument("names", nargs=-1)
+@click.option("--offline", is_flag=True, help="Fetch nothing: import local copies, list what is missing (exit 1).")
+@click.option("--jobs", type=click.IntRange(1, 64), default=4, show_default=True, help="Files at once.")
+@click.option("--verify", is_flag=True, help="Hash the files already in the store again (a store changed behind "
+              "builder's back is named and fetched again).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def fetch(names: tuple[str, ...], offline: bool, jobs: int, verify: bool, as_json: bool) -> int:
+    """Put the locked model files of the named lanes or models (default: every lane's) into the store."""
+    from builder import output
+    from builder.lock import load_lock
+    from builder.models import fetch as core
+    from builder.models.store import Wanted
+    from builder.pins import load_pins
+
+    c = get_ctx()
+    pins, lock = load_pins(c.pins), load_lock(c.lock)
+    total = core.total_bytes(pins, lock, list(names))
+    with output.progress() as bar:
+        task = bar.add_task("fetch", total=total)
+
+        def on_bytes(done: Wanted | None, n: int) -> None:
+            desc = f"fetch {done.model}/{done.path}" if done is not None else None
+            bar.update(task, advance=n, description=desc)
+
+        rep = core.fetch(pins, lock, c.root, c.store, list(names), offline=offline, jobs=jobs, verify=verify,
+                         on_bytes=on_bytes)
+    if as_json:
+        output.data_json(rep.to_json())
+    for _, why in rep.repaired:
+        output.warn(why)
+    for w in rep.missing:
+        output.error(f"models.{w.model}: {w.path}: not in the store and --offline was given")
+    for _, why in rep.failed:
+        output.error(why)
+    output.status(
+        f"{len(rep.present)} present, {len(rep.imported)} imported, {len(rep.downloaded)} downloaded, "
+        f"{len(rep.missing)} missing, {len(rep.failed)} failed"
+    )
+    return 1 if rep.missing or rep.failed else 0

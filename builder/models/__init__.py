@@ -1,0 +1,1 @@
+"""Model weights: the content-addressed model store and `builder fetch`."""
