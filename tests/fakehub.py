@@ -5,6 +5,7 @@ and `hf_hub_download`:
 
 - ``GET /api/models/{org}/{name}/revision/{rev}?blobs=True`` -> ``{"id", "sha", "siblings": [
   {"rfilename", "size", "blobId", "lfs": {"size", "sha256", "pointerSize"}}]}``
+- ``GET /api/models/{org}/{name}/tree/{rev}?recursive=true`` -> the files (``hf download`` lists them)
 - ``HEAD|GET /{org}/{name}/resolve/{rev}/{path}`` with ``X-Repo-Commit``, ``ETag``,
   ``Content-Length`` and, for LFS files, ``X-Linked-Etag`` / ``X-Linked-Size``; ``Range: bytes=N-``
   answers 206 with ``Content-Range`` (416 past the end), as the Hub's CDN does. ``cut_after`` drops
@@ -50,6 +51,7 @@ class FakeHub:
         #: cut the next file responses after this many bytes (a dropped connection), then answer whole
         self.cut_after: int | None = None
         self.cuts = 0
+        self._blob_ids: dict[tuple[str, str], str] = {}
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -162,6 +164,9 @@ class FakeHub:
         if len(parts) >= 6 and parts[0] == "api" and parts[1] == "models" and parts[4] == "revision":
             repo, rev = f"{parts[2]}/{parts[3]}", "/".join(parts[5:])
             self._model_info(h, repo, rev, head)
+        elif len(parts) >= 6 and parts[0] == "api" and parts[1] == "models" and parts[4] == "tree":
+            repo, rev = f"{parts[2]}/{parts[3]}", "/".join(parts[5:])
+            self._tree(h, repo, rev, head)
         elif len(parts) >= 5 and parts[2] == "resolve":
             repo, rev, rel = f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:])
             self._resolve(h, repo, rev, rel, head)
@@ -182,7 +187,7 @@ class FakeHub:
             sib: dict[str, Any] = {
                 "rfilename": name,
                 "size": len(data),
-                "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest(),
+                "blobId": self._blob_id(r, name),
             }
             if name in r.lfs:
                 sib["lfs"] = {
@@ -196,6 +201,31 @@ class FakeHub:
         ).encode()
         self._send(h, 200, body, {"Content-Type": "application/json"}, head)
 
+    def _tree(self, h: BaseHTTPRequestHandler, repo: str, rev: str, head: bool) -> None:
+        """``GET /api/models/{repo}/tree/{rev}?recursive=true``: every file (what `hf download` lists)."""
+        r = self._find(repo, rev) if repo in self.repos else None
+        if r is None:
+            self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}", head)
+            return
+        items: list[dict[str, Any]] = []
+        for name in sorted(r.files):
+            data = r.files[name]
+            item: dict[str, Any] = {"type": "file", "path": name, "size": len(data), "oid": self._blob_id(r, name)}
+            if name in r.lfs:
+                item["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+            items.append(item)
+        self._send(h, 200, json.dumps(items).encode(), {"Content-Type": "application/json"}, head)
+
+    def _blob_id(self, r: FakeRepo, rel: str) -> str:
+        """git's blob id of a file, as the Hub's ETag (computed once: the files can be GiBs)."""
+        key = (r.commit, rel)
+        if key not in self._blob_ids:
+            data = r.files[rel]
+            h = hashlib.sha1(b"blob %d\0" % len(data))
+            h.update(data)
+            self._blob_ids[key] = h.hexdigest()
+        return self._blob_ids[key]
+
     def _resolve(self, h: BaseHTTPRequestHandler, repo: str, rev: str, rel: str, head: bool) -> None:
         if repo not in self.repos:
             self._error(h, 404, "RepoNotFound", "Repository not found", head)
@@ -208,7 +238,7 @@ class FakeHub:
             self._error(h, 404, "EntryNotFound", f"Entry not found: {rel}", head)
             return
         data = r.files[rel]
-        blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        blob = self._blob_id(r, rel)
         headers = {
             "X-Repo-Commit": r.commit,
             "ETag": f'"{blob}"',
