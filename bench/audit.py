@@ -1,36 +1,50 @@
-"""(d) `builder audit` wall time over 1, 2, 4 and 8 test hosts; the audit's host-side model hashing.
+"""(d) `builder audit` wall time over 1, 2, 4 and 8 test hosts holding a correct install; the audit's
+host-side model hashing.
 
-The hosts are the test fleet's containers with a real sshd (tests/fleetlib.py start_fleet, without
-their own dockerd to spare this 2-core machine), on a private Docker network. Each size gets its own
-small project (tests/auditlib.py make_project with tensor_parallel = N) and fleet file. The hosts
-hold no release, so the audit reports drift (exit 1): the time is the real cost of connecting to
-every host (one ssh connection per host, shared by every command), reading its facts (one remote
-call, checks/checklib.py prefetch) and running every preflight check.
+The hosts are the test fleet's containers (tests/fleetlib.py: a real sshd and their own dockerd) and
+the install is the operator's journey through the real CLI (tests/journeylib.py journey: lock,
+image, keygen, bundle --with-image --with-models, ship to every host). Each size is its own fleet
+with a lane whose tensor_parallel is the host count: the shipped `demo` lane for 2 hosts, and for
+the others a lane `demo-tpN` added to the journey's project copy before the lock (the demo lane's
+serve settings, tensor_parallel = N, models = ["demo-tiny"]). The four fleets (15 hosts) run side by
+side and share one store, so the demo image is built once; every audit is then round-robin over the
+sizes and ways, so load from other work hits them alike.
 
-Two ways, each with its own folder of ssh connections ($BUILDER_SSH_DIR), all runs round-robin:
+Every audit must pass (exit 0, no check failing): the benchmark raises, naming the failing checks,
+if one does not. Measured twice: `--phase preflight` (the default) on the installed hosts before
+start, and `--phase all` (preflight and the serving checks: health, a one-token completion) after
+every journey's `start()`.
+
+Two ways, each with its own folder of ssh connections ($BUILDER_SSH_DIR):
 - kept (the default, `--ssh-persist 60`): each audit reuses the connections the one before it
   left open, as an operator's repeated audits do; the warm-up run opens them.
 - first contact (`--ssh-persist 0`): every audit opens (ssh key exchange and login) and closes its
   connection to every host.
 
 The test hosts are containers on this machine, so their sshd, python3 and docker CLI run on the
-same 2 cores as the audit. Beside the wall times the benchmark reports where the CPU went, per host
-added: on the operator's side (the audit's own process tree: pytest, ssh clients) and on the whole
-machine (/proc/stat: that plus the hosts' side and the kernel).
+same cores as the audit. Beside the wall times the benchmark reports where the CPU went: per host
+added on the operator's side (the audit's own process tree: pytest, ssh clients); per host on the
+test hosts' side (their containers' cgroups: sshd, the batch's python3, the docker CLI and the host's
+own dockerd), which a real fleet runs on its Sparks; per host added on the whole machine
+(/proc/stat: both, the kernel, and whatever else runs here); and the memory the test hosts use.
 
-The second part runs the script the audit's model check runs on each host (builder.hostcheck
-FILES_SCRIPT, full mode, 4 threads) here, over the benchmark's model folder, against openssl dgst and
+The second part runs the script the audit's model check runs on each host (builder/hostfacts/files.py,
+full mode, 4 threads) here, over the benchmark's model folder, against openssl dgst and
 sha256sum on the same files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,8 +52,9 @@ from typing import Any
 from bench.common import (
     REPO,
     Config,
+    GiB,
+    MiB,
     Row,
-    builder_argv,
     gib_s,
     have,
     judge,
@@ -47,6 +62,8 @@ from bench.common import (
     secs,
     skipped,
     warm,
+    wheelhouse,
+    wheels_in_env,
 )
 from bench.data import model_folder
 
@@ -54,21 +71,55 @@ NAME = "audit"
 SIZES = (1, 2, 4, 8)
 TARGET = "<= 2"
 
+#: the two ways, each one's extra arguments
+WAYS: dict[str, list[str]] = {"kept": [], "first contact": ["--ssh-persist", "0"]}
+#: the two phases: before start (the default) and after start
+PHASES: dict[str, list[str]] = {"preflight": [], "all": ["--phase", "all"]}
+#: stop before starting more hosts when the machine has less memory than this left
+MIN_AVAILABLE = 3 * GiB
+
 
 def run(cfg: Config) -> list[Row]:
     return _fleet(cfg) + _host_hashing(cfg)
 
 
-#: the two ways, each one's extra arguments
-WAYS = {"kept": [], "first contact": ["--ssh-persist", "0"]}
+def lane_for(n: int) -> tuple[str, str]:
+    """(lane name, pins.toml text to add) for n hosts: the shipped demo lane when its tensor_parallel
+    is n, else `demo-tpN`, the demo lane's serve settings with tensor_parallel = N and demo-tiny only."""
+    shipped = tomllib.loads((REPO / "pins.toml").read_text())["lanes"]["demo"]
+    if shipped["serve"].get("tensor_parallel") == n:
+        return "demo", ""
+    name = f"demo-tp{n}"
+    text = f'[lanes.{name}]\nimage = {json.dumps(shipped["image"])}\nmodels = ["demo-tiny"]\n'
+    return name, text + _table(f"lanes.{name}.serve", dict(shipped["serve"], tensor_parallel=n))
+
+
+def _table(header: str, values: dict[str, Any]) -> str:
+    """A TOML table of plain values (strings, numbers, booleans, lists of them) and sub-tables."""
+    text = f"\n[{header}]\n"
+    subs = ""
+    for k, v in values.items():
+        if isinstance(v, dict):
+            subs += _table(f"{header}.{k}", v)
+        else:
+            text += f"{k} = {json.dumps(v)}\n"
+    return text + subs
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _fleet(cfg: Config) -> list[Row]:
     fig = "audit 8 hosts vs 1 host (wall time)"
     sys.path.insert(0, str(REPO / "tests"))
     try:
-        import auditlib
         import fleetlib
+        import journeylib
     except ImportError as e:
         return [skipped(NAME, fig, f"test helpers: {e}", TARGET)]
     if not fleetlib.docker_available():
@@ -76,77 +127,126 @@ def _fleet(cfg: Config) -> list[Row]:
     if not fleetlib.image_exists(fleetlib.testhost_tag()):
         return [skipped(NAME, fig, f"{fleetlib.testhost_tag()} missing: run tests/fleet/build-testhost.sh",
                         TARGET)]
-    import tempfile
-
-    from builder.imagerecord import ImageRecord, tag_for, write_record
-
+    # the journeys build the demo image, which needs the ziglang wheel (journeylib reads the
+    # wheelhouse from BUILDER_WHEELHOUSE)
+    wheels, why = wheelhouse("demo", cfg.workdir)
+    if wheels is None:
+        return [skipped(NAME, fig, f"the demo image's wheel: {why}", TARGET)]
     work = cfg.workdir / "audit"
-    fleet = fleetlib.start_fleet(max(SIZES), work / "fleet", dockerd=False, build=False)
-    images: list[str] = []
-    # unix socket paths are short: the connection folders live in /tmp
-    folders = {w: Path(tempfile.mkdtemp(prefix="bB-", dir="/tmp")) for w in WAYS}
+    store = work / "store"
+    # Other work may edit this tree while the benchmark runs: every journey and audit runs the code
+    # of one copy, the first journey's (PYTHONPATH ahead of the editable install, and its checks/).
+    code = work / f"j{SIZES[0]}" / "project"
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(code)
     try:
-        fns = {}
-        for n in SIZES:
-            paths = auditlib.make_project(work / f"proj{n}", tp=n)
-            addr = auditlib.plan_address(paths)
-            labels = {"org.builder.lane": "demo", "org.builder.input-address": addr}
-            image_id = fleetlib.tiny_image(f"builder-bench-audit:{n}-{os.getpid()}",
-                                           files={"/etc/demo": b"bench\n"}, labels=labels)
-            images.append(image_id)
-            write_record(paths["store"], ImageRecord(
-                name="demo", input_address=addr, image_id=image_id, diff_ids=[], tag=tag_for("demo", addr),
-                lock_hash="0" * 64, platform="linux/arm64", source_date_epoch=0, labels=labels))
-            hosts = [{"name": h.name, "ssh": h.name, "rank": i, "role": "head" if i == 0 else "worker"}
-                     for i, h in enumerate(fleet.hosts[:n])]
-            (paths["hosts"] / "bench.toml").write_text(
-                auditlib.fleet_toml("bench", hosts, ssh_config=str(fleet.plain_ssh_config)))
-            base = [*builder_argv(), "--pins", str(paths["pins"]), "--store", str(paths["store"]), "audit",
-                    "--fleet", "bench", "--json", "--checks", str(REPO / "checks"), "--connect-timeout", "10"]
-            for w, extra in WAYS.items():
-                fns[(w, n)] = _audit_fn(base + extra, {"BUILDER_SSH_DIR": str(folders[w])})
-        # warm-up: ssh host keys, python caches on the hosts, the kept connections
-        t = median_interleaved({f"{w}/{n}": fns[(w, n)] for w in WAYS for n in SIZES}, cfg.runs)
-        rows = []
-        for w in WAYS:
-            rows += _rows(w, fig, {n: t[f"{w}/{n}"] for n in SIZES}, {n: fns[(w, n)] for n in SIZES})
-        return rows
+        with wheels_in_env(wheels), contextlib.ExitStack() as stack:
+            return _measure(cfg, work, store, code, stack, journeylib, fleetlib)
     finally:
-        for f in folders.values():
-            fleetlib.close_kept_connections(f)
-        fleet.teardown()
-        for img in images:
-            subprocess.run(["docker", "rmi", "-f", img], capture_output=True)
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
-def _rows(way: str, fig: str, t: dict[int, float], fns: dict[int, _audit_fn]) -> list[Row]:
-    rows = []
-    how = "connections kept" if way == "kept" else "first contact"
-    cpu = {n: _cpu_medians(tuple(fns[n].argv)) for n in SIZES}
+def _measure(cfg: Config, work: Path, store: Path, code: Path, stack: contextlib.ExitStack[Any],
+             journeylib: Any, fleetlib: Any) -> list[Row]:
+    js: dict[int, Any] = {}
     for n in SIZES:
-        key = tuple(fns[n].argv)
-        codes = sorted(_CODES.get(key, set()))
-        rows.append(Row(NAME, f"audit {n} host{'s' if n > 1 else ''} ({how})", secs(t[n]), "", None, "",
-                        "report", f"exit {codes}; {_SUMMARY.get(key, '')}", {"seconds": t[n], "hosts": n, "way": way}))
-    ratio = t[8] / t[1]
-    note = ("each audit reuses the ssh connections the one before it left open (--ssh-persist, the default)"
-            if way == "kept" else "every audit opens and closes its ssh connections (--ssh-persist 0)")
-    rows.append(Row(NAME, f"{fig}, {how}", secs(t[8]), f"1 host {secs(t[1])}", ratio, TARGET, judge(ratio, TARGET),
-                    f"ratio = 8-host time / 1-host time; {note}; hosts hold no release, so checks report drift",
-                    {"t1": t[1], "t8": t[8], "way": way}))
-    (o1, m1), (o8, m8) = cpu[1], cpu[8]
-    rows.append(Row(NAME, f"audit CPU per added host, {how}: operator side", f"{(o8 - o1) / 7:.3f} s", "", None,
-                    "", "report", f"the audit's process tree: {o1:.2f} s of CPU for 1 host, {o8:.2f} s for 8",
-                    {"cpu1": o1, "cpu8": o8, "way": way}))
-    rows.append(Row(NAME, f"audit CPU per added host, {how}: whole machine", f"{(m8 - m1) / 7:.3f} s", "", None,
-                    "", "report", f"/proc/stat, test hosts included: {m1:.2f} s for 1 host, {m8:.2f} s for 8",
-                    {"cpu1": m1, "cpu8": m8, "way": way}))
+        if _mem_available() < MIN_AVAILABLE:
+            raise RuntimeError(f"only {_mem_available() / GiB:.1f} GiB of memory left before starting "
+                               f"{n} more test hosts")
+        lane, extra = lane_for(n)
+        t = time.perf_counter()
+        js[n] = stack.enter_context(journeylib.journey(
+            work / f"j{n}", n, lane=lane, name=f"bench{n}", store=store, pins_extra=extra))
+        sys.stderr.write(f"   {n} host(s), lane {lane}: installed by the CLI in {time.perf_counter() - t:.0f} s\n")
+    # unix socket paths are short: the connection folders live in /tmp; closed (callbacks run
+    # first, last in first out) before the fleets go
+    folders = {w: Path(tempfile.mkdtemp(prefix="bB-", dir="/tmp")) for w in WAYS}
+    for f in folders.values():
+        stack.callback(fleetlib.close_kept_connections, f)
+    mem = {"installed": (_hosts_memory(js), _mem_available())}
+    rows = _phase(cfg, "preflight", js, folders, code, journeylib.failing)
+    for n in SIZES:
+        js[n].start()
+    mem["serving"] = (_hosts_memory(js), _mem_available())
+    rows += _phase(cfg, "all", js, folders, code, journeylib.failing)
+    mem["after"] = (_hosts_memory(js), _mem_available())
+    (h0, a0), (h1, a1) = mem["installed"], max(mem["serving"], mem["after"])
+    rows.append(Row(NAME, f"test hosts' memory ({sum(SIZES)} hosts, each with its own dockerd)",
+                    f"{h1 / MiB:.0f} MiB", "", None, "", "report",
+                    f"docker stats of the host containers: {h0 / MiB:.0f} MiB installed, {h1 / MiB:.0f} MiB "
+                    f"serving; the machine's MemAvailable {a0 / GiB:.1f} GiB, then {a1 / GiB:.1f} GiB",
+                    {"installed": h0, "serving": h1, "available_installed": a0, "available_serving": a1}))
     return rows
 
 
-_CODES: dict[tuple[str, ...], set[int]] = {}
-_SUMMARY: dict[tuple[str, ...], str] = {}
-_CPU: dict[tuple[str, ...], list[tuple[float, float]]] = {}
+def _hosts_memory(js: dict[int, Any]) -> int:
+    return sum(sum(j.fleet.memory().values()) for j in js.values())
+
+
+def _phase(cfg: Config, phase: str, js: dict[int, Any], folders: dict[str, Path], code: Path,
+           failing: Callable[[dict[str, Any]], set[tuple[str, str]]]) -> list[Row]:
+    opts = ["--checks", str(code / "checks"), "--connect-timeout", "10"]
+    fns = {(w, n): _Audit(js[n], phase, [*PHASES[phase], *extra, *opts], folders[w], failing)
+           for w, extra in WAYS.items() for n in SIZES}
+    # warm-up (median_interleaved runs each once first): ssh host keys, python caches on the hosts,
+    # the kept connections
+    t = median_interleaved({f"{w}/{n}": fns[(w, n)] for w in WAYS for n in SIZES}, cfg.runs)
+    rows = []
+    for w in WAYS:
+        rows += _rows(phase, w, {n: t[f"{w}/{n}"] for n in SIZES}, {n: fns[(w, n)] for n in SIZES})
+    return rows
+
+
+def _rows(phase: str, way: str, t: dict[int, float], fns: dict[int, _Audit]) -> list[Row]:
+    rows = []
+    how = "connections kept" if way == "kept" else "first contact"
+    what = "preflight" if phase == "preflight" else "--phase all, serving"
+    for n in SIZES:
+        rows.append(Row(NAME, f"audit {n} host{'s' if n > 1 else ''}, {what} ({how})", secs(t[n]), "", None, "",
+                        "report", f"exit 0 every run; {fns[n].summary}",
+                        {"seconds": t[n], "hosts": n, "way": way, "phase": phase}))
+    ratio = t[8] / t[1]
+    note = ("each audit reuses the ssh connections the one before it left open (--ssh-persist, the default)"
+            if way == "kept" else "every audit opens and closes its ssh connections (--ssh-persist 0)")
+    rows.append(Row(NAME, f"{fig_ratio(phase)}, {how}", secs(t[8]), f"1 host {secs(t[1])}", ratio, TARGET,
+                    judge(ratio, TARGET), f"ratio = 8-host time / 1-host time; {note}; hosts hold a correct install",
+                    {"t1": t[1], "t8": t[8], "way": way, "phase": phase}))
+    (o1, h1, m1), (o8, h8, m8) = fns[1].cpu_medians(), fns[8].cpu_medians()
+    rows.append(Row(NAME, f"audit CPU per added host, {what}, {how}: operator side", f"{(o8 - o1) / 7:.3f} s", "",
+                    None, "", "report", f"the audit's process tree: {o1:.2f} s of CPU for 1 host, {o8:.2f} s for 8",
+                    {"cpu1": o1, "cpu8": o8, "way": way, "phase": phase}))
+    rows.append(Row(NAME, f"audit CPU per host, {what}, {how}: test host side", f"{h8 / 8:.3f} s", "",
+                    None, "", "report", f"the host containers' cgroups (sshd, python3, docker CLI, their dockerd): "
+                    f"{h1:.2f} s for 1 host, {h8:.2f} s for 8", {"cpu1": h1, "cpu8": h8, "way": way, "phase": phase}))
+    rows.append(Row(NAME, f"audit CPU per added host, {what}, {how}: whole machine", f"{(m8 - m1) / 7:.3f} s", "",
+                    None, "", "report", f"/proc/stat, test hosts included: {m1:.2f} s for 1 host, {m8:.2f} s for 8",
+                    {"cpu1": m1, "cpu8": m8, "way": way, "phase": phase}))
+    return rows
+
+
+def fig_ratio(phase: str) -> str:
+    return "audit 8 hosts vs 1 host (wall time)" + ("" if phase == "preflight" else ", --phase all")
+
+
+def _hosts_cpu(j: Any) -> float | None:
+    """CPU seconds the journey's host containers have used so far (their cgroups: v1 cpuacct or v2
+    cpu.stat), or None where neither can be read."""
+    total = 0.0
+    for h in j.fleet.hosts:
+        v1 = Path(f"/sys/fs/cgroup/cpuacct/docker/{h.container}/cpuacct.usage")
+        v2 = Path(f"/sys/fs/cgroup/system.slice/docker-{h.container}.scope/cpu.stat")
+        try:
+            if v1.is_file():
+                total += int(v1.read_text()) / 1e9
+            else:
+                usage = next(ln for ln in v2.read_text().splitlines() if ln.startswith("usage_usec"))
+                total += int(usage.split()[1]) / 1e6
+        except (OSError, StopIteration, ValueError):
+            return None
+    return total
 
 
 def _machine_cpu() -> float:
@@ -156,40 +256,45 @@ def _machine_cpu() -> float:
     return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_medians(key: tuple[str, ...]) -> tuple[float, float]:
-    got = _CPU.get(key, [])[1:]  # the first call is the warm-up
-    return statistics.median(c[0] for c in got), statistics.median(c[1] for c in got)
+class _Audit:
+    """One audit of one journey's fleet (`Journey.audit`: `builder audit --fleet NAME --json`), which
+    must pass; records its CPU (this process's children, and the whole machine) and the checks' count."""
 
-
-class _audit_fn:  # noqa: N801 - a callable with its argv attached
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.argv = argv
-        self.env = env
+    def __init__(self, j: Any, phase: str, args: list[str], ssh_dir: Path,
+                 failing: Callable[[dict[str, Any]], set[tuple[str, str]]]) -> None:
+        self.j, self.phase, self.args, self.ssh_dir, self.failing = j, phase, args, ssh_dir, failing
+        self.cpu: list[tuple[float, float, float]] = []
+        self.summary = ""
 
     def __call__(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO), **self.env)
-        r0, m0 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_cpu()
-        p = subprocess.run(self.argv, capture_output=True, text=True, env=env, timeout=600)
-        r1, m1 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_cpu()
-        key = tuple(self.argv)
-        own = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
-        _CPU.setdefault(key, []).append((own, m1 - m0))
-        _CODES.setdefault(key, set()).add(p.returncode)
-        if p.returncode not in (0, 1):
-            raise RuntimeError(f"builder audit: exit {p.returncode}: {p.stderr.strip()[-300:]}")
-        try:
-            data: dict[str, Any] = json.loads(p.stdout)
-            counts: dict[str, int] = {}
-            for h in data.get("hosts", {}).values():
-                for c in h.get("checks", {}).values():
-                    counts[c["status"]] = counts.get(c["status"], 0) + 1
-            _SUMMARY[key] = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-        except (ValueError, AttributeError):
-            pass
+        r0, m0, h0 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_cpu(), _hosts_cpu(self.j)
+        rc, report = self.j.audit(*self.args, env={"BUILDER_SSH_DIR": str(self.ssh_dir)})
+        r1, m1, h1 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_cpu(), _hosts_cpu(self.j)
+        hosts = h1 - h0 if h0 is not None and h1 is not None else float("nan")
+        self.cpu.append((r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, hosts, m1 - m0))
+        bad = self.failing(report)
+        if rc != 0 or bad:
+            detail = {f"{h}/{c}": report["hosts"][h]["checks"][c].get("message", "") for h, c in sorted(bad)}
+            msgs = {h: hr.get("message", "") for h, hr in report.get("hosts", {}).items() if hr.get("message")}
+            raise AssertionError(
+                f"builder audit {' '.join(self.args)} of {len(self.j.fleet.hosts)} correctly installed host(s) "
+                f"did not pass: exit {rc}; failing: {json.dumps(detail)[:1500]}; hosts: {json.dumps(msgs)[:600]}; "
+                f"stderr: {self.j.last_stderr.strip()[-600:]}")
+        counts: dict[str, int] = {}
+        for h in report.get("hosts", {}).values():
+            for c in h.get("checks", {}).values():
+                counts[c["status"]] = counts.get(c["status"], 0) + 1
+        self.summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+
+    def cpu_medians(self) -> tuple[float, float, float]:
+        """Medians of (operator side, test hosts' side, whole machine), warm-up left out."""
+        got = self.cpu[1:]
+        return (statistics.median(c[0] for c in got), statistics.median(c[1] for c in got),
+                statistics.median(c[2] for c in got))
 
 
 def _host_hashing(cfg: Config) -> list[Row]:
-    from builder.hostcheck import FILES_SCRIPT
+    from builder.hostfacts import FILES as FILES_SCRIPT
 
     mf = model_folder(cfg)
     warm(mf.paths)
@@ -197,7 +302,8 @@ def _host_hashing(cfg: Config) -> list[Row]:
     req = json.dumps({"paths": paths, "hash": True, "jobs": 4})
 
     def script() -> None:
-        out = subprocess.run([sys.executable, "-c", FILES_SCRIPT, req], check=True, capture_output=True).stdout
+        argv = [sys.executable, "-I", "-S", "-c", FILES_SCRIPT, req]  # as a host runs it
+        out = subprocess.run(argv, check=True, capture_output=True).stdout
         got = json.loads(out)
         assert all(got[str(mf.root / n)].get("sha256") == d for n, _, d in mf.entries)
 
@@ -216,6 +322,6 @@ def _host_hashing(cfg: Config) -> list[Row]:
             continue
         ratio = t[tool] / t["audit"]
         rows.append(Row(NAME, fig, gib_s(mf.total, t["audit"]), gib_s(mf.total, t[tool]), ratio, "", "report",
-                        "hostcheck.FILES_SCRIPT run locally (what each host runs in --mode full)",
+                        "builder/hostfacts/files.py run locally (what each host runs in --mode full)",
                         {"audit_s": t["audit"], f"{tool}_s": t[tool], "bytes": mf.total}))
     return rows

@@ -53,7 +53,7 @@ def _project(base: Path, files: dict[str, Path], hosts_root: Path) -> dict[str, 
     from builder import __version__, sign
     from builder.canon import atomic_write
     from builder.hashing import hash_files
-    from builder.lock import (
+    from builder.lockfile import (
         Lock,
         LockedImage,
         LockedLane,

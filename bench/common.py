@@ -8,7 +8,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ class Row:
     standard: str = ""
     ratio: float | None = None
     target: str = ""
-    status: str = "report"  # pass | fail | report | skipped
+    status: str = "report"  # pass | fail | report | skipped | error
     note: str = ""
     values: dict[str, Any] = field(default_factory=dict)
 
@@ -176,3 +177,95 @@ def secs(s: float) -> str:
     if s < 0.01:
         return f"{s * 1000:.2f} ms"
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def wheelhouse(image_name: str, workdir: Path) -> tuple[Path | None, str]:
+    """A folder holding every wheel `builder image IMAGE` builds with on this engine (the ziglang wheel
+    of the demo image), for BUILDER_WHEELHOUSE; or (None, why not).
+
+    Looked for, by the locked file name and checked against the locked sha256: in the folders
+    BUILDER_WHEELHOUSE names and the project's .cache/wheelhouse (where .ci/run puts it); in the
+    project's store (.cache/builder, or $BUILDER_STORE), where the README's `builder image demo`
+    left it; else downloaded with `pip download` into workdir/wheelhouse (PyPI, or pip's own cache of
+    the wheel `pip install -e '.[dev]'` installed). The files are linked into workdir/wheelhouse.
+    """
+    import hashlib
+    import json
+    import tomllib
+
+    # read the files themselves (not builder's loaders): the benchmark needs two fields of each
+    try:
+        img = tomllib.loads((REPO / "pins.toml").read_text())["images"][image_name]
+        lock = json.loads((REPO / "pins.lock").read_text())
+    except (OSError, ValueError, KeyError) as e:
+        return None, f"pins.toml/pins.lock, image {image_name}: {type(e).__name__}: {str(e)[:120]}"
+    p = subprocess.run(["docker", "version", "--format", "{{json .Server}}"], capture_output=True, text=True)
+    try:
+        srv = json.loads(p.stdout)
+        engine = f"{srv['Os']}/{srv['Arch']}"
+    except (ValueError, KeyError, TypeError):
+        return None, "no Docker engine reachable (its platform picks the wheel)"
+    out = workdir / "wheelhouse"
+    out.mkdir(parents=True, exist_ok=True)
+    folders = [Path(x) for x in os.environ.get("BUILDER_WHEELHOUSE", "").split(os.pathsep) if x]
+    folders.append(REPO / ".cache" / "wheelhouse")
+    stores = [Path(os.environ["BUILDER_STORE"])] if os.environ.get("BUILDER_STORE") else []
+    stores.append(REPO / ".cache" / "builder")
+
+    def sha256(path: Path) -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(4 * MiB):
+                h.update(chunk)
+        return h.hexdigest()
+
+    for tname in img.get("toolchains", []):
+        lt = lock.get("toolchains", {}).get(tname)
+        if lt is None:
+            return None, f"toolchains.{tname}: not in pins.lock (run `builder lock --offline {image_name}`)"
+        if lt.get("kind") != "wheel":
+            continue
+        art = lt.get("platforms", {}).get(engine) or lt.get("platforms", {}).get(img.get("platform"))
+        if not art or not art.get("filename") or not art.get("sha256"):
+            return None, f"toolchains.{tname}: no wheel for {engine} in the lock"
+        filename, want = art["filename"], art["sha256"]
+        dest = out / filename
+        cands = [f / filename for f in folders] + [s / "objects" / want for s in stores]
+        for c in cands:
+            if c.is_file() and sha256(c) == want:
+                dest.unlink(missing_ok=True)
+                dest.symlink_to(c.resolve())
+                break
+        else:
+            # the wheel's name is package-version-python-abi-platform.whl; pip wants one platform tag
+            package, version = filename.split("-")[:2]
+            plat = filename[:-4].split("-")[-1].split(".")[0]
+            cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                   "--platform", plat, "-d", str(out), f"{package}=={version}"]
+            sys.stderr.write(f"   {filename}: not in a wheelhouse or the store; {' '.join(cmd[2:])}\n")
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            except subprocess.TimeoutExpired:
+                return None, f"pip download {package}=={version}: timed out"
+            if r.returncode != 0 or not dest.is_file():
+                err = r.stderr.strip()[-160:] or f"no {filename}"
+                return None, f"pip download {package}=={version}: {err}"
+            if sha256(dest) != want:
+                return None, f"{filename}: pip's copy does not match the locked sha256"
+    return out, ""
+
+
+@contextmanager
+def wheels_in_env(folder: Path | None) -> Iterator[None]:
+    """BUILDER_WHEELHOUSE with `folder` added in front for the duration (the builds and the journeys
+    of a benchmark read it from the environment)."""
+    saved = os.environ.get("BUILDER_WHEELHOUSE")
+    if folder is not None:
+        os.environ["BUILDER_WHEELHOUSE"] = os.pathsep.join([str(folder), *([saved] if saved else [])])
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("BUILDER_WHEELHOUSE", None)
+        else:
+            os.environ["BUILDER_WHEELHOUSE"] = saved

@@ -1,23 +1,35 @@
 """(c) `builder image demo` when up to date vs `docker build` of the same recipe with every layer cached.
 
-Set-up (not timed): a copy of the project (pins, lock, recipes, sources) in the workdir with its own
---store there; `builder lock --offline demo`; `builder image demo` (builds once unless the project's
-own store already recorded the same input address for an image the engine still holds: that record
-is copied in, which is exactly what "up to date" means); the build context `builder image` assembles
-for the recipe (image.assemble_context) built once with `docker build` so every step is cached.
+Set-up (not timed): the ziglang wheel the recipe builds with, found where the README's first command
+left it (bench.common.wheelhouse: a wheelhouse, the project's store, else `pip download`); a copy of
+the project (pins, lock, recipes, sources) in the workdir with its own --store there;
+`builder lock --offline demo`; `builder image demo` (builds once unless the project's own store
+already recorded the same input address for an image the engine still holds: that record is copied
+in, which is exactly what "up to date" means); the build context `builder image` assembles for the
+recipe (image.assemble_context) built once with `docker build` so every step is cached.
 Timed: `builder image demo` (a no-op) against `docker build` of that context (every step "Using cache").
 Clean-up: the copy, the store, the bench tag and the image docker build made.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
-from bench.common import REPO, Config, Row, builder_argv, judge, median_interleaved, secs, skipped
+from bench.common import (
+    REPO,
+    Config,
+    Row,
+    builder_argv,
+    judge,
+    median_interleaved,
+    secs,
+    skipped,
+    wheelhouse,
+    wheels_in_env,
+)
 from bench.common import run as sh
 
 NAME = "image"
@@ -58,19 +70,14 @@ def run(cfg: Config) -> list[Row]:
     own = REPO / ".cache" / "builder" / "images"
     if own.is_dir():
         shutil.copytree(own, store / "images", dirs_exist_ok=True)
-    # A first build needs the ziglang wheel and the copy has no .cache: add the project's own
-    # wheelhouse (where .ci/run downloads it) to any the environment names, for the builds and for
-    # _assemble (which assembles docker build's context in this process).
-    saved = os.environ.get("BUILDER_WHEELHOUSE")
-    wheels = [x for x in [saved or "", str(REPO / ".cache" / "wheelhouse")] if x]
-    os.environ["BUILDER_WHEELHOUSE"] = os.pathsep.join(wheels)
-    try:
+    # A first build, and _assemble (which assembles docker build's context in this process, offline),
+    # need the ziglang wheel, and the copy has no .cache: find it where the README's commands left it
+    # (bench.common.wheelhouse) and name it in BUILDER_WHEELHOUSE for the duration.
+    wheels, why = wheelhouse("demo", cfg.workdir)
+    if wheels is None:
+        return [skipped(NAME, FIG, f"the demo image's wheel: {why}", TARGET)]
+    with wheels_in_env(wheels):
         return _timed(cfg, proj, store, b)
-    finally:
-        if saved is None:
-            del os.environ["BUILDER_WHEELHOUSE"]
-        else:
-            os.environ["BUILDER_WHEELHOUSE"] = saved
 
 
 def _timed(cfg: Config, proj: Path, store: Path, b: list[str]) -> list[Row]:

@@ -5,7 +5,9 @@
 Each benchmark makes its own data under a temp folder (in /tmp, or --workdir) and the folder is
 removed at the end. Figures are medians of --runs runs (default 5; --quick: 2 runs, smaller data).
 A benchmark that cannot run here (no Docker, no test-host image, no openssl) prints
-``skipped: reason``. Exit 0 whatever the ratios (a benchmark is not a test); 2 on bad arguments.
+``skipped: reason``. Exit 0 whatever the ratios (a benchmark is not a test); 1 when a benchmark
+raised instead of measuring (its row says ``error: ...``, the traceback is on stderr: e.g. the audit
+of a correctly installed fleet did not pass); 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "image": "bench.image",  # (c) builder image demo (up to date) vs docker build (cached)
     "audit": "bench.audit",  # (d) builder audit over 1, 2, 4, 8 test hosts; host-side hashing
     "bundle": "bench.bundle",  # (e) bundle creation, install-side verification; (f) peak memory
+    "deploy": "bench.deploy",  # (g) builder deploy: unchanged fleet vs preflight audit; 4 hosts vs 1
 }
 
 
@@ -51,14 +54,14 @@ def format_table(rows: list[Row]) -> str:
     body = []
     for r in rows:
         ratio = "" if r.ratio is None else f"{r.ratio:.2f}"
-        result = r.note if r.status == "skipped" else r.status
+        result = r.note if r.status in ("skipped", "error") else r.status
         body.append([r.bench, r.figure, r.builder, r.standard, ratio, r.target, result])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=False)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
     for b in body:
         lines.append("  ".join(str(x).ljust(w) for x, w in zip(b, widths, strict=True)).rstrip())
-    notes = [f"- {r.bench} / {r.figure}: {r.note}" for r in rows if r.note and r.status != "skipped"]
+    notes = [f"- {r.bench} / {r.figure}: {r.note}" for r in rows if r.note and r.status not in ("skipped", "error")]
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -95,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # one broken benchmark must not hide the others
                 traceback.print_exc(file=sys.stderr)
                 first = str(e).splitlines()[0][:300] if str(e) else ""
-                got = [Row(bench=name, figure="(benchmark)", status="skipped",
-                           note=f"skipped: error: {type(e).__name__}: {first}")]
+                got = [Row(bench=name, figure="(benchmark)", status="error",
+                           note=f"error: {type(e).__name__}: {first}")]
             for r in got:
                 sys.stderr.write(f"   {r.figure}: {r.builder} vs {r.standard} "
                                  f"{'' if r.ratio is None else f'ratio {r.ratio:.2f}'} {r.status} {r.note}\n")
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(format_table(rows) + "\n")
         sys.stdout.write(f"\n(load average 1 min: {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
                          f"{os.cpu_count()} CPUs)\n")
-    return 0
+    # a benchmark that raised (e.g. the audit of a correct install did not pass) is not a figure
+    return 1 if any(r.status == "error" for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""Canonical JSON, content hashes and atomic writes: the primitives every stage shares."""
+"""Canonical JSON, content addresses and atomic writes: the primitives every stage shares.
+
+File hashing is builder.hashing's (``sha256_file``, and the pool every parallel hash uses).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -12,9 +16,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-#: Read size for hashing. Large reads keep hashlib in its fast path and cut syscalls;
-#: 4 MiB measured best here (see bench/).
-READ_SIZE = 4 * 1024 * 1024
+from builder.hashing import sha256_file
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -34,18 +36,6 @@ def sha256_bytes(data: bytes) -> str:
 def address(obj: Any) -> str:
     """Content address of a JSON-able object: sha256 of its canonical JSON."""
     return sha256_bytes(canonical_json(obj))
-
-
-def sha256_file(path: str | os.PathLike[str]) -> tuple[str, int]:
-    """Return (sha256 hex, size) of a file, streaming it in large reads.
-
-    Performance (issue 6): one implementation for the whole package, builder.hashing.sha256_file
-    (readinto one reusable 4 MiB buffer, hashed through a memoryview, POSIX_FADV_SEQUENTIAL); it beats
-    `openssl dgst -sha256` on one file here, and hashlib releases the GIL so threads hash in parallel.
-    """
-    from builder.hashing import sha256_file as _fast
-
-    return _fast(path)
 
 
 def sha256_tree(root: Path) -> str:
@@ -147,8 +137,6 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     """An exclusive advisory lock (flock) held for the block; released if the process dies."""
-    import fcntl
-
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)

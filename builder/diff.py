@@ -14,7 +14,7 @@ from typing import Any
 
 from builder.errors import ConfigError
 from builder.loader import validate
-from builder.lock import (
+from builder.lockfile import (
     Lock,
     LockedBase,
     LockedFile,
@@ -24,8 +24,9 @@ from builder.lock import (
     LockedSource,
     LockedToolchain,
 )
+from builder.pins import INPUT_KINDS
 
-KIND_ORDER = ("sources", "toolchains", "bases", "models", "files", "images", "lanes")
+KIND_ORDER = (*INPUT_KINDS, "images", "lanes")
 KIND_WORD = {"sources": "source", "toolchains": "toolchain", "bases": "base", "models": "model",
              "files": "file", "images": "image", "lanes": "lane"}
 
@@ -38,6 +39,27 @@ class Change:
 
     def as_dict(self) -> dict[str, str]:
         return asdict(self)
+
+
+def _moved(what: str, old: Any, new: Any, *, short: bool = False) -> list[str]:
+    """["WHAT old -> new"] when the two differ (ids shortened with ``short``), else []."""
+    if old == new:
+        return []
+    return [f"{what} {_s(old)} -> {_s(new)}" if short else f"{what} {old} -> {new}"]
+
+
+def _platforms(old: dict[str, str], new: dict[str, str], changed: str, *, show_added: bool) -> list[str]:
+    """What moved in a per-platform map of ids: platforms added or removed, ids changed."""
+    out = []
+    for plat in sorted(set(old) | set(new)):
+        a, b = old.get(plat), new.get(plat)
+        if a is None:
+            out.append(f"platform added {plat} {_s(b)}" if show_added else f"platform added {plat}")
+        elif b is None:
+            out.append(f"platform removed {plat}")
+        elif a != b:
+            out.append(f"{changed} {plat} {_s(a)} -> {_s(b)}")
+    return out
 
 
 def _s(x: str | None, n: int = 12) -> str:
@@ -95,15 +117,9 @@ def _parse(data: bytes, label: str) -> Lock:
 
 
 def _source(old: LockedSource, new: LockedSource) -> list[str]:
-    out = []
-    if old.url != new.url:
-        out.append(f"url {old.url} -> {new.url}")
-    if old.ref != new.ref:
-        out.append(f"ref {old.ref} -> {new.ref}")
-    if old.commit != new.commit:
-        out.append(f"commit {_s(old.commit)} -> {_s(new.commit)}")
-    elif old.tree_sha256 != new.tree_sha256:
-        out.append(f"tree {_s(old.tree_sha256)} -> {_s(new.tree_sha256)}")
+    out = _moved("url", old.url, new.url) + _moved("ref", old.ref, new.ref)
+    out += _moved("commit", old.commit, new.commit, short=True) or _moved(
+        "tree", old.tree_sha256, new.tree_sha256, short=True)
     if old.on_ref and not new.on_ref:
         out.append(f"no longer on ref {new.ref}")
     old_p = {p.file: p for p in old.patches}
@@ -126,36 +142,16 @@ def _source(old: LockedSource, new: LockedSource) -> list[str]:
 
 
 def _toolchain(old: LockedToolchain, new: LockedToolchain) -> list[str]:
-    out = []
-    if old.version != new.version:
-        out.append(f"version {old.version} -> {new.version}")
-    for plat in sorted(set(old.platforms) | set(new.platforms)):
-        a, b = old.platforms.get(plat), new.platforms.get(plat)
-        if a is None:
-            out.append(f"platform added {plat}")
-        elif b is None:
-            out.append(f"platform removed {plat}")
-        elif a.sha256 != b.sha256:
-            out.append(f"sha256 changed {plat} {_s(a.sha256)} -> {_s(b.sha256)}")
-    return out
+    return _moved("version", old.version, new.version) + _platforms(
+        {p: a.sha256 for p, a in old.platforms.items()}, {p: a.sha256 for p, a in new.platforms.items()},
+        "sha256 changed", show_added=False)
 
 
 def _base(old: LockedBase, new: LockedBase) -> list[str]:
-    out = []
-    if old.ref != new.ref:
-        out.append(f"ref {old.ref} -> {new.ref}")
-    if old.index_digest != new.index_digest:
-        out.append(f"index digest changed {_s(old.index_digest)} -> {_s(new.index_digest)}")
-    for plat in sorted(set(old.platforms) | set(new.platforms)):
-        a, b = old.platforms.get(plat), new.platforms.get(plat)
-        if a is None:
-            out.append(f"platform added {plat} {_s(b)}")
-        elif b is None:
-            out.append(f"platform removed {plat}")
-        elif a != b:
-            out.append(f"digest changed {plat} {_s(a)} -> {_s(b)}")
-    if old.source != new.source:
-        out.append(f"source {old.source} -> {new.source}")
+    out = _moved("ref", old.ref, new.ref)
+    out += _moved("index digest changed", old.index_digest, new.index_digest, short=True)
+    out += _platforms(old.platforms, new.platforms, "digest changed", show_added=True)
+    out += _moved("source", old.source, new.source)
     for plat in sorted(set(old.config_env) & set(new.config_env)):
         if old.config_env[plat] != new.config_env[plat]:
             a_env, b_env = set(old.config_env[plat]), set(new.config_env[plat])
@@ -165,11 +161,7 @@ def _base(old: LockedBase, new: LockedBase) -> list[str]:
 
 
 def _model(old: LockedModel, new: LockedModel) -> list[str]:
-    out = []
-    if old.repo != new.repo:
-        out.append(f"repo {old.repo} -> {new.repo}")
-    if old.commit != new.commit:
-        out.append(f"commit {_s(old.commit)} -> {_s(new.commit)}")
+    out = _moved("repo", old.repo, new.repo) + _moved("commit", old.commit, new.commit, short=True)
     a = {f.path: f for f in old.files}
     b = {f.path: f for f in new.files}
     changed = sum(1 for p in a.keys() & b.keys() if (a[p].sha256, a[p].size) != (b[p].sha256, b[p].size))
@@ -177,24 +169,15 @@ def _model(old: LockedModel, new: LockedModel) -> list[str]:
     if changed or added or removed:
         parts = [f"{n} {w}" for n, w in ((changed, "changed"), (added, "added"), (removed, "removed")) if n]
         out.append(f"model files changed: {', '.join(parts)}")
-    if old.source != new.source:
-        out.append(f"source {old.source} -> {new.source}")
-    return out
+    return out + _moved("source", old.source, new.source)
 
 
 def _file(old: LockedFile, new: LockedFile) -> list[str]:
-    out = []
-    if old.url != new.url:
-        out.append(f"url {old.url} -> {new.url}")
-    if old.sha256 != new.sha256:
-        out.append(f"sha256 {_s(old.sha256)} -> {_s(new.sha256)}")
-    return out
+    return _moved("url", old.url, new.url) + _moved("sha256", old.sha256, new.sha256, short=True)
 
 
 def _image(old: LockedImage, new: LockedImage) -> list[str]:
-    out = []
-    if old.platform != new.platform:
-        out.append(f"platform {old.platform} -> {new.platform}")
+    out = _moved("platform", old.platform, new.platform)
     a, b = old.recipe_files, new.recipe_files
     changed = sorted(p for p in a.keys() & b.keys() if a[p] != b[p])
     for p in changed:
@@ -203,18 +186,12 @@ def _image(old: LockedImage, new: LockedImage) -> list[str]:
         out.append(f"recipe file added {p}")
     for p in sorted(a.keys() - b.keys()):
         out.append(f"recipe file removed {p}")
-    if old.source_date_epoch != new.source_date_epoch:
-        out.append(f"source date {old.source_date_epoch} -> {new.source_date_epoch}")
-    return out
+    return out + _moved("source date", old.source_date_epoch, new.source_date_epoch)
 
 
 def _lane(old: LockedLane, new: LockedLane) -> list[str]:
-    out = []
-    if old.image != new.image:
-        out.append(f"image {old.image} -> {new.image}")
-    if old.models != new.models:
-        out.append(f"models {', '.join(old.models) or '-'} -> {', '.join(new.models) or '-'}")
-    return out
+    return _moved("image", old.image, new.image) + _moved(
+        "models", ", ".join(old.models) or "-", ", ".join(new.models) or "-")
 
 
 COMPARE: dict[str, Any] = {"sources": _source, "toolchains": _toolchain, "bases": _base, "models": _model,

@@ -83,7 +83,8 @@ def client() -> DockerClient:
             return cached
         where = key or "the local socket"
         try:
-            c = docker.from_env(timeout=READ_TIMEOUT)
+            # ssh:// through the system ssh, so the user's ssh_config and known_hosts apply
+            c = docker.from_env(timeout=READ_TIMEOUT, use_ssh_client=True)
             c.ping()
         except (DockerException, OSError) as exc:
             raise BuilderError(f"no Docker engine: {where}: {_one_line(exc)}") from None

@@ -1,4 +1,4 @@
-"""Plain files by URL and sha256: lock them (hash the real bytes) and download them verified.
+"""Plain files by URL and sha256: lock them (hash the real bytes) and download them verified; URLs shown.
 
 A url is a path inside the project, a ``file://`` URL, or an ``http(s)://`` URL. Local bytes
 are always hashed and must match the pin. A remote file is downloaded (streamed into a
@@ -11,23 +11,34 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 from urllib.parse import unquote, urlsplit
 
-from builder.canon import fsync_dir, sha256_file
+from builder.canon import fsync_dir
 from builder.errors import ConfigError, ResolveError, VerifyError
-
-if TYPE_CHECKING:
-    from builder.lock import LockedFile
-    from builder.pins import PlainFile
+from builder.hashing import sha256_file
+from builder.lockfile import LockedFile
+from builder.pins import PlainFile
 
 CHUNK = 1024 * 1024
 TIMEOUT = 60.0
 USER_AGENT = "builder-fetch/1"
+
+
+#: a scheme URL: its userinfo (``user:password@``, up to the authority's last ``@``) and its query or
+#: fragment (where tokens travel) are what scrub_url drops
+_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?:[^/\s]*@)?(?P<rest>[^\s?#]*)(?:[?#]\S*)?")
+
+
+def scrub_url(text: str) -> str:
+    """Text with every scheme URL in it stripped of credentials and query string: what may be shown
+    (messages, image labels). Paths and scp-like ``user@host:path`` remotes are left as they are."""
+    return _URL.sub(lambda m: m["scheme"] + m["rest"], text)
 
 
 def is_remote(url: str) -> bool:
@@ -73,7 +84,8 @@ def _stream_to(url: str, fd: int, *, root: Path | None, timeout: float) -> tuple
     return h.hexdigest(), size
 
 
-def _reason(e: BaseException) -> str:
+def network_reason(e: BaseException) -> str:
+    """One short line for why a URL could not be read: the HTTP status, the socket error, or the kind."""
     if isinstance(e, urllib.error.HTTPError):
         return f"HTTP {e.code} {e.reason}"
     if isinstance(e, urllib.error.URLError):
@@ -96,7 +108,7 @@ def download(url: str, dest: Path, sha256: str, *, root: Path | None = None, siz
         try:
             got, n = _stream_to(url, fd, root=root, timeout=timeout)
         except (OSError, urllib.error.URLError) as e:
-            raise ResolveError(f"{url}: cannot download: {_reason(e)}") from None
+            raise ResolveError(f"{url}: cannot download: {network_reason(e)}") from None
         finally:
             os.close(fd)
         if got != sha256:
@@ -128,8 +140,6 @@ def hash_url(url: str, *, root: Path | None = None, timeout: float = TIMEOUT) ->
 
 def resolve_file(name: str, spec: PlainFile, *, root: Path, offline: bool, spec_hash: str) -> LockedFile:
     """Lock one plain file: hash its real bytes (local, or downloaded when online) against the pin."""
-    from builder.lock import LockedFile
-
     where = f"files.{name}"
     if is_remote(spec.url):
         if offline:
@@ -137,7 +147,7 @@ def resolve_file(name: str, spec: PlainFile, *, root: Path, offline: bool, spec_
         try:
             got, n = hash_url(spec.url, root=root)
         except (OSError, urllib.error.URLError) as e:
-            raise ResolveError(f"{where}: cannot download {spec.url}: {_reason(e)}") from None
+            raise ResolveError(f"{where}: cannot download {spec.url}: {network_reason(e)}") from None
     else:
         path = local_path(spec.url, root, where=f"{where}.url")
         if not path.is_file():
@@ -145,7 +155,7 @@ def resolve_file(name: str, spec: PlainFile, *, root: Path, offline: bool, spec_
         try:
             got, n = sha256_file(path)
         except OSError as e:
-            raise ResolveError(f"{where}: cannot read {spec.url}: {_reason(e)}") from None
+            raise ResolveError(f"{where}: cannot read {spec.url}: {network_reason(e)}") from None
     if got != spec.sha256:
         raise ResolveError(f"{where}: sha256 mismatch for {spec.url}: pinned {spec.sha256}, got {got}")
     if spec.size is not None and n != spec.size:
@@ -153,4 +163,4 @@ def resolve_file(name: str, spec: PlainFile, *, root: Path, offline: bool, spec_
     return LockedFile(spec_hash=spec_hash, url=spec.url, sha256=got, size=n, verified=True)
 
 
-__all__ = ["resolve_file", "download", "hash_url", "local_path", "is_remote"]
+__all__ = ["resolve_file", "download", "hash_url", "local_path", "is_remote", "scrub_url", "network_reason"]

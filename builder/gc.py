@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from builder.errors import BuilderError
-from builder.lock import Lock, load_lock
+from builder.lockfile import Lock, load_lock
 from builder.pins import load_pins
 from builder.plan import make_plan
 from builder.store import GcReport, Store

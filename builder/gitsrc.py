@@ -26,15 +26,12 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
-from urllib.parse import urlsplit, urlunsplit
 
 from builder.canon import address, file_lock
 from builder.errors import ResolveError
-
-if TYPE_CHECKING:
-    from builder.lock import LockedSource
-    from builder.pins import GitSource
+from builder.fetch import scrub_url
+from builder.lockfile import LockedSource
+from builder.pins import GitSource
 
 #: Seconds for one network git operation (clone/fetch) and for local plumbing.
 FETCH_TIMEOUT = 1800
@@ -89,21 +86,6 @@ def git(args: list[str], *, cwd: Path | None = None, timeout: float = LOCAL_TIME
     return p
 
 
-def scrub_url(text: str) -> str:
-    """Remove any user:password@ from URLs inside text."""
-    return re.sub(r"(\w+://)[^/@\s]+@", r"\1", text)
-
-
-def display_url(url: str) -> str:
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return scrub_url(url)
-    if parts.scheme and "@" in parts.netloc:
-        return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
-    return url
-
-
 def is_remote_url(url: str) -> bool:
     """True for scheme URLs (file://, https://, ssh://...) and scp-like user@host:path."""
     return "://" in url or bool(re.match(r"^[\w.-]+@[\w.-]+:", url))
@@ -134,7 +116,7 @@ def ensure_mirror(url: str, cache: Path, *, offline: bool, name: str, shown: str
     is still fetched, since reading local files is not network access.
     """
     mirror = mirror_path(cache, url)
-    shown = shown or display_url(url)
+    shown = shown or scrub_url(url)
     cache.mkdir(parents=True, exist_ok=True)
     with file_lock(cache / f".{mirror.name}.lck"):
         if offline and not is_local_url(url):
@@ -311,7 +293,7 @@ def _refuse(name: str, what: str, commit: str, ref: str, head: str, advice: str)
 
 def resolve(name: str, spec: GitSource, *, root: Path, cache: Path, offline: bool,
             previous: LockedSource | None, update: bool) -> LockedSource:
-    """Resolve one git source to a LockedSource (patches empty; lock.py fills them and spec_hash).
+    """Resolve one git source to a LockedSource (patches empty; builder.resolve fills them and spec_hash).
 
     - ``rev`` pinned: it is expanded to the full commit (error if missing or ambiguous) and
       must be an ancestor of the ref's head; if not, ResolveError (never moved silently).
@@ -320,10 +302,8 @@ def resolve(name: str, spec: GitSource, *, root: Path, cache: Path, offline: boo
     - offline: a network remote is not contacted (the mirror cache must have it); local
       remotes (paths, bundle files, file://) are still read.
     """
-    from builder.lock import LockedSource
-
     url = source_url(spec.url, root)
-    shown = display_url(spec.url)
+    shown = scrub_url(spec.url)
     mirror = ensure_mirror(url, cache, offline=offline, name=name, shown=shown)
     head = ref_head(mirror, spec.ref)
     if head is None:

@@ -7,16 +7,20 @@ Two modes:
     files that remain are hashed with sha256, several files at once on a thread pool. hashlib hands
     large updates to OpenSSL with the GIL released, so N threads use N cores. Each file is read with
     ``readinto`` into one reusable buffer per thread (no allocation per read, no copy into a bytes
-    object), in reads of :data:`READ_SIZE`, which measured fastest here; on this 2-core machine one
-    thread of it beats ``openssl dgst -sha256`` (which reads in 8 KiB BIO chunks) on a single file.
+    object), in large reads (:data:`READ_SIZE`) rather than the 8 KiB BIO chunks of ``openssl dgst``
+    (docs/benchmarks.md has the figures).
 
 ``fast``
     Size, mtime (ns) and inode of each file against the record an install wrote when it last
-    verified the file in full (the apply record's ``models`` list). Nothing is read. **This trusts
-    the file system**: a file replaced by a copy (new inode), truncated, or rewritten without care for
-    its mtime is caught; an in-place edit of the same size whose mtime was put back (``touch -d``, a
-    tool that preserves times, bit rot, a raw write to the block device) is NOT. Full mode is what
-    catches those; run it after anything you do not trust.
+    verified the file in full (the apply record's ``models`` list), by the installer's one rule
+    (``builder.installer.fast_mode_drift``). Nothing is read. **This trusts the file system**: a file
+    replaced by a copy (new inode), truncated, or rewritten without care for its mtime is caught; an
+    in-place edit of the same size whose mtime was put back (``touch -d``, a tool that preserves
+    times, bit rot, a raw write to the block device) is NOT. Full mode is what catches those; run it
+    after anything you do not trust.
+
+Every pool of hashing threads in builder is :func:`in_parallel` (the installer, which runs alone on
+a host, carries a stdlib copy).
 
 Entries may be :class:`Entry` objects, ``(path, size, sha256)`` tuples or dicts with those keys
 (the lock's and the manifest's shapes). Paths are relative to ``root`` unless absolute.
@@ -27,16 +31,19 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-#: Read size for hashing. Large reads keep OpenSSL in its multi-block path and cut syscalls; 1-8 MiB
-#: measured within noise of each other here, all 10-30 % ahead of openssl dgst's 8 KiB reads. 4 MiB
-#: keeps a thread's buffer small enough that 8 workers stay far under the memory target.
+from builder.installer import fast_mode_drift
+
+#: Read size for hashing. Large reads keep OpenSSL in its multi-block path and cut syscalls; 4 MiB
+#: keeps a thread's buffer small enough that a full pool stays far under the memory target.
 READ_SIZE = 4 * 1024 * 1024
 
 Mode = Literal["full", "fast"]
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,39 @@ def default_workers() -> int:
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
     return max(1, min(16, n))
+
+
+def in_parallel(
+    fn: Callable[[T], R], items: Sequence[T], *, size: Callable[[T], int] | None = None, workers: int | None = None
+) -> list[R]:
+    """``fn`` over ``items`` on one pool of hashing threads; the results in the items' order.
+
+    At most :func:`default_workers` threads, never more than items (one item: no thread at all).
+    With ``size``, the largest items start first, so one big file started last does not leave the
+    other threads idle at the end. hashlib releases the GIL for large updates: N threads use N cores.
+    An exception from ``fn`` propagates (the first in the order the items started); callers that
+    must name the first bad item in their own order return problems as values instead.
+    """
+    n = min(workers or default_workers(), len(items))
+    order = sorted(range(len(items)), key=lambda i: size(items[i]), reverse=True) if size else range(len(items))
+    if n <= 1:
+        done = {i: fn(items[i]) for i in order}
+    else:
+        # Imported here for start-up time: concurrent.futures brings logging, which a command
+        # that hashes one file never needs.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as ex:
+            done = dict(ex.map(lambda i: (i, fn(items[i])), order))
+    return [done[i] for i in range(len(items))]
+
+
+def size_or_zero(path: str | os.PathLike[str]) -> int:
+    """A file's size for ordering work (0 when it cannot be stat'ed: the hash will say why)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def sha256_file(path: str | os.PathLike[str], read_size: int = READ_SIZE) -> tuple[str, int]:
@@ -101,25 +141,7 @@ def hash_files(
 ) -> dict[str, tuple[str, int]]:
     """{path: (sha256 hex, size)} for many files, hashed in parallel. OSError propagates."""
     items = [os.fspath(p) for p in paths]
-    if not items:
-        return {}
-    n = min(workers or default_workers(), len(items))
-    if n <= 1:
-        return {p: sha256_file(p) for p in items}
-    # Largest first, so one big file started last does not leave the other threads idle at the end.
-    order = sorted(items, key=_size_or_zero, reverse=True)
-    from concurrent.futures import ThreadPoolExecutor  # (here: its import, logging's too, costs 8 ms)
-
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as ex:
-        results = dict(zip(order, ex.map(sha256_file, order), strict=True))
-    return {p: results[p] for p in items}
-
-
-def _size_or_zero(p: str) -> int:
-    try:
-        return os.stat(p).st_size
-    except OSError:
-        return 0
+    return dict(zip(items, in_parallel(sha256_file, items, size=size_or_zero, workers=workers), strict=True))
 
 
 def _entry(e: Entry | Sequence[Any] | Mapping[str, Any]) -> Entry:
@@ -144,8 +166,8 @@ def stamp(path: str | os.PathLike[str]) -> dict[str, int]:
 
 
 def _record_map(record: Any) -> dict[str, Mapping[str, Any]]:
-    """Accept an apply record (dict with "models"), a list of {path, size, mtime, inode}, or a mapping
-    path -> {size, mtime, inode}."""
+    """Accept an apply record (dict with "models"), a list of {path, sha256, size, mtime, inode}, or a
+    mapping path -> {sha256, size, mtime, inode}."""
     if record is None:
         return {}
     if isinstance(record, Mapping) and isinstance(record.get("models"), list):
@@ -157,15 +179,6 @@ def _record_map(record: Any) -> dict[str, Mapping[str, Any]]:
         if isinstance(r, Mapping) and "path" in r:
             out[str(r["path"])] = r
     return out
-
-
-def _mtime_ns(value: Any) -> int | None:
-    """An apply record's mtime: int nanoseconds, or float seconds from an older writer."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    if isinstance(value, int) and value > 10**12:
-        return value
-    return int(round(float(value) * 1e9))
 
 
 def verify_files(
@@ -209,16 +222,10 @@ def verify_files(
             to_hash.append((i, full))
             continue
         r = rec.get(e.path) or rec.get(full) or rec.get(os.path.abspath(full))
-        if r is None or (r.get("sha256") is not None and r.get("sha256") != e.sha256):
-            problems[i] = Problem(e.path, "no-record", "an apply record entry for this sha256", "none")
-        elif r.get("size") != st.st_size:
-            problems[i] = Problem(e.path, "size", f"{r.get('size')} bytes (record)", f"{st.st_size} bytes")
-        elif r.get("inode") != st.st_ino:
-            problems[i] = Problem(e.path, "replaced", f"inode {r.get('inode')}", f"inode {st.st_ino}")
-        elif _mtime_ns(r.get("mtime")) != st.st_mtime_ns:
-            problems[i] = Problem(
-                e.path, "modified", f"mtime {r.get('mtime')} ns", f"mtime {st.st_mtime_ns} ns"
-            )
+        drift = fast_mode_drift(dict(r) if r is not None else None, e.sha256, e.size, st.st_size,
+                                st.st_mtime_ns, st.st_ino)
+        if drift is not None:
+            problems[i] = _drift_problem(e.path, drift, r, st)
     if to_hash:
         problems.update(_hash_and_compare(items, to_hash, workers))
     return [problems[i] for i in sorted(problems)]
@@ -240,17 +247,18 @@ def _hash_and_compare(
             return i, Problem(e.path, "sha256", e.sha256, digest)
         return i, None
 
-    n = min(workers or default_workers(), len(to_hash))
-    # Largest first (see hash_files).
-    jobs = sorted(to_hash, key=lambda j: items[j[0]].size, reverse=True)
-    if n <= 1:
-        results = [one(j) for j in jobs]
-    else:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as ex:
-            results = list(ex.map(one, jobs))
+    results = in_parallel(one, to_hash, size=lambda j: items[j[0]].size, workers=workers)
     return {i: p for i, p in results if p is not None}
+
+
+def _drift_problem(path: str, drift: str, r: Mapping[str, Any] | None, st: os.stat_result) -> Problem:
+    if drift == "size" and r is not None:
+        return Problem(path, "size", f"{r.get('size')} bytes (record)", f"{st.st_size} bytes")
+    if drift == "replaced" and r is not None:
+        return Problem(path, "replaced", f"inode {r.get('inode')}", f"inode {st.st_ino}")
+    if drift == "modified" and r is not None:
+        return Problem(path, "modified", f"mtime {r.get('mtime')} ns", f"mtime {st.st_mtime_ns} ns")
+    return Problem(path, "no-record", "an apply record entry for this sha256", "none")
 
 
 def record_for(

@@ -17,18 +17,17 @@ A snapshot on disk can hold fewer files than the repo (a partial download); pin
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from builder.canon import sha256_file
 from builder.errors import ConfigError, ResolveError
-
-if TYPE_CHECKING:
-    from builder.lock import LockedModel, LockedModelFile
-    from builder.pins import HfModel
+from builder.hashing import in_parallel, sha256_file, size_or_zero
+from builder.lockfile import LockedModel, LockedModelFile
+from builder.pins import HfModel
 
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 SKIP_DIRS = {".git", ".cache", ".huggingface"}
@@ -90,11 +89,19 @@ def hash_files(folder: Path, paths: list[str], *, where: str,
             raise ResolveError(f"{where}: cannot read {rel} (in {folder}): {e.strerror}") from None
         return rel, digest, size
 
-    n = workers or min(8, (os.cpu_count() or 2))
-    if len(paths) <= 1 or n <= 1:
-        return [one(p) for p in paths]
-    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="hf-hash") as pool:
-        return list(pool.map(one, paths))
+    return in_parallel(one, paths, size=lambda rel: size_or_zero(folder / rel), workers=workers)
+
+
+def select_files(paths: Iterable[str], include: list[str], exclude: list[str]) -> list[str]:
+    """The repo files a model pin selects: include globs (all when empty) minus exclude globs."""
+    out = []
+    for p in paths:
+        if include and not any(fnmatch.fnmatch(p, g) for g in include):
+            continue
+        if any(fnmatch.fnmatch(p, g) for g in exclude):
+            continue
+        out.append(p)
+    return sorted(out)
 
 
 def find_snapshot(spec: HfModel, folder: Path, *, where: str) -> tuple[Path, str] | None:
@@ -122,8 +129,6 @@ def find_snapshot(spec: HfModel, folder: Path, *, where: str) -> tuple[Path, str
 
 def lock_from_folder(name: str, spec: HfModel, folder: Path, commit: str, spec_hash: str,
                      previous: LockedModel | None = None) -> LockedModel:
-    from builder.lock import LockedModelFile, select_files
-
     where = f"models.{name}"
     paths = select_files(list_files(folder), spec.include, spec.exclude)
     if previous is not None and previous.repo == spec.repo and previous.commit == commit:
@@ -151,8 +156,6 @@ def _check_count(where: str, spec: HfModel, n: int) -> None:
 
 def _locked(spec: HfModel, commit: str, source: str, files: list[LockedModelFile],
             spec_hash: str) -> LockedModel:
-    from builder.lock import LockedModel
-
     files = sorted(files, key=lambda f: f.path)
     return LockedModel(spec_hash=spec_hash, repo=spec.repo, revision=spec.revision, commit=commit,
                        source=source, files=files, total_size=sum(f.size for f in files))  # type: ignore[arg-type]
@@ -182,9 +185,8 @@ def resolve_local(name: str, spec: HfModel, folder: Path, spec_hash: str,
 
 
 def resolve_hub(name: str, spec: HfModel, *, cache: Path, spec_hash: str) -> LockedModel:
+    # Imported here for start-up time: huggingface_hub is large, and only a lock that asks the Hub needs it.
     from huggingface_hub import HfApi, hf_hub_download
-
-    from builder.lock import LockedModelFile, select_files
 
     where = f"models.{name}"
     token = os.environ.get("HF_TOKEN") or None
@@ -243,4 +245,4 @@ def resolve(name: str, spec: HfModel, *, root: Path, cache: Path, offline: bool,
 
 
 __all__ = ["resolve", "resolve_local", "resolve_hub", "lock_from_folder", "find_snapshot", "hash_files",
-           "list_files", "scrub", "hub_cache_dirs"]
+           "list_files", "scrub", "hub_cache_dirs", "select_files", "repo_folder_name"]

@@ -1,4 +1,5 @@
-"""Host inventories under hosts/: fleets, their lane, and each host's rank, fabric, paths and expectations.
+"""Host inventories under hosts/: fleets, their lane, and each host's rank, fabric, paths and expectations;
+the host listing and the Ansible inventory written from them (`builder hosts`).
 
 One TOML file per fleet. Everything is validated before any host is contacted: an
 unknown lane, a host without a rank, two hosts with one rank, a missing head, a value
@@ -8,23 +9,22 @@ of the wrong type each give one line naming the file and key, and exit 2.
 from __future__ import annotations
 
 import ipaddress
+import json
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from builder.canon import atomic_write
 from builder.errors import ConfigError
 from builder.loader import read_toml, validate
-from builder.sshtarget import parse_target
-
-Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
-
-
-class HStrict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+from builder.schema import Name, Strict
+from builder.ssh import parse_target, ssh_config_file
 
 
-class Fabric(HStrict):
+class Fabric(Strict):
     """The RoCE fabric of one host: one IPv4 per rail, RDMA device names, the GID index."""
 
     rails: list[str] = []
@@ -44,7 +44,7 @@ class Fabric(HStrict):
         return v
 
 
-class Paths(HStrict):
+class Paths(Strict):
     models: str = "/srv/models"
     engram: str = "/srv/engram"
     bundles: str = "/var/lib/builder"
@@ -57,7 +57,7 @@ class Paths(HStrict):
         return v
 
 
-class Expect(HStrict):
+class Expect(Strict):
     """What the audit expects of the host (never read from the host itself)."""
 
     gpu_name: str | None = None
@@ -76,7 +76,7 @@ class Expect(HStrict):
     rdma: bool = True
 
 
-class Host(HStrict):
+class Host(Strict):
     name: Name
     ssh: str = Field(
         min_length=1,
@@ -99,7 +99,7 @@ class Host(HStrict):
         return v
 
 
-class FleetInfo(HStrict):
+class FleetInfo(Strict):
     name: Name
     lane: Name
     trusted_key: str | None = Field(default=None, description="minisign public key file for bundles")
@@ -107,7 +107,7 @@ class FleetInfo(HStrict):
     note: str | None = None
 
 
-class Fleet(HStrict):
+class Fleet(Strict):
     fleet: FleetInfo
     hosts: list[Host] = Field(min_length=1)
 
@@ -201,3 +201,123 @@ def check_against_pins(path: Path, fleet: Fleet, lanes: set[str], lock_lanes: se
                           f"{', '.join(sorted(lanes)) or 'none'})")
     if lock_lanes is not None and fleet.fleet.lane not in lock_lanes:
         raise ConfigError(f"{path}: fleet.lane: lane {fleet.fleet.lane!r} is not in the lock (run `builder lock`)")
+
+
+# ----------------------------------------------------------------------------- hosts with their fleet
+
+
+@dataclass(frozen=True)
+class FleetHost:
+    """A host with its fleet and the inventory file both came from."""
+
+    path: Path
+    fleet: Fleet
+    host: Host
+
+    @property
+    def name(self) -> str:
+        return self.host.name
+
+    def ssh_config(self) -> Path | None:
+        """The fleet's ssh_config (a relative path: from the fleet file's folder, as ship takes it)."""
+        return ssh_config_file(self.path, self.fleet.fleet.ssh_config)
+
+
+def fleet_hosts(hosts_dir: Path, fleet: str | None) -> list[FleetHost]:
+    """Every host of one fleet, or of every fleet (by fleet name), in rank order."""
+    if fleet:
+        path, f = find_fleet(hosts_dir, fleet)
+        fleets = {f.fleet.name: (path, f)}
+    else:
+        fleets = load_fleets(hosts_dir)
+    return [FleetHost(p, f, h) for _, (p, f) in sorted(fleets.items()) for h in f.by_rank()]
+
+
+def host_rows(hosts_dir: Path, fleet: str | None) -> list[dict[str, Any]]:
+    """`builder hosts`: one row per host."""
+    return [
+        {
+            "fleet": t.fleet.fleet.name,
+            "lane": t.fleet.fleet.lane,
+            "name": t.name,
+            "rank": t.host.rank,
+            "role": t.host.role,
+            "connection": t.host.connection,
+            "target": t.host.ssh,
+            "address": t.host.address,
+            "file": str(t.path),
+        }
+        for t in fleet_hosts(hosts_dir, fleet)
+    ]
+
+
+# ----------------------------------------------------------------------------- the Ansible inventory
+
+
+def _yaml_scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    return json.dumps(str(v))  # a JSON string is a valid YAML double-quoted scalar
+
+
+def ansible_hostvars(t: FleetHost) -> dict[str, Any]:
+    h = t.host
+    v: dict[str, Any] = {}
+    if h.connection == "local":
+        v["ansible_connection"] = "local"
+        v["ansible_host"] = "localhost"
+    elif h.connection == "docker":
+        v["ansible_connection"] = "docker"
+        v["ansible_host"] = h.ssh
+    else:
+        user, hostpart, port = parse_target(h.ssh)
+        v["ansible_connection"] = "ssh"
+        v["ansible_host"] = hostpart
+        if user:
+            v["ansible_user"] = user
+        if port is not None:
+            v["ansible_port"] = port
+        cfg = t.ssh_config()
+        if cfg:
+            v["ansible_ssh_common_args"] = f"-F {shlex.quote(str(cfg))}"
+    v["rank"] = h.rank
+    v["role"] = h.role
+    v["builder_fleet"] = t.fleet.fleet.name
+    v["builder_lane"] = t.fleet.fleet.lane
+    return v
+
+
+def ansible_inventory(targets: list[FleetHost], fmt: str = "yaml") -> str:
+    """An Ansible inventory (YAML or INI): one group per fleet, rank and role as host vars."""
+    groups: dict[str, list[FleetHost]] = {}
+    for t in targets:
+        groups.setdefault(t.fleet.fleet.name.replace("-", "_").replace(".", "_"), []).append(t)
+    if fmt == "ini":
+        lines = ["# generated by `builder hosts --ansible`; do not edit (edit hosts/*.toml)"]
+        for g, ts in sorted(groups.items()):
+            lines.append(f"[{g}]")
+            for t in ts:
+                kv = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in ansible_hostvars(t).items())
+                lines.append(f"{t.name} {kv}")
+            lines.append("")
+        return "\n".join(lines)
+    out = ["# generated by `builder hosts --ansible`; do not edit (edit hosts/*.toml)", "all:", "  children:"]
+    for g, ts in sorted(groups.items()):
+        out += [f"    {g}:", "      hosts:"]
+        for t in ts:
+            out.append(f"        {t.name}:")
+            for k, v in ansible_hostvars(t).items():
+                out.append(f"          {k}: {_yaml_scalar(v)}")
+    return "\n".join(out) + "\n"
+
+
+def write_ansible_inventory(hosts_dir: Path, fleet: str | None, path: Path) -> int:
+    """Write the Ansible inventory of one fleet (or all) to `path` (*.yml, *.yaml or *.ini)."""
+    targets = fleet_hosts(hosts_dir, fleet)
+    if path.suffix.lower() not in (".ini", ".cfg", ".yml", ".yaml"):
+        raise ConfigError(f"{path}: name the inventory *.yml, *.yaml or *.ini")
+    fmt = "ini" if path.suffix.lower() in (".ini", ".cfg") else "yaml"
+    atomic_write(path, ansible_inventory(targets, fmt).encode())
+    return len(targets)

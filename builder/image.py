@@ -18,17 +18,20 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from builder import ASSEMBLY_FORMAT, __version__
+from builder import ASSEMBLY_FORMAT, __version__, gitsrc, layers
 from builder.errors import BuilderError, ConfigError, VerifyError
+from builder.fetch import scrub_url
 from builder.imagerecord import ImageRecord, read_record, tag_for, write_record
-from builder.lock import Lock, check_lock, load_lock
+from builder.lockfile import Lock, check_lock, load_lock
 from builder.pins import Pins, load_pins
 from builder.plan import Plan, make_plan
 from builder.store import Store
+
+# builder.dockerio loads the Docker SDK as it is imported, so it is imported inside the functions that
+# talk to the engine: `builder image --plan` and `builder why` start without it.
 
 LABEL_PREFIX = "io.builder."
 
@@ -61,7 +64,7 @@ def labels_for(p: Plan, lock: Lock, pins: Pins) -> dict[str, str]:
     c = p.closure
     out = {
         "org.opencontainers.image.title": p.name,
-        "org.opencontainers.image.created": _rfc3339(p.source_date_epoch),
+        "org.opencontainers.image.created": layers.rfc3339(p.source_date_epoch),
         LABEL_PREFIX + "input-address": p.address,
         LABEL_PREFIX + "lock-hash": p.lock_hash,
         LABEL_PREFIX + "assembly-format": str(ASSEMBLY_FORMAT),
@@ -72,7 +75,7 @@ def labels_for(p: Plan, lock: Lock, pins: Pins) -> dict[str, str]:
         first = img.sources[0]
         s = c["sources"][first]
         out["org.opencontainers.image.revision"] = s["commit"]
-        out["org.opencontainers.image.source"] = _public_url(s["url"])
+        out["org.opencontainers.image.source"] = scrub_url(s["url"])
         out[LABEL_PREFIX + "engine-commit"] = s["commit"]
         out[LABEL_PREFIX + "engine-tree"] = s["tree_sha256"]
         out[LABEL_PREFIX + "patches"] = ",".join(pp["sha256"] for pp in s["patches"]) or "none"
@@ -86,21 +89,6 @@ def labels_for(p: Plan, lock: Lock, pins: Pins) -> dict[str, str]:
     if c["base"]:
         out[LABEL_PREFIX + "base"] = f"{c['base']['ref']}@{c['base']['manifest_digest']}"
     return out
-
-
-def _public_url(url: str) -> str:
-    # never put credentials (https://user:token@host/...) in a label
-    if "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    authority, sep, path = rest.partition("/")
-    authority = authority.rpartition("@")[2]
-    path = path.split("?", 1)[0].split("#", 1)[0]  # no tokens in query strings either
-    return f"{scheme}://{authority}{sep}{path}"
-
-
-def _rfc3339(epoch: int) -> str:
-    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # ---------------------------------------------------------------------------------------
@@ -130,8 +118,6 @@ def up_to_date(store_root: Path, p: Plan, labels: dict[str, str]) -> ImageRecord
 def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, dest: Path, *,
                      offline: bool, build_platform: str, on_log: Callable[[str], None]) -> dict[str, str]:
     """Lay out the build context from the store; return the build args. Nothing unverified goes in."""
-    from builder import gitsrc
-
     img = pins.images[p.name]
     shutil.copytree(root / img.recipe, dest, dirs_exist_ok=True)
     buildargs: dict[str, str] = dict(img.build_args)
@@ -308,7 +294,7 @@ def _arch(platform: str) -> str:
 def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, labels: dict[str, str], *,
                 offline: bool, engine: str, on_log: Callable[[str], None], nocache: bool = False,
                 tag: str | None = None) -> ImageRecord:
-    from builder import dockerio, layers
+    from builder import dockerio
 
     with store.locked():
         store.clean_tmp()

@@ -9,22 +9,17 @@ Records live in the store under images/<input_address>.json.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from builder.canon import atomic_write, pretty_json
 from builder.errors import ConfigError
 from builder.loader import load_json
+from builder.schema import Digest, Sha256, Strict
 
-Digest = Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
-Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-
-REPO = "builder"  # images are tagged builder/<name>:<input address[:32]> ... see tag_for()
+REPO = "builder"  # images are tagged builder/<name>:<input address[:32]> (tag_for)
 
 
-class ImageRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class ImageRecord(Strict):
+    """One build's outcome, stored as images/<input_address>.json."""
 
     format: int = 1
     name: str

@@ -17,6 +17,9 @@ Commands::
 
     install BUNDLE_DIR --root ROOT [--trusted-key FILE | --trusted-key-base64 LINE] [--insecure]
             [--host NAME] [--remove-source] [--reserve BYTES]
+            [--stage]
+    stage --root ROOT --release BUNDLE_ID   (stage a release already under releases/)
+    switch --root ROOT --to BUNDLE_ID [--rollback]
     rollback --root ROOT
     status --root ROOT
     inventory DIR            (sizes and sha256 of the files under DIR, for ship's resume)
@@ -29,7 +32,9 @@ Layout under ROOT (a host's ``paths.bundles``)::
     releases/.tmp-*             staging (removed at the next start; never a release)
     current -> releases/<id>    switched with symlink + rename (atomic)
     previous -> releases/<id>   what ``rollback`` returns to
+    staged -> releases/<id>     what ``install --stage`` or ``stage`` made ready (``builder deploy``)
     state/applied.json          the apply record (see APPLY RECORD below), written atomically
+    state/staged.json           the record the staged release will have once switched (action "stage")
     state/install.lock          flock: two installs never interleave
     incoming/<bundle_id>/       where ``builder ship`` copies a bundle
 
@@ -41,9 +46,18 @@ one as ``previous``, write the apply record. A SIGKILL at any point leaves ``cur
 release (the old one until the switch) and a rerun completes. A rerun of the installed bundle changes
 nothing.
 
+Stage, then switch (``builder deploy``: every host staged and audited before any host switches):
+``install --stage`` does everything an install does up to the switch, then points ``staged`` at the
+release and writes ``state/staged.json`` (the apply record the release will have, so the audit can
+check the staged release before it runs); ``current`` and ``state/applied.json`` are not touched.
+``stage --release ID`` does the same for a release already under ``releases/`` (its files, image and
+model files checked again). ``switch --to ID`` makes any complete release current (``previous`` :=
+the old current), writes the apply record (action ``install``, or ``rollback`` with ``--rollback``)
+and clears ``staged`` when it named that release.
+
 APPLY RECORD (state/applied.json, format 1)::
 
-    {format, action ("install" | "rollback"), bundle_id, host, fleet, lane, rank, role, world_size,
+    {format, action ("install" | "rollback" | "stage"), bundle_id, host, fleet, lane, rank, role, world_size,
      lock_hash, image: {name, input_address, image_id, diff_ids}, manifest_sha256, applied_at (UTC,
      ISO 8601, the one non-deterministic field), previous_bundle_id (or null), release (its folder),
      files: [{path, size, sha256}] (the release's files), models: [{path, size, sha256, mtime (ns),
@@ -56,9 +70,11 @@ Exit codes: 0 done (or nothing to do), 1 verification or the work failed, 2 usag
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import datetime
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -68,15 +84,18 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import types
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     SigCheck = Callable[[bytes, bytes, bytes], str]
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 FORMAT = 1
 KIND = "builder-bundle"
@@ -162,6 +181,8 @@ def assemble() -> bytes:
 
 
 # --------------------------------------------------------------------------- small helpers
+# canonical_json, fsync_dir, atomic_write and hash_file are stdlib copies of builder.canon's and
+# builder.hashing's: this file runs alone on a host and imports nothing of builder.
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -234,6 +255,31 @@ def hash_file(path: str) -> tuple[str, int]:
             h.update(view[:n])
             size += n
     return h.hexdigest(), size
+
+
+# Stdlib copies of builder.hashing.default_workers and in_parallel: this file runs alone on a host.
+def default_workers() -> int:
+    """One hashing thread per usable core, at least 1 and at most 16 (past that the disk limits)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(16, n))
+
+
+def in_parallel(
+    fn: Callable[[T], R], items: Sequence[T], *, size: Callable[[T], int] | None = None, workers: int | None = None
+) -> list[R]:
+    """fn over items on a pool of hashing threads (largest first when ``size`` is given); results
+    in the items' order. hashlib releases the GIL for large updates, so N threads hash on N cores."""
+    n = min(workers or default_workers(), len(items))
+    order = sorted(range(len(items)), key=lambda i: size(items[i]), reverse=True) if size else range(len(items))
+    if n <= 1:
+        done = {i: fn(items[i]) for i in order}
+    else:
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as ex:
+            done = dict(ex.map(lambda i: (i, fn(items[i])), order))
+    return [done[i] for i in range(len(items))]
 
 
 def _read_limited(path: str, limit: int, what: str) -> bytes:
@@ -524,8 +570,6 @@ SIGNATURE_COMMENTS = ("signature from builder secret key", "signature from minis
 def check_signature_form(sbytes: bytes) -> None:
     """The signature file must be exactly the canonical four lines (minisign does not sign line 1, and
     base64 padding bits are ignored by decoders): any changed byte is refused, not just signed ones."""
-    import base64
-
     mv = verifier()
     try:
         sig = mv.parse_signature(sbytes)
@@ -611,15 +655,11 @@ def verify_bundle(
 def check_all_hashes(bundle_dir: str, files: list[dict[str, Any]]) -> None:
     """Every part (and every file not in parts) against its signed sha256, several at once.
 
-    Performance (issue 6, bench/bundle.py): the pieces are hashed on a thread pool, one thread per
-    core; hashlib releases the GIL for large updates, so this runs at N x one core. The whole-file
-    sha256 of a file in parts is NOT recomputed here: each part's sha256 is in the signed manifest, so
-    matching parts fix the reassembled bytes, and iter_file() checks the whole-file sha256 again when
-    the install reassembles it (copy_entry). That saves one full pass over the data. Errors name the
-    first damaged piece in manifest order, as the sequential check did.
+    The whole-file sha256 of a file in parts is not recomputed here: each part's sha256 is in the
+    signed manifest, so matching parts fix the reassembled bytes, and iter_file() checks the whole-file
+    sha256 again when the install reassembles it (copy_entry); that saves a full pass over the data.
+    Errors name the first damaged piece in manifest order.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     jobs = []
     for e in files:
         if e.get("parts"):
@@ -640,17 +680,7 @@ def check_all_hashes(bundle_dir: str, files: list[dict[str, Any]]) -> None:
             return "%s: sha256 mismatch (%s)" % (rel, what)
         return None
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    workers = max(1, min(16, cores, len(jobs)))
-    if workers == 1:
-        errors = [one(j) for j in jobs]
-    else:
-        with ThreadPoolExecutor(max_workers=workers) as ex:
-            errors = list(ex.map(one, jobs))
-    for err in errors:
+    for err in in_parallel(one, jobs, size=lambda job: job[1]):
         if err is not None:
             raise InstallError(err)
 
@@ -761,8 +791,6 @@ def load_image(bundle_dir: str, manifest: dict[str, Any]) -> None:
     if exe is None:
         raise InstallError("docker: not found on PATH")
     _say("loading image %s (%s)" % (img["image_id"][:19], human(entry["size"])))
-    import tempfile
-
     outf, errf = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # no pipe to fill up while we write
     proc = subprocess.Popen([exe, "load"], stdin=subprocess.PIPE, stdout=outf, stderr=errf)
     failed: BaseException | None = None
@@ -814,6 +842,7 @@ class Root:
         self.state = os.path.join(self.root, "state")
         self.incoming = os.path.join(self.root, "incoming")
         self.record = os.path.join(self.state, "applied.json")
+        self.staged_record = os.path.join(self.state, "staged.json")
         self.trusted = os.path.join(self.root, "trusted.pub")
 
     def link(self, name: str) -> str | None:
@@ -826,6 +855,23 @@ class Root:
         bid = os.path.basename(target.rstrip("/"))
         return bid if HEX64.match(bid) else None
 
+    def clear_staged(self, bundle_id: str | None = None) -> None:
+        """Forget the staged release (only when it is bundle_id, if given): record first, then link."""
+        if bundle_id is not None and self.link("staged") != bundle_id:
+            return
+        for p in (self.staged_record, os.path.join(self.root, "staged")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        fsync_dir(self.state)
+        fsync_dir(self.root)
+
+    def releases_present(self) -> list[str]:
+        try:
+            names = os.listdir(self.releases)
+        except OSError:
+            return []
+        return sorted(n for n in names if HEX64.match(n) and os.path.isdir(os.path.join(self.releases, n)))
+
     def set_link(self, name: str, bundle_id: str) -> None:
         tmp = os.path.join(self.root, "%slink-%s-%d" % (TMP_PREFIX, name, os.getpid()))
         with contextlib.suppress(FileNotFoundError):
@@ -837,9 +883,9 @@ class Root:
     def release(self, bundle_id: str) -> str:
         return os.path.join(self.releases, bundle_id)
 
-    def read_record(self) -> dict[str, Any] | None:
+    def read_record(self, path: str | None = None) -> dict[str, Any] | None:
         try:
-            with open(self.record, "rb") as f:
+            with open(path or self.record, "rb") as f:
                 obj = json.loads(f.read(MAX_MANIFEST).decode("utf-8"))
         except (OSError, ValueError):
             return None
@@ -863,8 +909,6 @@ class Root:
 
     @contextlib.contextmanager
     def locked(self, timeout: float) -> Iterator[None]:
-        import fcntl
-
         os.makedirs(self.state, exist_ok=True)
         fd = os.open(os.path.join(self.state, "install.lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -911,29 +955,59 @@ def check_disk(needs: list[tuple[str, int]], reserve: int) -> None:
             )
 
 
+def recorded_mtime_ns(value: Any) -> int | None:
+    """An apply record's mtime in nanoseconds: this installer writes int ns; float (or small int)
+    seconds are accepted from other writers."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if isinstance(value, int) and value > 10**12:
+        return value
+    return int(round(float(value) * 1e9))
+
+
+def fast_mode_drift(recorded: Any, sha256: str, size: int, st_size: int, st_mtime_ns: int, st_ino: int) -> str | None:
+    """Fast mode's one rule: does an apply record's entry still vouch for a file's bytes?
+
+    An install hashes each model file in full and records its size, mtime (ns) and inode beside the
+    sha256; the entry vouches for ``sha256`` while the file keeps all three. This trusts the file
+    system: an in-place edit of the same size whose mtime was put back is not seen (full mode hashes).
+    None when the entry vouches; else the drift: "no-record" (no entry, or one for other bytes),
+    "size", "replaced" (another inode) or "modified" (another mtime). Seconds lose precision as
+    floats, so a recorded mtime in seconds matches within a millisecond; nanoseconds match exactly.
+    The installer, builder.hashing and checks/test_models.py all decide with this function.
+    """
+    if not isinstance(recorded, dict) or recorded.get("sha256") != sha256 or recorded.get("size") != size:
+        return "no-record"
+    if st_size != size:
+        return "size"
+    if recorded.get("inode") != st_ino:
+        return "replaced"
+    raw = recorded.get("mtime")
+    want = recorded_mtime_ns(raw)
+    in_ns = want is not None and want == raw
+    if want is None or (want != st_mtime_ns if in_ns else abs(want - st_mtime_ns) >= 1_000_000):
+        return "modified"
+    return None
+
+
 def _model_cached(m: dict[str, Any], old: dict[str, Any] | None) -> bool:
-    """Is a model file unchanged since the last apply record vouched for its sha256? (size, mtime, inode)"""
+    """Does the apply record ``old`` still vouch for this model file's sha256 (fast_mode_drift)?"""
     if not isinstance(old, dict) or not isinstance(old.get("models"), list):
         return False  # no record, or a damaged one: hash the file instead of trusting it
     try:
         st = os.stat(m["path"])
     except OSError:
         return False
-    for r in old["models"]:
-        if (
-            isinstance(r, dict)
-            and r.get("path") == m["path"]
-            and r.get("sha256") == m["sha256"]
-            and r.get("size") == st.st_size == m["size"]
-            and r.get("mtime") == st.st_mtime_ns
-            and r.get("inode") == st.st_ino
-        ):
-            return True
-    return False
+    return any(
+        fast_mode_drift(r, m["sha256"], m["size"], st.st_size, st.st_mtime_ns, st.st_ino) is None
+        for r in old["models"]
+        if isinstance(r, dict) and r.get("path") == m["path"]
+    )
 
 
-def model_ok(m: dict[str, Any], old: dict[str, Any] | None) -> str | None:
-    """None when the model file is in place with its sha256; else why not."""
+def model_ok(m: dict[str, Any], old: dict[str, Any] | list[dict[str, Any] | None] | None) -> str | None:
+    """None when the model file is in place with its sha256; else why not. ``old``: the record (or
+    records: the apply record and the staged one) whose size, mtime and inode vouch for the file."""
     p = m["path"]
     try:
         st = os.lstat(p)
@@ -943,7 +1017,7 @@ def model_ok(m: dict[str, Any], old: dict[str, Any] | None) -> str | None:
         return "not a regular file"
     if st.st_size != m["size"]:
         return "%d bytes, expected %d" % (st.st_size, m["size"])
-    if _model_cached(m, old):
+    if any(_model_cached(m, o) for o in (old if isinstance(old, list) else [old])):
         return None
     digest, _ = hash_file(p)
     return None if digest == m["sha256"] else "sha256 differs"
@@ -984,7 +1058,7 @@ def release_ok(path: str, manifest: dict[str, Any], mbytes: bytes) -> bool:
 
 
 def write_record(
-    r: Root, manifest: dict[str, Any], mbytes: bytes, action: str, previous: str | None
+    r: Root, manifest: dict[str, Any], mbytes: bytes, action: str, previous: str | None, path: str | None = None
 ) -> dict[str, Any]:
     img = manifest["image"]
     rec = {
@@ -1014,7 +1088,7 @@ def write_record(
         ),
         "models": model_records(manifest),
     }
-    atomic_write(r.record, (json.dumps(rec, sort_keys=True, indent=2) + "\n").encode("utf-8"))
+    atomic_write(path or r.record, (json.dumps(rec, sort_keys=True, indent=2) + "\n").encode("utf-8"))
     return rec
 
 
@@ -1054,8 +1128,12 @@ def install(
     reserve: int = DEFAULT_RESERVE,
     lock_timeout: float = 60.0,
     sig_check: SigCheck | None = None,
+    stage: bool = False,
 ) -> dict[str, Any]:
-    """Install a bundle folder under root; return {"result": "installed"|"unchanged", ...}."""
+    """Install a bundle folder under root; return {"result": "installed"|"unchanged"|"staged", ...}.
+
+    ``stage``: everything up to the switch, then ``staged`` and state/staged.json instead of
+    ``current`` and the apply record (see "Stage, then switch" above)."""
     r = Root(root)
     bundle_dir = os.path.abspath(bundle_dir)
     with r.locked(lock_timeout):
@@ -1100,15 +1178,18 @@ def install(
         current = r.link("current")
         img = manifest["image"]
         have_layers = image_present(img["image_id"])
+        vouch = [old, r.read_record(r.staged_record)]
         if (
             current == bid
             and old
             and old.get("bundle_id") == bid
             and have_layers is not None
             and release_ok(r.release(bid), manifest, mbytes)
-            and all(model_ok(m, old) is None for m in manifest["models"])
+            and all(model_ok(m, vouch) is None for m in manifest["models"])
         ):
             _say("bundle %s is already installed; nothing to do" % bid[:16])
+            if stage:
+                _mark_staged(r, manifest, mbytes, old.get("previous_bundle_id"))
             if remove_source:
                 _remove_source(r, bundle_dir)
             return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid)}
@@ -1125,7 +1206,7 @@ def install(
         bundled = {f["path"]: f for f in manifest["files"]}
         needs: list[tuple[str, int]] = []
         for m in manifest["models"]:
-            why = model_ok(m, old)
+            why = model_ok(m, vouch)
             if why is None:
                 continue
             if m["bundled"] is None:
@@ -1145,7 +1226,7 @@ def install(
         if have_layers is None:
             load_image(bundle_dir, manifest)
         for m in manifest["models"]:
-            if model_ok(m, old) is not None:
+            if model_ok(m, vouch) is not None:
                 _say("placing model file %s" % m["path"])
                 copy_entry(bundle_dir, bundled[m["bundled"]], m["path"], 0o644)
                 if model_ok(m, None) is not None:
@@ -1154,12 +1235,22 @@ def install(
         if new_key:  # the first install's key becomes the host's trusted key once the bundle is staged
             atomic_write(r.trusted, trusted_key or b"", 0o644)
             _say("trusted key set: %s" % r.trusted)
+        if stage:
+            _mark_staged(r, manifest, mbytes, current)
+            _say(
+                "staged bundle %s (host %s, lane %s, rank %d); current stays %s"
+                % (bid[:16], manifest["host"], manifest["lane"], manifest["rank"], (current or "none")[:16])
+            )
+            if remove_source:
+                _remove_source(r, bundle_dir)
+            return {"result": "staged", "bundle_id": bid, "current": current, "release": r.release(bid)}
         previous = r.link("previous")
         if current is not None and current != bid:
             r.set_link("previous", current)
             previous = current
         r.set_link("current", bid)
         write_record(r, manifest, mbytes, "install", previous if previous != bid else None)
+        r.clear_staged(bid)
         _say(
             "installed bundle %s (host %s, lane %s, rank %d); previous: %s"
             % (bid[:16], manifest["host"], manifest["lane"], manifest["rank"], (previous or "none")[:16])
@@ -1257,6 +1348,76 @@ def rollback(root: str, *, lock_timeout: float = 60.0) -> dict[str, Any]:
         }
 
 
+def _mark_staged(r: Root, manifest: dict[str, Any], mbytes: bytes, previous: str | None) -> None:
+    """staged -> this release, and state/staged.json: the record it will have once switched."""
+    write_record(r, manifest, mbytes, "stage", previous, r.staged_record)
+    r.set_link("staged", manifest["bundle_id"])
+
+
+def _ready(r: Root, bid: str, what: str) -> tuple[dict[str, Any], bytes]:
+    """An installed release that can run now: its files, its image and its model files as its
+    manifest says (model files vouched for by the apply or staged record, else hashed)."""
+    if not os.path.isdir(r.release(bid)):
+        raise InstallError("%s: no release %s under %s" % (what, bid[:16], r.releases))
+    manifest, mbytes = _release_manifest(r, bid)
+    if not release_ok(r.release(bid), manifest, mbytes):
+        raise InstallError("release %s is damaged (its files differ from its manifest)" % bid[:16])
+    layers = image_present(manifest["image"]["image_id"])
+    if layers is None:
+        raise InstallError(
+            "release %s needs image %s, which is not on this host" % (bid[:16], manifest["image"]["image_id"])
+        )
+    if layers and layers != manifest["image"]["diff_ids"]:
+        raise InstallError(
+            "image %s on this host has DiffIDs other than the manifest's" % manifest["image"]["image_id"]
+        )
+    vouch = [r.read_record(), r.read_record(r.staged_record)]
+    for m in manifest["models"]:
+        why = model_ok(m, vouch)
+        if why is not None:
+            raise InstallError("release %s needs model file %s: %s" % (bid[:16], m["path"], why))
+    return manifest, mbytes
+
+
+def stage_installed(root: str, bid: str, *, lock_timeout: float = 60.0) -> dict[str, Any]:
+    """Stage a release that is already under releases/ (checked again: files, image, model files)."""
+    if not HEX64.match(bid):
+        raise InstallError("--release: not a bundle id: %r" % bid, EXIT_CONFIG)
+    r = Root(root)
+    with r.locked(lock_timeout):
+        r.clean_temps()
+        manifest, mbytes = _ready(r, bid, "stage")
+        current = r.link("current")
+        old = r.read_record()
+        prev = old.get("previous_bundle_id") if current == bid and old else current
+        _mark_staged(r, manifest, mbytes, prev)
+        _say("staged release %s; current stays %s" % (bid[:16], (current or "none")[:16]))
+        return {"result": "staged", "bundle_id": bid, "current": current, "release": r.release(bid)}
+
+
+def switch(root: str, bid: str, *, rollback: bool = False, lock_timeout: float = 60.0) -> dict[str, Any]:
+    """Make release bid current (previous := the old current) and write its apply record."""
+    if not HEX64.match(bid):
+        raise InstallError("--to: not a bundle id: %r" % bid, EXIT_CONFIG)
+    r = Root(root)
+    with r.locked(lock_timeout):
+        r.clean_temps()
+        current = r.link("current")
+        old = r.read_record()
+        if current == bid and old and old.get("bundle_id") == bid:
+            r.clear_staged(bid)
+            return {"result": "unchanged", "bundle_id": bid, "previous_bundle_id": old.get("previous_bundle_id")}
+        manifest, mbytes = _ready(r, bid, "switch")
+        if current is not None and current != bid:
+            r.set_link("previous", current)
+        previous = current if current != bid else r.link("previous")
+        r.set_link("current", bid)
+        write_record(r, manifest, mbytes, "rollback" if rollback else "install", previous)
+        r.clear_staged(bid)
+        _say("switched to release %s (from %s)" % (bid[:16], (current or "none")[:16]))
+        return {"result": "switched", "bundle_id": bid, "previous_bundle_id": previous, "release": r.release(bid)}
+
+
 def status(root: str) -> dict[str, Any]:
     r = Root(root)
     rec = r.read_record()
@@ -1264,6 +1425,8 @@ def status(root: str) -> dict[str, Any]:
         "root": r.root,
         "current": r.link("current"),
         "previous": r.link("previous"),
+        "staged": r.link("staged"),
+        "releases": r.releases_present(),
         "trusted_key": os.path.exists(r.trusted),
         "applied": rec,
         "consistent": rec is not None and rec.get("bundle_id") == r.link("current"),
@@ -1302,6 +1465,16 @@ def _parser() -> argparse.ArgumentParser:
         "--reserve", type=int, default=DEFAULT_RESERVE, help="bytes to keep free (default 256 MiB)"
     )
     i.add_argument("--lock-timeout", type=float, default=60.0)
+    i.add_argument("--stage", action="store_true", help="stage only: point staged at it, do not switch")
+    sg = sub.add_parser("stage", help="stage a release already under releases/")
+    sg.add_argument("--root", required=True)
+    sg.add_argument("--release", required=True)
+    sg.add_argument("--lock-timeout", type=float, default=60.0)
+    sw = sub.add_parser("switch", help="make a release under releases/ current")
+    sw.add_argument("--root", required=True)
+    sw.add_argument("--to", required=True)
+    sw.add_argument("--rollback", action="store_true", help="record the switch as a rollback")
+    sw.add_argument("--lock-timeout", type=float, default=60.0)
     rb = sub.add_parser("rollback", help="switch current back to previous")
     rb.add_argument("--root", required=True)
     rb.add_argument("--lock-timeout", type=float, default=60.0)
@@ -1326,7 +1499,12 @@ def main(argv: list[str] | None = None) -> int:
                 remove_source=args.remove_source,
                 reserve=args.reserve,
                 lock_timeout=args.lock_timeout,
+                stage=args.stage,
             )
+        elif args.cmd == "stage":
+            res = stage_installed(args.root, args.release, lock_timeout=args.lock_timeout)
+        elif args.cmd == "switch":
+            res = switch(args.root, args.to, rollback=args.rollback, lock_timeout=args.lock_timeout)
         elif args.cmd == "rollback":
             res = rollback(args.root, lock_timeout=args.lock_timeout)
         elif args.cmd == "status":

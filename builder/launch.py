@@ -290,6 +290,16 @@ echo "stop.sh: stopped lane $LANE rank $RANK" >&2
     return text.encode("utf-8")
 
 
+def stop_lane_command(lane_name: str, rank: int, timeout: int = 30) -> str:
+    """A shell command that does what stop.sh does, for a host with no release installed: stop and
+    remove every container labelled with this lane and rank (only those), whatever bundle started it."""
+    filters = f"--filter {_q('label=' + LABEL_LANE + '=' + lane_name)} --filter {_q(f'label={LABEL_RANK}={rank}')}"
+    return (
+        f"ids=$(docker ps -aq {filters}) && "
+        f'if [ -n "$ids" ]; then docker stop -t {int(timeout)} $ids >/dev/null && docker rm $ids >/dev/null; fi'
+    )
+
+
 def render_launch(
     fleet: Fleet,
     host: Host,

@@ -65,13 +65,17 @@ def validation_message(path: Path | str, err: ValidationError, obj: Any = None) 
     return f"{path}: {key_path(loc)}: {msg}{more}"
 
 
-def read_toml(path: Path) -> dict[str, Any]:
+def _read_bytes(path: Path) -> bytes:
     try:
-        raw = path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    raw = _read_bytes(path)
     try:
         return tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
@@ -81,12 +85,7 @@ def read_toml(path: Path) -> dict[str, Any]:
 
 
 def read_json(path: Path) -> Any:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    raw = _read_bytes(path)
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:

@@ -25,14 +25,13 @@ import subprocess
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlencode
 
 from builder.errors import ConfigError, ResolveError
-
-if TYPE_CHECKING:
-    from builder.lock import LockedBase
-    from builder.pins import BaseImage
+from builder.fetch import network_reason
+from builder.lockfile import LockedBase
+from builder.pins import BaseImage
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
@@ -184,7 +183,7 @@ class Registry:
         except urllib.error.HTTPError as e:
             raise ResolveError(f"{self._where()}: token request refused: HTTP {e.code}") from None
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise ResolveError(f"{self._where()}: token request failed: {_reason(e)}") from None
+            raise ResolveError(f"{self._where()}: token request failed: {network_reason(e)}") from None
         token = data.get("token") or data.get("access_token")
         if not isinstance(token, str) or not token:
             raise ResolveError(f"{self._where()}: the token service gave no token")
@@ -221,16 +220,6 @@ class Registry:
         return doc if isinstance(doc, dict) else {}
 
 
-def _reason(e: BaseException) -> str:
-    if isinstance(e, urllib.error.HTTPError):
-        return f"HTTP {e.code}"
-    if isinstance(e, urllib.error.URLError):
-        return str(e.reason)
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return type(e).__name__
-
-
 def _env_of(config: dict[str, Any]) -> list[str]:
     env = (config.get("config") or {}).get("Env") or []
     return [str(x) for x in env]
@@ -241,8 +230,6 @@ def _env_of(config: dict[str, Any]) -> list[str]:
 
 
 def resolve_registry(name: str, spec: BaseImage, spec_hash: str) -> LockedBase:
-    from builder.lock import LockedBase
-
     where = f"bases.{name}"
     ref = parse_ref(spec.ref)
     reg = Registry(ref)
@@ -283,7 +270,7 @@ def resolve_registry(name: str, spec: BaseImage, spec_hash: str) -> LockedBase:
         what = "not found" if e.code == 404 else f"HTTP {e.code}"
         raise ResolveError(f"{where}: {spec.ref}: {what} at {ref.registry}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        raise ResolveError(f"{where}: cannot reach {ref.registry} for {spec.ref}: {_reason(e)}") from None
+        raise ResolveError(f"{where}: cannot reach {ref.registry} for {spec.ref}: {network_reason(e)}") from None
     _check_pins(where, spec, index_digest, platforms)
     return LockedBase(spec_hash=spec_hash, ref=spec.ref, index_digest=index_digest, platforms=platforms,
                       source="registry", config_env=env)
@@ -304,7 +291,8 @@ def _check_pins(where: str, spec: BaseImage, index_digest: str | None, platforms
 def _local_inspect(ref: str) -> dict[str, Any] | None:
     """`docker image inspect` of a local image (None when the engine does not have it).
 
-    builder/dockerio.py did not exist when this was written; this goes through the docker CLI.
+    Through the docker CLI rather than builder.dockerio: an offline lock should not need the SDK or a
+    running engine, and a missing CLI or engine reads as "not in the engine" (the input is named).
     """
     try:
         p = subprocess.run(["docker", "image", "inspect", ref], capture_output=True, timeout=60, check=False)
@@ -320,8 +308,6 @@ def _local_inspect(ref: str) -> dict[str, Any] | None:
 
 
 def resolve_local(name: str, spec: BaseImage, spec_hash: str) -> LockedBase:
-    from builder.lock import LockedBase
-
     where = f"bases.{name}"
     info = _local_inspect(spec.ref)
     if info is None:

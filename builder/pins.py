@@ -10,27 +10,17 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from builder.errors import ConfigError
 from builder.loader import read_toml, validate
+from builder.schema import Digest, Name, Platform, Sha256, Strict
 
 PINS_FORMAT = 1
 
-NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,63}$"
-SHA256_RE = r"^[0-9a-f]{64}$"
-DIGEST_RE = r"^sha256:[0-9a-f]{64}$"
 REV_RE = r"^[0-9a-f]{7,40}$"
-PLATFORM_RE = r"^linux/(amd64|arm64)(/v8)?$"
-
-Name = Annotated[str, Field(pattern=NAME_RE)]
-Sha256 = Annotated[str, Field(pattern=SHA256_RE)]
-Digest = Annotated[str, Field(pattern=DIGEST_RE)]
-Platform = Annotated[str, Field(pattern=PLATFORM_RE)]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+#: the kinds of input a lock resolves, in the order it resolves them
+INPUT_KINDS = ("sources", "toolchains", "bases", "models", "files")
 
 
 class Patch(Strict):
@@ -230,14 +220,14 @@ class Pins(Strict):
     # ---- closure helpers -------------------------------------------------------------
 
     def kind_of(self, name: str) -> str | None:
-        for kind in ("lanes", "images", "sources", "toolchains", "bases", "models", "files"):
+        for kind in ("lanes", "images", *INPUT_KINDS):
             if name in getattr(self, kind):
                 return kind
         return None
 
     def closure(self, names: list[str]) -> dict[str, set[str]]:
         """The inputs (by kind) that the named lanes, images or inputs need."""
-        out: dict[str, set[str]] = {k: set() for k in ("sources", "toolchains", "bases", "models", "files")}
+        out: dict[str, set[str]] = {k: set() for k in INPUT_KINDS}
         for n in names:
             kind = self.kind_of(n)
             if kind is None:
@@ -261,7 +251,7 @@ class Pins(Strict):
         out["files"].update(img.files)
 
     def all_inputs(self) -> dict[str, set[str]]:
-        return {k: set(getattr(self, k)) for k in ("sources", "toolchains", "bases", "models", "files")}
+        return {k: set(getattr(self, k)) for k in INPUT_KINDS}
 
 
 class _Ref(ValueError):

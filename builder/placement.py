@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from builder.errors import ConfigError
-from builder.lock import spec_hash
-
-if TYPE_CHECKING:
-    from builder.hosts import Host, Paths
-    from builder.lock import Lock
-    from builder.pins import Pins
+from builder.hosts import Host, Paths
+from builder.lockfile import Lock, spec_hash
+from builder.pins import Pins
 
 RANK_TAG_RE = re.compile(r"(?:^|[^a-z0-9])r(?:ank)?(\d{1,3})of(\d{1,3})(?![0-9])", re.IGNORECASE)
 

@@ -17,7 +17,7 @@ from typing import Any
 from builder import ASSEMBLY_FORMAT
 from builder.canon import address
 from builder.errors import ConfigError
-from builder.lock import Lock, recipe_files, spec_hash
+from builder.lockfile import Lock, recipe_files, spec_hash
 from builder.pins import Pins
 
 

@@ -1,7 +1,8 @@
 """Move a bundle to its host and install it: over SSH (resumable), or to a folder for sneakernet.
 
-Over SSH (the system ``ssh`` with the fleet's ssh_config when it names one, ``BatchMode=yes``, a
-connect timeout and keep-alives; host keys are checked as ssh_config says, never switched off):
+Over SSH (builder.ssh: the system ``ssh`` with the fleet's ssh_config when it names one,
+``BatchMode=yes``, a connect timeout and keep-alives, and one connection per host for the whole ship,
+however many files are sent; host keys are checked as ssh_config says, never switched off):
 
 1. the bundle is verified here (signature against the fleet's key, every hash);
 2. ``python3 - status`` on the host (the installer, sent over stdin from this machine's trusted copy)
@@ -35,7 +36,7 @@ from builder import installer as inst
 from builder.bundle import public_key_for, read_public_key, signing_key_path, verify_with_key
 from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
 from builder.hosts import Fleet, Host, find_host
-from builder.sshtarget import parse_target, ssh_argv_tail, ssh_config_file
+from builder.ssh import Connection, ControlSockets, ssh_config_file
 
 MiB = 1024 * 1024
 
@@ -53,6 +54,9 @@ class ShipOptions:
     min_rate: float = 1 * MiB  # bytes/s below which a transfer counts as stalled
     hash_rate: float = 50 * MiB  # bytes/s the host is assumed to hash at least
     insecure: bool = False
+    #: install up to the switch only (``install --stage``: ``staged`` and state/staged.json; for
+    #: ``builder deploy``, which switches every host once every host is staged and audited)
+    stage: bool = False
 
 
 @dataclass
@@ -60,7 +64,7 @@ class ShipResult:
     host: str
     fleet: str
     bundle_id: str
-    result: str  # installed | unchanged | copied
+    result: str  # installed | staged | unchanged | copied
     sent: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
@@ -72,39 +76,64 @@ class ShipResult:
 
 
 class Remote:
-    """Runs shell commands on a host: over ssh, with `docker exec`, or locally (connection = local)."""
+    """Runs shell commands on a host: over ssh, with `docker exec`, or locally (connection = local).
 
-    def __init__(self, fleet_file: Path, fleet: Fleet, host: Host, connect_timeout: int = 10) -> None:
+    Over ssh every command of one ship goes through one connection (builder.ssh), opened by the
+    first command and closed by `close`: one key exchange per host, however many files are sent."""
+
+    def __init__(
+        self, fleet_file: Path, fleet: Fleet, host: Host, connect_timeout: int = 10, persist: float = 0
+    ) -> None:
         """`fleet_file`: the inventory file `fleet` was read from (a relative ssh_config is taken
-        from its folder, as the audit takes it)."""
+        from its folder, as the audit takes it). `persist` > 0: the connection is the host's kept one
+        (builder.ssh), shared with the audit's (``builder deploy``, ``builder status``)."""
         self.host = host
+        self.persist = persist
         self.kind = host.connection
         self.ssh_config = ssh_config_file(fleet_file, fleet.fleet.ssh_config)
         self.connect_timeout = connect_timeout
+        self._ssh: Connection | None = None
+        self._open = False
+
+    def _connection(self) -> Connection:
+        if self._ssh is None:
+            sockets = ControlSockets.for_run(persist=self.persist)
+            self._ssh = Connection.to(self.host.ssh, self.ssh_config, sockets, self.connect_timeout)
+        return self._ssh
 
     def argv(self, command: str) -> list[str]:
         if self.kind == "local":
             return ["sh", "-c", command]
         if self.kind == "docker":
             return ["docker", "exec", "-i", self.host.ssh, "sh", "-c", command]
-        argv = ["ssh"]
-        if self.ssh_config is not None:
-            argv += ["-F", str(self.ssh_config)]
-        argv += [
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            f"ConnectTimeout={self.connect_timeout}",
-            "-o",
-            "ServerAliveInterval=5",
-            "-o",
-            "ServerAliveCountMax=3",
-        ]
-        return [*argv, *ssh_argv_tail(parse_target(self.host.ssh)), command]  # (... -- HOST COMMAND)
+        return self._connection().argv(command)  # (ssh ... -- HOST COMMAND)
+
+    def connect(self) -> None:
+        """Open the host's ssh connection, if not yet open; UnreachableError when it cannot be."""
+        if self.kind != "ssh" or self._open:
+            return
+        why = self._connection().open()
+        if why is not None:
+            raise UnreachableError(f"{self.host.name}: unreachable over ssh ({self.host.ssh}): {why}")
+        self._open = True
+
+    def close(self) -> None:
+        """Close the host's connection (idempotent)."""
+        if self._ssh is not None:
+            self._ssh.close()
+            self._ssh.sockets.cleanup()
+            self._ssh, self._open = None, False
+
+    def __enter__(self) -> Remote:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def run(
         self, command: str, *, timeout: float, stdin: bytes | IO[bytes] | None = None, what: str = ""
     ) -> subprocess.CompletedProcess[bytes]:
+        self.connect()
         argv = self.argv(command)
         kw: dict[str, Any] = (
             {"input": stdin}
@@ -125,7 +154,7 @@ class Remote:
             raise UnreachableError(f"{self.host.name}: unreachable over ssh ({self.host.ssh}): {last}")
         return proc
 
-    def python(self, script: bytes, args: list[str], *, timeout: float, what: str) -> dict[str, Any]:
+    def run_installer(self, script: bytes, args: list[str], *, timeout: float, what: str) -> dict[str, Any]:
         """Run the installer on the host (script on stdin); its JSON answer, or the error it printed."""
         cmd = "python3 - " + " ".join(shlex.quote(a) for a in args)
         proc = self.run(cmd, timeout=timeout, stdin=script, what=what)
@@ -226,14 +255,24 @@ def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
         return ship_to_dir(
             bdir, manifest, opts.to / fleet.fleet.name / host.name, key if not opts.insecure else None
         )
+    with Remote(fleet_file, fleet, host, opts.connect_timeout) as remote:
+        return _ship_over_ssh(remote, fleet, host, bdir, manifest, key, opts)
+
+
+def _ship_over_ssh(
+    remote: Remote, fleet: Fleet, host: Host, bdir: Path, manifest: dict[str, Any], key: bytes, opts: ShipOptions
+) -> ShipResult:
     bid = manifest["bundle_id"]
-    remote = Remote(fleet_file, fleet, host, opts.connect_timeout)
     hroot = host.paths.bundles
     script = inst.assemble()
     res = ShipResult(host=host.name, fleet=fleet.fleet.name, bundle_id=bid, result="")
-    st = remote.python(script, ["status", "--root", hroot], timeout=opts.timeout, what="status")
+    st = remote.run_installer(script, ["status", "--root", hroot], timeout=opts.timeout, what="status")
+    if opts.stage and st.get("staged") == bid:
+        res.result = "unchanged"
+        return res
     if (
-        st.get("current") == bid
+        not opts.stage
+        and st.get("current") == bid
         and isinstance(st.get("applied"), dict)
         and st["applied"].get("bundle_id") == bid
     ):
@@ -243,7 +282,7 @@ def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
     tmpdir = f"{hroot}/incoming/.tmp-{bid[:16]}"
     files = _file_order(manifest)
     total = sum(s for _, s, _ in files)
-    have = remote.python(
+    have = remote.run_installer(
         script, ["inventory", incoming], timeout=opts.timeout + total / opts.hash_rate, what="inventory"
     )
     expected = {p for p, _, _ in files} | {inst.MANIFEST, inst.SIGNATURE}
@@ -274,11 +313,13 @@ def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
         res.bytes_sent += size
     remote.run(f"rm -rf {shlex.quote(tmpdir)}", timeout=opts.timeout, what="clean up")
     args = ["install", incoming, "--root", hroot, "--host", host.name, "--remove-source"]
+    if opts.stage:
+        args.append("--stage")
     if opts.insecure:
         args.append("--insecure")
     else:
         args += ["--trusted-key-base64", _key_line(key)]
-    out = remote.python(script, args, timeout=opts.timeout + 120 + 3 * total / opts.hash_rate, what="install")
+    out = remote.run_installer(script, args, timeout=opts.timeout + 120 + 3 * total / opts.hash_rate, what="install")
     res.result = str(out.get("result", "installed"))
     return res
 

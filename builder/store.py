@@ -24,8 +24,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.canon import READ_SIZE, file_lock, fsync_dir, sha256_file, sha256_tree
+from builder import fetch
+from builder.canon import file_lock, fsync_dir, sha256_tree
 from builder.errors import ResolveError, VerifyError
+from builder.hashing import READ_SIZE, sha256_file
 
 
 @dataclass
@@ -131,8 +133,6 @@ class Store:
             return self.verified(sha256, what)
         if url is None:
             raise ResolveError(f"{what}: no URL to fetch from")
-        from builder import fetch
-
         if not fetch.is_remote(url):
             local = fetch.local_path(url, root, where=f"{what}.url")
             if not local.is_file():

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from builder.hostfacts import BATCH, FABRIC, FILES, batch_groups, batches, dumps, parse_batch
 from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
 
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
@@ -69,27 +70,20 @@ def cat(path: str) -> Cmd:
 PYTHON = "python3 -c %s %s"
 
 
-def python(script: str, arg: str) -> Cmd:
-    return (PYTHON, script, arg)
-
-
-def _docker(req: dict[str, Any]) -> Cmd:
-    """hostcheck.DOCKER_SCRIPT for one request: the engine's answer as the docker CLI prints it,
-    without running the CLI, each answer bounded by COMMAND_SECONDS."""
-    from builder.hostcheck import DOCKER_SCRIPT, dumps
-
-    return python(DOCKER_SCRIPT, dumps({**req, "seconds": COMMAND_SECONDS}))
+def python(source: str, arg: str) -> Cmd:
+    """Run a fact module of builder.hostfacts (its source) with one argument."""
+    return (PYTHON, source, arg)
 
 
 def docker_info() -> Cmd:
-    """Whether the engine answers (ServerErrors, ServerVersion) and its runtimes, as
-    `docker info --format '{{json .}}'` prints them."""
-    return _docker({"cmd": "info"})
+    """Whether the engine answers (ServerErrors, ServerVersion) and its runtimes."""
+    return argv_command(["docker", "info", "--format", "{{json .}}"])
 
 
 def inspect_images(refs: list[str]) -> Cmd:
-    """`docker image inspect REF...` for several references at once (one Engine API connection)."""
-    return _docker({"cmd": "inspect", "refs": refs})
+    """`docker image inspect REF...` for several references at once: the images found, as a JSON
+    list, and "No such image: REF" on stderr for each one not found."""
+    return argv_command(["docker", "image", "inspect", *refs])
 
 
 def lane_containers(lane: str, rank: int) -> Cmd:
@@ -127,13 +121,11 @@ def lookup_commands(names: list[str]) -> Cmd:
 
 
 def model_files_commands(expect: dict[str, Any]) -> list[Cmd]:
-    """The FILES_SCRIPT calls that stat (fast) or hash (full) every model file this rank holds."""
-    from builder.hostcheck import FILES_SCRIPT, batches, dumps
-
+    """The hostfacts.files calls that stat (fast) or hash (full) every model file this rank holds."""
     paths = [f["path"] for m in expect.get("models") or [] for f in m["files"]]
     full = expect.get("mode") == "full"
     jobs = expect.get("hash_jobs", 4)
-    return [python(FILES_SCRIPT, dumps({"paths": c, "hash": full, "jobs": jobs})) for c in batches(paths)]
+    return [python(FILES, dumps({"paths": c, "hash": full, "jobs": jobs})) for c in batches(paths)]
 
 
 def listing_roots(expect: dict[str, Any]) -> list[str]:
@@ -142,9 +134,8 @@ def listing_roots(expect: dict[str, Any]) -> list[str]:
 
 
 def listing_command(roots: list[str]) -> Cmd:
-    from builder.hostcheck import LIST_SCRIPT, dumps
-
-    return python(LIST_SCRIPT, dumps(roots))
+    """Every regular file under each root (hostfacts.files)."""
+    return python(FILES, dumps({"roots": roots}))
 
 
 def gpu_commands() -> list[Cmd]:
@@ -156,8 +147,6 @@ def gpu_commands() -> list[Cmd]:
 def planned(expect: dict[str, Any]) -> list[Cmd]:
     """The commands the selected checks will run on this host whatever they find (commands that
     depend on another command's answer, such as the apply record's file list, are not here)."""
-    from builder.hostcheck import FABRIC_SCRIPT
-
     concerns = set(expect.get("concerns") or [])
     want = expect["expect"]
     cmds: list[Cmd] = [lookup_commands(sorted(KNOWN_COMMANDS))]
@@ -177,7 +166,7 @@ def planned(expect: dict[str, Any]) -> list[Cmd]:
     if "memory" in concerns:
         cmds.append(MEMINFO)
     if "fabric" in concerns and want.get("rdma"):
-        cmds.append(python(FABRIC_SCRIPT, "/sys"))
+        cmds.append(python(FABRIC, "/sys"))
     if "storage" in concerns:
         mounts = want.get("nfs_mounts") or []
         cmds += [readable_within(m) for m in mounts]
@@ -195,7 +184,8 @@ def planned(expect: dict[str, Any]) -> list[Cmd]:
 
 
 def prefetch(host: Any, expect: dict[str, Any]) -> None:
-    """Run the planned commands in one remote python3 (a few for very long lists), once per host.
+    """Run the planned commands in one remote python3 (hostfacts.batch; a few calls for very long
+    lists), once per host.
 
     Any failure of the batch itself (no python3 on the host, odd output) leaves the cache empty,
     so each check runs its own command as before; a lost connection is raised, as from a check.
@@ -203,8 +193,6 @@ def prefetch(host: Any, expect: dict[str, Any]) -> None:
     if PREFETCHED:
         return
     PREFETCHED.append(True)
-    from builder.hostcheck import BATCH_SCRIPT, batch_groups, parse_batch
-
     items: dict[str, Any] = {}
     for c in planned(expect):
         line = host.backend.quote(*c)
@@ -212,7 +200,7 @@ def prefetch(host: Any, expect: dict[str, Any]) -> None:
         items[line] = ["py", line, c[1], c[2]] if c[0] == PYTHON and len(c) == 3 else line
     for group in batch_groups(items.values()):
         # -I -S: the batch needs only the standard library; no site-packages scan, no user paths
-        r = host.run("python3 -I -S -c %s %s %s", BATCH_SCRIPT, json.dumps(group), str(COMMAND_SECONDS))
+        r = host.run("python3 -I -S -c %s %s %s", BATCH, json.dumps(group), str(COMMAND_SECONDS))
         if r.rc != 0:
             return
         try:
@@ -232,9 +220,9 @@ def run(host: Any, command: str, *args: str) -> Any:
     return host.run(command, *args)
 
 
-def remote_json(host: Any, script: str, arg: str) -> Any:
-    """Run a python3 fact script on the host and parse its JSON output."""
-    return json_output(run(host, *python(script, arg)))
+def remote_json(host: Any, source: str, arg: str) -> Any:
+    """Run a fact module of builder.hostfacts (its source) on the host and parse its JSON output."""
+    return json_output(run(host, *python(source, arg)))
 
 
 def json_output(r: Any) -> Any:
@@ -293,7 +281,10 @@ def lane_owns_running_release(host: Any, expect: dict[str, Any]) -> tuple[bool, 
     bundle = (c.get("Config") or {}).get("Labels", {}).get(LABEL_BUNDLE)
     if not (c.get("State") or {}).get("Running"):
         return False, f"container {c.get('Name')} is not running"
-    if rec is None or bundle != rec.get("bundle_id"):
+    own = {rec.get("bundle_id")} if rec is not None else set()
+    if rec is not None and expect.get("release") == "staged":  # (a deploy stops it before the switch)
+        own.add(rec.get("previous_bundle_id"))
+    if bundle is None or bundle not in own:
         return False, f"container {c.get('Name')} runs bundle {str(bundle)[:16]}, not the installed release"
     return True, f"container {c.get('Name')} of the installed release"
 
@@ -313,7 +304,7 @@ def exists(host: Any, name: str) -> bool:
 
 
 def listing(host: Any, expect: dict[str, Any], root: str) -> Any:
-    """LIST_SCRIPT's answer for `root` (None: no such folder). One remote call lists every model
+    """The listing of `root` (None: no such folder). One remote call lists every model
     root and the Engram folder together, the first time any of them is asked for."""
     if root not in LIST_CACHE:
         roots = listing_roots(expect)

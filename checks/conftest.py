@@ -54,8 +54,7 @@ def host(pytestconfig: pytest.Config) -> Any:
     own options, as testinfra's plugin builds it, with one difference: `--ssh-extra-args` reaches
     the ssh backend (the plugin drops it: pytest-testinfra issue 618). It carries the audit's ssh
     options, so every command goes through the host's one audit connection (ControlPath), with
-    BatchMode and keepalives. Being a fixture rather than a collection parameter, the host also
-    leaves the collected checks the same for every host, so the audit collects them once."""
+    BatchMode and keepalives."""
     import testinfra
 
     o = pytestconfig.option
@@ -127,8 +126,8 @@ def _message(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
 
 
 # Drift (a failed assertion, or pytest.fail in a check or its fact fixture) is reported by its
-# message alone (expected X, found Y), without a traceback: formatting one costs ~1 ms per failed
-# check, a good part of each host's time on a drifted fleet. Other exceptions keep theirs.
+# message alone (expected X, found Y), without a traceback: the message says all there is to say,
+# and formatting a traceback is most of what a failed check costs. Other exceptions keep theirs.
 
 
 def _no_trace(e: BaseException) -> BaseException:
@@ -142,9 +141,8 @@ def _no_trace(e: BaseException) -> BaseException:
 
 class _DriftReports:
     """Reports drift (the pytest.fail(pytrace=False) that _no_trace makes of it) by its message
-    alone. pytest's own report of a failure first cuts the traceback down to the check's frames
-    (~0.5 ms per failed check, a good part of a drifted host's CPU) only for style "value" to
-    print none of it. Every other outcome gets pytest's own report."""
+    alone: pytest's own report of a failure first cuts the traceback down to the check's frames,
+    only for style "value" to print none of it. Every other outcome gets pytest's own report."""
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport | None:
@@ -208,8 +206,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    # (the audit's zygote may have tried a collection of its own before this host's: start afresh)
-    _STATE["collect_errors"] = []
     _STATE["root"] = session.config.rootpath.name
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from checklib import listing, need, read_applied
 
-from builder.hostcheck import shown
+from builder.hostfacts import shown
 from builder.placement import rank_tag
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from checklib import need, remote_json
 
-from builder.hostcheck import FABRIC_SCRIPT, iface_of, rail_gid
+from builder.hostfacts import FABRIC, iface_of, rail_gid
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def fab(expect: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def facts(host: Any, fab: dict[str, Any]) -> dict[str, Any]:
-    found: dict[str, Any] = remote_json(host, FABRIC_SCRIPT, "/sys")
+    found: dict[str, Any] = remote_json(host, FABRIC, "/sys")
     if not found["rdma"]:
         dev = "/dev/infiniband present" if found["dev_infiniband"] else "no /dev/infiniband"
         pytest.fail(

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from checklib import MEMINFO, run
 
-from builder.hostcheck import gib, parse_meminfo
+from builder.hostfacts import gib, parse_meminfo
 
 
 @pytest.fixture(scope="module")

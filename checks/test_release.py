@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from checklib import cat, expected_image, need, read_applied, remote_json, require, run
 
-from builder.hostcheck import FILES_SCRIPT, dumps, shown
+from builder.hostfacts import FILES, dumps, shown
 
 LAUNCH_FILES = ("start.sh", "stop.sh", "rank.env")
 
@@ -69,7 +69,7 @@ def test_launch_files_unchanged(host: Any, record: dict[str, Any], expect: dict[
     )
     cur = expect["current_path"]
     paths = [f"{cur}/{f['path']}" for f in files]
-    got = remote_json(host, FILES_SCRIPT, dumps({"paths": paths, "hash": True, "jobs": 4}))
+    got = remote_json(host, FILES, dumps({"paths": paths, "hash": True, "jobs": 4}))
     bad = []
     for f, p in zip(files, paths, strict=True):
         g = got.get(p, {})

@@ -9,28 +9,7 @@ from typing import Any
 import pytest
 from checklib import LABEL_BUNDLE, lane_container, need, read_applied, remote_json
 
-from builder.hostcheck import dumps, shown
-
-SERVE_SCRIPT = r"""
-import json, sys, urllib.request
-req = json.loads(sys.argv[1])
-base = req["base"]
-out = {}
-def call(name, path, body=None):
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        r = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(r, timeout=req["timeout"]) as resp:
-            text = resp.read(1 << 20).decode("utf-8", "replace")
-            out[name] = {"status": resp.status, "body": text}
-    except Exception as e:
-        out[name] = {"status": getattr(e, "code", None), "error": str(e)[:200]}
-call("health", "/health")
-call("models", "/v1/models")
-call("completion", "/v1/completions", {"model": req["model"], "prompt": "Say OK.", "max_tokens": 1,
-                                       "temperature": 0})
-sys.stdout.write(json.dumps(out))
-"""
+from builder.hostfacts import SERVE, dumps, shown
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +19,7 @@ def api(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
         pytest.skip("the API is served by the head (rank 0)")
     base = f"http://127.0.0.1:{serve['port']}"
     got: dict[str, Any] = remote_json(
-        host, SERVE_SCRIPT, dumps({"base": base, "model": serve["served_name"], "timeout": 60})
+        host, SERVE, dumps({"base": base, "model": serve["served_name"], "timeout": 60})
     )
     got["_base"], got["_name"] = base, serve["served_name"]
     return got

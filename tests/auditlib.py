@@ -116,7 +116,7 @@ def make_project(
 ) -> dict[str, Path]:
     """pins.toml, images/demo/, and (with lock) a pins.lock built from the real lock models."""
     from builder.canon import sha256_bytes
-    from builder.lock import (
+    from builder.lockfile import (
         Lock,
         LockedImage,
         LockedLane,
@@ -177,7 +177,7 @@ def make_project(
 
 
 def plan_address(paths: dict[str, Path]) -> str:
-    from builder.lock import load_lock
+    from builder.lockfile import load_lock
     from builder.pins import load_pins
     from builder.plan import make_plan
 

@@ -19,7 +19,7 @@ from typing import Any
 from builder import __version__
 from builder.canon import atomic_write, pretty_json
 from builder.imagerecord import ImageRecord, tag_for, write_record
-from builder.lock import (
+from builder.lockfile import (
     Lock,
     LockedImage,
     LockedLane,
@@ -214,7 +214,7 @@ def write_lock(root: Path) -> None:
 
 
 def write_record_for(root: Path, image_id: str, diff_ids: list[str]) -> None:
-    from builder.lock import load_lock
+    from builder.lockfile import load_lock
 
     pins = load_pins(root / "pins.toml")
     lock = load_lock(root / "pins.lock")

@@ -131,6 +131,35 @@ class Journey:
             r = self.fleet.ssh(h, f"{PATHS['bundles']}/current/stop.sh", timeout=120)
             assert r.returncode == 0, f"{h.name}: stop.sh exit {r.returncode}: {r.stderr[-1500:]}"
 
+    def set_serve(self, lane: str = "demo", relock: bool = True, **values: Any) -> None:
+        """Change keys of `[lanes.LANE.serve]` in the copy's pins.toml (TOML values: `args=[...]`,
+        `context=8192`), then `builder lock --offline LANE`: a new release of the lane."""
+        path = self.root / "pins.toml"
+        lines = path.read_text().split("\n")
+        head = f"[lanes.{lane}.serve]"
+        start = lines.index(head) + 1
+        end = next((i for i in range(start, len(lines)) if lines[i].startswith("[")), len(lines))
+        for key, value in values.items():
+            text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
+            at = [i for i in range(start, end) if lines[i].split("=", 1)[0].strip() == key]
+            if at:
+                lines[at[0]] = f"{key} = {text}"
+            else:
+                lines.insert(end, f"{key} = {text}")
+                end += 1
+        path.write_text("\n".join(lines))
+        if relock:
+            self.builder("lock", "--offline", lane)
+
+    def deploy(self, *args: str, env: dict[str, str] | None = None, timeout: float = 900) -> tuple[int, dict[str, Any]]:
+        """`builder deploy --fleet NAME --json ARGS`: (exit code, its JSON report)."""
+        p = self.builder("deploy", "--fleet", self.name, "--json", *args, check=False, env=env, timeout=timeout)
+        self.last_stderr = p.stderr
+        try:
+            return p.returncode, json.loads(p.stdout)
+        except ValueError:
+            raise AssertionError(f"deploy gave no JSON (exit {p.returncode}): {p.stderr[-3000:]}") from None
+
 
 def failing(report: dict[str, Any]) -> set[tuple[str, str]]:
     """(host, check id) of every check that did not pass or skip."""
@@ -146,10 +175,12 @@ def failing(report: dict[str, Any]) -> set[tuple[str, str]]:
 def journey(
     workdir: Path, n: int, *, lane: str = "demo", name: str = "journey", store: Path | None = None,
     expect: str = EXPECT, prepare: Callable[[fleetlib.Fleet, fleetlib.Host], None] | None = None,
-    pins_extra: str = "",
+    pins_extra: str = "", bundle: bool = True, ship: bool = True,
 ) -> Iterator[Journey]:
     """n test hosts with the lane installed by the CLI from the shipped pins (not started).
-    ``pins_extra`` is appended to the copy's pins.toml before the lock (e.g. a lane of another size)."""
+    ``pins_extra`` is appended to the copy's pins.toml before the lock (e.g. a lane of another size).
+    ``bundle=False`` stops after `builder keygen` (no bundle, nothing installed: `builder deploy` makes
+    the bundles); ``ship=False`` after `builder bundle` (nothing installed)."""
     workdir.mkdir(parents=True, exist_ok=True)
     root = project_copy(workdir / "project")
     if pins_extra:
@@ -183,8 +214,10 @@ def journey(
         j.builder("lock", "--offline", lane)
         j.builder("image", "demo", "--offline")
         j.builder("keygen", "--out", str(keys))
-        j.builder("bundle", "--fleet", name, "--with-image", "--with-models", "--key", str(keys / "builder.key"))
-        j.ship_all()
+        if bundle:
+            j.builder("bundle", "--fleet", name, "--with-image", "--with-models", "--key", str(keys / "builder.key"))
+            if ship:
+                j.ship_all()
         yield j
     finally:
         fleetlib.close_kept_connections(workdir / "ssh")

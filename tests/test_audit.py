@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import auditlib  # noqa: E402
 
 from builder import audit as core  # noqa: E402
+from builder.audit import runner  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = [
@@ -191,9 +193,9 @@ def _report() -> core.AuditReport:
         "f",
         "drift",
         checks=[
-            core.CheckResult("gpu::name", "gpu", "fail", "GPU 0 name: expected 'X', found 'Y'"),
-            core.CheckResult("memory::available", "memory", "pass"),
-            core.CheckResult("fabric::mtu", "fabric", "skip", "no /dev/infiniband"),
+            core.CheckOutcome("gpu::name", "gpu", "fail", "GPU 0 name: expected 'X', found 'Y'"),
+            core.CheckOutcome("memory::available", "memory", "pass"),
+            core.CheckOutcome("fabric::mtu", "fabric", "skip", "no /dev/infiniband"),
         ],
     )
     b = core.HostResult("b", "f", "unreachable", "Connection refused")
@@ -339,7 +341,7 @@ def test_local_missing_inputs_fail_rather_than_skip(tmp_path: Path) -> None:
     """With a lock: no build record for its image, and an apply record without `files` or
     `manifest_sha256`, fail saying what was expected (a real Spark has them)."""
     root, env = local_project(tmp_path, "docker = false\ngpu_count = 0\n")
-    from builder.lock import load_lock
+    from builder.lockfile import load_lock
 
     lock_hash = load_lock(root / "pins.lock").lock_hash()
     rec = {"host": "me", "fleet": "l", "lane": "demo", "rank": 0, "lock_hash": lock_hash, "image": {}}
@@ -378,81 +380,55 @@ def test_local_rdma_expected_but_absent_fails(tmp_path: Path) -> None:
         assert v == {"status": "skip", "message": "RDMA not expected on this host (expect.rdma = false)"}
 
 
-def test_a_dead_zygote_falls_back_to_one_process_per_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    """If the pre-imported pytest helper cannot start, each host's checks still run (own process)."""
-    import builder.audit as audit_mod
-
-    monkeypatch.setattr(audit_mod, "ZYGOTE", "import sys; sys.exit(3)")
-    root = Path(__file__).resolve().parent.parent
-    opts = audit_mod.AuditOptions(root=root, pins=root / "pins.toml", lock=root / "pins.lock",
-                                  store=root / ".cache" / "builder", fleet="h200-local",
-                                  only=["memory", "storage"])
-    report = audit_mod.run_audit(opts)
-    statuses = {c.status for h in report.hosts for c in h.checks}
-    assert report.hosts and report.hosts[0].status != "unreachable"
-    assert "pass" in statuses, statuses
-
-
 def _probe_checks(tmp_path: Path) -> Path:
-    """A checks folder whose one check writes down how its pytest was configured."""
+    """A checks folder whose one check writes down how its pytest was started."""
     d = tmp_path / "checks"
     d.mkdir()
     (d / "pytest.ini").write_text("[pytest]\n")
     (d / "conftest.py").write_text(
-        "import os\n"
         "def pytest_addoption(parser):\n"
         "    parser.addoption('--builder-expect')\n"
         "    parser.addoption('--builder-results')\n"
-        "def pytest_collection_finish(session):\n"
-        "    with open(os.path.join(os.path.dirname(__file__), 'collected.log'), 'a') as f:\n"
-        "        f.write(f'{os.getpid()}\\n')\n"
     )
     (d / "test_probe.py").write_text(
-        "import json, os\n"
+        "import json, os, sys\n"
         "def test_probe(pytestconfig):\n"
         "    with open(pytestconfig.option.builder_results, 'w') as f:\n"
-        "        json.dump({'invocation': list(pytestconfig.invocation_params.args),\n"
+        "        json.dump({'args': list(pytestconfig.invocation_params.args),\n"
         "                   'expect': pytestconfig.option.builder_expect,\n"
         "                   'hosts': pytestconfig.option.hosts, 'pid': os.getpid()}, f)\n"
     )
     return d
 
 
-def test_zygote_collects_the_checks_once_and_each_host_sets_its_own_options(tmp_path: Path) -> None:
+def test_each_host_runs_pytest_in_a_process_of_its_own(tmp_path: Path) -> None:
+    """pytest.main per host, in a process of its own, with public options only: the check modules,
+    testinfra's plugin, the host, and its expectations and results files."""
     checks = _probe_checks(tmp_path)
-    common = core.common_pytest_args(checks, ["probe"])
-    runner = core.PytestRunner(checks)
-    try:
-        runner.prepare(common)
-        got = []
-        for i in range(2):
-            res = tmp_path / f"r{i}.json"
-            opts = {"hosts": "local://", "builder_expect": f"E{i}", "builder_results": str(res)}
-            assert runner.run(common, opts, tmp_path / f"log{i}", checks, 60) == 0
-            got.append(json.loads(res.read_text()))
-        # other shared arguments than the prepared ones: that host parses its own (pytest.main)
-        res = tmp_path / "r2.json"
-        other = [*common, "-v"]
-        opts = {"hosts": "local://", "builder_expect": "E2", "builder_results": str(res)}
-        assert runner.run(other, opts, tmp_path / "log2", checks, 60) == 0
+    got = []
+    for i, hosts in enumerate(["local://", "docker://spark-a"]):  # (no command runs: nothing is contacted)
+        res = tmp_path / f"r{i}.json"
+        args = runner.pytest_args(checks, ["probe"], [f"--hosts={hosts}", f"--builder-expect=E{i}",
+                                                      f"--builder-results={res}"])
+        assert runner.run_pytest(args, tmp_path / f"log{i}", checks, 60) == 0, (tmp_path / f"log{i}").read_text()
         got.append(json.loads(res.read_text()))
-    finally:
-        runner.close()
-    # the prepared configuration (its arguments are the shared ones alone), each fork with its own options
-    assert [g["invocation"] for g in got[:2]] == [common, common]
-    assert [g["expect"] for g in got] == ["E0", "E1", "E2"]
-    assert {g["hosts"] for g in got} == {"local://"} and len({g["pid"] for g in got}) == 3
-    assert got[2]["invocation"] == [*other, *core.option_args(opts)]
-    # collected twice: once in the zygote for both prepared hosts, once by the third host's own pytest
-    collectors = (checks / "collected.log").read_text().split()
-    assert len(collectors) == 2 and collectors[1] == str(got[2]["pid"])
-    assert collectors[0] not in {str(g["pid"]) for g in got}
+        assert got[-1]["args"] == args
+    assert [g["expect"] for g in got] == ["E0", "E1"] and [g["hosts"] for g in got] == ["local://", "docker://spark-a"]
+    assert got[0]["pid"] != got[1]["pid"]
+
+
+def test_a_host_that_runs_past_its_bound_is_killed_and_unreachable(tmp_path: Path) -> None:
+    checks = _probe_checks(tmp_path)
+    (checks / "test_probe.py").write_text("import time\ndef test_probe():\n    time.sleep(300)\n")
+    args = runner.pytest_args(checks, ["probe"], ["--hosts=local://"])
+    start = time.monotonic()
+    assert runner.run_pytest(args, tmp_path / "log", checks, 3) is None
+    assert time.monotonic() - start < 60
 
 
 def test_checks_on_testinfras_own_host_fixture_get_each_hosts_own_host(tmp_path: Path) -> None:
-    """A checks folder without builder's `host` fixture: testinfra parametrizes its checks by the
-    host while collecting, so they cannot be collected once for all hosts (collected there with no
-    host, they would run on this machine). Each host's fork collects its own."""
+    """A checks folder without builder's `host` fixture: testinfra's own, parametrized by each host's
+    `--hosts`, gives each host's checks that host."""
     checks = _probe_checks(tmp_path)
     (checks / "test_probe.py").write_text(
         "import json\n"
@@ -460,20 +436,14 @@ def test_checks_on_testinfras_own_host_fixture_get_each_hosts_own_host(tmp_path:
         "    with open(pytestconfig.option.builder_results, 'w') as f:\n"
         "        json.dump({'host': host.backend.get_pytest_id()}, f)\n"
     )
-    common = core.common_pytest_args(checks, ["probe"])
-    runner = core.PytestRunner(checks)
-    try:
-        runner.prepare(common)
-        got = []
-        for i, spec in enumerate(["docker://spark-a", "local://"]):  # (no command runs: nothing is contacted)
-            res = tmp_path / f"r{i}.json"
-            opts = {"hosts": spec, "builder_expect": "E", "builder_results": str(res)}
-            assert runner.run(common, opts, tmp_path / f"log{i}", checks, 60) == 0
-            got.append(json.loads(res.read_text())["host"])
-    finally:
-        runner.close()
+    got = []
+    for i, spec in enumerate(["docker://spark-a", "local://"]):  # (no command runs: nothing is contacted)
+        res = tmp_path / f"r{i}.json"
+        args = runner.pytest_args(checks, ["probe"], [f"--hosts={spec}", "--builder-expect=E",
+                                                      f"--builder-results={res}"])
+        assert runner.run_pytest(args, tmp_path / f"log{i}", checks, 60) == 0
+        got.append(json.loads(res.read_text())["host"])
     assert got == ["docker://spark-a", "local"]
-    assert len((checks / "collected.log").read_text().split()) == 3  # the zygote's try, then each host
 
 
 def two_local_hosts(tmp_path: Path, checks: dict[str, str]) -> core.AuditOptions:
@@ -494,14 +464,8 @@ def two_local_hosts(tmp_path: Path, checks: dict[str, str]) -> core.AuditOptions
     )
 
 
-@pytest.mark.parametrize("zygote", ["zygote", "no zygote"])
-def test_a_check_module_that_does_not_import_is_reported_by_every_host(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zygote: str
-) -> None:
-    """Collection in the zygote fails: each host collects for itself (or, with no zygote, in its own
-    pytest), and each host is `error` (exit 1), its message naming the module and the error."""
-    if zygote == "no zygote":
-        monkeypatch.setattr(core, "ZYGOTE", "import sys; sys.exit(3)")
+def test_a_check_module_that_does_not_import_is_reported_by_every_host(tmp_path: Path) -> None:
+    """Each host is `error` (exit 1), its message naming the module and the error."""
     opts = two_local_hosts(tmp_path, {"test_memory.py": "", "test_storage.py": "import no_such_module_here\n"})
     report = core.run_audit(opts)
     assert report.exit_code == 1
@@ -548,54 +512,9 @@ def test_stale_results_of_a_kept_workdir_do_not_stand_for_this_run(tmp_path: Pat
 
 
 def test_results_problem_from_the_exit_status_alone(tmp_path: Path) -> None:
-    ok = [core.CheckResult("memory::available", "memory", "pass")]
-    assert core.results_problem(0, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log") == ""
-    assert core.results_problem(1, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log") == ""
+    ok = [core.CheckOutcome("memory::available", "memory", "pass")]
+    assert runner.results_problem(0, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log") == ""
+    assert runner.results_problem(1, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log") == ""
     (tmp_path / "log").write_text("x\nINTERNALERROR> boom\n")
-    got = core.results_problem(3, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log")
+    got = runner.results_problem(3, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log")
     assert got == "the checks stopped (pytest exit 3): INTERNALERROR> boom"
-
-
-def _targets(tmp_path: Path, ssh_config: str | None) -> list[Any]:
-    d = tmp_path / f"hosts-{ssh_config is not None}"
-    d.mkdir()
-    if ssh_config:
-        (d / ssh_config).write_text("")
-    hosts = [{"name": "a", "ssh": "spark@192.0.2.10", "rank": 0, "role": "head"},
-             {"name": "b", "ssh": "spark@192.0.2.11:2222", "rank": 1, "role": "worker"}]
-    (d / "f.toml").write_text(auditlib.fleet_toml("f", hosts, ssh_config=ssh_config))
-    return core.fleet_targets(d, "f")
-
-
-def test_connection_paths_differ_by_host_and_ssh_config(tmp_path: Path) -> None:
-    conns = core.Connections(Path("/tmp/x"), True, 60)
-    plain, other = _targets(tmp_path, None), _targets(tmp_path, "ssh_config")
-    paths = {conns.path(t) for t in plain + other}
-    assert len(paths) == 4 and all(p.startswith("/tmp/x/") and len(p) == len("/tmp/x/") + 24 for p in paths)
-    assert conns.path(plain[0]) == core.Connections(Path("/tmp/x"), True, 0).path(plain[0])  # stable
-
-
-def test_connections_are_kept_only_in_a_private_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    opts = core.AuditOptions(root=tmp_path, pins=tmp_path / "p", lock=tmp_path / "l", store=tmp_path / "s")
-    short = Path(os.environ["BUILDER_SSH_DIR"]) / "k"
-    c = core.open_connections(opts)  # the test's own $BUILDER_SSH_DIR
-    assert c.shared and c.keep() and c.folder == Path(os.environ["BUILDER_SSH_DIR"])
-    opts.control_dir = short
-    c = core.open_connections(opts)
-    assert c.shared and short.is_dir() and short.stat().st_mode & 0o777 == 0o700
-    opts.ssh_persist = 0
-    assert not core.open_connections(opts).keep()  # shared (reused), but closed at the end
-    opts.ssh_persist = 60
-    short.chmod(0o770)  # others could reach the sockets: this run's own temp folder instead
-    c = core.open_connections(opts)
-    assert not c.shared and not c.keep() and c.folder != short
-    c.folder.rmdir()
-    opts.control_dir = Path("/tmp/" + "d" * 80)  # no room for a socket name within 108 bytes
-    c = core.open_connections(opts)
-    assert not c.shared and not opts.control_dir.exists()
-    c.folder.rmdir()
-    monkeypatch.delenv("BUILDER_SSH_DIR")
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(short))
-    assert core.control_folder() == short / "builder-ssh"
-    monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert core.control_folder() == Path(f"/tmp/builder-ssh-{os.geteuid()}")

@@ -16,7 +16,7 @@ import pytest
 from builder import installer as inst
 from builder.bundle import (
     BundleOptions,
-    load_context,
+    load_bundle_inputs,
     make_bundle,
     make_fleet_bundles,
     parse_size,
@@ -31,7 +31,7 @@ from bundlelib import Project, make_project, manifest, resign, tree_bytes  # noq
 
 
 def _ctx(p: Project):  # type: ignore[no-untyped-def]
-    return load_context(p.pins, p.root / "pins.lock", p.store)
+    return load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
 
 
 def _bundle(p: Project, host: str = "spark-b", **kw: object) -> Path:

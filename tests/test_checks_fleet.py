@@ -139,7 +139,7 @@ def test_one_connection_and_two_remote_commands_per_host(env: dict[str, Any], tm
         # every call names the audit's connection for this host (the fleet's ssh_config names none)
         paths = {a for c in mine for a in c if a.startswith("ControlPath=")}
         assert len(paths) == 1 and paths.pop().startswith(f"ControlPath={os.environ['BUILDER_SSH_DIR']}/")
-    # --ssh-persist 0: every connection closed (what is left are the hosts' lock files)
+    # --ssh-persist 0: every connection closed, nothing left in the folder
     assert not [s for s in Path(os.environ["BUILDER_SSH_DIR"]).iterdir() if s.is_socket()]
 
 
@@ -151,13 +151,13 @@ def test_the_next_audit_reuses_each_hosts_connection(env: dict[str, Any], tmp_pa
         r = fleet.exec(h, ["grep", "-c", "Accepted publickey", "/var/log/sshd.log"], check=False)
         return int(r.stdout.strip() or 0)
 
-    rc, first, err = audit(env)
+    rc, first, err = audit(env, "--ssh-persist", "60")
     assert rc == 0, err
     socks = sorted(s for s in folder.iterdir() if s.is_socket())
     assert len(socks) == 2  # kept open for the next audit
     assert all(s.stat().st_mode & 0o077 == 0 for s in [folder, *socks])
     before = {h.name: accepted(h) for h in fleet.hosts}
-    rc, second, err = audit(env)
+    rc, second, err = audit(env, "--ssh-persist", "60")
     assert rc == 0, err
     assert {h.name: accepted(h) - before[h.name] for h in fleet.hosts} == {"spark-test-1": 0, "spark-test-2": 0}
     assert sorted(s for s in folder.iterdir() if s.is_socket()) == socks
@@ -175,7 +175,7 @@ def test_two_audits_at_once_open_one_connection_per_host(env: dict[str, Any]) ->
     codes: list[int] = []
 
     def one() -> None:
-        codes.append(audit(env)[0])
+        codes.append(audit(env, "--ssh-persist", "60")[0])
 
     threads = [threading.Thread(target=one) for _ in range(2)]
     for t in threads:
@@ -200,11 +200,11 @@ def test_a_kept_connection_to_a_host_that_stopped_answering_is_dropped(env: dict
     host answers again the next audit passes on a connection of its own."""
     fleet = env["fleet"]
     h2 = fleet.hosts[1]
-    rc, _, err = audit(env)
+    rc, _, err = audit(env, "--ssh-persist", "60")
     assert rc == 0, err
     fleet.pause(h2)
     try:
-        rc, data, err = audit(env, "--connect-timeout", "2")
+        rc, data, err = audit(env, "--connect-timeout", "2", "--ssh-persist", "60")
     finally:
         fleet.unpause(h2)
     assert rc == 3, err

@@ -322,7 +322,7 @@ class DemoImage:
         }
         self.log: list[str] = []
 
-    def build(self, *, raw_tag: str, norm_tag: str, workdir: Path) -> tuple[str, layers.ImageRecord]:
+    def build(self, *, raw_tag: str, norm_tag: str, workdir: Path) -> tuple[str, layers.SpooledImage]:
         raw = dockerio.build(
             self.ctx,
             buildargs={"ENGINE_COMMIT": self.commit, "ENGINE_VERSION": "0.1.0"},
@@ -342,7 +342,7 @@ class DemoImage:
 
 
 @pytest.fixture(scope="module")
-def demo_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DemoImage, layers.ImageRecord]]:
+def demo_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DemoImage, layers.SpooledImage]]:
     base = tmp_path_factory.mktemp("demo-image")
     ctx, commit, epoch = assemble_context(base / "ctx")
     image = DemoImage(ctx, commit, epoch, f"builder-test-demo-{uuid.uuid4().hex[:10]}")
@@ -355,7 +355,7 @@ def demo_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DemoI
 
 
 @pytest.mark.docker
-def test_demo_image_runs_version(demo_image: tuple[DemoImage, layers.ImageRecord]) -> None:
+def test_demo_image_runs_version(demo_image: tuple[DemoImage, layers.SpooledImage]) -> None:
     image, record = demo_image
     assert any('RUN ["/zig/zig", "run"' in line for line in image.log)
     result = dockerio.run(f"{image.repo}:one", ["--version"])
@@ -365,7 +365,7 @@ def test_demo_image_runs_version(demo_image: tuple[DemoImage, layers.ImageRecord
 
 
 @pytest.mark.docker
-def test_demo_image_shape(demo_image: tuple[DemoImage, layers.ImageRecord]) -> None:
+def test_demo_image_shape(demo_image: tuple[DemoImage, layers.SpooledImage]) -> None:
     image, record = demo_image
     info = dockerio.image_inspect(record.image_id)
     assert info is not None
@@ -379,7 +379,7 @@ def test_demo_image_shape(demo_image: tuple[DemoImage, layers.ImageRecord]) -> N
 
 
 @pytest.mark.docker
-def test_demo_image_serves_health(demo_image: tuple[DemoImage, layers.ImageRecord]) -> None:
+def test_demo_image_serves_health(demo_image: tuple[DemoImage, layers.SpooledImage]) -> None:
     image, _ = demo_image
     cid = dockerio.start(
         f"{image.repo}:one",
@@ -399,7 +399,7 @@ def test_demo_image_serves_health(demo_image: tuple[DemoImage, layers.ImageRecor
 
 @pytest.mark.docker
 def test_demo_image_rebuilds_to_the_same_id(
-    demo_image: tuple[DemoImage, layers.ImageRecord], tmp_path: Path
+    demo_image: tuple[DemoImage, layers.SpooledImage], tmp_path: Path
 ) -> None:
     image, first = demo_image
     # From nothing: the first build's intermediates are gone (cleanup) and nothing is cached.

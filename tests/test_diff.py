@@ -14,7 +14,7 @@ from test_lock import Project  # noqa: E402
 
 from builder.diff import Change, diff_locks, read_lock  # noqa: E402
 from builder.errors import ConfigError  # noqa: E402
-from builder.lock import load_lock  # noqa: E402
+from builder.lockfile import load_lock  # noqa: E402
 
 
 @pytest.fixture
@@ -95,7 +95,7 @@ def test_added_removed_and_patch_series(tmp_path: Path) -> None:
 
 
 def test_digest_changes_are_named_by_platform() -> None:
-    from builder.lock import LockedBase
+    from builder.lockfile import LockedBase
 
     a = LockedBase(
         spec_hash="0" * 64,

@@ -109,3 +109,19 @@ def test_download_is_atomic_and_verified(server: str, tmp_path: Path) -> None:
     fetch.download(f"file://{local}", tmp_path / "copy", SHA)
     fetch.download("src.bin", tmp_path / "copy2", SHA, root=tmp_path)
     assert (tmp_path / "copy").read_bytes() == (tmp_path / "copy2").read_bytes() == DATA
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("https://user:s3cr3t@git.example.invalid/org/e.git", "https://git.example.invalid/org/e.git"),
+        ("https://x:pa@ss@git.example.invalid/e.git?token=abc#frag", "https://git.example.invalid/e.git"),
+        ("ssh://git@git.example.invalid/org/engine", "ssh://git.example.invalid/org/engine"),
+        ("fatal: unable to access 'https://u:p@127.0.0.1:9/r.git/': refused",
+         "fatal: unable to access 'https://127.0.0.1:9/r.git/': refused"),
+        ("git@github.example.invalid:org/e.git", "git@github.example.invalid:org/e.git"),
+        ("engine-src/demo-engine.bundle", "engine-src/demo-engine.bundle"),
+    ],
+)
+def test_scrub_url_drops_credentials_and_queries(text: str, shown: str) -> None:
+    assert fetch.scrub_url(text) == shown

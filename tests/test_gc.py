@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_plan import PATCH_REL, builder, copy_project, plan_of, relock  # noqa: E402
 
 from builder import gitsrc  # noqa: E402
-from builder.lock import load_lock  # noqa: E402
+from builder.lockfile import load_lock  # noqa: E402
 from builder.store import Store  # noqa: E402
 
 

@@ -11,7 +11,7 @@ import pytest
 from builder import gitsrc
 from builder.canon import sha256_tree
 from builder.errors import ResolveError
-from builder.lock import LockedSource
+from builder.lockfile import LockedSource
 from builder.pins import GitSource
 
 BASE_TIME = 1_700_000_000

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from builder import canon, hashing
+from builder import hashing
 from builder.hashing import Entry, verify_files
 
 
@@ -34,7 +34,6 @@ def test_sha256_file_matches_hashlib_and_openssl(tmp_path: Path) -> None:
     p.write_bytes(data)
     want = hashlib.sha256(data).hexdigest()
     assert hashing.sha256_file(p) == (want, len(data))
-    assert canon.sha256_file(p) == (want, len(data))
     assert hashing.sha256_file(p, read_size=1000) == (want, len(data))
     out = subprocess.run(["openssl", "dgst", "-sha256", "-r", str(p)], capture_output=True, text=True)
     if out.returncode == 0:
@@ -203,3 +202,46 @@ def test_fast_mode_size_change_reported(tmp_path: Path) -> None:
 def test_bad_mode_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         verify_files([], tmp_path, mode="quick")  # type: ignore[arg-type]
+
+
+def test_in_parallel_keeps_the_items_order_and_starts_the_largest_first() -> None:
+    started: list[int] = []
+    sizes = [1, 50, 3, 20]
+
+    def one(n: int) -> int:
+        started.append(n)
+        return n * 10
+
+    assert hashing.in_parallel(one, sizes, size=lambda n: n, workers=1) == [10, 500, 30, 200]
+    assert started == [50, 20, 3, 1]
+    assert hashing.in_parallel(one, sizes, size=lambda n: n, workers=3) == [10, 500, 30, 200]
+    assert hashing.in_parallel(one, []) == []
+
+
+def test_the_installer_pool_is_the_same_rule() -> None:
+    from builder import installer
+
+    assert installer.default_workers() == hashing.default_workers()
+    assert installer.in_parallel(lambda n: -n, [3, 1, 2], size=lambda n: n, workers=2) == [-3, -1, -2]
+
+
+def test_fast_mode_is_the_installers_rule(tmp_path: Path) -> None:
+    from builder.installer import fast_mode_drift
+
+    entries = _make(tmp_path, n=1)
+    (rec,) = hashing.record_for(entries, tmp_path)
+    st = os.stat(tmp_path / entries[0].path)
+    e = entries[0]
+    assert fast_mode_drift(rec, e.sha256, e.size, st.st_size, st.st_mtime_ns, st.st_ino) is None
+    assert fast_mode_drift(None, e.sha256, e.size, st.st_size, st.st_mtime_ns, st.st_ino) == "no-record"
+    assert fast_mode_drift(dict(rec, sha256="f" * 64), e.sha256, e.size, st.st_size, st.st_mtime_ns,
+                           st.st_ino) == "no-record"
+    assert fast_mode_drift(rec, e.sha256, e.size, st.st_size + 1, st.st_mtime_ns, st.st_ino) == "size"
+    assert fast_mode_drift(rec, e.sha256, e.size, st.st_size, st.st_mtime_ns, st.st_ino + 1) == "replaced"
+    assert fast_mode_drift(rec, e.sha256, e.size, st.st_size, st.st_mtime_ns + 1, st.st_ino) == "modified"
+    # seconds as a float (another writer's record) match within a millisecond, nanoseconds exactly
+    secs = dict(rec, mtime=st.st_mtime_ns / 1e9)
+    assert fast_mode_drift(secs, e.sha256, e.size, st.st_size, st.st_mtime_ns + 1, st.st_ino) is None
+    assert fast_mode_drift(secs, e.sha256, e.size, st.st_size, st.st_mtime_ns + 2_000_000, st.st_ino) == "modified"
+    assert fast_mode_drift(dict(rec, mtime="x"), e.sha256, e.size, st.st_size, st.st_mtime_ns, st.st_ino) == (
+        "modified")

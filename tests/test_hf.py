@@ -17,7 +17,7 @@ from fakehub import FakeHub  # noqa: E402
 
 from builder import hf  # noqa: E402
 from builder.errors import ConfigError, ResolveError  # noqa: E402
-from builder.lock import LockedModel  # noqa: E402
+from builder.lockfile import LockedModel  # noqa: E402
 from builder.pins import HfModel  # noqa: E402
 
 TOKEN = "hf_FakeTokenForTests0123456789abcdefXYZ"

@@ -1,4 +1,4 @@
-"""The inventory's ssh targets (builder/hosts.py Host.ssh, parsed by builder/sshtarget.py): what is
+"""The inventory's ssh targets (builder/hosts.py Host.ssh, parsed by builder/ssh.py): what is
 accepted, what is refused, and how a refusal reaches the user (exit 2, one line naming file and key)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import auditlib  # noqa: E402
 
 from builder.errors import ConfigError  # noqa: E402
 from builder.hosts import load_fleet  # noqa: E402
-from builder.sshtarget import parse_target  # noqa: E402
+from builder.ssh import parse_target  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

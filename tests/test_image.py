@@ -44,7 +44,7 @@ from test_plan import (  # noqa: E402
 from builder import dockerio  # noqa: E402
 from builder import image as core  # noqa: E402
 from builder.imagerecord import tag_for  # noqa: E402
-from builder.lock import load_lock  # noqa: E402
+from builder.lockfile import load_lock  # noqa: E402
 from builder.pins import load_pins  # noqa: E402
 from builder.plan import make_plan  # noqa: E402
 from builder.store import Store  # noqa: E402

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from builder import installer as inst
-from builder.bundle import BundleOptions, load_context, make_bundle
+from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bundlelib as bl  # noqa: E402
@@ -51,7 +51,7 @@ def local_hosts(base: Path) -> list[dict[str, Any]]:
 
 
 def bundle(p: bl.Project, out: Path, host: str = "spark-b", **kw: Any) -> Path:
-    ctx = load_context(p.pins, p.root / "pins.lock", p.store)
+    ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
     return make_bundle(ctx, host, BundleOptions(key=p.key, out=out, **kw)).path
 
 

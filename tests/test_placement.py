@@ -6,7 +6,7 @@ import pytest
 
 from builder.errors import ConfigError
 from builder.hosts import Host
-from builder.lock import LockedModel, load_lock
+from builder.lockfile import LockedModel, load_lock
 from builder.pins import load_pins
 from builder.placement import model_root, owns, place_models, rank_tag
 from tests.conftest import ROOT

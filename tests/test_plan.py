@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from builder.canon import address, canonical_json
-from builder.lock import Lock, load_lock, render_lock
+from builder.lockfile import Lock, load_lock, render_lock
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT_FILES = ("pins.toml", "pins.lock", "images", "engine-src", "patches", "files", "models")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from builder import installer as inst
-from builder.sshtarget import parse_target
+from builder.ssh import parse_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bundlelib as bl  # noqa: E402
@@ -118,6 +118,12 @@ def _applied(fleet: Any, h: Any) -> dict[str, Any]:
     return json.loads(fleet.exec(h, ["cat", f"{FLEET_PATHS['bundles']}/state/applied.json"]).stdout)
 
 
+def _accepted(fleet: Any, h: Any) -> int:
+    """The ssh connections the host's sshd accepted so far."""
+    r = fleet.exec(h, ["grep", "-c", "Accepted publickey", "/var/log/sshd.log"], check=False)
+    return int(r.stdout.strip() or 0)
+
+
 def _health(ip: str, port: int = bl.PORT, timeout: float = 30) -> str:
     deadline = time.monotonic() + timeout
     while True:
@@ -187,9 +193,12 @@ def test_ship_install_start_rollback_on_the_fleet(fleet2: Any, tmp_path: Path) -
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     for h in (worker, head):
+        before = _accepted(fleet, h)
         r = p.cli("ship", h.name, "--signing-key", str(p.key), "--json")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["result"] in ("installed", "unchanged")
+        # one ssh connection (key exchange, login) for the whole ship, however many files it sent
+        assert _accepted(fleet, h) - before == 1, json.loads(r.stdout)["sent"]
         rec = _applied(fleet, h)
         assert rec["bundle_id"] == ids1[h.name] and rec["host"] == h.name
         assert rec["image"]["image_id"] == p.image_id

@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "ship": ("builder.cli.ship", "ship", "Copy a bundle to a host (or a folder) and install it."),
     "hosts": ("builder.cli.hosts", "hosts", "List fleets and hosts; write an Ansible inventory."),
     "audit": ("builder.cli.audit", "audit", "Check that hosts match the pins (testinfra)."),
+    "deploy": ("builder.cli.deploy", "deploy", "Move a fleet to the lock, gated by the audit; roll back on failure."),
+    "status": ("builder.cli.deploy", "status", "Which bundle, lock and image each host runs; which ranks are up."),
+    "start": ("builder.cli.deploy", "start", "Start a fleet's installed release: the workers, then the head."),
+    "stop": ("builder.cli.deploy", "stop", "Stop a fleet's lane: the head, then the workers."),
 }
 
 

@@ -85,11 +85,11 @@ from builder.cli import get_ctx
 @click.option(
     "--ssh-persist",
     type=click.FloatRange(min=0),
-    default=60.0,
+    default=0.0,
     show_default=True,
     metavar="SECONDS",
     help="Keep each host's ssh connection open this long after the audit, for the next audit to "
-    "reuse (0: close them at the end).",
+    "reuse (0: each connection is this audit's own, closed when its host is done).",
 )
 @click.option(
     "--hash-jobs",

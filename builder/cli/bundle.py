@@ -80,7 +80,7 @@ def bundle(
     opts = core.BundleOptions(
         out=out, key=key, with_image=with_image, with_models=with_models, part_size=core.parse_size(part_size)
     )
-    ctx = core.load_context(c.pins, c.lock, c.store)
+    ctx = core.load_bundle_inputs(c.pins, c.lock, c.store)
     results = core.make_fleet_bundles(ctx, fleet, opts) if fleet else [core.make_bundle(ctx, str(host), opts)]
     for r in results:
         note = " (unchanged)" if r.unchanged else ""

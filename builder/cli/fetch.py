@@ -17,7 +17,7 @@ from builder.cli import get_ctx
 def fetch(names: tuple[str, ...], offline: bool, jobs: int, verify: bool, as_json: bool) -> int:
     """Put the locked model files of the named lanes or models (default: every lane's) into the store."""
     from builder import output
-    from builder.lock import load_lock
+    from builder.lockfile import load_lock
     from builder.models import fetch as core
     from builder.models.store import Wanted
     from builder.pins import load_pins

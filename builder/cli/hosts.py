@@ -27,7 +27,7 @@ from builder.cli import get_ctx
 )
 def hosts(fleet: str | None, as_json: bool, ansible: Path | None, hosts_dir: Path | None) -> int:
     """List the fleets and hosts of hosts/*.toml (validated), or write them as an Ansible inventory."""
-    from builder import audit as core
+    from builder import hosts as core
     from builder import output
 
     c = get_ctx()

@@ -1,4 +1,4 @@
-"""`builder lock`: thin command over builder.lock."""
+"""`builder lock`: thin command over builder.resolve (and builder.lockfile for --check)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,14 @@ def lock(names: tuple[str, ...], offline: bool, update: tuple[str, ...], check: 
 
     Inputs whose pin did not change keep their locked entry; --update NAME re-resolves one.
     """
-    from builder import lock as core
+    # The core loads inside the command for start-up time: --check needs only the lock, not the resolvers.
     from builder import output
 
     c = get_ctx()
     if check:
-        res = core.check_lock(c.pins, c.lock, list(names) or None)
+        from builder.lockfile import check_lock
+
+        res = check_lock(c.pins, c.lock, list(names) or None)
         if as_json:
             output.data_json({"ok": res.ok, "problems": res.problems})
         for p in res.problems:
@@ -32,6 +34,8 @@ def lock(names: tuple[str, ...], offline: bool, update: tuple[str, ...], check: 
         if res.ok:
             output.status(f"{c.lock}: up to date" + (f" for {', '.join(names)}" if names else ""))
         return 0 if res.ok else 1
+    from builder import resolve as core
+
     rep = core.resolve(c.pins, c.lock, core.ResolveOptions(offline=offline, update=set(update),
                                                             names=list(names) or None, cache=c.store))
     for what, old, new in rep.moved:

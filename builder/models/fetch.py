@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from builder.errors import BuilderError, ConfigError, ResolveError, VerifyError
-from builder.lock import Lock
+from builder.lockfile import Lock
 from builder.models.store import ModelStore, Wanted
 from builder.pins import Pins
 

@@ -315,7 +315,7 @@ FLEET_SEEDS = [p.read_bytes() for p in sorted((rlib.REPO / "hosts").glob("*.toml
 @pytest.fixture(scope="module")
 def lock_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A project whose lock resolves offline (a local file, a local model, a recipe); returns its root."""
-    from builder.lock import ResolveOptions, resolve
+    from builder.resolve import ResolveOptions, resolve
 
     root = tmp_path_factory.mktemp("lockproj") / "proj"
     (root / "images" / "demo").mkdir(parents=True)
@@ -360,11 +360,11 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A real signed bundle (no image) and its public key."""
     import bundlelib as bl
 
-    from builder.bundle import BundleOptions, load_context, make_bundle
+    from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
 
     base = tmp_path_factory.mktemp("bundleproj")
     p = bl.make_project(base)
-    ctx = load_context(p.pins, p.root / "pins.lock", p.store)
+    ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
     d = make_bundle(ctx, "spark-b", BundleOptions(key=p.key, out=base / "b", with_models=True, part_size=4096)).path
     return d, p.pub
 
@@ -392,7 +392,7 @@ def test_pins_parser(tmp_path: Path, data: st.DataObject) -> None:
 @FUZZ
 @given(data=st.data())
 def test_lock_parser_and_check(lock_project: Path, data: st.DataObject) -> None:
-    from builder.lock import check_lock, load_lock, render_lock
+    from builder.lockfile import check_lock, load_lock, render_lock
 
     good = (lock_project / "pins.lock").read_bytes()
     work = lock_project.parent / "work"

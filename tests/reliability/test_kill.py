@@ -103,7 +103,7 @@ served_name = "tiny"
 
 
 def test_lock_killed_at_random_points(tmp_path: Path) -> None:
-    from builder.lock import check_lock, load_lock
+    from builder.lockfile import check_lock, load_lock
 
     base = make_lock_project(tmp_path)
     bare = tmp_path / "up.git"
@@ -193,7 +193,8 @@ def rmtree_ro(path: Path) -> None:
 
 def check_store(store: Path) -> tuple[int, int]:
     """Every visible entry is complete and verified; returns (objects, trees)."""
-    from builder.canon import sha256_file, sha256_tree
+    from builder.canon import sha256_tree
+    from builder.hashing import sha256_file
 
     objs = sorted((store / "objects").iterdir()) if (store / "objects").is_dir() else []
     for p in objs:
@@ -205,7 +206,8 @@ def check_store(store: Path) -> tuple[int, int]:
 
 
 def test_store_writes_killed_at_random_points(tmp_path: Path) -> None:
-    from builder.canon import sha256_file, sha256_tree
+    from builder.canon import sha256_tree
+    from builder.hashing import sha256_file
     from builder.store import Store
 
     blob = tmp_path / "blob.bin"

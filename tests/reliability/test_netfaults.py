@@ -238,6 +238,8 @@ def test_slow_link_audit_completes_or_names_the_unreachable_host(fleet2: Any, tm
             "memory,storage",
             "--checks",
             str(rlib.REPO / "checks"),
+            "--ssh-persist",
+            "60",
             *extra,
             cwd=ap["pins"].parent,
             timeout=600,
@@ -247,7 +249,7 @@ def test_slow_link_audit_completes_or_names_the_unreachable_host(fleet2: Any, tm
 
     import fleetlib
 
-    # The audits keep each host's connection (--ssh-persist, default 60 s) in this test's own
+    # The audits keep each host's connection (--ssh-persist 60) in this test's own
     # $BUILDER_SSH_DIR (tests/conftest.py); fleet.close_connection closes only the fleet's own
     # ControlPath, which the audit does not use, so a fresh connection needs these closed.
     kept = Path(os.environ["BUILDER_SSH_DIR"])
@@ -278,10 +280,12 @@ def test_slow_link_audit_completes_or_names_the_unreachable_host(fleet2: Any, tm
         if how == "fresh":
             fresh()
         else:
-            from builder.audit import Connections, fleet_targets
+            from builder.hosts import fleet_hosts
+            from builder.ssh import ControlSockets
 
-            (t,) = [t for t in fleet_targets(ap["hosts"], "t") if t.name == slow.name]
-            assert Path(Connections(kept, True, 60).path(t)).is_socket(), "the audit kept no connection"
+            (t,) = [t for t in fleet_hosts(ap["hosts"], "t") if t.name == slow.name]
+            sockets = ControlSockets(kept, True, 60)
+            assert Path(sockets.path(t.ssh_config(), t.host.ssh)).is_socket(), "the audit kept no connection"
         fleet.netem(slow, delay_ms=3000)
         try:
             rc, data, err = audit("--connect-timeout", "2")

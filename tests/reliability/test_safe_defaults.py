@@ -59,10 +59,9 @@ def test_no_code_path_switches_host_key_checking_off() -> None:
                     hits.append(f"{p.relative_to(rlib.REPO)}: {why}: {m.group(0)!r}")
     assert not hits, hits
     # and what ship and audit actually pass to ssh
-    from builder.audit import AuditOptions, ssh_options
+    from builder.ssh import ssh_options
 
-    x = Path("/nonexistent")
-    opts = " ".join(ssh_options(AuditOptions(root=x, pins=x, lock=x, store=x), "/nonexistent/%C", 60))
+    opts = " ".join(ssh_options(8, "/nonexistent/%C", 60))
     assert "StrictHostKeyChecking" not in opts and "KnownHosts" not in opts and "BatchMode=yes" in opts
 
 
@@ -234,10 +233,10 @@ def test_signatures_are_required_unless_insecure_is_given(tmp_path: Path) -> Non
 def _bundle_with(tmp_path: Path) -> tuple[Any, Path]:
     import bundlelib as bl
 
-    from builder.bundle import BundleOptions, load_context, make_bundle
+    from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
 
     p = bl.make_project(tmp_path)
-    ctx = load_context(p.pins, p.root / "pins.lock", p.store)
+    ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
     return p, make_bundle(ctx, "spark-b", BundleOptions(key=p.key, out=tmp_path / "b")).path
 
 

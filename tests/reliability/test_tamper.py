@@ -80,7 +80,7 @@ def unflip(path: Path, off: int, old: bytes) -> None:
 def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: Path) -> None:
     import bundlelib as bl
 
-    from builder.bundle import BundleOptions, load_context, make_bundle
+    from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
 
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
@@ -88,14 +88,14 @@ def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: 
     hs = bl.local_hosts(host)
     p = bl.make_project(tmp_path, hosts=hs, docker_image=True, marker=f"tamper-{tmp_path}")
     try:
-        ctx = load_context(p.pins, p.root / "pins.lock", p.store)
+        ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
         v1 = make_bundle(
             ctx, "spark-b", BundleOptions(key=p.key, out=tmp_path / "v1", with_image=True, with_models=True)
         ).path
         root = host / "builder"
         inst.install(str(v1), str(root), trusted_key=p.pub.read_bytes())
         bl.relock(p, streams=5)
-        ctx = load_context(p.pins, p.root / "pins.lock", p.store)
+        ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
         v2 = make_bundle(
             ctx,
             "spark-b",
@@ -184,7 +184,7 @@ def test_image_refuses_a_patch_that_no_longer_matches_the_lock(tmp_path: Path) -
 
 def test_store_refuses_a_patch_blob_changed_in_the_store(tmp_path: Path) -> None:
     """Second line of defence: the patch's store object is re-hashed before it goes into a build context."""
-    from builder.lock import load_lock
+    from builder.lockfile import load_lock
     from builder.store import Store
 
     root = _patch_project(tmp_path)
@@ -207,7 +207,8 @@ def test_store_refuses_a_patch_blob_changed_in_the_store(tmp_path: Path) -> None
 
 
 def test_store_objects_and_trees_refuse_any_changed_byte(tmp_path: Path) -> None:
-    from builder.canon import sha256_file, sha256_tree
+    from builder.canon import sha256_tree
+    from builder.hashing import sha256_file
     from builder.store import Store
 
     store = Store(tmp_path / "store")
@@ -258,10 +259,10 @@ def test_store_objects_and_trees_refuse_any_changed_byte(tmp_path: Path) -> None
 def test_bundle_with_models_refuses_a_model_file_changed_since_the_lock(tmp_path: Path) -> None:
     import bundlelib as bl
 
-    from builder.bundle import BundleOptions, load_context, make_bundle
+    from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
 
     p = bl.make_project(tmp_path)
-    ctx = load_context(p.pins, p.root / "pins.lock", p.store)
+    ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
     out = tmp_path / "b"
     rng = random.Random(21)
     mdir = p.root / "models" / "demo"

@@ -1,0 +1,78 @@
+"""`builder audit`: run the testinfra checks in checks/ against hosts, in parallel, and report.
+
+1. Validate everything local first (`options`, `expect`): the options, the inventory, the pins (the
+   fleet's lane exists), the lock (it has the lane and its models), the image plan. Any problem is
+   one ConfigError line (exit 2) before a host is contacted.
+2. Write one expectations file per host (`expect`), built only from the lock, the inventory, the
+   placement rule and the image record in the store, never from the host.
+3. Per host, in parallel threads (`runner`): a reachability probe with a bounded timeout (over ssh
+   it opens the host's one connection, builder.ssh), then one pytest process over the check modules
+   with testinfra's backend for that host. An unreachable host gives one `unreachable` result; the
+   rest of the fleet is audited.
+4. Merge the per-host results into the fleet's report (`report`): the matrix, JSON and JUnit.
+Exit: 0 all pass, 1 drift (or a check errored), 3 a host unreachable (wins over 1).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from builder.audit.expect import build_expectations, load_lane_inputs
+from builder.audit.options import CONCERNS, AuditOptions, parse_only, select_targets
+from builder.audit.report import AuditReport, CheckOutcome, HostResult, junit_xml, matrix_rows, write_junit
+from builder.audit.runner import run_host, start_forkserver
+from builder.ssh import ControlSockets
+
+__all__ = [
+    "CONCERNS",
+    "AuditOptions",
+    "AuditReport",
+    "CheckOutcome",
+    "HostResult",
+    "junit_xml",
+    "matrix_rows",
+    "parse_only",
+    "run_audit",
+    "write_junit",
+]
+
+
+def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None = None) -> AuditReport:
+    """Validate, then audit every selected host in parallel. Raises ConfigError (exit 2) before any
+    host is contacted. `on_host` is called (one at a time) as each host is done."""
+    concerns, checks_dir = opts.validate()
+    targets = select_targets(opts.hosts_dir or opts.root / "hosts", opts.names, opts.fleet)
+    opts.check_backend()
+    inputs = load_lane_inputs(opts, targets)
+    expectations = [build_expectations(t, opts, inputs, concerns) for t in targets]
+
+    start = time.monotonic()
+    work = opts.workdir or Path(tempfile.mkdtemp(prefix="builder-audit-"))
+    # the Ansible backend reaches hosts over Ansible's own connections: nothing here to keep
+    sockets = ControlSockets.for_run(opts.ssh_persist if opts.backend == "native" else 0, opts.control_dir)
+    report_lock = threading.Lock()
+    start_forkserver()
+
+    def one(i: int) -> HostResult:
+        r = run_host(targets[i], opts, expectations[i], work, sockets, checks_dir, concerns)
+        if on_host is not None:
+            with report_lock:
+                on_host(r)
+        return r
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(targets)))) as ex:
+            results = list(ex.map(one, range(len(targets))))
+    finally:
+        sockets.cleanup()
+        if opts.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return AuditReport(
+        hosts=results, mode=opts.mode, phase=opts.phase, concerns=concerns, seconds=time.monotonic() - start
+    )

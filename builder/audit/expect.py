@@ -1,0 +1,161 @@
+"""What each host must be, written before any host is contacted: from the lock, the inventory, the
+placement rule and the image's build record in the store, never from the host.
+
+One JSON file per host (`build_expectations`), which checks/conftest.py reads. Anything the
+expectations cannot say (no pins, no lock, no build record) goes in as a reason, which the checks
+that need it skip or fail with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from builder.audit.options import AuditOptions
+from builder.errors import ConfigError
+from builder.hosts import Fleet, FleetHost, Host, check_against_pins
+from builder.imagerecord import read_record
+from builder.launch import container_name, rank_env, render_args
+from builder.lockfile import Lock, load_lock
+from builder.pins import Lane, Pins, load_pins
+from builder.placement import place_models
+from builder.plan import make_plan
+
+EXPECT_FORMAT = 1
+APPLIED_RELPATH = "state/applied.json"
+STAGED_RELPATH = "state/staged.json"
+
+
+@dataclass
+class LaneInputs:
+    """The pins and the lock, loaded once for every host (None, and a reason, when absent)."""
+
+    pins: Pins | None = None
+    pins_reason: str = ""
+    lock: Lock | None = None
+    lock_reason: str = ""
+    lock_hash: str | None = None
+
+
+def load_lane_inputs(opts: AuditOptions, targets: list[FleetHost]) -> LaneInputs:
+    """Load the pins and lock and check every target's fleet against them: its lane exists (in the
+    lock too), the lock has the lane's models, its ssh_config is a file. ConfigError otherwise."""
+    inputs = LaneInputs()
+    if opts.pins.exists():
+        inputs.pins = load_pins(opts.pins)
+    else:
+        inputs.pins_reason = f"no pins file at {opts.pins}"
+    if opts.lock.exists():
+        inputs.lock = load_lock(opts.lock)
+        inputs.lock_hash = inputs.lock.lock_hash()
+    else:
+        inputs.lock_reason = f"no lock file at {opts.lock} (run `builder lock`)"
+    if inputs.pins is None and inputs.lock is not None:
+        raise ConfigError(f"{opts.lock}: a lock without its pins file {opts.pins}")
+    seen: set[str] = set()
+    for t in targets:
+        if t.fleet.fleet.name in seen:
+            continue
+        seen.add(t.fleet.fleet.name)
+        if inputs.pins is not None:
+            lock_lanes = set(inputs.lock.lanes) if inputs.lock is not None else None
+            check_against_pins(t.path, t.fleet, set(inputs.pins.lanes), lock_lanes)
+            if inputs.lock is not None:
+                lane = inputs.pins.lanes[t.fleet.fleet.lane]
+                for m in lane.models:
+                    if m not in inputs.lock.models:
+                        raise ConfigError(
+                            f"{opts.lock}: models.{m}: lane {t.fleet.fleet.lane!r} needs it but the "
+                            f"lock has no entry (run `builder lock`)"
+                        )
+        t.ssh_config()
+    return inputs
+
+
+def image_expectation(opts: AuditOptions, inputs: LaneInputs, lane_name: str) -> tuple[dict[str, Any] | None, str]:
+    """The lane's image as `builder image` recorded it for the lock's input address, or why not.
+    (With a lock, a missing record fails the image checks: checklib.expected_image.)"""
+    if inputs.pins is None:
+        return None, inputs.pins_reason
+    if inputs.lock is None:
+        return None, inputs.lock_reason
+    lane = inputs.pins.lanes[lane_name]
+    plan = make_plan(inputs.pins, inputs.lock, lane.image, opts.root)
+    rec = read_record(opts.store, plan.address)
+    if rec is None:
+        return None, (
+            f"image {lane.image}: expected a build record for input address {plan.address[:16]} in "
+            f"{opts.store} (run `builder image {lane.image}`), found none"
+        )
+    return {
+        "name": lane.image,
+        "input_address": rec.input_address,
+        "image_id": rec.image_id,
+        "diff_ids": list(rec.diff_ids),
+        "labels": dict(rec.labels),
+        "tag": rec.tag,
+    }, ""
+
+
+def launch_expectation(fleet: Fleet, host: Host, lane_name: str, lane: Lane) -> tuple[dict[str, Any] | None, str]:
+    """How start.sh runs this rank (builder.launch, from the pins and inventory): the container's
+    name, its environment and its arguments."""
+    try:
+        env = rank_env(fleet, host, lane_name, lane)
+        args = render_args(fleet, host, lane_name, lane)
+    except ConfigError as e:
+        return None, str(e)
+    return {"container": container_name(lane_name, host.rank), "env": env, "args": args}, ""
+
+
+def build_expectations(t: FleetHost, opts: AuditOptions, inputs: LaneInputs, concerns: list[str]) -> dict[str, Any]:
+    """The expectations file of one host (checks/conftest.py reads it)."""
+    h, f = t.host, t.fleet
+    lane_name = f.fleet.lane
+    staged = opts.release == "staged"
+    bundles = h.paths.bundles.rstrip("/")
+    exp: dict[str, Any] = {
+        "format": EXPECT_FORMAT,
+        "host": {
+            "name": h.name,
+            "rank": h.rank,
+            "role": h.role,
+            "connection": h.connection,
+            "address": h.address,
+        },
+        "fleet": f.fleet.name,
+        "lane": lane_name,
+        "world_size": len(f.hosts),
+        "mode": opts.mode,
+        "phase": opts.phase,
+        "concerns": concerns,
+        "hash_jobs": opts.hash_jobs,
+        "paths": h.paths.model_dump(mode="json"),
+        "applied_path": f"{bundles}/{STAGED_RELPATH if staged else APPLIED_RELPATH}",
+        "current_path": f"{bundles}/{'staged' if staged else 'current'}",
+        "release": opts.release,
+        "fabric": h.fabric.model_dump(mode="json"),
+        "expect": h.expect.model_dump(mode="json"),
+        "serve": None,
+        "serve_reason": inputs.pins_reason,
+        "launch": None,
+        "launch_reason": inputs.pins_reason,
+        "lock_hash": inputs.lock_hash,
+        "lock_reason": inputs.lock_reason,
+        "image": None,
+        "image_reason": "",
+        "models": None,
+        "models_reason": inputs.lock_reason or inputs.pins_reason,
+    }
+    if inputs.pins is not None:
+        lane = inputs.pins.lanes[lane_name]
+        exp["serve"] = lane.serve.model_dump(mode="json")
+        exp["serve_reason"] = ""
+        exp["launch"], exp["launch_reason"] = launch_expectation(f, h, lane_name, lane)
+        if inputs.lock is not None:
+            models = [m.to_json() for m in place_models(inputs.pins, inputs.lock, lane_name, h)]
+            exp["models"] = models
+            exp["models_reason"] = "" if models else f"lane {lane_name!r} has no models"
+    if "image" in concerns or "release" in concerns:
+        exp["image"], exp["image_reason"] = image_expectation(opts, inputs, lane_name)
+    return exp

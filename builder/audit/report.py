@@ -1,0 +1,140 @@
+"""What an audit found: each check's outcome per host, the fleet's exit code, and the three ways it is
+shown (the matrix on stderr, JSON on stdout, a JUnit file)."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from builder.audit.options import CONCERNS
+from builder.canon import atomic_write
+from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+
+
+@dataclass
+class CheckOutcome:
+    check: str  # "<concern>::<name>"
+    concern: str
+    status: str  # pass | fail | skip | error
+    message: str = ""
+
+
+@dataclass
+class HostResult:
+    name: str
+    fleet: str
+    status: str  # pass | drift | unreachable | error
+    message: str = ""
+    checks: list[CheckOutcome] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def first_problem(self) -> str:
+        if self.status in ("unreachable", "error"):
+            return self.message
+        for c in self.checks:
+            if c.status in ("fail", "error"):
+                return f"{c.check}: {c.message}"
+        return ""
+
+
+@dataclass
+class AuditReport:
+    hosts: list[HostResult]
+    mode: str
+    phase: str
+    concerns: list[str]
+    seconds: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        """0 all pass, 1 drift (or a check errored), 3 a host unreachable (wins over 1)."""
+        if any(h.status == "unreachable" for h in self.hosts):
+            return EXIT_UNREACHABLE
+        if any(h.status in ("drift", "error") for h in self.hosts):
+            return EXIT_FAILED
+        return EXIT_OK
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "phase": self.phase,
+            "concerns": self.concerns,
+            "exit": self.exit_code,
+            "seconds": round(self.seconds, 3),
+            "hosts": {
+                h.name: {
+                    "fleet": h.fleet,
+                    "status": h.status,
+                    "message": h.message or h.first_problem(),
+                    "seconds": round(h.seconds, 3),
+                    "checks": {c.check: {"status": c.status, "message": c.message} for c in h.checks},
+                }
+                for h in self.hosts
+            },
+        }
+
+
+CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "error": "ERROR"}
+
+
+def _concern_order(check_id: str) -> int:
+    concern = check_id.split("::")[0]
+    return CONCERNS.index(concern) if concern in CONCERNS else len(CONCERNS)
+
+
+def matrix_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
+    """Checks x hosts: pass / FAIL / skip / ERROR / unreachable."""
+    cols = ["check"] + [h.name for h in report.hosts]
+    order: list[str] = []
+    for h in report.hosts:
+        for c in h.checks:
+            if c.check not in order:
+                order.append(c.check)
+    order.sort(key=_concern_order)
+    rows: list[list[str]] = []
+    for cid in order:
+        row = [cid]
+        for h in report.hosts:
+            if h.status == "unreachable" and not h.checks:
+                row.append("unreachable")
+                continue
+            found = next((c for c in h.checks if c.check == cid), None)
+            row.append(CELL.get(found.status, found.status) if found else "-")
+        rows.append(row)
+    if not order:
+        rows.append(["reachable"] + [h.status for h in report.hosts])
+    return cols, rows
+
+
+def junit_xml(report: AuditReport) -> bytes:
+    """One testsuite per host, one testcase per check (drift is a failure, the rest errors)."""
+    suites = ET.Element("testsuites", name="builder audit", time=f"{report.seconds:.3f}")
+    for h in report.hosts:
+        s = ET.SubElement(suites, "testsuite", name=h.name, hostname=h.name, time=f"{h.seconds:.3f}")
+        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+        if h.status in ("unreachable", "error") and not h.checks:
+            tc = ET.SubElement(s, "testcase", classname=h.name, name="reachable")
+            ET.SubElement(tc, "error", message=f"{h.status}: {h.message}", type=h.status)
+            counts["tests"] += 1
+            counts["errors"] += 1
+        for c in h.checks:
+            tc = ET.SubElement(s, "testcase", classname=f"{h.fleet}.{h.name}", name=c.check)
+            counts["tests"] += 1
+            if c.status == "fail":
+                ET.SubElement(tc, "failure", message=c.message, type="drift")
+                counts["failures"] += 1
+            elif c.status == "error":
+                ET.SubElement(tc, "error", message=c.message, type="error")
+                counts["errors"] += 1
+            elif c.status == "skip":
+                ET.SubElement(tc, "skipped", message=c.message)
+                counts["skipped"] += 1
+        for k, v in counts.items():
+            s.set(k, str(v))
+    return ET.tostring(suites, encoding="utf-8", xml_declaration=True) + b"\n"
+
+
+def write_junit(report: AuditReport, path: Path) -> None:
+    atomic_write(path, junit_xml(report))

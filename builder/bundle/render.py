@@ -1,0 +1,311 @@
+"""Rendering one host's bundle: its rank's launch files, installer, image archive and model files,
+the manifest (the bundle id is the sha256 of its canonical body) and its signature; then the folder
+is moved into place whole."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from builder import __version__, sign
+from builder import installer as inst
+from builder.bundle.archive import image_archive
+from builder.bundle.keys import signing_key_path
+from builder.bundle.parts import WrittenFile, write_bytes, write_stream
+from builder.canon import canonical_json, file_lock, fsync_dir, pretty_json
+from builder.errors import ConfigError, VerifyError
+from builder.hf import hub_cache_dirs, repo_folder_name
+from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
+from builder.imagerecord import ImageRecord, require_record
+from builder.launch import ModelMount, render_launch
+from builder.lockfile import Lock, LockedModel, load_lock, spec_hash
+from builder.pins import HfModel, Pins, load_pins
+from builder.placement import host_files
+from builder.plan import make_plan
+
+DEFAULT_PART_SIZE = 256 * 1024 * 1024
+
+
+@dataclass
+class BundleOptions:
+    out: Path | None = None
+    key: Path | None = None
+    with_image: bool = False
+    with_models: bool = False
+    part_size: int = DEFAULT_PART_SIZE
+
+
+@dataclass
+class BundleResult:
+    fleet: str
+    host: str
+    rank: int
+    path: Path
+    bundle_id: str
+    files: int
+    size: int
+    unchanged: bool
+    parts: int = 0
+
+
+@dataclass
+class BundleInputs:
+    """What every bundle of a project is made from: the pins, the lock, the store and the inventories."""
+
+    root: Path
+    pins: Pins
+    lock: Lock
+    store: Path
+    hosts_dir: Path
+
+
+@dataclass
+class RankLaunch:
+    """What a rank's bundle holds besides the bulk bytes: the manifest's identity keys (builder, fleet,
+    host, lane, rank, role, world size, lock hash, paths), the image by ImageID, the model files this
+    rank holds (builder.placement) and its rendered launch files (path -> (bytes, mode))."""
+
+    identity: dict[str, Any]
+    record: ImageRecord
+    image: dict[str, Any]
+    models: list[dict[str, Any]]
+    files: dict[str, tuple[bytes, str]]
+
+
+def parse_size(text: str) -> int:
+    """'256MiB', '256M', '1G', '4k', '1048576' -> bytes (binary units). ConfigError when malformed."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text or "")
+    if not m:
+        raise ConfigError(f"--part-size: not a size: {text!r} (e.g. 256MiB, 1G, 65536)")
+    n = int(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper())
+    if n < 1:
+        raise ConfigError("--part-size: must be at least 1 byte")
+    return n
+
+
+def load_bundle_inputs(pins_path: Path, lock_path: Path, store: Path) -> BundleInputs:
+    root = pins_path.resolve().parent
+    return BundleInputs(
+        root=root, pins=load_pins(pins_path), lock=load_lock(lock_path), store=store, hosts_dir=root / "hosts"
+    )
+
+
+# --------------------------------------------------------------------------- what a rank holds
+
+
+def rank_models(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> list[dict[str, Any]]:
+    """The model files this rank needs (builder.placement): {model, file, path (absolute on the host),
+    size, sha256}, sorted by path."""
+    return [
+        {"model": f.model, "file": f.file, "path": f.path, "size": f.size, "sha256": f.sha256}
+        for f in host_files(ctx.pins, ctx.lock, lane_name, host)
+    ]
+
+
+def rank_launch(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> RankLaunch:
+    """The image record (the image must be built for the current lock), the rank's model files and
+    its launch files, rendered (a pure function of the lock, the inventory and the record)."""
+    lane = ctx.pins.lanes[lane_name]
+    plan = make_plan(ctx.pins, ctx.lock, lane.image, ctx.root)
+    rec = require_record(ctx.store, lane.image, plan.address)
+    models = rank_models(ctx, fleet, host, lane_name)
+    image = {
+        "name": lane.image,
+        "input_address": rec.input_address,
+        "image_id": rec.image_id,
+        "diff_ids": list(rec.diff_ids),
+    }
+    mounts = sorted({(m["model"], m["path"].rsplit("/" + m["file"], 1)[0]) for m in models})
+    files = render_launch(
+        fleet,
+        host,
+        lane_name,
+        lane,
+        image,
+        [{"model": m["model"], "path": m["path"], "size": m["size"], "sha256": m["sha256"]} for m in models],
+        [ModelMount(model=a, path=b) for a, b in mounts],
+    )
+    identity = {
+        "builder": __version__,
+        "fleet": fleet.fleet.name,
+        "host": host.name,
+        "lane": lane_name,
+        "rank": host.rank,
+        "role": host.role,
+        "world_size": len(fleet.hosts),
+        "lock_hash": ctx.lock.lock_hash(),
+        "paths": {"bundles": host.paths.bundles, "models": host.paths.models, "engram": host.paths.engram},
+    }
+    return RankLaunch(identity=identity, record=rec, image=image, models=models, files=files)
+
+
+def model_source(ctx: BundleInputs, name: str, spec: HfModel, lm: LockedModel, rel: str) -> Path:
+    """Where a locked model file is here: the pin's local folder (snapshot or HF cache), or the HF cache."""
+    cands: list[Path] = []
+    if spec.local:
+        base = Path(spec.local) if Path(spec.local).is_absolute() else ctx.root / spec.local
+        cands += [base / rel, base / "snapshots" / lm.commit / rel,
+                  base / repo_folder_name(spec.repo) / "snapshots" / lm.commit / rel]
+    cands += [hub / repo_folder_name(spec.repo) / "snapshots" / lm.commit / rel for hub in hub_cache_dirs()]
+    for c in cands:
+        if c.is_file():
+            return c
+    raise ConfigError(
+        f"models.{name}: {rel} not found locally (looked in {', '.join(str(c) for c in cands)}); "
+        "fetch it or bundle without --with-models"
+    )
+
+
+# --------------------------------------------------------------------------- making bundles
+
+
+def check_lane(ctx: BundleInputs, fleet_path: Path, fleet: Fleet) -> str:
+    """The fleet's lane, once it is in the pins and the lock, locked as pinned, with one rank per host."""
+    check_against_pins(fleet_path, fleet, set(ctx.pins.lanes), set(ctx.lock.lanes))
+    name = fleet.fleet.lane
+    lane = ctx.pins.lanes[name]
+    if ctx.lock.lanes[name].spec_hash != spec_hash(lane):
+        raise ConfigError(f"lanes.{name}: changed since the lock (run `builder lock {name}`)")
+    if lane.serve.tensor_parallel != len(fleet.hosts):
+        raise ConfigError(
+            f"{fleet_path}: fleet {fleet.fleet.name} has {len(fleet.hosts)} hosts but lane {name} "
+            f"has tensor_parallel = {lane.serve.tensor_parallel}"
+        )
+    return name
+
+
+def make_bundle(ctx: BundleInputs, host_ref: str, opts: BundleOptions) -> BundleResult:
+    fleet_path, fleet, host = find_host(ctx.hosts_dir, host_ref)
+    out = opts.out if opts.out is not None else ctx.root / "out" / "bundles" / fleet.fleet.name / host.name
+    return render_bundle(ctx, fleet_path, fleet, host, out, opts)
+
+
+def make_fleet_bundles(ctx: BundleInputs, fleet_name: str, opts: BundleOptions) -> list[BundleResult]:
+    fleet_path, fleet = find_fleet(ctx.hosts_dir, fleet_name)
+    base = opts.out if opts.out is not None else ctx.root / "out" / "bundles" / fleet.fleet.name
+    check_lane(ctx, fleet_path, fleet)
+    return [render_bundle(ctx, fleet_path, fleet, h, base / h.name, opts) for h in fleet.by_rank()]
+
+
+def render_bundle(
+    ctx: BundleInputs, fleet_path: Path, fleet: Fleet, host: Host, out: Path, opts: BundleOptions
+) -> BundleResult:
+    """Write host's bundle into a temporary folder beside ``out``, sign it, fsync it, then put it at
+    ``out`` whole (an old bundle there is replaced only once the new one is complete)."""
+    if opts.part_size < 1:
+        raise ConfigError("--part-size: must be at least 1 byte")
+    lane_name = check_lane(ctx, fleet_path, fleet)
+    launch = rank_launch(ctx, fleet, host, lane_name)
+    rec, image, models = launch.record, launch.image, launch.models
+    secret = sign.load_secret_key(signing_key_path(opts.key))  # fail early (exit 2), before any write
+
+    parent = out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(parent / f".{out.name}.lock"):
+        for stale in parent.glob(f".tmp-{out.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = parent / f".tmp-{out.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir(mode=0o755)
+        try:
+            written: list[WrittenFile] = []
+            for rel, (data, mode) in sorted(launch.files.items()):
+                written.append(write_bytes(data, rel, tmp, opts.part_size, mode))
+            written.append(write_bytes(inst.assemble(), "install.py", tmp, opts.part_size, "0755"))
+            archive = None
+            if opts.with_image:
+                work = tmp.parent / f"{tmp.name}-work"
+                try:
+                    with image_archive(
+                        rec.image_id, work, tag=rec.tag, mtime=rec.source_date_epoch
+                    ) as stream:
+                        written.append(write_stream(stream, inst.IMAGE_ARCHIVE, tmp, opts.part_size, "0644"))
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)
+                archive = inst.IMAGE_ARCHIVE
+            model_entries = []
+            for m in models:
+                bundled = None
+                if opts.with_models:
+                    spec, lm = ctx.pins.models[m["model"]], ctx.lock.models[m["model"]]
+                    src = model_source(ctx, m["model"], spec, lm, m["file"])
+                    bundled = f"models/{m['model']}/{m['file']}"
+                    # Unbuffered: write_stream reads into its own buffers (one copy, no bytes objects).
+                    # The same single read is both the lock check (the whole-file sha256 below) and
+                    # the copy into parts: nothing reads the model file twice.
+                    with open(src, "rb", buffering=0) as f:
+                        with contextlib.suppress(AttributeError, OSError):
+                            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                        w = write_stream(f, bundled, tmp, opts.part_size, "0644")
+                    if (w.size, w.sha256) != (m["size"], m["sha256"]):
+                        raise VerifyError(
+                            f"{src}: size or sha256 differ from the lock (models.{m['model']}: {m['file']})"
+                        )
+                    written.append(w)
+                model_entries.append({**m, "bundled": bundled})
+            body: dict[str, Any] = {
+                "format": inst.FORMAT,
+                "kind": inst.KIND,
+                **launch.identity,
+                "image": {**image, "archive": archive},
+                "files": sorted((w.entry() for w in written), key=lambda e: e["path"]),
+                "models": model_entries,
+            }
+            bid = hashlib.sha256(canonical_json(body)).hexdigest()
+            manifest = {**body, "bundle_id": bid}
+            inst.check_manifest(manifest)  # the installer must accept what we write
+            mbytes = pretty_json(manifest)
+            (tmp / inst.MANIFEST).write_bytes(mbytes)
+            os.chmod(tmp / inst.MANIFEST, 0o644)
+            sig = sign.sign(mbytes, secret, inst.trusted_comment_for(manifest))
+            (tmp / inst.SIGNATURE).write_text(sig, encoding="utf-8")
+            os.chmod(tmp / inst.SIGNATURE, 0o644)
+            # Durability before the rename: every file (write_stream already fsynced the data it
+            # wrote, so this is cheap for those; it catches the manifest, the signature and the
+            # modes set after), then every folder, deepest first, so each entry is on disk.
+            for dirpath, _dirs, files in sorted(os.walk(tmp), key=lambda t: -len(t[0])):
+                os.chmod(dirpath, 0o755)
+                for fn in files:
+                    with open(os.path.join(dirpath, fn), "rb") as fh:
+                        os.fsync(fh.fileno())
+                fsync_dir(dirpath)
+            unchanged = False
+            with contextlib.suppress(OSError):
+                unchanged = (out / inst.MANIFEST).read_bytes() == mbytes
+            _replace_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    total = sum(w.size for w in written)
+    return BundleResult(
+        fleet=fleet.fleet.name,
+        host=host.name,
+        rank=host.rank,
+        path=out,
+        bundle_id=bid,
+        files=len(written),
+        size=total,
+        unchanged=unchanged,
+        parts=sum(len(w.parts) for w in written),
+    )
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Put the finished folder at out; an old one goes aside first and is removed after."""
+    old = None
+    if out.exists() or out.is_symlink():
+        old = out.parent / f".tmp-{out.name}-old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(out, old)
+    os.rename(new, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()

@@ -1,0 +1,196 @@
+"""`builder deploy`, `builder status`, `builder start`, `builder stop`: thin commands over builder.deploy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from builder.cli import get_ctx
+
+
+def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The options every fleet command shares."""
+    opts = [
+        click.option("--fleet", "fleet", required=True, metavar="NAME", help="The fleet (hosts/*.toml)."),
+        click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout."),
+        click.option(
+            "--connect-timeout", type=click.IntRange(1, 600), default=10, show_default=True,
+            help="Seconds a host may take to answer before it counts as unreachable.",
+        ),
+        click.option(
+            "--timeout", "timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+            help="Base seconds of every remote call (transfers add size / 1 MiB/s).",
+        ),
+        click.option(
+            "--ssh-persist", type=click.FloatRange(min=0), default=0.0, show_default=True, metavar="SECONDS",
+            help="Keep each host's ssh connection open this long after the command, for the next command "
+            "or audit to reuse (0: closed at the end).",
+        ),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _run_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of the commands that start ranks and audit them."""
+    opts = [
+        click.option(
+            "--start-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+            help="Seconds each rank may take to answer after its start (the head: /health).",
+        ),
+        click.option(
+            "--mode", "mode", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
+            help="The audits' mode (full hashes every model file on the hosts).",
+        ),
+        click.option(
+            "--checks", "checks_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+            help="The check modules [default: checks/ under the project root].",
+        ),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _options(**kw: Any) -> Any:
+    from builder.deploy import DeployOptions
+
+    c = get_ctx()
+    return DeployOptions(root=c.root, pins=c.pins, lock=c.lock, store=c.store, **kw)
+
+
+def _say(line: str) -> None:
+    from builder import output
+
+    output.status(line)
+
+
+def _print(rep: Any, as_json: bool) -> int:
+    from builder import output
+
+    rows = []
+    for h in rep.hosts:
+        rows.append([
+            h.host, f"{h.rank} ({h.role})", (h.origin or "none")[:12], (h.target or "-")[:12], h.result, h.on,
+            h.message,
+        ])
+    output.table(f"{rep.command} {rep.fleet} (lane {rep.lane})", ["host", "rank", "from", "to", "result", "on",
+                                                                   "message"], rows)
+    for h in rep.hosts:
+        for line in h.plan:
+            output.status(f"{h.host}: {line}")
+    for i, step in enumerate(rep.steps, 1):
+        output.status(f"  {i}. {step}")
+    output.status(f"{rep.command}: {rep.result}: {rep.reason} ({rep.seconds:.1f} s)")
+    if as_json:
+        output.data_json(rep.to_json())
+    return int(rep.exit_code)
+
+
+@click.command()
+@_fleet_options
+@_run_options
+@click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
+@click.option(
+    "--key", "key", type=click.Path(dir_okay=False, path_type=Path), default=None,
+    help="Signing key for bundles made again [default: $BUILDER_SIGNING_KEY, else the keygen default].",
+)
+@click.option(
+    "--with-image", is_flag=True,
+    help="Bundles made again carry the image (for hosts that lack it: a first deploy, a new image).",
+)
+@click.option(
+    "--with-models", is_flag=True, help="Bundles made again carry the rank's model files (for hosts that lack them)."
+)
+@click.option("--part-size", "part_size", default="256MiB", show_default=True, help="Bundles' part size.")
+@click.option(
+    "--parallel", type=click.IntRange(1, 64), default=4, show_default=True, help="Hosts staged at once."
+)
+@click.option("--insecure", is_flag=True, help="Install without checking the signature (explicit only).")
+def deploy(
+    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float,
+    mode: str, checks_dir: Path | None, dry_run: bool, key: Path | None, with_image: bool,
+    with_models: bool, part_size: str, parallel: int, insecure: bool,
+) -> int:
+    """Move fleet NAME to the lock: bundle, stage everywhere, audit (the gate), stop the head then the
+    workers, switch, start the workers then the head, wait for the API, audit it serving; on any failure
+    after the first switch, roll every host back and start and audit that.
+
+    Exit 0 deployed (or nothing to do and the audit passes), 1 refused, rolled back or failed,
+    2 configuration error (nothing changed), 3 a host could not be reached.
+    """
+    from builder import deploy as core
+    from builder.bundle import parse_size
+
+    opts = _options(
+        fleet=fleet, checks_dir=checks_dir, key=key, with_image=with_image, with_models=with_models,
+        part_size=parse_size(part_size), dry_run=dry_run, parallel=parallel, connect_timeout=connect_timeout,
+        timeout=timeout, start_timeout=start_timeout, audit_mode=mode, ssh_persist=ssh_persist, insecure=insecure,
+    )
+    return _print(core.deploy(opts, _say), as_json)
+
+
+@click.command()
+@_fleet_options
+@_run_options
+def start(
+    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float,
+    mode: str, checks_dir: Path | None,
+) -> int:
+    """Start fleet NAME's installed release: the preflight audit first (it refuses while another GPU
+    workload runs), then the workers, then the head; wait for the API; the serving audit. A fleet partly
+    up is stopped first (the head, then the workers)."""
+    from builder import deploy as core
+
+    opts = _options(
+        fleet=fleet, checks_dir=checks_dir, connect_timeout=connect_timeout, timeout=timeout,
+        start_timeout=start_timeout, audit_mode=mode, ssh_persist=ssh_persist,
+    )
+    return _print(core.start(opts, _say), as_json)
+
+
+@click.command()
+@_fleet_options
+@click.option(
+    "--stop-timeout", type=click.IntRange(1, 3600), default=30, show_default=True,
+    help="Seconds docker gives each container to stop before it is killed.",
+)
+def stop(
+    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, stop_timeout: int
+) -> int:
+    """Stop fleet NAME's lane: the head first, then the workers; only the lane's own containers."""
+    from builder import deploy as core
+
+    opts = _options(
+        fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, stop_timeout=stop_timeout,
+        ssh_persist=ssh_persist,
+    )
+    return _print(core.stop(opts, _say), as_json)
+
+
+@click.command()
+@_fleet_options
+def status(fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float) -> int:
+    """Show, per host of fleet NAME, which bundle, lock and image it runs and whether its rank is up.
+
+    Exit 0 every rank up on the lock, 1 not, 3 a host could not be reached."""
+    from builder import output
+    from builder.deploy import fleet_status
+    from builder.deploy.status import rows
+
+    st = fleet_status(_options(fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, ssh_persist=ssh_persist))
+    cols, body = rows(st)
+    output.table(f"fleet {st.fleet} (lane {st.lane}, lock {st.lock_hash[:12]})", cols, body)
+    for h in st.hosts:
+        if h.message:
+            output.status(f"{h.host}: {h.message}")
+    if st.deploy:
+        output.warn(st.deploy)
+    output.status(f"{st.summary} ({st.seconds:.1f} s)")
+    if as_json:
+        output.data_json(st.to_json())
+    return st.exit_code

@@ -1,0 +1,158 @@
+"""The bundles a deploy ships: the ones in ``out/bundles/<fleet>/<host>`` when they are what the lock
+and inventory give now, else made again (``builder bundle``).
+
+"What they give now" is decided without re-making anything heavy: the manifest's identity (fleet, host,
+lane, rank, role, world size, paths, builder version), the lock hash, the image (input address,
+ImageID, DiffIDs from the build record), the models this rank holds (builder.placement), the launch
+files rendered again (pure) and the installer's bytes must all equal what a new ``builder bundle``
+would write, and the signature must check against the key the hosts trust. The image archive and the
+model files are not read: their identity is the ImageID and the locked sha256, and ship verifies every
+byte before it sends anything.
+
+A bundle is made again with the image archive and the model files only when the deploy is asked
+for them (``--with-image`` / ``--with-models``, as ``builder bundle``): a host that already holds the
+image and the model files (a changed serve setting) needs neither, and the installer refuses, before
+anything is switched, a bundle without what its host lacks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from builder import __version__
+from builder import installer as inst
+from builder.hosts import Fleet, Host
+
+
+@dataclass
+class FleetBundle:
+    host: str
+    path: Path
+    manifest: dict[str, Any]
+    made: bool  # made (again) by this deploy
+
+    @property
+    def bundle_id(self) -> str:
+        return str(self.manifest["bundle_id"])
+
+
+def bundle_dir(root: Path, fleet: Fleet, host: Host) -> Path:
+    return root / "out" / "bundles" / fleet.fleet.name / host.name
+
+
+def expected(ctx: Any, fleet: Fleet, host: Host) -> dict[str, Any]:
+    """What a bundle of this host made now must hold (all but the archive and the model bytes)."""
+    from builder.bundle import rank_launch
+
+    lane_name = fleet.fleet.lane
+    rl = rank_launch(ctx, fleet, host, lane_name)
+    files = {
+        rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "mode": mode}
+        for rel, (data, mode) in rl.files.items()
+    }
+    installer = inst.assemble()
+    files["install.py"] = {"size": len(installer), "sha256": hashlib.sha256(installer).hexdigest(), "mode": "0755"}
+    return {
+        "identity": {
+            "builder": __version__,
+            "fleet": fleet.fleet.name,
+            "host": host.name,
+            "lane": lane_name,
+            "rank": host.rank,
+            "role": host.role,
+            "world_size": len(fleet.hosts),
+            "lock_hash": ctx.lock.lock_hash(),
+            "paths": {"bundles": host.paths.bundles, "models": host.paths.models, "engram": host.paths.engram},
+        },
+        "image": rl.image,
+        "models": rl.models,
+        "files": files,
+    }
+
+
+def stale(manifest: dict[str, Any], want: dict[str, Any], with_image: bool, with_models: bool) -> str | None:
+    """Why a bundle's manifest is not what a bundle made now would be (None: it is)."""
+    for k, v in want["identity"].items():
+        if manifest.get(k) != v:
+            return f"{k} differs"
+    img = manifest.get("image") or {}
+    for k, v in want["image"].items():
+        if img.get(k) != v:
+            return f"image.{k} differs"
+    have_models = [{k: m.get(k) for k in ("model", "file", "path", "size", "sha256")} for m in manifest["models"]]
+    if have_models != want["models"]:
+        return "its model files differ from the lock's"
+    entries = {f["path"]: f for f in manifest["files"]}
+    for rel, w in want["files"].items():
+        e = entries.get(rel)
+        if e is None or (e["size"], e["sha256"], e["mode"]) != (w["size"], w["sha256"], w["mode"]):
+            return f"{rel} differs"
+    if with_image and img.get("archive") is None:
+        return "it carries no image (--with-image)"
+    if with_models and any(m.get("bundled") is None for m in manifest["models"]):
+        return "it carries no model files (--with-models)"
+    return None
+
+
+def current_bundle(out: Path, key: bytes, want: dict[str, Any], with_image: bool, with_models: bool) -> tuple[
+    dict[str, Any] | None, str
+]:
+    """The bundle at out when it is current and its signature checks (sizes, not hashes); else None
+    and why."""
+    from builder.bundle import crypto_sig_check
+
+    if not (out / inst.MANIFEST).is_file():
+        return None, "no bundle yet"
+    try:
+        manifest, _, _ = inst.verify_bundle(str(out), key, sig_check=crypto_sig_check, hashes=False)
+    except inst.InstallError as e:
+        return None, str(e)
+    except Exception as e:  # a signature that does not check, a key that does not parse
+        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
+    why = stale(manifest, want, with_image, with_models)
+    return (manifest, "") if why is None else (None, why)
+
+
+def ensure_bundles(
+    ctx: Any,
+    fleet_path: Path,
+    fleet: Fleet,
+    *,
+    key: Path | None,
+    with_image: bool,
+    with_models: bool,
+    part_size: int,
+    dry_run: bool = False,
+    say: Any = None,
+) -> dict[str, FleetBundle | str]:
+    """host -> its bundle (made again where stale); with dry_run, host -> why it would be made."""
+    from builder.bundle import BundleOptions, make_bundle
+    from builder.ship import ShipOptions, trusted_key_bytes
+
+    out: dict[str, FleetBundle | str] = {}
+    for h in fleet.by_rank():
+        bdir = bundle_dir(ctx.root, fleet, h)
+        want = expected(ctx, fleet, h)
+        manifest: dict[str, Any] | None = None
+        why = "no bundle yet"
+        if (bdir / inst.MANIFEST).is_file():
+            pub = trusted_key_bytes(ctx.root, fleet, bdir, ShipOptions(signing_key=key))
+            manifest, why = current_bundle(bdir, pub, want, with_image, with_models)
+        if manifest is not None:
+            out[h.name] = FleetBundle(h.name, bdir, manifest, made=False)
+            continue
+        if dry_run:
+            out[h.name] = why
+            continue
+        if say is not None:
+            say(f"{h.name}: making its bundle ({why})")
+        opts = BundleOptions(out=bdir, key=key, with_image=with_image, with_models=with_models, part_size=part_size)
+        res = make_bundle(ctx, f"{fleet.fleet.name}/{h.name}", opts)
+        manifest = inst.check_manifest(json.loads((res.path / inst.MANIFEST).read_bytes()))
+        out[h.name] = FleetBundle(h.name, res.path, manifest, made=True)
+    return out
+

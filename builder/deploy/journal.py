@@ -1,0 +1,105 @@
+"""What a deploy in progress has done, on the operator machine, so a rerun after a kill converges.
+
+``<store>/deploy/<fleet>.json`` is written (atomically) before a deploy changes anything on a host
+and at each phase after that: the release every host ran before (``origin``: the fleet's last whole
+state), the release it is moving to (``target``), the phase, and why it is rolling back. It is removed
+when the deploy ends with every host on one side: all on the target (deployed), or all back on the
+origin (rolled back). A rerun that finds it knows what "the old release" is for every host, even when
+the killed run had already switched some of them: it moves every host to its target, and on any
+failure back to that origin, never leaving a mix.
+
+``<store>/deploy/locks/<lock hash>/`` keeps the pins, the lock and the image recipe of every lock a
+deploy moved a fleet to, so a rollback to it can be audited against what it was deployed from (the
+working pins and lock by then describe the new release).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from builder.canon import atomic_write, pretty_json
+
+FORMAT = 1
+
+
+@dataclass
+class Journal:
+    fleet: str
+    target: dict[str, str]  # host -> bundle id
+    origin: dict[str, str | None]  # host -> bundle id it ran before (None: nothing installed)
+    origin_locks: dict[str, str | None]  # host -> lock hash of its origin release
+    target_lock: str
+    phase: str = "staging"
+    reason: str = ""
+    pid: int = field(default_factory=os.getpid)
+    started: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    format: int = FORMAT
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def journal_path(store: Path, fleet: str) -> Path:
+    return store / "deploy" / f"{fleet}.json"
+
+
+def load(store: Path, fleet: str) -> Journal | None:
+    """The unfinished deploy of this fleet, if any (a journal this version cannot read is ignored)."""
+    try:
+        d = json.loads(journal_path(store, fleet).read_bytes())
+        if d.get("format") != FORMAT:
+            return None
+        return Journal(**{k: d[k] for k in Journal.__dataclass_fields__ if k in d})
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def save(store: Path, j: Journal) -> None:
+    p = journal_path(store, j.fleet)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(p, pretty_json(j.to_json()))
+
+
+def clear(store: Path, fleet: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        journal_path(store, fleet).unlink()
+
+
+# ------------------------------------------------------------------ what each lock was deployed from
+
+
+def snapshot_dir(store: Path, lock_hash: str) -> Path:
+    return store / "deploy" / "locks" / lock_hash
+
+
+def snapshot(store: Path, lock_hash: str, pins: Path, lock: Path, root: Path, recipe: str) -> Path:
+    """Keep the pins, the lock and the image's recipe folder (``recipe``: relative to the project
+    root ``root``) under the lock's hash (once)."""
+    d = snapshot_dir(store, lock_hash)
+    if (d / "pins.lock").is_file():
+        return d
+    tmp = d.parent / f".tmp-{lock_hash[:16]}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copy2(pins, tmp / "pins.toml")
+    if (root / recipe).is_dir():  # (the recipe: a folder of the project, such as images/demo)
+        shutil.copytree(root / recipe, tmp / recipe, symlinks=True)
+    shutil.copy2(lock, tmp / "pins.lock")  # last: a snapshot with its lock is complete
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(d)
+    os.rename(tmp, d)
+    return d
+
+
+def find_snapshot(store: Path, lock_hash: str | None) -> Path | None:
+    if not lock_hash:
+        return None
+    d = snapshot_dir(store, lock_hash)
+    return d if (d / "pins.lock").is_file() and (d / "pins.toml").is_file() else None

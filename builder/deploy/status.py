@@ -1,0 +1,173 @@
+"""`builder status --fleet NAME`: which bundle, lock and image every host runs, and whether its rank is up.
+
+One remote call per host, all at once (builder.deploy.hoststate). Compared with this machine's lock:
+``lock`` says whether the installed release was bundled from it, ``image`` whether its image is the
+one the lock builds (from the store's build record). A rank is ``up`` when exactly one container of
+the lane's rank runs the installed bundle; the head is up when ``/health`` also answers. An unfinished
+deploy (its journal) is named.
+
+Exit: 0 every rank up on the lock; 1 something is not (a rank down, a release from another lock, a
+mix); 3 a host could not be reached.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from builder.deploy import journal as J
+from builder.deploy.hoststate import HostState
+from builder.deploy.rollout import DeployOptions, Fleetwork
+from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+
+
+@dataclass
+class HostStatus:
+    host: str
+    rank: int
+    role: str
+    reachable: bool = True
+    message: str = ""
+    bundle: str | None = None
+    lock_hash: str | None = None
+    on_lock: bool | None = None
+    image_id: str | None = None
+    image: str | None = None
+    image_is_lock: bool | None = None
+    staged: str | None = None
+    previous: str | None = None
+    container: str = ""  # running | exited | none | several
+    running_bundle: str | None = None
+    up: bool = False
+    health: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class FleetStatus:
+    fleet: str
+    lane: str
+    lock_hash: str
+    image_id: str | None
+    hosts: list[HostStatus] = field(default_factory=list)
+    deploy: str = ""  # an unfinished deploy, in words
+    seconds: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        if any(not h.reachable for h in self.hosts):
+            return EXIT_UNREACHABLE
+        if all(h.up and h.on_lock for h in self.hosts):
+            return EXIT_OK
+        return EXIT_FAILED
+
+    @property
+    def summary(self) -> str:
+        if any(not h.reachable for h in self.hosts):
+            return "not every host answered"
+        up = sum(1 for h in self.hosts if h.up)
+        on = sum(1 for h in self.hosts if h.on_lock)
+        n = len(self.hosts)
+        if up == n and on == n:
+            return f"all {n} ranks up, on the lock {self.lock_hash[:12]}"
+        return f"{up} of {n} ranks up; {on} of {n} hosts on the lock {self.lock_hash[:12]}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fleet": self.fleet,
+            "lane": self.lane,
+            "lock_hash": self.lock_hash,
+            "image_id": self.image_id,
+            "exit": self.exit_code,
+            "summary": self.summary,
+            "deploy": self.deploy,
+            "seconds": round(self.seconds, 3),
+            "hosts": {h.host: {k: v for k, v in h.to_json().items() if k != "host"} for h in self.hosts},
+        }
+
+
+def _image_id(w: Fleetwork) -> str | None:
+    from builder.imagerecord import read_record
+    from builder.plan import make_plan
+
+    try:
+        plan = make_plan(w.ctx.pins, w.ctx.lock, w.lane.image, w.ctx.root)
+    except Exception:
+        return None
+    rec = read_record(w.ctx.store, plan.address)
+    return rec.image_id if rec is not None else None
+
+
+def _host(h: Any, st: HostState, lock_hash: str, image_id: str | None) -> HostStatus:
+    s = HostStatus(h.name, h.rank, h.role)
+    s.bundle = st.installed
+    s.staged, s.previous = st.staged, st.previous
+    a = st.applied or {}
+    if st.installed:
+        s.lock_hash, s.image_id, s.image = a.get("lock_hash"), a.get("image_id"), a.get("image")
+        s.on_lock = s.lock_hash == lock_hash
+        s.image_is_lock = None if image_id is None else s.image_id == image_id
+    if st.docker:
+        s.container, s.message = "unknown", st.docker
+    elif not st.containers:
+        s.container = "none"
+    elif len(st.containers) > 1:
+        s.container = "several"
+    else:
+        c = st.containers[0]
+        s.container, s.running_bundle = c.state, c.bundle
+    s.up = st.up_on(st.installed)
+    if h.role == "head":
+        s.health = (st.health or {}).get("status")
+        s.up = s.up and st.healthy
+    return s
+
+
+def fleet_status(opts: DeployOptions) -> FleetStatus:
+    t0 = time.monotonic()
+    w = Fleetwork(opts, lambda _: None)
+    try:
+        lock_hash = w.ctx.lock.lock_hash()
+        out = FleetStatus(fleet=w.fleet_name, lane=w.lane_name, lock_hash=lock_hash, image_id=_image_id(w))
+        failed = w.probe()
+        for h in w.hosts:
+            if h.name in failed:
+                out.hosts.append(HostStatus(h.name, h.rank, h.role, reachable=False, message=failed[h.name]))
+            else:
+                out.hosts.append(_host(h, w.states[h.name], lock_hash, out.image_id))
+    finally:
+        w.close()
+    j = J.load(opts.store, w.fleet_name)
+    if j is not None:
+        out.deploy = (
+            f"a deploy did not finish (pid {j.pid}, started {j.started}, stopped while {j.phase}); "
+            f"`builder deploy --fleet {w.fleet_name}` finishes it"
+        )
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def rows(st: FleetStatus) -> tuple[list[str], list[list[str]]]:
+    cols = ["host", "rank", "bundle", "lock", "image", "container", "up"]
+    out = []
+    for h in st.hosts:
+        if not h.reachable:
+            out.append([h.host, str(h.rank), "?", "?", "?", "unreachable", "no"])
+            continue
+        lock = "-" if h.lock_hash is None else ("= lock" if h.on_lock else f"{h.lock_hash[:12]} (other)")
+        img = "-" if h.image_id is None else (
+            h.image_id.removeprefix("sha256:")[:12] + ("" if h.image_is_lock is not False else " (other)")
+        )
+        cont = h.container + (
+            f" ({h.running_bundle[:12]})" if h.running_bundle and h.running_bundle != h.bundle else ""
+        )
+        up = "yes" if h.up else "no"
+        if h.role == "head" and h.health is not None and h.health != 200:
+            up += f" (/health {h.health})"
+        elif h.role == "head" and h.health is None and h.container == "running":
+            up += " (/health does not answer)"
+        out.append([h.host, f"{h.rank} ({h.role})", (h.bundle or "none")[:12], lock, img, cont, up])
+    return cols, out

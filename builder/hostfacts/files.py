@@ -1,0 +1,114 @@
+"""On a host: stat (fast mode) or stat and sha256 (full mode) files, or list folders; JSON on stdout.
+
+argv[1] is a JSON request, one of:
+
+* ``{"paths": [...], "hash": bool, "jobs": int}``: ``{path: {"size", "mtime_ns", "inode"[, "sha256"]}}``,
+  or ``{path: {"error": why}}``; with ``hash``, files are hashed in ``jobs`` threads;
+* ``{"roots": [...]}``: ``{root: [every regular file under it, relative, sorted]}``, ``null`` for a
+  root that is not a folder.
+
+Progress goes to the file descriptor in $BUILDER_PROGRESS_FD, one byte per file, per 8 MiB hashed and
+per folder listed: the batch (batch.py) restarts this fact's time bound on each, so a long hash goes
+on while a read that hangs does not. Run on its own, without that variable, it reports nothing.
+
+Standard library only: it runs as ``python3 -I -S -c SOURCE ARG`` (builder.hostfacts.source).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+CHUNK = 8 << 20
+
+
+def progress() -> Callable[[], None]:
+    """A function that reports one step of progress (a no-op without $BUILDER_PROGRESS_FD)."""
+    fd_text = os.environ.get("BUILDER_PROGRESS_FD")
+    if not fd_text:
+        return lambda: None
+    fd = int(fd_text)
+    os.set_blocking(fd, False)
+
+    def tick() -> None:
+        try:
+            os.write(fd, b".")
+        except OSError:  # a full pipe (progress enough) or a closed one
+            pass
+
+    return tick
+
+
+def stat_file(path: str, want_hash: bool, tick: Callable[[], None]) -> dict[str, object]:
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return {"error": e.strerror or str(e)}
+    finally:
+        tick()
+    if not os.path.isfile(path):
+        return {"error": "not a regular file"}
+    out: dict[str, object] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+    if want_hash:
+        import hashlib
+
+        h = hashlib.sha256()
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while b := f.read(CHUNK):
+                    h.update(b)
+                    tick()
+        except OSError as e:
+            return {"error": e.strerror or str(e)}
+        out["sha256"] = h.hexdigest()
+    return out
+
+
+def stat_files(paths: list[str], want_hash: bool, jobs: int, tick: Callable[[], None]) -> dict[str, object]:
+    if want_hash and len(paths) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, jobs)) as ex:
+            return dict(zip(paths, ex.map(lambda p: stat_file(p, True, tick), paths), strict=True))
+    # stat only: no threads, which would cost more to start than the stats
+    return {p: stat_file(p, want_hash, tick) for p in paths}
+
+
+def list_roots(roots: list[str], tick: Callable[[], None]) -> dict[str, list[str] | None]:
+    out: dict[str, list[str] | None] = {}
+    for root in roots:
+        isdir = os.path.isdir(root)
+        tick()
+        if not isdir:
+            out[root] = None
+            continue
+        files = []
+        for d, dirs, names in os.walk(root):
+            tick()
+            dirs.sort()
+            for n in sorted(names):
+                p = os.path.join(d, n)
+                if os.path.isfile(p) and not os.path.islink(p):
+                    files.append(os.path.relpath(p, root))
+        out[root] = files
+    return out
+
+
+def main(argv: list[str]) -> int:
+    req = json.loads(argv[1])
+    tick = progress()
+    if "roots" in req:
+        answer: object = list_roots(list(req["roots"]), tick)
+    else:
+        answer = stat_files(list(req["paths"]), bool(req.get("hash")), int(req.get("jobs", 4)), tick)
+    sys.stdout.write(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

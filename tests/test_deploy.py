@@ -1,0 +1,489 @@
+"""`builder deploy`, `builder status`, `builder start`, `builder stop`.
+
+Fast tier: the report's exit codes, the fleet lock, the journal, the bundle currency rule, config errors.
+Docker tier: the installer's stage and switch (what a deploy builds on), on local roots.
+Fleet tier (tests/journeylib.py: the project copy, the shipped pins, the real image, bundles and
+installer, a FAKE nvidia-smi on each host): through the CLI only, `builder deploy --fleet ...` of a first
+lock, of a second (a changed serve setting: every host switches), of a third whose engine refuses its
+arguments at start (the whole fleet back on the second, serving and passing its audit), of a rank that
+never answers (bounded), refused while another GPU workload runs, a host cut off during ship (nothing
+switched), two deploys at once, SIGKILL at several points then a rerun (every host on the new release,
+or every host on the old one), and start/stop in rank order; a bystander container on every host that
+is not the lane's is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import auditlib  # noqa: E402
+import deploylib as dl  # noqa: E402
+import fleetlib  # noqa: E402
+from journeylib import Journey, journey  # noqa: E402
+
+from builder.deploy import journal as J  # noqa: E402
+from builder.deploy.bundles import stale  # noqa: E402
+from builder.deploy.fleetlock import fleet_lock  # noqa: E402
+from builder.deploy.hoststate import Container, HostState  # noqa: E402
+from builder.deploy.report import DeployReport, HostOutcome  # noqa: E402
+from builder.errors import BuilderError  # noqa: E402
+
+# --------------------------------------------------------------------------- fast tier
+
+
+def test_exit_codes_follow_the_result() -> None:
+    def rep(result: str, **kw: Any) -> DeployReport:
+        r = DeployReport(fleet="f", lane="l", result=result, **kw)
+        r.hosts = [HostOutcome("a", 0, "head", on="new"), HostOutcome("b", 1, "worker", on="old")]
+        return r
+
+    assert rep("deployed").exit_code == 0 and rep("planned").exit_code == 0
+    assert rep("refused").exit_code == 1 and rep("rolled-back").exit_code == 1
+    assert rep("refused", unreachable=True).exit_code == 3 and rep("failed", unreachable=True).exit_code == 3
+    assert rep("unchanged", audit={"exit": 1}).exit_code == 1 and rep("unchanged", audit={"exit": 0}).exit_code == 0
+    assert rep("failed").to_json()["fleet_on"] == "mixed"
+
+
+def test_fleet_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> None:
+    with fleet_lock(tmp_path, "f", "deploy"):
+        code = (
+            "import sys; from pathlib import Path; from builder.deploy.fleetlock import fleet_lock\n"
+            "try:\n    with fleet_lock(Path(sys.argv[1]), 'f', 'stop'): print('got it')\n"
+            "except Exception as e: print(e)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True).stdout
+        assert "another command holds" in out and "`builder deploy`" in out and f"pid {os.getpid()}" in out
+        with pytest.raises(BuilderError, match="never interleave"):
+            with fleet_lock(tmp_path, "f", "start"):
+                pass
+    with fleet_lock(tmp_path, "f", "stop"):  # released with its holder
+        pass
+    with fleet_lock(tmp_path, "g", "deploy"), fleet_lock(tmp_path, "h", "deploy"):  # other fleets: their own
+        pass
+
+
+def test_journal_round_trip_and_snapshot(tmp_path: Path) -> None:
+    j = J.Journal(fleet="f", target={"a": "1" * 64}, origin={"a": None}, origin_locks={"a": None}, target_lock="2" * 64)
+    J.save(tmp_path, j)
+    assert J.load(tmp_path, "f") == j and J.load(tmp_path, "g") is None
+    J.clear(tmp_path, "f")
+    assert J.load(tmp_path, "f") is None
+    (tmp_path / "deploy").mkdir(exist_ok=True)
+    J.journal_path(tmp_path, "f").write_text("{not json")
+    assert J.load(tmp_path, "f") is None  # unreadable: ignored, never a traceback
+    root = tmp_path / "proj"
+    (root / "images" / "demo").mkdir(parents=True)
+    (root / "images" / "demo" / "Dockerfile").write_text("FROM scratch\n")
+    (root / "pins.toml").write_text("format = 1\n")
+    (root / "pins.lock").write_text("{}\n")
+    d = J.snapshot(tmp_path, "3" * 64, root / "pins.toml", root / "pins.lock", root, "images/demo")
+    assert J.find_snapshot(tmp_path, "3" * 64) == d
+    assert (d / "images" / "demo" / "Dockerfile").read_text() == "FROM scratch\n"
+    assert J.find_snapshot(tmp_path, "4" * 64) is None and J.find_snapshot(tmp_path, None) is None
+
+
+def test_a_rank_is_up_only_on_one_running_container_of_its_bundle() -> None:
+    c = Container(id="x", name="builder-demo-r0", state="running", bundle="b1", image="i", status="Up")
+    st = HostState(host="h", current="b1", applied={"bundle_id": "b1"}, containers=[c])
+    assert st.installed == "b1" and st.up_on("b1") and not st.up_on("b2") and not st.up_on(None)
+    st.containers = [c, Container("y", "old", "running", "b0", "i", "Up")]
+    assert not st.up_on("b1")
+    st.containers = [Container("x", "builder-demo-r0", "exited", "b1", "i", "Exited (2)")]
+    assert not st.up_on("b1")
+    assert HostState(host="h", current="b1", applied={"bundle_id": "b0"}).installed is None  # record disagrees
+
+
+def test_bundle_currency_names_what_differs() -> None:
+    want = {
+        "identity": {"lock_hash": "L", "host": "h"},
+        "image": {"image_id": "sha256:" + "1" * 64},
+        "models": [{"model": "m", "file": "f", "path": "/p", "size": 1, "sha256": "s"}],
+        "files": {"start.sh": {"size": 3, "sha256": "a", "mode": "0755"}},
+    }
+    m = {
+        "lock_hash": "L", "host": "h", "image": {"image_id": "sha256:" + "1" * 64, "archive": None},
+        "models": [{"model": "m", "file": "f", "path": "/p", "size": 1, "sha256": "s", "bundled": None}],
+        "files": [{"path": "start.sh", "size": 3, "sha256": "a", "mode": "0755"}],
+    }
+    assert stale(m, want, False, False) is None
+    assert stale({**m, "lock_hash": "K"}, want, False, False) == "lock_hash differs"
+    assert stale(m, want, True, False) == "it carries no image (--with-image)"
+    assert stale(m, want, False, True) == "it carries no model files (--with-models)"
+    changed = {**m, "files": [{"path": "start.sh", "size": 3, "sha256": "b", "mode": "0755"}]}
+    assert stale(changed, want, False, False) == "start.sh differs"
+
+
+def test_unknown_fleet_is_one_line_and_exit_2(tmp_path: Path, project_root: Path) -> None:
+    for cmd in (["deploy", "--fleet", "nope"], ["status", "--fleet", "nope"], ["start", "--fleet", "nope"],
+                ["stop", "--fleet", "nope"]):
+        p = subprocess.run(
+            [sys.executable, "-m", "builder", "--store", str(tmp_path / "store"), *cmd],
+            cwd=project_root, capture_output=True, text=True, timeout=120,
+        )
+        assert p.returncode == 2, (cmd, p.stderr)
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "no fleet named 'nope'" in lines[0] and "Traceback" not in p.stderr, p.stderr
+
+
+# --------------------------------------------------------------------------- docker tier: stage and switch
+
+
+@pytest.mark.docker
+def test_installer_stages_without_switching_then_switches_and_back(tmp_path: Path) -> None:
+    import bundlelib as bl
+    from test_installer import bundle, install, run_installer
+
+    if not shutil.which("docker"):
+        pytest.skip("no docker CLI")
+    p = bl.make_project(tmp_path, hosts=bl.local_hosts(tmp_path / "host"), docker_image=True, marker="deploy-stage")
+    root = tmp_path / "host" / "builder"
+    v1 = bundle(p, tmp_path / "v1", with_image=True, with_models=True)
+    id1 = bl.manifest(v1)["bundle_id"]
+    r = install(v1, root, "--trusted-key", str(p.pub), "--host", "spark-b")
+    assert r.returncode == 0, r.stderr
+    bl.relock(p, streams=3)
+    v2 = bundle(p, tmp_path / "v2")
+    id2 = bl.manifest(v2)["bundle_id"]
+    applied = (root / "state" / "applied.json").read_bytes()
+
+    r = install(v2, root, "--stage")
+    assert r.returncode == 0 and json.loads(r.stdout)["result"] == "staged", r.stderr
+    assert os.readlink(root / "current") == f"releases/{id1}" and os.readlink(root / "staged") == f"releases/{id2}"
+    assert (root / "state" / "applied.json").read_bytes() == applied  # the installed release is untouched
+    staged = json.loads((root / "state" / "staged.json").read_text())
+    assert (staged["bundle_id"], staged["action"], staged["previous_bundle_id"]) == (id2, "stage", id1)
+    st = json.loads(run_installer("status", "--root", str(root)).stdout)
+    assert st["staged"] == id2 and st["current"] == id1 and sorted(st["releases"]) == sorted([id1, id2])
+
+    r = run_installer("switch", "--root", str(root), "--to", id2)
+    assert r.returncode == 0 and json.loads(r.stdout)["result"] == "switched", r.stderr
+    assert os.readlink(root / "current") == f"releases/{id2}" and os.readlink(root / "previous") == f"releases/{id1}"
+    assert not (root / "staged").exists() and not (root / "state" / "staged.json").exists()
+    rec = json.loads((root / "state" / "applied.json").read_text())
+    assert (rec["bundle_id"], rec["action"], rec["previous_bundle_id"]) == (id2, "install", id1)
+    r = run_installer("switch", "--root", str(root), "--to", id2)
+    assert json.loads(r.stdout)["result"] == "unchanged"
+
+    # back to any installed release (what a deploy's rollback does), recorded as a rollback
+    r = run_installer("switch", "--root", str(root), "--to", id1, "--rollback")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads((root / "state" / "applied.json").read_text())
+    assert (rec["bundle_id"], rec["action"], rec["previous_bundle_id"]) == (id1, "rollback", id2)
+    # a release already on the host is staged without its bundle
+    r = run_installer("stage", "--root", str(root), "--release", id2)
+    assert r.returncode == 0 and os.readlink(root / "staged") == f"releases/{id2}", r.stderr
+    # refusals: no such release; a damaged one
+    r = run_installer("switch", "--root", str(root), "--to", "5" * 64)
+    assert r.returncode == 1 and "no release" in r.stderr
+    (root / "releases" / id2 / "start.sh").write_text("#!/bin/sh\n")
+    r = run_installer("switch", "--root", str(root), "--to", id2)
+    assert r.returncode == 1 and "damaged" in r.stderr
+    assert os.readlink(root / "current") == f"releases/{id1}"
+    subprocess.run(["docker", "image", "rm", "-f", p.image_id], capture_output=True)
+
+
+# --------------------------------------------------------------------------- fleet tier
+
+GPU_EXPECT = (
+    '{ gpu_name = "NVIDIA H200", gpu_count = 1, compute_cap = "9.0", driver_version = "580.159.04", '
+    'cuda_version = "13.0", gpu_clock_mhz = 1980, min_free_memory_gib = 0.05, max_swap_used_gib = 1024, '
+    "min_free_disk_gib = 0.01, nvidia_runtime = false, rdma = false }"
+)
+ARGS = ["serve", "--host", "{host}", "--port", "{port}", "--served-name", "{served_name}"]
+APPS = "/etc/fake-nvidia-smi/apps"
+
+
+def _fake_gpu(fleet: fleetlib.Fleet, h: fleetlib.Host) -> None:
+    fleet.exec(
+        h,
+        ["sh", "-c", "mkdir -p /etc/fake-nvidia-smi && cat > /usr/local/bin/nvidia-smi && "
+         "chmod 755 /usr/local/bin/nvidia-smi"],
+        input=auditlib.fake_nvidia_smi(),
+    )
+
+
+@pytest.fixture(scope="module")
+def j(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Journey]:
+    """Two hosts with nothing installed (no bundle made yet): `builder deploy` does the rest."""
+    if not fleetlib.docker_available():
+        pytest.fail("Docker Engine not reachable: the deploy tests need it")
+    with journey(
+        tmp_path_factory.mktemp("deploy"), 2, name="dep", expect=GPU_EXPECT, prepare=_fake_gpu, bundle=False
+    ) as jj:
+        yield jj
+
+
+def _args(j: Journey, *extra: str) -> list[str]:
+    return ["--key", str(j.keys / "builder.key"), "--with-image", "--with-models", "--start-timeout", "60",
+            "--connect-timeout", "5", *extra]
+
+
+def _deploy(j: Journey, *extra: str) -> tuple[int, dict[str, Any]]:
+    return j.deploy(*_args(j, *extra))
+
+
+def _status(j: Journey) -> tuple[int, dict[str, Any]]:
+    p = j.builder("status", "--fleet", j.name, "--json", check=False)
+    return p.returncode, json.loads(p.stdout)
+
+
+def _deployed(j: Journey) -> dict[str, str]:
+    """Deploy the copy's lock; it must end deployed with every host on its new bundle. Returns them."""
+    rc, rep = _deploy(j)
+    assert rc == 0 and rep["result"] == "deployed", (rc, rep.get("reason"), j.last_stderr[-3000:])
+    want = dl.bundle_ids(j)
+    dl.assert_on(j, want)
+    assert rep["fleet_on"] == "new" and {h: r["target"] for h, r in rep["hosts"].items()} == want
+    return want
+
+
+def _good(j: Journey) -> dict[str, str]:
+    """The fleet on a known good release, serving (whatever an earlier test left)."""
+    j.set_serve(args=ARGS)
+    for h in j.fleet.hosts:
+        j.fleet.exec(h, f"rm -f {APPS}")
+    rc, rep = _deploy(j)
+    assert rc == 0 and rep["result"] in ("deployed", "unchanged"), (rc, rep.get("reason"))
+    want = dl.bundle_ids(j)
+    dl.assert_on(j, want)
+    return want
+
+
+_context = iter(range(5000, 9000, 16))
+
+
+def _new_release(j: Journey) -> None:
+    """A changed serve setting (context), relocked: every host gets a new bundle."""
+    j.set_serve(context=next(_context))
+
+
+@pytest.fixture
+def bystanders(j: Journey) -> Iterator[None]:
+    yield
+    assert dl.bystanders_running(j) == {h.name: True for h in j.fleet.hosts}, "a deploy touched a bystander"
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_dry_run_first_deploy_a_no_op_and_a_changed_serve_setting(j: Journey) -> None:
+    rc, rep = _deploy(j, "--dry-run")
+    assert rc == 0 and rep["result"] == "planned", j.last_stderr
+    assert rep["steps"] and all(r["plan"] for r in rep["hosts"].values())
+    assert not (j.root / "out" / "bundles").exists()  # nothing was made ...
+    assert all(dl.current(j, h) is None and not dl.lane_containers(j, h) for h in j.fleet.hosts)  # ... or changed
+
+    first = _deployed(j)  # bundles made, shipped, gated, started workers-then-head, audited
+    rc, st = _status(j)
+    assert rc == 0 and all(h["up"] and h["on_lock"] and h["bundle"] == first[n] for n, h in st["hosts"].items()), st
+    dl.start_bystanders(j)
+    ids = {h.name: [c["id"] for c in dl.lane_containers(j, h)] for h in j.fleet.hosts}
+
+    rc, rep = _deploy(j)  # already deployed and serving: a no-op that audits
+    assert rc == 0 and rep["result"] == "unchanged" and rep["audit"]["phase"] == "all", j.last_stderr[-3000:]
+    assert all(r["result"] == "unchanged" for r in rep["hosts"].values())
+    assert ids == {h.name: [c["id"] for c in dl.lane_containers(j, h)] for h in j.fleet.hosts}  # not restarted
+
+    _new_release(j)
+    second = _deployed(j)
+    assert all(second[h] != first[h] for h in second)
+    rep_hosts = json.loads(j.builder("deploy", "--fleet", j.name, "--json", "--dry-run").stdout)["hosts"]
+    assert all(r["origin"] == second[h] for h, r in rep_hosts.items())
+    head, worker = j.fleet.hosts
+    starts = {h.name: dl.lane_containers(j, h)[0]["started"] for h in j.fleet.hosts}
+    assert starts[worker.name] < starts[head.name]  # the workers start first
+    assert dl.bystanders_running(j) == {h.name: True for h in j.fleet.hosts}
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_an_engine_that_fails_at_start_rolls_the_whole_fleet_back(j: Journey, bystanders: None) -> None:
+    good = _good(j)
+    old = j.root.parent / "good"  # the second lock's pins and lock, as the operator had them
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.copytree(j.root / "images" / "demo", old / "images" / "demo")
+    shutil.copy2(j.root / "pins.toml", old / "pins.toml")
+    shutil.copy2(j.root / "pins.lock", old / "pins.lock")
+    j.set_serve(args=[*ARGS, "--no-such-flag"])  # the demo engine refuses it and exits 2
+    rc, rep = _deploy(j)
+    assert rc == 1 and rep["result"] == "rolled-back", (rep.get("reason"), j.last_stderr[-3000:])
+    assert "exited (code 2)" in rep["reason"] and "UnknownFlag" in rep["reason"]
+    assert rep["fleet_on"] == "old" and all(r["result"] == "rolled-back" for r in rep["hosts"].values())
+    assert rep["rollback_audit"] and rep["rollback_audit"]["exit"] == 0, rep["reason"]
+    dl.assert_on(j, good)  # every host back on the second lock's bundle, serving
+    # the rolled-back fleet passes the audit of the pins and lock it was deployed from
+    p = j.builder("--pins", str(old / "pins.toml"), "--lock", str(old / "pins.lock"), "audit", "--fleet", j.name,
+                  "--phase", "all", "--hosts-dir", str(j.root / "hosts"), "--checks", str(j.root / "checks"),
+                  check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rc, st = _status(j)
+    assert rc == 1 and all(h["up"] and not h["on_lock"] for h in st["hosts"].values())  # up, on the old lock
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_a_rank_that_never_answers_is_bounded_and_rolled_back(j: Journey, bystanders: None) -> None:
+    good = _good(j)
+    j.set_serve(args=["serve", "--host", "{host}", "--port", "9998", "--served-name", "{served_name}"])
+    t0 = time.monotonic()
+    rc, rep = j.deploy(*_args(j)[:-4], "--start-timeout", "6", "--connect-timeout", "5")
+    assert rc == 1 and rep["result"] == "rolled-back", rep.get("reason")
+    assert "did not answer within 6 s" in rep["reason"]
+    assert time.monotonic() - t0 < 240
+    dl.assert_on(j, good)
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_refused_while_another_gpu_workload_runs(j: Journey, bystanders: None) -> None:
+    good = _good(j)
+    worker = j.fleet.hosts[1]
+    j.fleet.exec(worker, f"echo '4242, python3, 1024' > {APPS}")  # (FAKE nvidia-smi: a compute app not the lane's)
+    try:
+        _new_release(j)
+        rc, rep = _deploy(j)
+        assert rc == 1 and rep["result"] == "refused", rep.get("reason")
+        msg = rep["hosts"][worker.name]["message"]
+        assert "gpu::no_other_compute_process" in msg and "4242" in msg, rep["hosts"]
+        assert all(r["result"] == "not-switched" for r in rep["hosts"].values())
+        dl.assert_on(j, good)  # nothing switched, the old release still serves
+        j.builder("stop", "--fleet", j.name)
+        p = j.builder("start", "--fleet", j.name, "--json", check=False)  # start refuses too
+        assert p.returncode == 1 and json.loads(p.stdout)["result"] == "refused", p.stderr
+        assert not [c for h in j.fleet.hosts for c in dl.lane_containers(j, h)]
+    finally:
+        j.fleet.exec(worker, f"rm -f {APPS}")
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_a_host_cut_off_during_ship_switches_nothing(j: Journey, bystanders: None) -> None:
+    good = _good(j)
+    _new_release(j)
+    head, worker = j.fleet.hosts
+    bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j, "--parallel", "1"))
+    bg.wait_line(rf"^{head.name}: staged")  # the head is staged; the worker's ship is under way
+    j.fleet.cut(worker)
+    try:
+        rc, rep = bg.wait()
+    finally:
+        j.fleet.restore(worker)
+    assert rc == 3 and rep["result"] == "refused", bg.stderr[-3000:]
+    assert rep["hosts"][worker.name]["result"] == "unreachable" and rep["hosts"][head.name]["result"] == "not-switched"
+    dl.assert_on(j, good)  # nothing switched: the old release serves on both
+    new = _deployed(j)  # and the rerun completes
+    assert new != good
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_two_deploys_never_interleave(j: Journey, bystanders: None) -> None:
+    _good(j)
+    _new_release(j)
+    bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j))
+    bg.wait_line(r"staged|making its bundle")
+    for cmd in (["deploy", "--fleet", j.name, *_args(j)], ["stop", "--fleet", j.name], ["start", "--fleet", j.name]):
+        p = j.builder(*cmd, check=False)
+        assert p.returncode == 1 and "another command holds" in p.stderr and "builder deploy" in p.stderr, p.stderr
+    rc, rep = bg.wait()
+    assert rc == 0 and rep["result"] == "deployed", bg.stderr[-3000:]
+    dl.assert_on(j, dl.bundle_ids(j))
+
+
+KILL_POINTS = {
+    "staging": r": staged",
+    "gate": r"preflight audit \(the gate\)",
+    "stop": r"stopped rank 0",
+    "switch": r": switched ",
+    "start": r"rank 1 is up",
+}
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+@pytest.mark.slow
+@pytest.mark.parametrize("point", sorted(KILL_POINTS))
+def test_deploy_killed_then_rerun_ends_every_host_on_the_new_release(j: Journey, point: str, bystanders: None) -> None:
+    old = _good(j)
+    _new_release(j)
+    bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j))
+    bg.wait_line(KILL_POINTS[point])
+    bg.kill()
+    rc, rep = _deploy(j)
+    assert rc == 0 and rep["result"] == "deployed", (point, rep.get("reason"), j.last_stderr[-3000:])
+    new = dl.bundle_ids(j)
+    dl.assert_on(j, new)
+    assert new != old and rep["fleet_on"] == "new"
+    if point not in ("staging", "gate"):  # (the journal is written after the gate)
+        assert "did not finish" in rep["resumed"], rep["resumed"]
+    assert not J.journal_path(Path(j.env["BUILDER_STORE"]), j.name).exists()
+    rc, st = _status(j)
+    assert rc == 0 and not st["deploy"], st
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+@pytest.mark.slow
+def test_deploy_killed_while_rolling_back_then_rerun_ends_every_host_on_the_old_release(
+    j: Journey, bystanders: None
+) -> None:
+    old = _good(j)
+    j.set_serve(args=[*ARGS, "--no-such-flag"])
+    bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j))
+    bg.wait_line(r": rolled back ")
+    bg.kill()
+    rc, st = _status(j)
+    assert rc == 1 and "did not finish" in st["deploy"]
+    rc, rep = _deploy(j)
+    assert rc == 1 and rep["result"] == "rolled-back", rep.get("reason")
+    assert rep["fleet_on"] == "old" and "did not finish" in rep["resumed"]
+    dl.assert_on(j, old)
+    j.set_serve(args=ARGS)
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_stop_and_start_in_rank_order_only_the_lanes_containers(j: Journey, bystanders: None) -> None:
+    good = _good(j)
+    p = j.builder("stop", "--fleet", j.name, "--json")
+    rep = json.loads(p.stdout)
+    assert rep["result"] == "stopped" and all(r["result"] == "stopped" for r in rep["hosts"].values())
+    head, worker = j.fleet.hosts
+    lines = p.stderr.splitlines()
+    assert lines.index(f"{head.name}: stopped rank 0") < lines.index(f"{worker.name}: stopped rank 1")
+    assert not [c for h in j.fleet.hosts for c in dl.lane_containers(j, h)]
+    rc, st = _status(j)
+    assert rc == 1 and not any(h["up"] for h in st["hosts"].values())
+    p = j.builder("start", "--fleet", j.name, "--json")
+    rep = json.loads(p.stdout)
+    assert rep["result"] == "started" and rep["audit"]["exit"] == 0, p.stderr
+    lines = p.stderr.splitlines()
+    up = [i for i, ln in enumerate(lines) if " is up" in ln]
+    assert [lines[i].split(":")[0] for i in up] == [worker.name, head.name]
+    dl.assert_on(j, good)
+    rc, st = _status(j)
+    assert rc == 0, st
+    # a fleet partly up is stopped first, then started in order (a new worker never joins an old head)
+    j.fleet.exec(worker, "docker rm -f builder-demo-r1")
+    p = j.builder("start", "--fleet", j.name, "--json")
+    assert json.loads(p.stdout)["result"] == "started", p.stderr
+    dl.assert_on(j, good)
