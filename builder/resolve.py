@@ -30,7 +30,7 @@ from builder.lockfile import (
     tracked_inputs,
     write_lock,
 )
-from builder.pins import INPUT_KINDS, check_patch_files, load_pins
+from builder.pins import INPUT_KINDS, CudaToolchain, WheelToolchain, ZigToolchain, check_patch_files, load_pins
 
 
 @dataclass
@@ -76,18 +76,20 @@ def _resolve_one(kind: str, name: str, spec: Any, root: Path, cache: Path, opts:
     raise AssertionError(kind)
 
 
-def lock_toolchain(spec: Any) -> LockedToolchain:
+def lock_toolchain(spec: ZigToolchain | CudaToolchain | WheelToolchain) -> LockedToolchain:
     """Toolchains are fixed-output: the pins carry the hash; the store checks bytes at fetch time."""
     plats: dict[str, LockedArtifact] = {}
-    if spec.kind == "zig":
+    package = None
+    if isinstance(spec, ZigToolchain):
         for plat, p in spec.platforms.items():
             plats[plat] = LockedArtifact(url=p.url, filename=p.url.rsplit("/", 1)[-1], sha256=p.sha256,
                                          size=p.size)
-    elif spec.kind == "wheel":
+    elif isinstance(spec, WheelToolchain):
+        package = spec.package
         for plat, w in spec.platforms.items():
             plats[plat] = LockedArtifact(url=w.url, filename=w.filename, sha256=w.sha256)
-    return LockedToolchain(spec_hash=spec_hash(spec), kind=spec.kind, version=spec.version,
-                           package=getattr(spec, "package", None), platforms=plats)
+    return LockedToolchain(spec_hash=spec_hash(spec), kind=spec.kind, version=spec.version, package=package,
+                           platforms=plats)
 
 
 def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveReport:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -225,8 +226,9 @@ def j(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Journey]:
 
 
 def _args(j: Journey, *extra: str) -> list[str]:
-    return ["--key", str(j.keys / "builder.key"), "--with-image", "--with-models", "--start-timeout", "60",
-            "--connect-timeout", "5", *extra]
+    # (the demo engine, PID 1 of its container, ignores SIGTERM: docker stop waits --stop-timeout, then kills)
+    return ["--key", str(j.keys / "builder.key"), "--with-image", "--with-models", "--stop-timeout", "2",
+            "--start-timeout", "60", "--connect-timeout", "5", *extra]
 
 
 def _deploy(j: Journey, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -339,7 +341,7 @@ def test_a_rank_that_never_answers_is_bounded_and_rolled_back(j: Journey, bystan
     good = _good(j)
     j.set_serve(args=["serve", "--host", "{host}", "--port", "9998", "--served-name", "{served_name}"])
     t0 = time.monotonic()
-    rc, rep = j.deploy(*_args(j)[:-4], "--start-timeout", "6", "--connect-timeout", "5")
+    rc, rep = j.deploy(*_args(j, "--start-timeout", "6"))  # (the last --start-timeout counts)
     assert rc == 1 and rep["result"] == "rolled-back", rep.get("reason")
     assert "did not answer within 6 s" in rep["reason"]
     assert time.monotonic() - t0 < 240
@@ -361,7 +363,7 @@ def test_refused_while_another_gpu_workload_runs(j: Journey, bystanders: None) -
         assert "gpu::no_other_compute_process" in msg and "4242" in msg, rep["hosts"]
         assert all(r["result"] == "not-switched" for r in rep["hosts"].values())
         dl.assert_on(j, good)  # nothing switched, the old release still serves
-        j.builder("stop", "--fleet", j.name)
+        j.builder("stop", "--fleet", j.name, "--stop-timeout", "2")
         p = j.builder("start", "--fleet", j.name, "--json", check=False)  # start refuses too
         assert p.returncode == 1 and json.loads(p.stdout)["result"] == "refused", p.stderr
         assert not [c for h in j.fleet.hosts for c in dl.lane_containers(j, h)]
@@ -398,7 +400,8 @@ def test_two_deploys_never_interleave(j: Journey, bystanders: None) -> None:
     _new_release(j)
     bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j))
     bg.wait_line(r"staged|making its bundle")
-    for cmd in (["deploy", "--fleet", j.name, *_args(j)], ["stop", "--fleet", j.name], ["start", "--fleet", j.name]):
+    for cmd in (["deploy", "--fleet", j.name, *_args(j)], ["stop", "--fleet", j.name, "--stop-timeout", "2"],
+                ["start", "--fleet", j.name]):
         p = j.builder(*cmd, check=False)
         assert p.returncode == 1 and "another command holds" in p.stderr and "builder deploy" in p.stderr, p.stderr
     rc, rep = bg.wait()
@@ -464,7 +467,7 @@ def test_deploy_killed_while_rolling_back_then_rerun_ends_every_host_on_the_old_
 @pytest.mark.build
 def test_stop_and_start_in_rank_order_only_the_lanes_containers(j: Journey, bystanders: None) -> None:
     good = _good(j)
-    p = j.builder("stop", "--fleet", j.name, "--json")
+    p = j.builder("stop", "--fleet", j.name, "--json", "--stop-timeout", "2")
     rep = json.loads(p.stdout)
     assert rep["result"] == "stopped" and all(r["result"] == "stopped" for r in rep["hosts"].values())
     head, worker = j.fleet.hosts
@@ -476,14 +479,13 @@ def test_stop_and_start_in_rank_order_only_the_lanes_containers(j: Journey, byst
     p = j.builder("start", "--fleet", j.name, "--json")
     rep = json.loads(p.stdout)
     assert rep["result"] == "started" and rep["audit"]["exit"] == 0, p.stderr
-    lines = p.stderr.splitlines()
-    up = [i for i, ln in enumerate(lines) if " is up" in ln]
-    assert [lines[i].split(":")[0] for i in up] == [worker.name, head.name]
+    up = [ln.split(":")[0] for ln in p.stderr.splitlines() if re.match(r"^spark-\S+: rank \d+ is up", ln)]
+    assert up == [worker.name, head.name], p.stderr
     dl.assert_on(j, good)
     rc, st = _status(j)
     assert rc == 0, st
     # a fleet partly up is stopped first, then started in order (a new worker never joins an old head)
     j.fleet.exec(worker, "docker rm -f builder-demo-r1")
-    p = j.builder("start", "--fleet", j.name, "--json")
+    p = j.builder("start", "--fleet", j.name, "--json", "--stop-timeout", "2")
     assert json.loads(p.stdout)["result"] == "started", p.stderr
     dl.assert_on(j, good)

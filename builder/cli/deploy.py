@@ -43,6 +43,10 @@ def _run_options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="Seconds each rank may take to answer after its start (the head: /health).",
         ),
         click.option(
+            "--stop-timeout", type=click.IntRange(1, 3600), default=30, show_default=True,
+            help="Seconds docker gives each container of the running release to stop before it is killed.",
+        ),
+        click.option(
             "--mode", "mode", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
             help="The audits' mode (full hashes every model file on the hosts).",
         ),
@@ -113,7 +117,7 @@ def _print(rep: Any, as_json: bool) -> int:
 @click.option("--insecure", is_flag=True, help="Install without checking the signature (explicit only).")
 def deploy(
     fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float,
-    mode: str, checks_dir: Path | None, dry_run: bool, key: Path | None, with_image: bool,
+    stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool, key: Path | None, with_image: bool,
     with_models: bool, part_size: str, parallel: int, insecure: bool,
 ) -> int:
     """Move fleet NAME to the lock: bundle, stage everywhere, audit (the gate), stop the head then the
@@ -129,7 +133,8 @@ def deploy(
     opts = _options(
         fleet=fleet, checks_dir=checks_dir, key=key, with_image=with_image, with_models=with_models,
         part_size=parse_size(part_size), dry_run=dry_run, parallel=parallel, connect_timeout=connect_timeout,
-        timeout=timeout, start_timeout=start_timeout, audit_mode=mode, ssh_persist=ssh_persist, insecure=insecure,
+        timeout=timeout, start_timeout=start_timeout, stop_timeout=stop_timeout, audit_mode=mode,
+        ssh_persist=ssh_persist, insecure=insecure,
     )
     return _print(core.deploy(opts, _say), as_json)
 
@@ -139,7 +144,7 @@ def deploy(
 @_run_options
 def start(
     fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float,
-    mode: str, checks_dir: Path | None,
+    stop_timeout: int, mode: str, checks_dir: Path | None,
 ) -> int:
     """Start fleet NAME's installed release: the preflight audit first (it refuses while another GPU
     workload runs), then the workers, then the head; wait for the API; the serving audit. A fleet partly
@@ -148,7 +153,7 @@ def start(
 
     opts = _options(
         fleet=fleet, checks_dir=checks_dir, connect_timeout=connect_timeout, timeout=timeout,
-        start_timeout=start_timeout, audit_mode=mode, ssh_persist=ssh_persist,
+        start_timeout=start_timeout, stop_timeout=stop_timeout, audit_mode=mode, ssh_persist=ssh_persist,
     )
     return _print(core.start(opts, _say), as_json)
 

@@ -97,14 +97,20 @@ def _why(e: BaseException) -> str:
 class Fleetwork:
     """One command's view of a fleet: its inventory, lane and the connection to every host."""
 
-    def __init__(self, opts: DeployOptions, say: Say) -> None:
+    def __init__(self, opts: DeployOptions, say: Say, *, strict: bool = True) -> None:
+        """`strict`: the lane must be locked as pinned (what a deploy or start needs); otherwise it
+        need only exist in the pins and the lock (what `builder status` needs to compare)."""
         from builder.bundle import check_lane, load_bundle_inputs
-        from builder.hosts import find_fleet
+        from builder.hosts import check_against_pins, find_fleet
 
         self.opts, self.say = opts, say
         self.ctx = load_bundle_inputs(opts.pins, opts.lock, opts.store)
         self.fleet_path, self.fleet = find_fleet(self.ctx.hosts_dir, opts.fleet)
-        self.lane_name = check_lane(self.ctx, self.fleet_path, self.fleet)
+        if strict:
+            self.lane_name = check_lane(self.ctx, self.fleet_path, self.fleet)
+        else:
+            check_against_pins(self.fleet_path, self.fleet, set(self.ctx.pins.lanes), set(self.ctx.lock.lanes))
+            self.lane_name = self.fleet.fleet.lane
         self.lane = self.ctx.pins.lanes[self.lane_name]
         self.hosts: list[Host] = self.fleet.by_rank()
         self.head = self.hosts[0]
