@@ -156,6 +156,12 @@ def _fleet(cfg: Config) -> list[Row]:
 
 def _measure(cfg: Config, work: Path, store: Path, code: Path, stack: contextlib.ExitStack[Any],
              journeylib: Any, fleetlib: Any) -> list[Row]:
+    groups: dict[tuple[str, int], _CpuGroup | None] = {}
+    for w in WAYS:
+        for n in SIZES:
+            g = groups[(w, n)] = _CpuGroup.make(f"builder-bench-{os.getpid()}-{w.replace(' ', '-')}-{n}")
+            if g is not None:
+                stack.callback(g.remove)  # last in, first out: after the fleets and connections went
     js: dict[int, Any] = {}
     for n in SIZES:
         if _mem_available() < MIN_AVAILABLE:
@@ -172,11 +178,11 @@ def _measure(cfg: Config, work: Path, store: Path, code: Path, stack: contextlib
     for f in folders.values():
         stack.callback(fleetlib.close_kept_connections, f)
     mem = {"installed": (_hosts_memory(js), _mem_available())}
-    rows = _phase(cfg, "preflight", js, folders, code, journeylib.failing)
+    rows = _phase(cfg, "preflight", js, folders, groups, code, journeylib.failing)
     for n in SIZES:
         js[n].start()
     mem["serving"] = (_hosts_memory(js), _mem_available())
-    rows += _phase(cfg, "all", js, folders, code, journeylib.failing)
+    rows += _phase(cfg, "all", js, folders, groups, code, journeylib.failing)
     mem["after"] = (_hosts_memory(js), _mem_available())
     (h0, a0), (h1, a1) = mem["installed"], max(mem["serving"], mem["after"])
     rows.append(Row(NAME, f"test hosts' memory ({sum(SIZES)} hosts, each with its own dockerd)",
@@ -191,10 +197,11 @@ def _hosts_memory(js: dict[int, Any]) -> int:
     return sum(sum(j.fleet.memory().values()) for j in js.values())
 
 
-def _phase(cfg: Config, phase: str, js: dict[int, Any], folders: dict[str, Path], code: Path,
+def _phase(cfg: Config, phase: str, js: dict[int, Any], folders: dict[str, Path],
+           groups: dict[tuple[str, int], _CpuGroup | None], code: Path,
            failing: Callable[[dict[str, Any]], set[tuple[str, str]]]) -> list[Row]:
     opts = ["--checks", str(code / "checks"), "--connect-timeout", "10"]
-    fns = {(w, n): _Audit(js[n], phase, [*PHASES[phase], *extra, *opts], folders[w], failing)
+    fns = {(w, n): _Audit(js[n], phase, [*PHASES[phase], *extra, *opts], folders[w], groups[(w, n)], failing)
            for w, extra in WAYS.items() for n in SIZES}
     # warm-up (median_interleaved runs each once first): ssh host keys, python caches on the hosts,
     # the kept connections
@@ -216,12 +223,16 @@ def _rows(phase: str, way: str, t: dict[int, float], fns: dict[int, _Audit]) -> 
     ratio = t[8] / t[1]
     note = ("each audit reuses the ssh connections the one before it left open (--ssh-persist 600)"
             if way == "kept" else "every audit opens and closes its ssh connections (--ssh-persist 0)")
+    x1, x8 = fns[1].others_median(), fns[8].others_median()
     rows.append(Row(NAME, f"{fig_ratio(phase)}, {how}", secs(t[8]), f"1 host {secs(t[1])}", ratio, TARGET,
-                    judge(ratio, TARGET), f"ratio = 8-host time / 1-host time; {note}; hosts hold a correct install",
-                    {"t1": t[1], "t8": t[8], "way": way, "phase": phase}))
+                    judge(ratio, TARGET), f"ratio = 8-host time / 1-host time; {note}; hosts hold a correct install; "
+                    f"other work took {x1:.0%} of the machine during the 1-host audits, {x8:.0%} during the 8-host",
+                    {"t1": t[1], "t8": t[8], "way": way, "phase": phase, "others1": x1, "others8": x8}))
     (o1, h1, m1), (o8, h8, m8) = fns[1].cpu_medians(), fns[8].cpu_medians()
+    tree = ("its cgroup: the audit's whole process tree, ssh masters included" if fns[1].group
+             else "RUSAGE_CHILDREN: the audit's process tree, without the backgrounded ssh masters")
     rows.append(Row(NAME, f"audit CPU per added host, {what}, {how}: operator side", f"{(o8 - o1) / 7:.3f} s", "",
-                    None, "", "report", f"the audit's process tree: {o1:.2f} s of CPU for 1 host, {o8:.2f} s for 8",
+                    None, "", "report", f"{tree}: {o1:.2f} s of CPU for 1 host, {o8:.2f} s for 8",
                     {"cpu1": o1, "cpu8": o8, "way": way, "phase": phase}))
     rows.append(Row(NAME, f"audit CPU per host, {what}, {how}: test host side", f"{h8 / 8:.3f} s", "",
                     None, "", "report", f"the host containers' cgroups (sshd, python3, docker CLI, their dockerd): "
@@ -234,6 +245,46 @@ def _rows(phase: str, way: str, t: dict[int, float], fns: dict[int, _Audit]) -> 
 
 def fig_ratio(phase: str) -> str:
     return "audit 8 hosts vs 1 host (wall time)" + ("" if phase == "preflight" else ", --phase all")
+
+
+class _CpuGroup:
+    """A cgroup (v1 cpuacct) the audit runs in, so that its whole process tree is counted, the ssh
+    masters too: `ssh -f` puts them in the background, out of reach of RUSAGE_CHILDREN. The bench
+    process enters it for the audit's duration (a child starts in its parent's group) and leaves it
+    after. One group per (way, size): a kept master stays in the group of the audit that opened it."""
+
+    ROOT = Path("/sys/fs/cgroup/cpuacct")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def make(cls, name: str) -> _CpuGroup | None:
+        try:
+            home = next(ln.split(":", 2)[2] for ln in Path("/proc/self/cgroup").read_text().splitlines()
+                        if ln.split(":")[1].split(",").count("cpuacct"))
+            path = cls.ROOT / home.lstrip("/") / name
+            path.mkdir()
+        except (OSError, StopIteration, IndexError):
+            return None
+        return cls(path)
+
+    def usage(self) -> float:
+        return int((self.path / "cpuacct.usage").read_text()) / 1e9
+
+    def enter(self) -> None:
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def leave(self) -> None:
+        (self.path.parent / "cgroup.procs").write_text(str(os.getpid()))
+
+    def remove(self) -> None:
+        """Move what is left (nothing, once the masters are closed) to the parent, then remove it."""
+        with contextlib.suppress(OSError):
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                with contextlib.suppress(OSError):
+                    (self.path.parent / "cgroup.procs").write_text(pid)
+            self.path.rmdir()
 
 
 def _hosts_cpu(j: Any) -> float | None:
@@ -263,20 +314,37 @@ def _machine_cpu() -> float:
 
 class _Audit:
     """One audit of one journey's fleet (`Journey.audit`: `builder audit --fleet NAME --json`), which
-    must pass; records its CPU (this process's children, and the whole machine) and the checks' count."""
+    must pass; records its CPU (the audit's own, the test hosts', the whole machine's) and the checks'
+    count."""
 
-    def __init__(self, j: Any, phase: str, args: list[str], ssh_dir: Path,
+    def __init__(self, j: Any, phase: str, args: list[str], ssh_dir: Path, group: _CpuGroup | None,
                  failing: Callable[[dict[str, Any]], set[tuple[str, str]]]) -> None:
         self.j, self.phase, self.args, self.ssh_dir, self.failing = j, phase, args, ssh_dir, failing
+        self.group = group
         self.cpu: list[tuple[float, float, float]] = []
+        self.others: list[float] = []  # share of the machine's CPU other work took, per audit
         self.summary = ""
 
     def __call__(self) -> None:
+        g = self.group
         r0, m0, h0 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_cpu(), _hosts_cpu(self.j)
-        rc, report = self.j.audit(*self.args, env={"BUILDER_SSH_DIR": str(self.ssh_dir)})
+        g0 = g.usage() if g else 0.0
+        t0 = time.perf_counter()
+        if g:
+            g.enter()
+        try:
+            rc, report = self.j.audit(*self.args, env={"BUILDER_SSH_DIR": str(self.ssh_dir)})
+        finally:
+            if g:
+                g.leave()
+        wall = time.perf_counter() - t0
         r1, m1, h1 = resource.getrusage(resource.RUSAGE_CHILDREN), _machine_cpu(), _hosts_cpu(self.j)
+        own = g.usage() - g0 if g else r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
         hosts = h1 - h0 if h0 is not None and h1 is not None else float("nan")
-        self.cpu.append((r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, hosts, m1 - m0))
+        self.cpu.append((own, hosts, m1 - m0))
+        # what else ran on the machine meanwhile: its busy CPU less the audit's and the hosts'
+        ours = own + (hosts if h0 is not None and h1 is not None else 0.0)
+        self.others.append(max(0.0, m1 - m0 - ours) / (wall * (os.cpu_count() or 1)))
         bad = self.failing(report)
         if rc != 0 or bad:
             detail = {f"{h}/{c}": report["hosts"][h]["checks"][c].get("message", "") for h, c in sorted(bad)}
@@ -290,6 +358,9 @@ class _Audit:
             for c in h.get("checks", {}).values():
                 counts[c["status"]] = counts.get(c["status"], 0) + 1
         self.summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+
+    def others_median(self) -> float:
+        return statistics.median(self.others[1:])
 
     def cpu_medians(self) -> tuple[float, float, float]:
         """Medians of (operator side, test hosts' side, whole machine), warm-up left out."""

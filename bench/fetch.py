@@ -1,4 +1,4 @@
-"""(g) `builder fetch` from the FAKE Hub on loopback against `hf download` (huggingface_hub's own CLI):
+"""(h) `builder fetch` from the FAKE Hub on loopback against `hf download` (huggingface_hub's own CLI):
 the same files, the same server, in the same process run. builder verifies every byte's sha256 as it
 arrives; `hf download` does not hash what it writes, so the ratio is what verification costs (or saves)."""
 

@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "audit": "bench.audit",  # (d) builder audit over 1, 2, 4, 8 test hosts; host-side hashing
     "bundle": "bench.bundle",  # (e) bundle creation, install-side verification; (f) peak memory
     "deploy": "bench.deploy",  # (g) builder deploy: unchanged fleet vs preflight audit; 4 hosts vs 1
+    "fetch": "bench.fetch",  # (h) builder fetch (verified) vs hf download from the fake Hub
 }
 
 

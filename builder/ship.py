@@ -57,6 +57,8 @@ class ShipOptions:
     #: install up to the switch only (``install --stage``: ``staged`` and state/staged.json; for
     #: ``builder deploy``, which switches every host once every host is staged and audited)
     stage: bool = False
+    #: the run's control sockets, when the ship is one step of a larger run (``builder deploy``)
+    sockets: ControlSockets | None = None
 
 
 @dataclass
@@ -82,13 +84,19 @@ class Remote:
     first command and closed by `close`: one key exchange per host, however many files are sent."""
 
     def __init__(
-        self, fleet_file: Path, fleet: Fleet, host: Host, connect_timeout: int = 10, persist: float = 0
+        self,
+        fleet_file: Path,
+        fleet: Fleet,
+        host: Host,
+        connect_timeout: int = 10,
+        sockets: ControlSockets | None = None,
     ) -> None:
         """`fleet_file`: the inventory file `fleet` was read from (a relative ssh_config is taken
-        from its folder, as the audit takes it). `persist` > 0: the connection is the host's kept one
-        (builder.ssh), shared with the audit's (``builder deploy``, ``builder status``)."""
+        from its folder, as the audit takes it). `sockets`: a run's control sockets shared with other
+        commands of that run (``builder deploy``: its steps and audits use one connection per host);
+        by default the Remote's own, removed by `close`."""
         self.host = host
-        self.persist = persist
+        self.sockets = sockets
         self.kind = host.connection
         self.ssh_config = ssh_config_file(fleet_file, fleet.fleet.ssh_config)
         self.connect_timeout = connect_timeout
@@ -97,7 +105,7 @@ class Remote:
 
     def _connection(self) -> Connection:
         if self._ssh is None:
-            sockets = ControlSockets.for_run(persist=self.persist)
+            sockets = self.sockets or ControlSockets.for_run(persist=0)
             self._ssh = Connection.to(self.host.ssh, self.ssh_config, sockets, self.connect_timeout)
         return self._ssh
 
@@ -121,7 +129,8 @@ class Remote:
         """Close the host's connection (idempotent)."""
         if self._ssh is not None:
             self._ssh.close()
-            self._ssh.sockets.cleanup()
+            if self.sockets is None:  # (shared sockets are their run's to remove)
+                self._ssh.sockets.cleanup()
             self._ssh, self._open = None, False
 
     def __enter__(self) -> Remote:
@@ -255,7 +264,7 @@ def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
         return ship_to_dir(
             bdir, manifest, opts.to / fleet.fleet.name / host.name, key if not opts.insecure else None
         )
-    with Remote(fleet_file, fleet, host, opts.connect_timeout) as remote:
+    with Remote(fleet_file, fleet, host, opts.connect_timeout, sockets=opts.sockets) as remote:
         return _ship_over_ssh(remote, fleet, host, bdir, manifest, key, opts)
 
 

@@ -212,6 +212,7 @@ def journey(
                 prepare(fleet, h)
         j = Journey(root=root, fleet=fleet, name=name, env=env, keys=keys)
         j.builder("lock", "--offline", lane)
+        j.builder("fetch", lane, "--offline")
         j.builder("image", "demo", "--offline")
         j.builder("keygen", "--out", str(keys))
         if bundle:

@@ -426,11 +426,13 @@ KILL_POINTS = {
 def test_deploy_killed_then_rerun_ends_every_host_on_the_new_release(j: Journey, point: str, bystanders: None) -> None:
     old = _good(j)
     _new_release(j)
-    bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j))
+    # one host at a time where the order allows it: a kill after the head's step finds the worker's undone
+    bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j, "--parallel", "1"))
     bg.wait_line(KILL_POINTS[point])
     bg.kill()
+    left = {h.name: (dl.current(j, h), [c["state"] for c in dl.lane_containers(j, h)]) for h in j.fleet.hosts}
     rc, rep = _deploy(j)
-    assert rc == 0 and rep["result"] == "deployed", (point, rep.get("reason"), j.last_stderr[-3000:])
+    assert rc == 0 and rep["result"] == "deployed", (point, left, rep.get("reason"), j.last_stderr[-3000:])
     new = dl.bundle_ids(j)
     dl.assert_on(j, new)
     assert new != old and rep["fleet_on"] == "new"

@@ -49,6 +49,8 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
     concerns, checks_dir = opts.validate()
     targets = select_targets(opts.hosts_dir or opts.root / "hosts", opts.names, opts.fleet)
     opts.check_backend()
+    # the hosts' pytest processes are forked from it: its imports overlap with loading the lock
+    start_forkserver()
     inputs = load_lane_inputs(opts, targets)
     expectations = [build_expectations(t, opts, inputs, concerns) for t in targets]
 
@@ -57,7 +59,6 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
     # the Ansible backend reaches hosts over Ansible's own connections: nothing here to keep
     sockets = ControlSockets.for_run(opts.ssh_persist if opts.backend == "native" else 0, opts.control_dir)
     report_lock = threading.Lock()
-    start_forkserver()
 
     def one(i: int) -> HostResult:
         r = run_host(targets[i], opts, expectations[i], work, sockets, checks_dir, concerns)

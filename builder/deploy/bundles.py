@@ -130,11 +130,12 @@ def ensure_bundles(
     say: Any = None,
 ) -> dict[str, FleetBundle | str]:
     """host -> its bundle (made again where stale); with dry_run, host -> why it would be made."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from builder.bundle import BundleOptions, make_bundle
     from builder.ship import ShipOptions, trusted_key_bytes
 
-    out: dict[str, FleetBundle | str] = {}
-    for h in fleet.by_rank():
+    def one(h: Host) -> FleetBundle | str:
         bdir = bundle_dir(ctx.root, fleet, h)
         want = expected(ctx, fleet, h)
         manifest: dict[str, Any] | None = None
@@ -143,16 +144,17 @@ def ensure_bundles(
             pub = trusted_key_bytes(ctx.root, fleet, bdir, ShipOptions(signing_key=key))
             manifest, why = current_bundle(bdir, pub, want, with_image, with_models)
         if manifest is not None:
-            out[h.name] = FleetBundle(h.name, bdir, manifest, made=False)
-            continue
+            return FleetBundle(h.name, bdir, manifest, made=False)
         if dry_run:
-            out[h.name] = why
-            continue
+            return why
         if say is not None:
             say(f"{h.name}: making its bundle ({why})")
         opts = BundleOptions(out=bdir, key=key, with_image=with_image, with_models=with_models, part_size=part_size)
         res = make_bundle(ctx, f"{fleet.fleet.name}/{h.name}", opts)
-        manifest = inst.check_manifest(json.loads((res.path / inst.MANIFEST).read_bytes()))
-        out[h.name] = FleetBundle(h.name, res.path, manifest, made=True)
-    return out
+        return FleetBundle(h.name, res.path, inst.check_manifest(json.loads((res.path / inst.MANIFEST).read_bytes())),
+                           made=True)
+
+    hosts = fleet.by_rank()
+    with ThreadPoolExecutor(max_workers=max(1, min(4, len(hosts)))) as ex:  # (hosts' bundles are independent)
+        return dict(zip([h.name for h in hosts], ex.map(one, hosts), strict=True))
 

@@ -27,10 +27,11 @@ from typing import Any
 
 from builder.errors import BuilderError
 from builder.hosts import Fleet, Host
+from builder.ssh import ControlSockets
 
 #: the facts of one host, in one remote python3 (standard library only)
 STATE_SCRIPT = r"""
-import json, os, re, subprocess, sys, time, urllib.request
+import json, os, re, socket, subprocess, sys, time
 req = json.loads(sys.argv[1])
 root = req["root"]
 out = {"releases": [], "applied": None, "containers": [], "health": None, "docker": ""}
@@ -57,31 +58,61 @@ try:
     out["applied"]["image"] = img.get("name")
 except (OSError, ValueError, AttributeError):
     pass
-fmt = '{{.ID}}\t{{.Names}}\t{{.State}}\t{{.Label "%s"}}\t{{.Label "%s"}}\t{{.Image}}\t{{.Status}}' % (
-    req["label_bundle"], req["label_rank"])
+def http(sock, path, host):
+    # HTTP/1.0 by hand: one request, the answer until the peer closes (no http.client to import)
+    sock.settimeout(30)
+    sock.sendall(("GET %s HTTP/1.0\r\nHost: %s\r\n\r\n" % (path, host)).encode())
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+lane, rank = req["lane"], str(req["rank"])
+dh = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
 try:
-    lane = "label=%s=%s" % (req["label_lane"], req["lane"])
-    p = subprocess.run(["docker", "ps", "-a", "--no-trunc", "--filter", lane, "--format", fmt],
-                       capture_output=True, text=True, timeout=60)
-    if p.returncode != 0:
-        out["docker"] = (p.stderr.strip().splitlines() or ["docker ps failed"])[-1]
-    for line in p.stdout.splitlines():
-        parts = line.split("\t")
-        if len(parts) == 7 and parts[4] == str(req["rank"]):
-            out["containers"].append({"id": parts[0][:12], "name": parts[1], "state": parts[2],
-                                      "bundle": parts[3], "image": parts[5], "status": parts[6]})
-except (OSError, subprocess.TimeoutExpired) as e:
+    if dh.startswith("unix://"):  # the Engine API on its socket (as `docker ps -a` asks it)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(dh[len("unix://"):])
+        filters = json.dumps({"label": ["%s=%s" % (req["label_lane"], lane), "%s=%s" % (req["label_rank"], rank)]})
+        q = "".join(c if c.isalnum() or c in "-_.~" else "%%%02X" % ord(c) for c in filters)
+        code, body = http(s, "/containers/json?all=1&filters=" + q, "docker")
+        if code != 200:
+            raise OSError("docker engine answered HTTP %d" % code)
+        for c in json.loads(body):
+            labels = c.get("Labels") or {}
+            out["containers"].append({"id": c["Id"][:12], "name": (c.get("Names") or ["?"])[0].lstrip("/"),
+                                      "state": c.get("State", ""), "bundle": labels.get(req["label_bundle"], ""),
+                                      "image": c.get("ImageID") or c.get("Image", ""), "status": c.get("Status", "")})
+    else:  # another engine: the CLI knows how to reach it
+        fmt = '{{.ID}}	{{.Names}}	{{.State}}	{{.Label "%s"}}	{{.Label "%s"}}	{{.Image}}	{{.Status}}' % (
+            req["label_bundle"], req["label_rank"])
+        p = subprocess.run(["docker", "ps", "-a", "--no-trunc", "--filter", "label=%s=%s" % (req["label_lane"], lane),
+                            "--format", fmt], capture_output=True, text=True, timeout=60)
+        if p.returncode != 0:
+            raise OSError((p.stderr.strip().splitlines() or ["docker ps failed"])[-1])
+        for line in p.stdout.splitlines():
+            parts = line.split("	")
+            if len(parts) == 7 and parts[4] == rank:
+                out["containers"].append({"id": parts[0][:12], "name": parts[1], "state": parts[2],
+                                          "bundle": parts[3], "image": parts[5], "status": parts[6]})
+except (OSError, ValueError, KeyError, IndexError, subprocess.TimeoutExpired) as e:
     out["docker"] = "docker: %s" % e
 for attempt in range(3 if req.get("health_port") else 0):  # (a busy engine may miss one answer)
     try:
-        with urllib.request.urlopen("http://127.0.0.1:%d/health" % req["health_port"], timeout=5) as r:
-            out["health"] = {"status": r.status}
-        break
-    except Exception as e:
-        out["health"] = {"status": getattr(e, "code", None), "error": str(e)[:200]}
-        if not out["containers"]:
+        code, _ = http(socket.create_connection(("127.0.0.1", req["health_port"]), timeout=5), "/health",
+                       "127.0.0.1")
+        out["health"] = {"status": code}
+        if code == 200:
             break
-        time.sleep(0.5)
+    except (OSError, ValueError, IndexError) as e:
+        out["health"] = {"status": None, "error": str(e)[:200]}
+    if not out["containers"]:
+        break
+    time.sleep(0.5)
 sys.stdout.write(json.dumps(out))
 """
 
@@ -223,13 +254,13 @@ class HostOps:
         *,
         connect_timeout: int = 10,
         timeout: float = 60.0,
-        persist: float = 0,
+        sockets: ControlSockets | None = None,
     ) -> None:
         from builder.ship import Remote
 
         self.fleet, self.host = fleet, host
-        # (persist > 0: the host's kept connection, which the audits of the same command reuse)
-        self.remote = Remote(fleet_file, fleet, host, connect_timeout, persist=persist)
+        # (sockets: the command's, so its audits and ships use this host's one connection too)
+        self.remote = Remote(fleet_file, fleet, host, connect_timeout, sockets=sockets)
         self.timeout = timeout
         self.root = host.paths.bundles.rstrip("/") or "/"
 

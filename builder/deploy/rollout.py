@@ -28,6 +28,7 @@ failure, every host back to the old one), and says which.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,11 +41,13 @@ from builder.deploy.bundles import FleetBundle, ensure_bundles
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.hoststate import HostOps, HostState
 from builder.deploy.report import DeployReport, HostOutcome
-from builder.errors import BuilderError, UnreachableError
+from builder.errors import BuilderError, ConfigError, UnreachableError
 from builder.hosts import Host
+from builder.ssh import ControlSockets
 
 T = TypeVar("T")
 Say = Callable[[str], None]
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # (a fleet's name, as the inventory allows it)
 
 
 @dataclass
@@ -97,9 +100,12 @@ def _why(e: BaseException) -> str:
 class Fleetwork:
     """One command's view of a fleet: its inventory, lane and the connection to every host."""
 
-    def __init__(self, opts: DeployOptions, say: Say, *, strict: bool = True) -> None:
+    def __init__(
+        self, opts: DeployOptions, say: Say, *, strict: bool = True, sockets: ControlSockets | None = None
+    ) -> None:
         """`strict`: the lane must be locked as pinned (what a deploy or start needs); otherwise it
-        need only exist in the pins and the lock (what `builder status` needs to compare)."""
+        need only exist in the pins and the lock (what `builder status` needs to compare).
+        `sockets`: the command's connections, when it made them already (see `command_sockets`)."""
         from builder.bundle import check_lane, load_bundle_inputs
         from builder.hosts import check_against_pins, find_fleet
 
@@ -117,6 +123,8 @@ class Fleetwork:
         self.workers = self.hosts[1:]
         self.ops: dict[str, HostOps] = {}
         self.states: dict[str, HostState] = {}
+        self.sockets = sockets or command_sockets(opts)
+        self.shared = shared_view(self.sockets)
 
     @property
     def fleet_name(self) -> str:
@@ -126,13 +134,14 @@ class Fleetwork:
         if h.name not in self.ops:
             self.ops[h.name] = HostOps(
                 self.fleet_path, self.fleet, h, connect_timeout=self.opts.connect_timeout, timeout=self.opts.timeout,
-                persist=self.opts.ssh_persist,
+                sockets=self.shared,
             )
         return self.ops[h.name]
 
     def close(self) -> None:
         for o in self.ops.values():
             o.close()
+        close_sockets(self.sockets)
 
     def limit(self) -> int:
         return max(1, self.opts.parallel)
@@ -213,27 +222,112 @@ class Fleetwork:
     # ------------------------------------------------------------------ audits
 
     def audit(self, phase: str, *, release: str = "current", snapshot: Path | None = None) -> Any:
-        from builder.audit import AuditOptions, run_audit
+        return run_fleet_audit(self.opts, self.shared, self.say, phase, release=release, snapshot=snapshot,
+                               hosts_dir=self.ctx.hosts_dir)
 
-        o = self.opts
-        root = snapshot or o.root
-        ao = AuditOptions(
-            root=root,
-            pins=(snapshot / "pins.toml") if snapshot else o.pins,
-            lock=(snapshot / "pins.lock") if snapshot else o.lock,
-            store=o.store,
-            hosts_dir=self.ctx.hosts_dir,
-            checks_dir=o.checks_dir or o.root / "checks",
-            fleet=self.fleet_name,
-            mode=o.audit_mode,
-            phase=phase,
-            release=release,
-            connect_timeout=float(o.connect_timeout),
-            ssh_persist=o.ssh_persist,
-        )
-        what = {"preflight": "preflight audit (the gate)", "serving": "serving audit", "all": "audit"}[phase]
-        self.say(f"{what} of fleet {self.fleet_name}{' (the staged release)' if release == 'staged' else ''}")
-        return run_audit(ao, on_host=lambda h: self.say(f"{h.name}: {what}: {h.status} ({h.seconds:.1f} s)"))
+
+def command_sockets(opts: DeployOptions) -> ControlSockets:
+    """One connection per host for the whole command: every step, ship and audit of it reuses the
+    host's one ControlMaster in the command's folder (the user's kept folder with --ssh-persist > 0:
+    kept that long after the command; else a folder of the command's own, closed and removed at the
+    end, and ended by ssh itself 60 s after its last use if the command is killed)."""
+    return ControlSockets.for_run(opts.ssh_persist)
+
+
+def shared_view(sockets: ControlSockets) -> ControlSockets:
+    """What the command's steps, ships and audits see: its sockets, as connections to reuse (and to
+    open, when there is none yet), never to close: the command closes them (close_sockets)."""
+    return ControlSockets(sockets.folder, True, sockets.persist or 60.0)
+
+
+def close_sockets(sockets: ControlSockets) -> None:
+    """Close the command's own connections (every ControlMaster in its folder) and remove the folder;
+    kept ones (--ssh-persist > 0) stay for the next command."""
+    import stat
+    import subprocess
+
+    if sockets.shared:
+        return
+    try:
+        entries = list(sockets.folder.iterdir())
+    except OSError:
+        entries = []
+    for p in entries:
+        try:
+            if not stat.S_ISSOCK(p.lstat().st_mode):
+                continue
+            subprocess.run(["ssh", "-o", f"ControlPath={p}", "-O", "exit", "--", "builder-control"],
+                           capture_output=True, timeout=10, stdin=subprocess.DEVNULL, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    sockets.cleanup()
+
+
+def run_fleet_audit(
+    opts: DeployOptions, shared: ControlSockets, say: Say, phase: str, *, release: str = "current",
+    snapshot: Path | None = None, hosts_dir: Path | None = None,
+) -> Any:
+    """`builder audit --fleet F --phase PHASE` over the command's connections (`snapshot`: against the
+    pins and lock kept there, for a rolled-back release)."""
+    from builder.audit import AuditOptions, run_audit
+
+    ao = AuditOptions(
+        root=snapshot or opts.root,
+        pins=(snapshot / "pins.toml") if snapshot else opts.pins,
+        lock=(snapshot / "pins.lock") if snapshot else opts.lock,
+        store=opts.store,
+        hosts_dir=hosts_dir or opts.root / "hosts",
+        checks_dir=opts.checks_dir or opts.root / "checks",
+        fleet=opts.fleet,
+        mode=opts.audit_mode,
+        phase=phase,
+        release=release,
+        connect_timeout=float(opts.connect_timeout),
+        # (the command's folder, "kept" for the audit's length: the command closes them)
+        control_dir=shared.folder,
+        ssh_persist=shared.persist,
+    )
+    what = {"preflight": "preflight audit (the gate)", "serving": "serving audit", "all": "audit"}[phase]
+    say(f"{what} of fleet {opts.fleet}{' (the staged release)' if release == 'staged' else ''}")
+    return run_audit(ao, on_host=lambda h: say(f"{h.name}: {what}: {h.status} ({h.seconds:.1f} s)"))
+
+
+class EarlyAudit:
+    """The no-op's audit (``--phase all``), started before the deploy loads anything when the fleet
+    most likely runs its bundles already (no unfinished deploy, and every bundle in out/bundles was
+    made from this lock): its pytest start and its connections then overlap the deploy's own loading
+    and bundle checks. Its report is used only when the deploy finds the fleet deployed; it is always
+    waited for."""
+
+    def __init__(self, opts: DeployOptions, shared: ControlSockets, say: Say) -> None:
+        import threading
+
+        self.report: Any = None
+        self.thread = threading.Thread(target=self._run, args=(opts, shared, say), daemon=True)
+        self.thread.start()
+
+    def _run(self, opts: DeployOptions, shared: ControlSockets, say: Say) -> None:
+        try:
+            self.report = run_fleet_audit(opts, shared, say, "all")
+        except Exception:  # (a configuration error is the deploy's to report)
+            self.report = None
+
+    def wait(self) -> Any:
+        self.thread.join()
+        return self.report
+
+    @staticmethod
+    def likely(opts: DeployOptions) -> bool:
+        import json
+
+        if opts.dry_run or J.load(opts.store, opts.fleet) is not None:
+            return False
+        try:
+            seal = json.loads(opts.lock.read_bytes())["seal"]  # (the lock's hash, as bundles record it)
+            manifests = list((opts.root / "out" / "bundles" / opts.fleet).glob("*/manifest.json"))
+            return bool(manifests) and all(json.loads(m.read_bytes()).get("lock_hash") == seal for m in manifests)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False
 
 
 def _problems(report: Any) -> str:
@@ -246,21 +340,38 @@ def _problems(report: Any) -> str:
 
 def deploy(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
     start = time.monotonic()
-    w = Fleetwork(opts, say)  # ConfigError (exit 2) before any host is contacted
-    try:
-        if opts.dry_run:
+    if opts.dry_run:
+        w = Fleetwork(opts, say)  # ConfigError (exit 2) before any host is contacted
+        try:
             rep = _Deploy(w).run()
-        else:
-            with fleet_lock(opts.store, w.fleet_name, "deploy"):
-                rep = _Deploy(w).run()
-    finally:
-        w.close()
+        finally:
+            w.close()
+    else:
+        if not NAME.fullmatch(opts.fleet):
+            raise ConfigError(f"--fleet: not a fleet name: {opts.fleet!r}")
+        with fleet_lock(opts.store, opts.fleet, "deploy"):
+            sockets = command_sockets(opts)
+            early = EarlyAudit(opts, shared_view(sockets), say) if EarlyAudit.likely(opts) else None
+            try:
+                w = Fleetwork(opts, say, sockets=sockets)  # ConfigError (exit 2): nothing was changed
+            except BaseException:
+                if early is not None:
+                    early.wait()
+                close_sockets(sockets)
+                raise
+            try:
+                rep = _Deploy(w, early).run()
+            finally:
+                if early is not None:
+                    early.wait()
+                w.close()
     rep.seconds = time.monotonic() - start
     return rep
 
 
 class _Deploy:
-    def __init__(self, w: Fleetwork) -> None:
+    def __init__(self, w: Fleetwork, early: EarlyAudit | None = None) -> None:
+        self.early = early
         self.w = w
         self.opts = w.opts
         self.say = w.say
@@ -282,12 +393,15 @@ class _Deploy:
         )
         stale = {n: b for n, b in made.items() if isinstance(b, str)}
         self.bundles = {n: b for n, b in made.items() if isinstance(b, FleetBundle)}
+        earlier = J.load(opts.store, w.fleet_name)
+        early = self.early.wait() if self.early is not None else None
+        if earlier is not None or any(b.made for b in self.bundles.values()):
+            early = None  # (audited before the journal or the bundles said otherwise: not the no-op's)
         failed = w.probe()
         if failed:
             for name, why in failed.items():
                 self.out(name).result, self.out(name).message = "unreachable", why
             return self.refuse("not every host answered; nothing was changed", unreachable=True)
-        earlier = J.load(opts.store, w.fleet_name)
         for h in w.hosts:
             o, st = self.out(h), w.states[h.name]
             o.target = self.bundles[h.name].bundle_id if h.name in self.bundles else None
@@ -301,7 +415,7 @@ class _Deploy:
         if opts.dry_run:
             return self.plan(stale)
         if self.is_noop():
-            return self.noop(earlier)
+            return self.noop(earlier, early)
         for line in self.changes():
             self.say(f"to deploy: {line}")
         recipe = w.ctx.pins.images[w.lane.image].recipe
@@ -442,10 +556,11 @@ class _Deploy:
         rep.reason = "dry run: nothing was changed"
         return rep
 
-    def noop(self, earlier: J.Journal | None) -> DeployReport:
+    def noop(self, earlier: J.Journal | None, report: Any = None) -> DeployReport:
         w, rep = self.w, self.rep
-        self.say(f"fleet {w.fleet_name}: every host runs its new bundle already; auditing")
-        report = w.audit("all")
+        self.say(f"fleet {w.fleet_name}: every host runs its new bundle already" + ("" if report else "; auditing"))
+        if report is None:
+            report = w.audit("all")
         rep.audit = report.to_json()
         for h in w.hosts:
             self.out(h).result = "unchanged"
@@ -486,6 +601,7 @@ class _Deploy:
                 ShipOptions(
                     bundle=self.bundles[h.name].path, signing_key=self.opts.key, timeout=self.opts.timeout,
                     connect_timeout=self.opts.connect_timeout, insecure=self.opts.insecure, stage=True,
+                    sockets=w.shared,
                 ),
             )
             return f"staged ({len(r.sent)} files sent, {len(r.skipped)} already there)"
@@ -513,21 +629,33 @@ class _Deploy:
 
     def forward(self) -> None:
         w = self.w
-        failed = w.stop_all()
+        failed = w.stop_all(only={w.head.name})  # the head first: no new worker ever meets an old head
         if failed:
             raise BuilderError("; ".join(f"{n}: {why}" for n, why in failed.items()))
         self.phase("switching")
-        for h, _, err in each(
-            [h for h in w.hosts if w.states[h.name].installed != self.out(h).target],
-            lambda h: w.op(h).switch(self.bundles[h.name].bundle_id),
-            w.limit(),
-        ):
+
+        def stop_and_switch(h: Host) -> str:
+            """A worker stops (once the head has); then each host switches as soon as it is stopped."""
+            if h.role == "worker":
+                st = w.states.get(h.name)
+                w.op(h).stop(w.lane_name, bool(st and st.current), self.opts.stop_timeout)
+                self.say(f"{h.name}: stopped rank {h.rank}")
+            if w.states[h.name].installed == self.out(h).target:
+                return "unchanged"
+            w.op(h).switch(self.bundles[h.name].bundle_id)
+            return "switched"
+
+        errors = []
+        for h, res, err in each(w.hosts, stop_and_switch, w.limit()):
             o = self.out(h)
             if err is not None:
                 o.result, o.message = ("unreachable" if isinstance(err, UnreachableError) else "failed"), _why(err)
-                raise BuilderError(f"switch: {o.message}")
-            o.result, o.on = "switched", "new"
-            self.say(f"{h.name}: switched {_short(o.origin)} -> {_short(o.target)}")
+                errors.append(o.message)
+            elif res == "switched":
+                o.result, o.on = "switched", "new"
+                self.say(f"{h.name}: switched {_short(o.origin)} -> {_short(o.target)}")
+        if errors:
+            raise BuilderError("; ".join(errors))
         for h in w.hosts:
             o = self.out(h)
             if o.result != "switched":
