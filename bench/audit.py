@@ -2,13 +2,15 @@
 host-side model hashing.
 
 The hosts are the test fleet's containers (tests/fleetlib.py: a real sshd and their own dockerd) and
-the install is the operator's journey through the real CLI (tests/journeylib.py journey: lock,
-image, keygen, bundle --with-image --with-models, ship to every host). Each size is its own fleet
-with a lane whose tensor_parallel is the host count: the shipped `demo` lane for 2 hosts, and for
-the others a lane `demo-tpN` added to the journey's project copy before the lock (the demo lane's
-serve settings, tensor_parallel = N, models = ["demo-tiny"]). The four fleets (15 hosts) run side by
-side and share one store, so the demo image is built once; every audit is then round-robin over the
-sizes and ways, so load from other work hits them alike.
+the install is the operator's journey through the real CLI (tests/journeylib.py journey: lock, fetch,
+image, keygen, bundle --with-image --with-models, ship to every host). Every command runs the code
+of one copy of the project (the first journey's, on PYTHONPATH), so edits to this tree during the
+run do not mix versions. Each size is its own fleet with a lane whose tensor_parallel is the host
+count: the shipped `demo` lane for 2 hosts, and for the others a lane `demo-tpN` added to the
+journey's project copy before the lock (the demo lane's serve settings, tensor_parallel = N,
+models = ["demo-tiny"]). The four fleets (15 hosts) run side by side and share one store, so the
+demo image is built once; every audit is then round-robin over the sizes and ways, so load from
+other work hits them alike.
 
 Every audit must pass (exit 0, no check failing): the benchmark raises, naming the failing checks,
 if one does not. Measured twice: `--phase preflight` (the default) on the installed hosts before
@@ -16,17 +18,18 @@ start, and `--phase all` (preflight and the serving checks: health, a one-token 
 every journey's `start()`.
 
 Two ways, each with its own folder of ssh connections ($BUILDER_SSH_DIR):
-- kept (what the default, `--ssh-persist 60`, does between audits less than a minute apart): each
-  audit reuses the connections the one before it left open, as an operator's repeated audits do;
-  the warm-up run opens them. Run with `--ssh-persist 600`: a round-robin pass over the eight
-  audits can take more than a minute on a loaded machine, and a lapsed connection would turn the
-  next "kept" audit into a first contact.
-- first contact (`--ssh-persist 0`): every audit opens (ssh key exchange and login) and closes its
-  connection to every host.
+- kept (`--ssh-persist 600`): each audit reuses the connections the one before it left open, as an
+  operator's repeated audits with `--ssh-persist N` do; the warm-up run opens them. 600 s, not 60:
+  a round-robin pass over the eight audits can take more than a minute on a loaded machine, and a
+  lapsed connection would turn the next "kept" audit into a first contact.
+- first contact (`--ssh-persist 0`, the default now): every audit opens (ssh key exchange and
+  login) and closes its connection to every host.
 
 The test hosts are containers on this machine, so their sshd, python3 and docker CLI run on the
 same cores as the audit. Beside the wall times the benchmark reports where the CPU went: per host
-added on the operator's side (the audit's own process tree: pytest, ssh clients); per host on the
+added on the operator's side (a cgroup holding the audit's whole process tree: the hosts' pytest,
+the ssh clients and masters; RUSAGE_CHILDREN, which misses what was put in the background, where no
+cgroup can be made); per host on the
 test hosts' side (their containers' cgroups: sshd, the batch's python3, the docker CLI and the host's
 own dockerd), which a real fleet runs on its Sparks; per host added on the whole machine
 (/proc/stat: both, the kernel, and whatever else runs here); and the memory the test hosts use.
@@ -74,9 +77,9 @@ NAME = "audit"
 SIZES = (1, 2, 4, 8)
 TARGET = "<= 2"
 
-#: the two ways, each one's extra arguments. Kept: the default's behaviour with a longer window
-#: (default 60 s): one round-robin pass over the 8 audits can take over a minute on a loaded
-#: machine, and a lapsed connection would make the next "kept" audit a first contact.
+#: the two ways, each one's extra arguments. Kept for 600 s, not 60: one round-robin pass over the 8
+#: audits can take over a minute on a loaded machine, and a lapsed connection would make the next
+#: "kept" audit a first contact.
 WAYS: dict[str, list[str]] = {"kept": ["--ssh-persist", "600"], "first contact": ["--ssh-persist", "0"]}
 #: the two phases: before start (the default) and after start
 PHASES: dict[str, list[str]] = {"preflight": [], "all": ["--phase", "all"]}

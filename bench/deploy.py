@@ -129,20 +129,27 @@ _context = itertools.count(5000, 16)
 
 
 def _scale(cfg: Config, js: dict[int, Any], args: dict[int, list[str]]) -> list[Row]:
+    from bench.audit import _hosts_cpu, _machine_cpu
+
     timings: dict[int, list[float]] = {n: [] for n in SIZES}
+    cpu: dict[int, list[tuple[float, float]]] = {n: [] for n in SIZES}
 
     def one(n: int) -> float:
         j = js[n]
         j.set_serve(lane=_lane(j), context=next(_context))  # a new release: new bundles on every host
+        m0, h0 = _machine_cpu(), _hosts_cpu(j)
         t = time.perf_counter()
         rc, rep = j.deploy(*args[n])
         dt = time.perf_counter() - t
+        m1, h1 = _machine_cpu(), _hosts_cpu(j)
+        cpu[n].append((m1 - m0, (h1 - h0) if h0 is not None and h1 is not None else float("nan")))
         if rc != 0 or rep.get("result") != "deployed":
             raise AssertionError(f"deploy of {n} host(s): exit {rc}: {rep.get('reason')}: {j.last_stderr[-800:]}")
         return dt
 
     for n in SIZES:  # warm-up
         one(n)
+        cpu[n].clear()
     for _ in range(cfg.runs):  # round-robin: load from other work hits both sizes alike
         for n in SIZES:
             timings[n].append(one(n))
@@ -151,6 +158,13 @@ def _scale(cfg: Config, js: dict[int, Any], args: dict[int, list[str]]) -> list[
     rows = [Row(NAME, f"deploy {n} host{'s' if n > 1 else ''}, a changed serve setting", secs(t[n]), "", None, "",
                 "report", "bundle, stage, gate, stop, switch, start, wait for /health, serving audit",
                 {"seconds": t[n], "runs": timings[n]}) for n in SIZES]
+    mc = {n: statistics.median(c[0] for c in cpu[n]) for n in SIZES}
+    hc = {n: statistics.median(c[1] for c in cpu[n]) for n in SIZES}
+    rows.append(Row(NAME, "deploy CPU, 1 host vs 4 hosts (whole machine; the test hosts' part)",
+                    f"{mc[4]:.1f} s ({hc[4]:.1f} s)", f"1 host {mc[1]:.1f} s ({hc[1]:.1f} s)", None, "", "report",
+                    f"/proc/stat over the deploy, and the host containers' cgroups (sshd, python3, docker, dockerd, "
+                    f"the engine): the {os.cpu_count()} cores run the operator side and every test host",
+                    {"machine1": mc[1], "machine4": mc[4], "hosts1": hc[1], "hosts4": hc[4]}))
     rows.append(Row(NAME, "deploy 4 hosts vs 1 host (wall time)", secs(t[4]), f"1 host {secs(t[1])}", ratio,
                     TARGET_SCALE, judge(ratio, TARGET_SCALE),
                     "ratio = 4-host deploy / 1-host deploy; each run a new release (relocked), timed the deploy alone",
