@@ -121,7 +121,7 @@ def _noop(cfg: Config, j: Any, args: list[str], ssh: Path) -> list[Row]:
     return [Row(NAME, "deploy of an unchanged fleet vs the preflight audit (wall time)", secs(t["deploy"]),
                 f"audit {secs(t['audit'])}", ratio, TARGET_NOOP, judge(ratio, TARGET_NOOP),
                 "2 hosts serving; the deploy finds every host on its bundle and audits --phase all; the audit is "
-                "--phase preflight; both reuse the kept ssh connections",
+                "--phase preflight; each command opens its own ssh connections (the default, --ssh-persist 0)",
                 {"deploy_s": t["deploy"], "audit_s": t["audit"]})]
 
 

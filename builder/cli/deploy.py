@@ -61,7 +61,7 @@ def _run_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _options(**kw: Any) -> Any:
-    from builder.deploy import DeployOptions
+    from builder.deploy.rollout import DeployOptions
 
     c = get_ctx()
     return DeployOptions(root=c.root, pins=c.pins, lock=c.lock, store=c.store, **kw)
@@ -127,12 +127,11 @@ def deploy(
     Exit 0 deployed (or nothing to do and the audit passes), 1 refused, rolled back or failed,
     2 configuration error (nothing changed), 3 a host could not be reached.
     """
-    from builder import deploy as core
-    from builder.bundle import parse_size
+    from builder.deploy import rollout as core
 
     opts = _options(
         fleet=fleet, checks_dir=checks_dir, key=key, with_image=with_image, with_models=with_models,
-        part_size=parse_size(part_size), dry_run=dry_run, parallel=parallel, connect_timeout=connect_timeout,
+        part_size=part_size, dry_run=dry_run, parallel=parallel, connect_timeout=connect_timeout,
         timeout=timeout, start_timeout=start_timeout, stop_timeout=stop_timeout, audit_mode=mode,
         ssh_persist=ssh_persist, insecure=insecure,
     )
@@ -149,7 +148,7 @@ def start(
     """Start fleet NAME's installed release: the preflight audit first (it refuses while another GPU
     workload runs), then the workers, then the head; wait for the API; the serving audit. A fleet partly
     up is stopped first (the head, then the workers)."""
-    from builder import deploy as core
+    from builder.deploy import rollout as core
 
     opts = _options(
         fleet=fleet, checks_dir=checks_dir, connect_timeout=connect_timeout, timeout=timeout,
@@ -168,7 +167,7 @@ def stop(
     fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, stop_timeout: int
 ) -> int:
     """Stop fleet NAME's lane: the head first, then the workers; only the lane's own containers."""
-    from builder import deploy as core
+    from builder.deploy import rollout as core
 
     opts = _options(
         fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, stop_timeout=stop_timeout,
@@ -184,8 +183,7 @@ def status(fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_
 
     Exit 0 every rank up on the lock, 1 not, 3 a host could not be reached."""
     from builder import output
-    from builder.deploy import fleet_status
-    from builder.deploy.status import rows
+    from builder.deploy.status import fleet_status, rows
 
     st = fleet_status(_options(fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, ssh_persist=ssh_persist))
     cols, body = rows(st)

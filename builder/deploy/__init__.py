@@ -13,17 +13,4 @@
 
 from __future__ import annotations
 
-from builder.deploy.report import DeployReport, HostOutcome
-from builder.deploy.rollout import DeployOptions, deploy, start, stop
-from builder.deploy.status import FleetStatus, fleet_status
-
-__all__ = [
-    "DeployOptions",
-    "DeployReport",
-    "FleetStatus",
-    "HostOutcome",
-    "deploy",
-    "fleet_status",
-    "start",
-    "stop",
-]
+# (no imports here: `builder deploy` starts the likely no-op's audit before it loads the rest)

@@ -125,14 +125,14 @@ def ensure_bundles(
     key: Path | None,
     with_image: bool,
     with_models: bool,
-    part_size: int,
+    part_size: str,
     dry_run: bool = False,
     say: Any = None,
 ) -> dict[str, FleetBundle | str]:
     """host -> its bundle (made again where stale); with dry_run, host -> why it would be made."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from builder.bundle import BundleOptions, make_bundle
+    from builder.bundle import BundleOptions, make_bundle, parse_size
     from builder.ship import ShipOptions, trusted_key_bytes
 
     def one(h: Host) -> FleetBundle | str:
@@ -149,11 +149,12 @@ def ensure_bundles(
             return why
         if say is not None:
             say(f"{h.name}: making its bundle ({why})")
-        opts = BundleOptions(out=bdir, key=key, with_image=with_image, with_models=with_models, part_size=part_size)
+        opts = BundleOptions(out=bdir, key=key, with_image=with_image, with_models=with_models, part_size=size)
         res = make_bundle(ctx, f"{fleet.fleet.name}/{h.name}", opts)
         return FleetBundle(h.name, res.path, inst.check_manifest(json.loads((res.path / inst.MANIFEST).read_bytes())),
                            made=True)
 
+    size = parse_size(part_size)  # (ConfigError before anything is written)
     hosts = fleet.by_rank()
     with ThreadPoolExecutor(max_workers=max(1, min(4, len(hosts)))) as ex:  # (hosts' bundles are independent)
         return dict(zip([h.name for h in hosts], ex.map(one, hosts), strict=True))

@@ -34,16 +34,18 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from builder.deploy import journal as J
-from builder.deploy.bundles import FleetBundle, ensure_bundles
 from builder.deploy.fleetlock import fleet_lock
-from builder.deploy.hoststate import HostOps, HostState
 from builder.deploy.report import DeployReport, HostOutcome
 from builder.errors import BuilderError, ConfigError, UnreachableError
-from builder.hosts import Host
 from builder.ssh import ControlSockets
+
+if TYPE_CHECKING:  # (loaded where used: the likely no-op's audit starts before they are imported)
+    from builder.deploy.bundles import FleetBundle
+    from builder.deploy.hoststate import HostOps, HostState
+    from builder.hosts import Host
 
 T = TypeVar("T")
 Say = Callable[[str], None]
@@ -61,7 +63,7 @@ class DeployOptions:
     key: Path | None = None  # the signing key (bundles made again are signed with it)
     with_image: bool = False
     with_models: bool = False
-    part_size: int = 256 * 1024 * 1024
+    part_size: str = "256MiB"  # (as `builder bundle --part-size` takes it)
     dry_run: bool = False
     parallel: int = 4  # hosts staged at once
     connect_timeout: int = 10
@@ -131,6 +133,8 @@ class Fleetwork:
         return self.fleet.fleet.name
 
     def op(self, h: Host) -> HostOps:
+        from builder.deploy.hoststate import HostOps
+
         if h.name not in self.ops:
             self.ops[h.name] = HostOps(
                 self.fleet_path, self.fleet, h, connect_timeout=self.opts.connect_timeout, timeout=self.opts.timeout,
@@ -386,6 +390,8 @@ class _Deploy:
     # ------------------------------------------------------------------ the whole run
 
     def run(self) -> DeployReport:
+        from builder.deploy.bundles import FleetBundle, ensure_bundles
+
         w, opts, rep = self.w, self.opts, self.rep
         made = ensure_bundles(
             w.ctx, w.fleet_path, w.fleet, key=opts.key, with_image=opts.with_image, with_models=opts.with_models,
@@ -394,10 +400,10 @@ class _Deploy:
         stale = {n: b for n, b in made.items() if isinstance(b, str)}
         self.bundles = {n: b for n, b in made.items() if isinstance(b, FleetBundle)}
         earlier = J.load(opts.store, w.fleet_name)
-        early = self.early.wait() if self.early is not None else None
+        failed = w.probe()  # (beside the early audit, if one runs: the hosts' connections are shared)
+        early = self.early.wait() if self.early is not None else None  # (always over before anything changes)
         if earlier is not None or any(b.made for b in self.bundles.values()):
             early = None  # (audited before the journal or the bundles said otherwise: not the no-op's)
-        failed = w.probe()
         if failed:
             for name, why in failed.items():
                 self.out(name).result, self.out(name).message = "unreachable", why
