@@ -256,14 +256,22 @@ def close_sockets(sockets: ControlSockets) -> None:
         entries = list(sockets.folder.iterdir())
     except OSError:
         entries = []
-    for p in entries:
+    procs = []
+    for p in entries:  # (every host's at once)
         try:
-            if not stat.S_ISSOCK(p.lstat().st_mode):
-                continue
-            subprocess.run(["ssh", "-o", f"ControlPath={p}", "-O", "exit", "--", "builder-control"],
-                           capture_output=True, timeout=10, stdin=subprocess.DEVNULL, check=False)
-        except (OSError, subprocess.TimeoutExpired):
+            if stat.S_ISSOCK(p.lstat().st_mode):
+                procs.append(subprocess.Popen(
+                    ["ssh", "-o", f"ControlPath={p}", "-O", "exit", "--", "builder-control"],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                ))
+        except OSError:
             pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     sockets.cleanup()
 
 
@@ -296,28 +304,81 @@ def run_fleet_audit(
     return run_audit(ao, on_host=lambda h: say(f"{h.name}: {what}: {h.status} ({h.seconds:.1f} s)"))
 
 
+_EARLY_AUDIT = """
+import json, sys
+from pathlib import Path
+from builder.audit import AuditOptions, run_audit
+from builder.errors import BuilderError
+req = json.loads(sys.argv[1])
+paths = ("root", "pins", "lock", "store", "hosts_dir", "checks_dir", "control_dir")
+opts = AuditOptions(**{k: Path(v) if k in paths else v for k, v in req.items()})
+def progress(h):
+    sys.stderr.write("%s: %s (%.1f s)\\n" % (h.name, h.status, h.seconds))
+    sys.stderr.flush()
+try:
+    report = run_audit(opts, on_host=progress)
+except BuilderError as e:
+    sys.stderr.write("error: %s\\n" % e)
+    sys.exit(2)
+sys.stdout.write(json.dumps(report.to_json()))
+"""
+
+
 class EarlyAudit:
-    """The no-op's audit (``--phase all``), started before the deploy loads anything when the fleet
-    most likely runs its bundles already (no unfinished deploy, and every bundle in out/bundles was
-    made from this lock): its pytest start and its connections then overlap the deploy's own loading
-    and bundle checks. Its report is used only when the deploy finds the fleet deployed; it is always
-    waited for."""
+    """The no-op's audit (as ``builder audit --fleet F --phase all --json``), started before the deploy
+    loads anything when the fleet most likely runs its bundles already (no unfinished deploy, and
+    every bundle in out/bundles was made from this lock). It runs as a process of its own, over the
+    command's connections (it opens them; the deploy's steps reuse them), so its pytest start and its
+    checks overlap the deploy's own loading and bundle checks on another core. Its report (the audit's
+    JSON) is used only when the deploy finds the fleet deployed; it is always waited for."""
 
     def __init__(self, opts: DeployOptions, shared: ControlSockets, say: Say) -> None:
+        import json
+        import os
+        import subprocess
+        import sys
         import threading
 
-        self.report: Any = None
-        self.thread = threading.Thread(target=self._run, args=(opts, shared, say), daemon=True)
-        self.thread.start()
+        import builder
 
-    def _run(self, opts: DeployOptions, shared: ControlSockets, say: Say) -> None:
+        req = {
+            "root": str(opts.root.resolve()), "pins": str(opts.pins.resolve()), "lock": str(opts.lock.resolve()),
+            "store": str(opts.store.resolve()), "hosts_dir": str((opts.root / "hosts").resolve()),
+            "checks_dir": str((opts.checks_dir or opts.root / "checks").resolve()), "fleet": opts.fleet,
+            "mode": opts.audit_mode, "phase": "all", "connect_timeout": float(opts.connect_timeout),
+            "control_dir": str(shared.folder), "ssh_persist": shared.persist,
+        }
+        # the same builder as this process (whatever put it on the path); no CLI, no table to render
+        here = str(Path(builder.__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        self.report: dict[str, Any] | None = None
+        self.say = say
+        say(f"audit of fleet {opts.fleet}")
+        self.proc = subprocess.Popen([sys.executable, "-c", _EARLY_AUDIT, json.dumps(req)], cwd=shared.folder,
+                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.err = threading.Thread(target=self._progress, daemon=True)
+        self.err.start()
+
+    def _progress(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            line = raw.decode("utf-8", "replace").rstrip()
+            m = re.match(r"^(\S+): (pass|drift|unreachable|error) \((.*)\)$", line)
+            if m:
+                self.say(f"{m.group(1)}: audit: {m.group(2)} ({m.group(3)})")
+
+    def wait(self) -> dict[str, Any] | None:
+        import json
+
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.read()  # (stderr is the progress thread's)
+        self.proc.wait()
+        self.err.join()
         try:
-            self.report = run_fleet_audit(opts, shared, say, "all")
-        except Exception:  # (a configuration error is the deploy's to report)
-            self.report = None
-
-    def wait(self) -> Any:
-        self.thread.join()
+            got = json.loads(out)
+        except ValueError:  # (a configuration error is the deploy's to report)
+            return None
+        self.report = got if isinstance(got, dict) and "exit" in got else None
         return self.report
 
     @staticmethod
@@ -335,7 +396,12 @@ class EarlyAudit:
 
 
 def _problems(report: Any) -> str:
-    bad = [f"{h.name}: {h.first_problem() or h.status}" for h in report.hosts if h.status != "pass"]
+    """The hosts that did not pass, and why (an AuditReport, or its JSON)."""
+    if isinstance(report, dict):
+        hosts = report.get("hosts") or {}
+        bad = [f"{n}: {h.get('message') or h.get('status')}" for n, h in hosts.items() if h.get("status") != "pass"]
+    else:
+        bad = [f"{h.name}: {h.first_problem() or h.status}" for h in report.hosts if h.status != "pass"]
     return "; ".join(bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
 
 
@@ -562,15 +628,14 @@ class _Deploy:
         rep.reason = "dry run: nothing was changed"
         return rep
 
-    def noop(self, earlier: J.Journal | None, report: Any = None) -> DeployReport:
+    def noop(self, earlier: J.Journal | None, early: dict[str, Any] | None = None) -> DeployReport:
         w, rep = self.w, self.rep
-        self.say(f"fleet {w.fleet_name}: every host runs its new bundle already" + ("" if report else "; auditing"))
-        if report is None:
-            report = w.audit("all")
-        rep.audit = report.to_json()
+        self.say(f"fleet {w.fleet_name}: every host runs its new bundle already" + ("" if early else "; auditing"))
+        rep.audit = early if early is not None else w.audit("all").to_json()
+        code = int(rep.audit.get("exit", 1))
         for h in w.hosts:
             self.out(h).result = "unchanged"
-        if report.exit_code == 0:
+        if code == 0:
             if earlier is not None:
                 J.clear(self.opts.store, w.fleet_name)
                 rep.result = "deployed"
@@ -580,8 +645,8 @@ class _Deploy:
             rep.reason = "already deployed and serving; the audit passes"
         else:
             rep.result = "unchanged"
-            rep.unreachable = report.exit_code == 3
-            rep.reason = f"already deployed, but the audit fails: {_problems(report)}"
+            rep.unreachable = code == 3
+            rep.reason = f"already deployed, but the audit fails: {_problems(rep.audit)}"
         return rep
 
     # ------------------------------------------------------------------ stage
