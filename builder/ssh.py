@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from builder.errors import ConfigError
-
 # ----------------------------------------------------------------------------- targets
 
 #: a user, a host name or an ssh_config alias: letters, digits, '.', '_' and '-', not '-' or '.' first
@@ -128,20 +126,6 @@ def parse_target(target: str) -> SshTarget:
             "'.', '_' and '-' (not first)"
         )
     return SshTarget(user, host, port)
-
-
-def ssh_config_file(fleet_file: Path, value: str | None) -> Path | None:
-    """The fleet's ``ssh_config`` (``fleet.ssh_config`` of ``fleet_file``): ``~`` expanded, a relative
-    path taken from the fleet file's folder (the same for audit and ship, wherever they are run from).
-    ConfigError naming the file and key when it is not a file."""
-    if value is None:
-        return None
-    p = Path(value).expanduser()
-    if not p.is_absolute():
-        p = (fleet_file.parent / p).resolve()
-    if not p.is_file():
-        raise ConfigError(f"{fleet_file}: fleet.ssh_config: no such file: {p}")
-    return p
 
 
 def ssh_options(connect_timeout: float, control_path: str, persist: float) -> list[str]:
@@ -248,6 +232,22 @@ def run_bounded(argv: list[str], limit: float) -> subprocess.CompletedProcess[st
         return None
 
 
+def why_not(argv: list[str], limit: float) -> str | None:
+    """Run argv bounded (as run_bounded): None when it exits 0 in time; otherwise why not, one line (the
+    last line it printed, else its exit status)."""
+    tool = argv[0]
+    try:
+        p = run_bounded(argv, limit)
+    except FileNotFoundError:
+        return f"{tool}: not found on this machine"
+    if p is None:
+        return f"no answer within {limit:g} s"
+    if p.returncode == 0:
+        return None
+    lines = [ln.strip() for ln in (p.stderr or p.stdout).splitlines() if ln.strip()]
+    return lines[-1] if lines else f"{tool} exit status {p.returncode}"
+
+
 # ----------------------------------------------------------------------------- one host's connection
 
 
@@ -333,17 +333,7 @@ class Connection:
             os.close(fd)  # (releases the lock)
 
     def _open(self) -> str | None:
-        limit = self.connect_timeout + 5
-        try:
-            p = run_bounded(self.argv(extra=("-f", "-N")), limit)
-        except FileNotFoundError:
-            return "ssh: not found on this machine"
-        if p is None:
-            return f"no answer within {limit:g} s"
-        if p.returncode == 0:
-            return None
-        lines = [ln.strip() for ln in (p.stderr or p.stdout).splitlines() if ln.strip()]
-        return lines[-1] if lines else f"ssh exit status {p.returncode}"
+        return why_not(self.argv(extra=("-f", "-N")), self.connect_timeout + 5)
 
     def close(self, force: bool = False) -> None:
         """Close the host's connection, unless it is kept for later runs (force: close it anyway)."""

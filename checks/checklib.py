@@ -22,7 +22,7 @@ LIST_CACHE: dict[str, Any] = {}
 KNOWN_COMMANDS = ("docker", "nvidia-smi")
 
 
-def need(value: Any, reason: str) -> Any:
+def or_skip(value: Any, reason: str) -> Any:
     """The expectation, or skip the check saying why it is absent."""
     if value is None or value == [] or value == {}:
         pytest.skip(reason or "no expectation for this check")
@@ -31,7 +31,7 @@ def need(value: Any, reason: str) -> Any:
 
 def require(value: Any, message: str) -> Any:
     """The value, or fail the check with `message` ("expected X ..., found none"): for a value
-    whose absence is itself drift (a real Spark always has it), where `need` would skip."""
+    whose absence is itself drift (a real Spark always has it), where `or_skip` would skip."""
     if value is None or value == [] or value == {}:
         pytest.fail(message)
     return value
@@ -42,7 +42,7 @@ def expected_image(expect: dict[str, Any]) -> dict[str, Any]:
     with one, a missing record fails: nothing else would compare the host's image with the lock."""
     why = expect.get("image_reason") or "no image expected"
     if expect.get("lock_hash") is None:
-        return need(expect.get("image"), why)
+        return or_skip(expect.get("image"), why)
     return require(expect.get("image"), why)
 
 

@@ -9,7 +9,7 @@ a selected concern, as `error`.
 
 Rules every check follows: an assertion message says `expected X, found Y` (the checks run with
 `--assert=plain`, so a bare `assert a == b` would report only "assertion failed"); a check whose
-hardware or input is absent calls `pytest.skip(reason)` (never passes, `checklib.need`), unless a
+hardware or input is absent calls `pytest.skip(reason)` (never passes, `checklib.or_skip`), unless a
 real Spark always has it: then it fails saying what was expected (`checklib.require`); every remote command is
 built by a checklib function and run through `checklib.run`, so that the prefetch (one remote
 call before the first check, running every command the selected checks will need) answers it.

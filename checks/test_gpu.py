@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from checklib import argv_command, container_pids, exists, lane_container, lane_owns_running_release, need, run
+from checklib import argv_command, container_pids, exists, lane_container, lane_owns_running_release, or_skip, run
 
 if TYPE_CHECKING:  # builder.gpu imports pydantic: only load it where a host has nvidia-smi
     from builder import gpu as G
@@ -45,13 +45,13 @@ def test_count(report: G.GpuReport, expect: dict[str, Any]) -> None:
 
 
 def test_name(report: G.GpuReport, expect: dict[str, Any]) -> None:
-    want = need(expect["expect"].get("gpu_name"), "no gpu_name in the host's expectations")
+    want = or_skip(expect["expect"].get("gpu_name"), "no gpu_name in the host's expectations")
     for g in _gpus(report):
         assert g.name == want, f"GPU {g.index} name: expected {want!r}, found {g.name!r}"
 
 
 def test_compute_capability(report: G.GpuReport, expect: dict[str, Any]) -> None:
-    want = need(expect["expect"].get("compute_cap"), "no compute_cap in the host's expectations")
+    want = or_skip(expect["expect"].get("compute_cap"), "no compute_cap in the host's expectations")
     for g in _gpus(report):
         assert g.compute_cap == want, (
             f"GPU {g.index} compute capability: expected {want}, found {g.compute_cap}"
@@ -59,12 +59,12 @@ def test_compute_capability(report: G.GpuReport, expect: dict[str, Any]) -> None
 
 
 def test_driver_version(report: G.GpuReport, expect: dict[str, Any]) -> None:
-    want = need(expect["expect"].get("driver_version"), "no driver_version in the host's expectations")
+    want = or_skip(expect["expect"].get("driver_version"), "no driver_version in the host's expectations")
     assert report.driver_version == want, f"driver version: expected {want}, found {report.driver_version}"
 
 
 def test_cuda_version(report: G.GpuReport, expect: dict[str, Any]) -> None:
-    want = need(expect["expect"].get("cuda_version"), "no cuda_version in the host's expectations")
+    want = or_skip(expect["expect"].get("cuda_version"), "no cuda_version in the host's expectations")
     assert report.cuda_version == want, f"CUDA version: expected {want}, found {report.cuda_version}"
 
 
@@ -80,7 +80,7 @@ def test_persistence_mode(report: G.GpuReport, expect: dict[str, Any]) -> None:
 
 
 def test_clock_ceiling(report: G.GpuReport, expect: dict[str, Any]) -> None:
-    want = need(expect["expect"].get("gpu_clock_mhz"), "no gpu_clock_mhz target in the host's expectations")
+    want = or_skip(expect["expect"].get("gpu_clock_mhz"), "no gpu_clock_mhz target in the host's expectations")
     for g in _gpus(report):
         assert g.clocks_max_sm_mhz is not None and g.clocks_max_sm_mhz >= want, (
             f"GPU {g.index} max SM clock: expected >= {want} MHz, found {g.clocks_max_sm_mhz} MHz"

@@ -7,14 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import LABEL_BUNDLE, lane_container, need, read_applied, remote_json
+from checklib import LABEL_BUNDLE, lane_container, or_skip, read_applied, remote_json
 
 from builder.hostfacts import SERVE, dumps, shown
 
 
 @pytest.fixture(scope="module")
 def api(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
-    serve = need(expect.get("serve"), expect.get("serve_reason") or "lane settings unknown")
+    serve = or_skip(expect.get("serve"), expect.get("serve_reason") or "lane settings unknown")
     if expect["host"]["role"] != "head":
         pytest.skip("the API is served by the head (rank 0)")
     base = f"http://127.0.0.1:{serve['port']}"
@@ -56,7 +56,7 @@ def test_one_token_completion(api: dict[str, Any]) -> None:
 def test_rank_runs_the_release(host: Any, expect: dict[str, Any]) -> None:
     """Every rank (not only the head): its container is up, runs the lock's image, was started from
     the installed bundle, with the environment and arguments that bundle's launch files give."""
-    launch = need(expect.get("launch"), expect.get("launch_reason") or "lane settings unknown")
+    launch = or_skip(expect.get("launch"), expect.get("launch_reason") or "lane settings unknown")
     img = expect.get("image")
     c, why = lane_container(host, expect)
     rank = expect["host"]["rank"]

@@ -42,14 +42,14 @@ def local_expect(tmp_path: Path) -> dict[str, object]:
     }
 
 
-def test_require_fails_where_need_skips() -> None:
+def test_require_fails_where_or_skip_skips() -> None:
     cl: Any = checklib_fresh()
-    assert cl.require([1], "x") == [1] and cl.need({"a": 1}, "x") == {"a": 1}
+    assert cl.require([1], "x") == [1] and cl.or_skip({"a": 1}, "x") == {"a": 1}
     for empty in (None, [], {}):
         with pytest.raises(pytest.fail.Exception, match="^expected X, found none$"):
             cl.require(empty, "expected X, found none")
         with pytest.raises(pytest.skip.Exception, match="^why$"):
-            cl.need(empty, "why")
+            cl.or_skip(empty, "why")
 
 
 def test_a_missing_image_record_fails_with_a_lock_and_skips_without() -> None:

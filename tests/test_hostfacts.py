@@ -20,7 +20,7 @@ import pytest
 from builder import hostfacts as hf
 from builder.hostfacts import batch, fabric, files
 
-HOST_MODULES = ("batch", "files", "fabric", "serve")
+HOST_MODULES = ("batch", "files", "fabric", "serve", "lane")
 
 
 def batch_run(items: list[object], seconds: float = 1) -> tuple[dict[str, tuple[int, bytes, bytes]], float]:
@@ -296,14 +296,10 @@ def test_roce_v2_gid() -> None:
     assert hf.roce_v2_gid("10.0.0.255") == "0000:0000:0000:0000:0000:ffff:0a00:00ff"
 
 
-def test_meminfo_and_mtime() -> None:
+def test_meminfo() -> None:
     m = hf.parse_meminfo("MemTotal:       131072000 kB\nMemAvailable:   120000000 kB\nHugePages_Total: 0\n")
     assert m == {"MemTotal": 131072000, "MemAvailable": 120000000, "HugePages_Total": 0}
     assert round(hf.gib(m["MemAvailable"]), 2) == 114.44
-    assert hf.same_mtime(1700000000.123456, 1700000000123456000)
-    assert hf.same_mtime(1700000000123456789, 1700000000123456789)
-    assert not hf.same_mtime(1700000000.5, 1700000001500000000)
-    assert not hf.same_mtime("x", 1)
 
 
 def test_batches_keep_every_path_once() -> None:
@@ -311,3 +307,45 @@ def test_batches_keep_every_path_once() -> None:
     chunks = list(hf.batches(paths, max_chars=10_000))
     assert len(chunks) > 1 and [p for c in chunks for p in c] == paths
     assert all(sum(len(p) + 4 for p in c) <= 10_000 for c in chunks)
+
+
+# ----------------------------------------------------------------------------- the lane (deploy, status)
+
+
+def lane_run(req: dict[str, object], env: dict[str, str]) -> dict[str, object]:
+    """lane.py as `builder deploy` runs it: its source on stdin (`python3 - REQUEST`)."""
+    r = subprocess.run([sys.executable, "-", json.dumps(req)], input=hf.source("lane"), capture_output=True,
+                       text=True, check=True, timeout=60, env=env)
+    got = json.loads(r.stdout)
+    assert isinstance(got, dict)
+    return got
+
+
+def test_lane_state_reads_links_releases_and_the_apply_record(tmp_path: Path) -> None:
+    new, old = "a" * 64, "b" * 64
+    for bid in (new, old):
+        (tmp_path / "releases" / bid).mkdir(parents=True)
+    (tmp_path / "releases" / "not-a-release").mkdir()
+    os.symlink(f"releases/{new}", tmp_path / "current")
+    os.symlink(f"releases/{old}", tmp_path / "previous")
+    os.symlink("releases/not-a-release", tmp_path / "staged")
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "applied.json").write_text(json.dumps(
+        {"bundle_id": new, "lock_hash": "c" * 64, "image": {"image_id": "sha256:" + "d" * 64, "name": "i"}}))
+    env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"}
+    req = {"do": "state", "root": str(tmp_path), "lane": "demo", "rank": 0, "health_port": None,
+           "label_lane": "io.builder.lane", "label_rank": "io.builder.rank", "label_bundle": "io.builder.bundle-id"}
+    got = lane_run(req, env)
+    assert (got["current"], got["previous"], got["staged"]) == (new, old, None)
+    assert got["releases"] == [new, old]
+    applied = got["applied"]
+    assert isinstance(applied, dict) and applied["bundle_id"] == new and applied["image"] == "i"
+    assert got["containers"] == [] and str(got["docker"]).startswith("docker: ") and got["health"] is None
+
+
+def test_lane_wait_is_bounded_when_the_engine_does_not_answer(tmp_path: Path) -> None:
+    env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"}
+    req = {"do": "wait", "container": "c", "ports": [1], "addrs": ["127.0.0.1"], "health_port": None,
+           "timeout": 0.5}
+    got = lane_run(req, env)
+    assert got["ok"] is False and "ports 1 did not answer within 0.5 s (container unknown)" in str(got["why"])

@@ -119,3 +119,30 @@ def test_cli_hosts_and_audit_exit_2_with_one_line(tmp_path: Path, target: str) -
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {p}: hosts[1].ssh: "), r.stderr
     assert not marker.exists()
+
+
+def test_every_file_a_fleet_names_is_taken_from_the_fleet_files_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from builder.bundle.keys import fleet_trusted_key as project_trusted_key
+    from builder.hosts import fleet_registry_ca, fleet_trusted_key, ssh_config_file
+
+    hosts = tmp_path / "hosts"
+    (hosts / "keys").mkdir(parents=True)
+    for name in ("fleet.pub", "ssh_config", "ca.pem"):
+        (hosts / "keys" / name).write_text("x\n")
+    path = hosts / "f.toml"
+    path.write_text(
+        '[fleet]\nname = "f"\nlane = "l"\ntrusted_key = "keys/fleet.pub"\nssh_config = "keys/ssh_config"\n'
+        'registry = "https://192.0.2.1:5000"\nregistry_ca = "keys/ca.pem"\n\n'
+        '[[hosts]]\nname = "a"\nssh = "a"\nrank = 0\nrole = "head"\n'
+    )
+    monkeypatch.chdir(tmp_path / "hosts" / "keys")  # (the working folder has no say)
+    fleet = load_fleet(path)
+    assert fleet_trusted_key(path, fleet) == hosts / "keys" / "fleet.pub"
+    assert project_trusted_key(tmp_path, "f") == hosts / "keys" / "fleet.pub"
+    assert ssh_config_file(path, fleet.fleet.ssh_config) == hosts / "keys" / "ssh_config"
+    assert fleet_registry_ca(path, fleet) == hosts / "keys" / "ca.pem"
+    (hosts / "keys" / "ca.pem").unlink()
+    with pytest.raises(ConfigError, match=rf"^{path}: fleet\.registry_ca: no such file: "):
+        fleet_registry_ca(path, fleet)

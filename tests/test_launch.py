@@ -122,7 +122,7 @@ def test_scripts_render_deterministically_and_parse(tmp_path: Path) -> None:
     start = a["start.sh"][0].decode()
     assert "--network host" in start and IMAGE["image_id"] in start
     assert "io.builder.lane" in start and "io.builder.rank" in start and "io.builder.bundle-id" in start
-    assert "--env-file" in start and "/srv/models/m:/srv/models/m:ro" in start
+    assert "--env-file" in start and "MODEL_DIRS=(/srv/models/m)" in start and '"$dir:$dir:ro"' in start
     assert "s1=192.0.2.11 s2=192.0.2.12" in start  # the head waits for every worker
     cfg = json.loads(a["config.json"][0])
     assert cfg["rank"] == 0 and cfg["world_size"] == 3 and cfg["serve"]["port"] == 8000
@@ -149,3 +149,44 @@ def test_gpu_flags_follow_expectations() -> None:
     )
     s = render_launch(f, f.host("a"), "l", lane(tensor_parallel=1), IMAGE, [], [])["start.sh"][0].decode()
     assert "--gpus all" in s
+
+
+def test_start_and_stop_run_docker_as_rendered(tmp_path: Path) -> None:
+    """The scripts run (a `docker` on PATH that records its calls): start.sh of a head with no workers
+    runs the container with the rank's labels, mounts, options and args; stop.sh stops this rank's."""
+    f = fleet(1)
+    models = tmp_path / "models m"
+    models.mkdir()
+    files = render_launch(f, f.host("s0"), "l", lane(tensor_parallel=1), IMAGE, [],
+                          [ModelMount("m", str(models))])
+    rel = tmp_path / "release"
+    rel.mkdir()
+    for name, (data, _) in files.items():
+        (rel / name).write_bytes(data)
+    (rel / "manifest.json").write_text(json.dumps({"bundle_id": "b" * 64}))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "docker.log"
+    docker = bin_dir / "docker"
+    # ps: nothing runs; image inspect: loaded; container inspect: no old container; the rest: recorded
+    docker.write_text(
+        "#!/bin/sh\n"
+        f'printf "%s\\n" "$*" >> "{log}"\n'
+        'case "$1 $2" in "ps "*) exit 0;; "image inspect") exit 0;; "container inspect") exit 1;; esac\n'
+    )
+    docker.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "BUILDER_START_TIMEOUT": "5"}
+    p = subprocess.run(["bash", str(rel / "start.sh")], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    run = [ln for ln in log.read_text().splitlines() if ln.startswith("run ")]
+    assert len(run) == 1
+    assert run[0].startswith("run -d --name builder-l-r0 --network host --restart no --label io.builder.lane=l "
+                             "--label io.builder.rank=0 --label io.builder.bundle-id=" + "b" * 64)
+    assert f"-v {models}:{models}:ro" in run[0] and f"-v {rel}/config.json:/etc/builder/config.json:ro" in run[0]
+    assert run[0].endswith(f"{IMAGE['image_id']} serve --port 8000 --rank 0")
+    assert "started builder-l-r0" in p.stderr
+    models.rmdir()
+    p = subprocess.run(["bash", str(rel / "start.sh")], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 1 and f"model folder {models} is missing" in p.stderr
+    p = subprocess.run(["bash", str(rel / "stop.sh")], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0 and "nothing of lane l rank 0 is running" in p.stderr

@@ -211,3 +211,27 @@ def test_ssh_options_never_weaken_host_key_checking() -> None:
     joined = " ".join(ssh.ssh_options(8, "/nonexistent/%C", 0))
     assert "BatchMode=yes" in joined and "ControlMaster=auto" in joined and "ControlPersist=120s" in joined
     assert "StrictHostKeyChecking" not in joined and "KnownHosts" not in joined
+
+
+def test_a_remote_engine_is_reached_through_the_system_ssh(tmp_path: Path) -> None:
+    """DOCKER_HOST=ssh://...: the docker client runs this machine's `ssh` (so ssh_config, its known-hosts
+    file and its options apply), not paramiko. A fake `ssh` on PATH records how it was called."""
+    log = tmp_path / "ssh.log"
+    fake = tmp_path / "bin" / "ssh"
+    fake.parent.mkdir()
+    fake.write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$*" >> {shlex.quote(str(log))}\necho "fake ssh: refused" >&2\nexit 255\n'
+    )
+    fake.chmod(0o755)
+    path = f"{fake.parent}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "DOCKER_HOST": "ssh://op@spark-build:2222", "PATH": path}
+    code = (
+        "from builder import dockerio\nfrom builder.errors import BuilderError\n"
+        "try:\n    dockerio.client()\nexcept BuilderError as e:\n    print(e)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("no Docker engine: ssh://op@spark-build:2222"), p.stdout
+    calls = log.read_text().splitlines()
+    assert calls and all(c == "-l op -p 2222 -- spark-build docker system dial-stdio" for c in calls), calls

@@ -7,97 +7,43 @@ from pathlib import Path
 import click
 
 from builder.cli import get_ctx
+from builder.cli.options import (
+    checks_option,
+    choice_option,
+    file_option,
+    fleet_option,
+    hosts_dir_option,
+    json_option,
+    mode_option,
+    ssh_persist_option,
+)
 
 
 @click.command()
 @click.argument("hosts", nargs=-1)
-@click.option("--fleet", "fleet", default=None, help="Audit every host of this fleet (hosts/*.toml).")
+@fleet_option("Audit every host of this fleet (hosts/*.toml).", default=None)
+@mode_option("Models: fast = size, mtime, inode against the apply record; full = sha256 on the host.")
+@choice_option("--phase", choices=["preflight", "serving", "all"], default="preflight",
+               help="preflight = before start; serving = the API after start; all = both.")
 @click.option(
-    "--mode",
-    type=click.Choice(["fast", "full"]),
-    default="fast",
-    show_default=True,
-    help="Models: fast = size, mtime, inode against the apply record; full = sha256 on the host.",
-)
-@click.option(
-    "--phase",
-    type=click.Choice(["preflight", "serving", "all"]),
-    default="preflight",
-    show_default=True,
-    help="preflight = before start; serving = the API after start; all = both.",
-)
-@click.option(
-    "--only",
-    "only",
-    default=None,
-    metavar="CONCERNS",
+    "--only", "only", default=None, metavar="CONCERNS",
     help="Comma-separated concerns: image,release,models,engram,gpu,memory,fabric,storage,runtime,serving.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print per-host, per-check results as JSON on stdout.")
-@click.option(
-    "--junit",
-    "junit",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write a JUnit XML report (one testsuite per host).",
-)
-@click.option(
-    "--backend",
-    type=click.Choice(["native", "ansible"]),
-    default="native",
-    show_default=True,
-    help="native = testinfra ssh/docker/local per host; ansible = testinfra's Ansible backend.",
-)
-@click.option(
-    "--inventory",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Ansible inventory for --backend ansible (from `builder hosts --ansible FILE`).",
-)
-@click.option(
-    "--hosts-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="The inventory folder [default: hosts/ under the project root].",
-)
-@click.option(
-    "--checks",
-    "checks_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="The check modules [default: checks/ under the project root].",
-)
-@click.option(
-    "--connect-timeout",
-    type=float,
-    default=8.0,
-    show_default=True,
-    help="Seconds to wait for a host to answer before calling it unreachable.",
-)
-@click.option(
-    "--timeout",
-    "host_timeout",
-    type=float,
-    default=900.0,
-    show_default=True,
-    help="Seconds all checks of one host may take.",
-)
-@click.option(
-    "--ssh-persist",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
-    metavar="SECONDS",
-    help="Keep each host's ssh connection open this long after the audit, for the next audit to "
-    "reuse (0: each connection is this audit's own, closed when its host is done).",
-)
-@click.option(
-    "--hash-jobs",
-    type=click.IntRange(1, 64),
-    default=4,
-    show_default=True,
-    help="Files hashed in parallel on each host in --mode full.",
-)
+@json_option("Print per-host, per-check results as JSON on stdout.")
+@file_option("--junit", "junit", help="Write a JUnit XML report (one testsuite per host).")
+@choice_option("--backend", choices=["native", "ansible"], default="native",
+               help="native = testinfra ssh/docker/local per host; ansible = testinfra's Ansible backend.")
+@file_option("--inventory", help="Ansible inventory for --backend ansible (from `builder hosts --ansible FILE`).")
+@hosts_dir_option
+@checks_option
+@click.option("--connect-timeout", type=float, default=8.0, show_default=True,
+              help="Seconds to wait for a host to answer before calling it unreachable.")
+@click.option("--timeout", "host_timeout", type=float, default=900.0, show_default=True,
+              help="Seconds all checks of one host may take.")
+@ssh_persist_option("Keep each host's ssh connection open this long after the audit, for the next audit to "
+                    "reuse (0: each connection is this audit's own, closed when its host is done).")
+@click.option("--hash-jobs", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="Files hashed in parallel on each host in --mode full.")
 def audit(
     hosts: tuple[str, ...],
     fleet: str | None,

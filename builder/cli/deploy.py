@@ -9,59 +9,56 @@ from typing import Any
 import click
 
 from builder.cli import get_ctx
+from builder.cli.options import (
+    checks_option,
+    file_option,
+    fleet_option,
+    insecure_option,
+    json_option,
+    mode_option,
+    part_size_option,
+    ssh_persist_option,
+    together,
+)
 
 
-def _fleet_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """The options every fleet command shares."""
-    opts = [
-        click.option("--fleet", "fleet", required=True, metavar="NAME", help="The fleet (hosts/*.toml)."),
-        click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout."),
-        click.option(
-            "--connect-timeout", type=click.IntRange(1, 600), default=10, show_default=True,
-            help="Seconds a host may take to answer before it counts as unreachable.",
-        ),
-        click.option(
-            "--timeout", "timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
-            help="Base seconds of every remote call (transfers add size / 1 MiB/s).",
-        ),
-        click.option(
-            "--ssh-persist", type=click.FloatRange(min=0), default=0.0, show_default=True, metavar="SECONDS",
-            help="Keep each host's ssh connection open this long after the command, for the next command "
-            "or audit to reuse (0: closed at the end).",
-        ),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+def _stop_timeout_option(what: str) -> Callable[[Any], Any]:
+    return click.option(
+        "--stop-timeout", type=click.IntRange(1, 3600), default=30, show_default=True,
+        help=f"Seconds docker gives {what} to stop before it is killed.",
+    )
 
 
-def _run_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """The options of the commands that start ranks and audit them."""
-    opts = [
-        click.option(
-            "--start-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
-            help="Seconds each rank may take to answer after its start (the head: /health).",
-        ),
-        click.option(
-            "--stop-timeout", type=click.IntRange(1, 3600), default=30, show_default=True,
-            help="Seconds docker gives each container of the running release to stop before it is killed.",
-        ),
-        click.option(
-            "--mode", "mode", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
-            help="The audits' mode (full hashes every model file on the hosts).",
-        ),
-        click.option(
-            "--checks", "checks_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-            help="The check modules [default: checks/ under the project root].",
-        ),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
+#: the options every fleet command shares
+_fleet_options = together(
+    fleet_option("The fleet (hosts/*.toml).", required=True),
+    json_option(),
+    click.option(
+        "--connect-timeout", type=click.IntRange(1, 600), default=10, show_default=True,
+        help="Seconds a host may take to answer before it counts as unreachable.",
+    ),
+    click.option(
+        "--timeout", "timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+        help="Base seconds of every remote call (transfers add size / 1 MiB/s).",
+    ),
+    ssh_persist_option("Keep each host's ssh connection open this long after the command, for the next command "
+                       "or audit to reuse (0: closed at the end)."),
+)
+
+#: the options of the commands that start ranks and audit them
+_run_options = together(
+    click.option(
+        "--start-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+        help="Seconds each rank may take to answer after its start (the head: /health).",
+    ),
+    _stop_timeout_option("each container of the running release"),
+    mode_option("The audits' mode (full hashes every model file on the hosts)."),
+    checks_option,
+)
 
 
 def _options(**kw: Any) -> Any:
-    from builder.deploy.rollout import DeployOptions
+    from builder.deploy.fleetwork import DeployOptions
 
     c = get_ctx()
     return DeployOptions(root=c.root, pins=c.pins, lock=c.lock, store=c.store, **kw)
@@ -99,9 +96,8 @@ def _print(rep: Any, as_json: bool) -> int:
 @_fleet_options
 @_run_options
 @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
-@click.option(
-    "--key", "key", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help="Signing key for bundles made again [default: $BUILDER_SIGNING_KEY, else the keygen default].",
+@file_option(
+    "--key", "key", help="Signing key for bundles made again [default: $BUILDER_SIGNING_KEY, else the keygen default]."
 )
 @click.option(
     "--with-image", is_flag=True,
@@ -110,11 +106,11 @@ def _print(rep: Any, as_json: bool) -> int:
 @click.option(
     "--with-models", is_flag=True, help="Bundles made again carry the rank's model files (for hosts that lack them)."
 )
-@click.option("--part-size", "part_size", default="256MiB", show_default=True, help="Bundles' part size.")
+@part_size_option
 @click.option(
     "--parallel", type=click.IntRange(1, 64), default=4, show_default=True, help="Hosts staged at once."
 )
-@click.option("--insecure", is_flag=True, help="Install without checking the signature (explicit only).")
+@insecure_option
 def deploy(
     fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float,
     stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool, key: Path | None, with_image: bool,
@@ -148,7 +144,7 @@ def start(
     """Start fleet NAME's installed release: the preflight audit first (it refuses while another GPU
     workload runs), then the workers, then the head; wait for the API; the serving audit. A fleet partly
     up is stopped first (the head, then the workers)."""
-    from builder.deploy import rollout as core
+    from builder.deploy import startstop as core
 
     opts = _options(
         fleet=fleet, checks_dir=checks_dir, connect_timeout=connect_timeout, timeout=timeout,
@@ -159,15 +155,12 @@ def start(
 
 @click.command()
 @_fleet_options
-@click.option(
-    "--stop-timeout", type=click.IntRange(1, 3600), default=30, show_default=True,
-    help="Seconds docker gives each container to stop before it is killed.",
-)
+@_stop_timeout_option("each container")
 def stop(
     fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, stop_timeout: int
 ) -> int:
     """Stop fleet NAME's lane: the head first, then the workers; only the lane's own containers."""
-    from builder.deploy import rollout as core
+    from builder.deploy import startstop as core
 
     opts = _options(
         fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, stop_timeout=stop_timeout,

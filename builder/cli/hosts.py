@@ -7,24 +7,15 @@ from pathlib import Path
 import click
 
 from builder.cli import get_ctx
+from builder.cli.options import file_option, fleet_option, hosts_dir_option, json_option
 
 
 @click.command()
-@click.option("--fleet", "fleet", default=None, help="Only this fleet.")
-@click.option("--json", "as_json", is_flag=True, help="Print the hosts as JSON on stdout.")
-@click.option(
-    "--ansible",
-    "ansible",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Write an Ansible inventory here (*.yml/*.yaml or *.ini) with rank and role as host vars.",
-)
-@click.option(
-    "--hosts-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="The inventory folder [default: hosts/ under the project root].",
-)
+@fleet_option("Only this fleet.", default=None)
+@json_option("Print the hosts as JSON on stdout.")
+@file_option("--ansible", "ansible",
+             help="Write an Ansible inventory here (*.yml/*.yaml or *.ini) with rank and role as host vars.")
+@hosts_dir_option
 def hosts(fleet: str | None, as_json: bool, ansible: Path | None, hosts_dir: Path | None) -> int:
     """List the fleets and hosts of hosts/*.toml (validated), or write them as an Ansible inventory."""
     from builder import hosts as core

@@ -1,11 +1,17 @@
 """Deploy: move a whole fleet to the lock, gated by the audit, rolled back as a whole if it fails.
 
-- ``rollout``: ``deploy`` (stage everywhere, preflight gate, stop head then workers, switch, start
-  workers then head, wait for the API, serving audit; any failure after the first change rolls every
-  host back), ``start`` and ``stop`` (rank order);
+- ``rollout``: ``deploy``, step by step (bundles, facts, the no-op or the plan, stage everywhere, the
+  preflight gate, the switch, the serving audit; any failure after the first change rolls back);
+- ``plan``: the dry run's plan, the no-op (only audit), and what an unfinished deploy left;
+- ``stage``, ``switch``, ``rollback``: the deploy's three moves on the fleet;
+- ``deployment``: one deploy's state (the fleet, report, bundles, journal) that those steps share;
+- ``early``: the likely no-op's audit, started first, in a process of its own;
+- ``fleetwork``: one command's view of a fleet: its inventory and lane, one connection per host, the
+  hosts' facts, stop and start in rank order, the fleet's audits;
+- ``startstop``: ``builder start`` and ``builder stop`` (rank order);
 - ``status``: which bundle, lock and image every host runs, and whether its rank is up;
 - ``bundles``: the bundles a deploy ships (the current ones, or made again);
-- ``hoststate``: one host's facts and steps over its one connection;
+- ``hoststate``: one host's facts and steps over its one connection (builder.hostfacts.lane on the host);
 - ``fleetlock``: a fleet's commands never interleave (a lock file on the operator machine);
 - ``journal``: what an unfinished deploy did, so a rerun after a kill converges;
 - ``report``: per-host outcomes, JSON and the exit code.

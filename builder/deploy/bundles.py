@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder import __version__
 from builder import installer as inst
 from builder.hosts import Fleet, Host
 
@@ -57,17 +56,7 @@ def expected(ctx: Any, fleet: Fleet, host: Host) -> dict[str, Any]:
     installer = inst.assemble()
     files["install.py"] = {"size": len(installer), "sha256": hashlib.sha256(installer).hexdigest(), "mode": "0755"}
     return {
-        "identity": {
-            "builder": __version__,
-            "fleet": fleet.fleet.name,
-            "host": host.name,
-            "lane": lane_name,
-            "rank": host.rank,
-            "role": host.role,
-            "world_size": len(fleet.hosts),
-            "lock_hash": ctx.lock.lock_hash(),
-            "paths": {"bundles": host.paths.bundles, "models": host.paths.models, "engram": host.paths.engram},
-        },
+        "identity": rl.identity,
         "image": rl.image,
         "models": rl.models,
         "files": files,
@@ -91,7 +80,7 @@ def stale(manifest: dict[str, Any], want: dict[str, Any], with_image: bool, with
         e = entries.get(rel)
         if e is None or (e["size"], e["sha256"], e["mode"]) != (w["size"], w["sha256"], w["mode"]):
             return f"{rel} differs"
-    if with_image and img.get("archive") is None:
+    if with_image and img.get("archive") is None and img.get("pull") is None:
         return "it carries no image (--with-image)"
     if with_models and any(m.get("bundled") is None for m in manifest["models"]):
         return "it carries no model files (--with-models)"

@@ -2,7 +2,8 @@
 
 Every step goes through the host's one connection (builder.ship.Remote: ssh with the fleet's
 ssh_config, or docker exec, or local) and is bounded. Over ssh the host needs python3 and docker,
-as the installer does; the small scripts below are sent over stdin, never left on the host.
+as the installer does; the facts and the wait are builder.hostfacts.lane, sent over stdin, never left
+on the host.
 
 - ``state``: the installer's links (``current``, ``previous``, ``staged``), the releases present, the
   apply record's bundle, lock and image, this lane's containers of this rank (by the labels start.sh
@@ -22,177 +23,13 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from builder.errors import BuilderError
-from builder.hosts import Fleet, Host
-from builder.ssh import ControlSockets
+from builder.hostfacts import source
 
-#: the facts of one host, in one remote python3 (standard library only)
-STATE_SCRIPT = r"""
-import json, os, re, socket, subprocess, sys, time
-req = json.loads(sys.argv[1])
-root = req["root"]
-out = {"releases": [], "applied": None, "containers": [], "health": None, "docker": ""}
-def link(name):
-    try:
-        bid = os.path.basename(os.readlink(os.path.join(root, name)).rstrip("/"))
-    except OSError:
-        return None
-    return bid if re.match(r"^[0-9a-f]{64}$", bid) else None
-for n in ("current", "previous", "staged"):
-    out[n] = link(n)
-try:
-    out["releases"] = sorted(n for n in os.listdir(os.path.join(root, "releases"))
-                             if re.match(r"^[0-9a-f]{64}$", n))
-except OSError:
-    pass
-try:
-    with open(os.path.join(root, "state", "applied.json"), "rb") as f:
-        rec = json.loads(f.read(64 << 20).decode("utf-8"))
-    img = rec.get("image") or {}
-    out["applied"] = {k: rec.get(k) for k in ("bundle_id", "lock_hash", "action", "applied_at", "lane",
-                                               "previous_bundle_id")}
-    out["applied"]["image_id"] = img.get("image_id")
-    out["applied"]["image"] = img.get("name")
-except (OSError, ValueError, AttributeError):
-    pass
-def http(sock, path, host):
-    # HTTP/1.0 by hand: one request, the answer until the peer closes (no http.client to import)
-    sock.settimeout(30)
-    sock.sendall(("GET %s HTTP/1.0\r\nHost: %s\r\n\r\n" % (path, host)).encode())
-    data = b""
-    while True:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    sock.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
-lane, rank = req["lane"], str(req["rank"])
-dh = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-try:
-    if dh.startswith("unix://"):  # the Engine API on its socket (as `docker ps -a` asks it)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(dh[len("unix://"):])
-        filters = json.dumps({"label": ["%s=%s" % (req["label_lane"], lane), "%s=%s" % (req["label_rank"], rank)]})
-        q = "".join(c if c.isalnum() or c in "-_.~" else "%%%02X" % ord(c) for c in filters)
-        code, body = http(s, "/containers/json?all=1&filters=" + q, "docker")
-        if code != 200:
-            raise OSError("docker engine answered HTTP %d" % code)
-        for c in json.loads(body):
-            labels = c.get("Labels") or {}
-            out["containers"].append({"id": c["Id"][:12], "name": (c.get("Names") or ["?"])[0].lstrip("/"),
-                                      "state": c.get("State", ""), "bundle": labels.get(req["label_bundle"], ""),
-                                      "image": c.get("ImageID") or c.get("Image", ""), "status": c.get("Status", "")})
-    else:  # another engine: the CLI knows how to reach it
-        fmt = '{{.ID}}	{{.Names}}	{{.State}}	{{.Label "%s"}}	{{.Label "%s"}}	{{.Image}}	{{.Status}}' % (
-            req["label_bundle"], req["label_rank"])
-        p = subprocess.run(["docker", "ps", "-a", "--no-trunc", "--filter", "label=%s=%s" % (req["label_lane"], lane),
-                            "--format", fmt], capture_output=True, text=True, timeout=60)
-        if p.returncode != 0:
-            raise OSError((p.stderr.strip().splitlines() or ["docker ps failed"])[-1])
-        for line in p.stdout.splitlines():
-            parts = line.split("	")
-            if len(parts) == 7 and parts[4] == rank:
-                out["containers"].append({"id": parts[0][:12], "name": parts[1], "state": parts[2],
-                                          "bundle": parts[3], "image": parts[5], "status": parts[6]})
-except (OSError, ValueError, KeyError, IndexError, subprocess.TimeoutExpired) as e:
-    out["docker"] = "docker: %s" % e
-for attempt in range(3 if req.get("health_port") else 0):  # (a busy engine may miss one answer)
-    try:
-        code, _ = http(socket.create_connection(("127.0.0.1", req["health_port"]), timeout=5), "/health",
-                       "127.0.0.1")
-        out["health"] = {"status": code}
-        if code == 200:
-            break
-    except (OSError, ValueError, IndexError) as e:
-        out["health"] = {"status": None, "error": str(e)[:200]}
-    if not out["containers"]:
-        break
-    time.sleep(0.5)
-sys.stdout.write(json.dumps(out))
-"""
-
-#: wait until this rank answers, or its container ended, or the bound passed (standard library only)
-WAIT_SCRIPT = r"""
-import json, os, socket, subprocess, sys, time, urllib.request
-req = json.loads(sys.argv[1])
-start = time.monotonic()
-deadline = start + req["timeout"]
-name = req["container"]
-dh = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-def engine(path):
-    # the Engine API on its socket, HTTP/1.0 by hand (a docker CLI start per poll costs more)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(30)
-    s.connect(dh[len("unix://"):])
-    s.sendall(("GET %s HTTP/1.0\r\nHost: docker\r\n\r\n" % path).encode())
-    data = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    s.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
-def state():
-    try:
-        if dh.startswith("unix://"):
-            code, body = engine("/containers/%s/json" % name)
-            if code == 404:
-                return "missing", None
-            st = json.loads(body)["State"]
-            return st["Status"], st.get("ExitCode")
-        p = subprocess.run(["docker", "inspect", "-f", "{{.State.Status}} {{.State.ExitCode}}", name],
-                           capture_output=True, text=True, timeout=30)
-    except (OSError, ValueError, KeyError, IndexError, subprocess.TimeoutExpired):
-        return "unknown", None
-    if p.returncode != 0:
-        return "missing", None
-    st, _, code = p.stdout.strip().partition(" ")
-    return st, code
-def answers():
-    for port in req["ports"]:
-        for addr in req["addrs"]:
-            try:
-                socket.create_connection((addr, port), timeout=2).close()
-                return True
-            except OSError:
-                pass
-    return False
-def healthy():
-    try:
-        with urllib.request.urlopen("http://127.0.0.1:%d/health" % req["health_port"], timeout=3) as r:
-            return r.status == 200
-    except Exception:
-        return False
-def logs():
-    try:
-        p = subprocess.run(["docker", "logs", "--tail", "5", name], capture_output=True, text=True, timeout=30)
-        return " | ".join(ln.strip() for ln in (p.stdout + p.stderr).splitlines() if ln.strip())[-600:]
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-while True:
-    st, code = state()
-    if st in ("exited", "dead", "missing"):
-        why = "container %s %s" % (name, "is gone" if st == "missing" else "exited (code %s)" % code)
-        sys.stdout.write(json.dumps({"ok": False, "why": why, "log": logs()}))
-        break
-    if st == "running" and (healthy() if req.get("health_port") else answers()):
-        sys.stdout.write(json.dumps({"ok": True, "seconds": round(time.monotonic() - start, 3)}))
-        break
-    if time.monotonic() > deadline:
-        what = "/health" if req.get("health_port") else "ports %s" % ",".join(map(str, req["ports"]))
-        sys.stdout.write(json.dumps({"ok": False, "why": "%s did not answer within %g s (container %s)"
-                                     % (what, req["timeout"], st), "log": logs()}))
-        break
-    time.sleep(0.3)
-"""
-
+if TYPE_CHECKING:
+    from builder.ship import Remote
 
 @dataclass
 class Container:
@@ -253,38 +90,16 @@ class HostState:
     def healthy(self) -> bool:
         return bool(self.health) and (self.health or {}).get("status") == 200
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "current": self.current,
-            "previous": self.previous,
-            "staged": self.staged,
-            "applied": self.applied,
-            "containers": [c.__dict__ for c in self.containers],
-            "health": self.health,
-            "docker": self.docker,
-        }
-
 
 class HostOps:
     """The deploy's steps on one host, over its one connection (open it with ``with``)."""
 
-    def __init__(
-        self,
-        fleet_file: Path,
-        fleet: Fleet,
-        host: Host,
-        *,
-        connect_timeout: int = 10,
-        timeout: float = 60.0,
-        sockets: ControlSockets | None = None,
-    ) -> None:
-        from builder.ship import Remote
-
-        self.fleet, self.host = fleet, host
-        # (sockets: the command's, so its audits and ships use this host's one connection too)
-        self.remote = Remote(fleet_file, fleet, host, connect_timeout, sockets=sockets)
+    def __init__(self, remote: Remote, *, timeout: float = 60.0) -> None:
+        """`remote`: the host's connection (its own, or one shared with the command's audits and ships)."""
+        self.remote = remote
+        self.host = remote.host
         self.timeout = timeout
-        self.root = host.paths.bundles.rstrip("/") or "/"
+        self.root = self.host.paths.bundles.rstrip("/") or "/"
 
     def __enter__(self) -> HostOps:
         return self
@@ -297,9 +112,10 @@ class HostOps:
 
     # ------------------------------------------------------------------ facts
 
-    def _script(self, script: str, req: dict[str, Any], *, timeout: float, what: str) -> dict[str, Any]:
+    def _lane(self, req: dict[str, Any], *, timeout: float, what: str) -> dict[str, Any]:
+        """builder.hostfacts.lane on the host, with `req`: its JSON answer."""
         cmd = "python3 - " + shlex.quote(json.dumps(req, sort_keys=True))
-        p = self.remote.run(cmd, timeout=timeout, stdin=script.encode(), what=what)
+        p = self.remote.run(cmd, timeout=timeout, stdin=source("lane").encode(), what=what)
         text = p.stdout.decode("utf-8", "replace").strip()
         if p.returncode != 0 or not text:
             err = [ln for ln in p.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
@@ -316,6 +132,7 @@ class HostOps:
         from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
 
         req = {
+            "do": "state",
             "root": self.root,
             "lane": lane,
             "rank": self.host.rank,
@@ -324,7 +141,7 @@ class HostOps:
             "label_rank": LABEL_RANK,
             "label_bundle": LABEL_BUNDLE,
         }
-        return HostState.from_json(self.host.name, self._script(STATE_SCRIPT, req, timeout=self.timeout, what="state"))
+        return HostState.from_json(self.host.name, self._lane(req, timeout=self.timeout, what="state"))
 
     # ------------------------------------------------------------------ the installer
 
@@ -368,9 +185,9 @@ class HostOps:
         self, container: str, *, ports: list[int], addrs: list[str], health_port: int | None, timeout: float
     ) -> tuple[bool, str]:
         """(True, "") once this rank answers; else (False, why) within the bound."""
-        req = {"container": container, "ports": ports, "addrs": addrs, "health_port": health_port,
+        req = {"do": "wait", "container": container, "ports": ports, "addrs": addrs, "health_port": health_port,
                "timeout": timeout}
-        out = self._script(WAIT_SCRIPT, req, timeout=timeout + self.timeout, what="wait")
+        out = self._lane(req, timeout=timeout + self.timeout, what="wait")
         if out.get("ok"):
             return True, ""
         why = str(out.get("why") or "not ready")

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from builder.deploy import journal as J
+from builder.deploy.fleetwork import DeployOptions, Fleetwork
 from builder.deploy.hoststate import HostState
-from builder.deploy.rollout import DeployOptions, Fleetwork
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 
 

@@ -9,7 +9,9 @@ tests import and call them directly too.
 * ``batch``: many fact commands at once, each bounded in time (checks/checklib.py prefetch);
 * ``files``: stat or hash model files, list model and Engram folders;
 * ``fabric``: RDMA devices and network interfaces in sysfs;
-* ``serve``: the lane's API (/health, /v1/models, a one-token completion).
+* ``serve``: the lane's API (/health, /v1/models, a one-token completion);
+* ``lane``: the lane's releases and containers on the host, and the wait for its rank to answer
+  (builder.deploy.hoststate; sent over stdin as ``python3 - REQUEST``).
 
 This module is the local side: their sources, and the pure functions the checks use to read and
 judge their answers (unit-tested on their own). It imports nothing outside the standard library,
@@ -100,22 +102,6 @@ def dumps(obj: Any) -> str:
 
 
 # ----------------------------------------------------------------------------- files and memory
-
-
-def mtime_ns(value: Any) -> int | None:
-    """Normalise an apply record's mtime: int ns, or float/int seconds."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    if isinstance(value, int) and value > 10**12:
-        return value
-    return int(round(float(value) * 1e9))
-
-
-def same_mtime(recorded: Any, found_ns: int) -> bool:
-    want = mtime_ns(recorded)
-    if want is None:
-        return False
-    return abs(want - found_ns) < 1_000_000  # 1 ms: float seconds lose precision
 
 
 def parse_meminfo(text: str) -> dict[str, int]:

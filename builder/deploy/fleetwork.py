@@ -1,0 +1,311 @@
+"""One command's view of a fleet (`builder deploy`, `start`, `stop`, `status`): its inventory and lane,
+one connection per host for the whole command, the hosts' facts, stop and start in rank order, and the
+fleet's audits over those connections.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from builder.deploy.fleetlock import fleet_lock
+from builder.deploy.report import DeployReport, HostOutcome
+from builder.errors import BuilderError
+from builder.ssh import ControlSockets
+
+if TYPE_CHECKING:  # (loaded where used: the likely no-op's audit starts before they are imported)
+    from builder.deploy.hoststate import HostOps, HostState
+    from builder.hosts import Host
+
+T = TypeVar("T")
+Say = Callable[[str], None]
+
+
+@dataclass
+class DeployOptions:
+    root: Path
+    pins: Path
+    lock: Path
+    store: Path
+    fleet: str
+    checks_dir: Path | None = None
+    key: Path | None = None  # the signing key (bundles made again are signed with it)
+    with_image: bool = False
+    with_models: bool = False
+    part_size: str = "256MiB"  # (as `builder bundle --part-size` takes it)
+    dry_run: bool = False
+    parallel: int = 4  # hosts staged at once
+    connect_timeout: int = 10
+    timeout: float = 60.0  # base seconds of each remote call
+    start_timeout: float = 600.0  # each rank's start, and the head's /health
+    stop_timeout: int = 30
+    audit_mode: str = "fast"
+    ssh_persist: float = 0.0  # seconds each host's connection is kept after the command (0: closed)
+    insecure: bool = False
+
+
+def short(bid: str | None) -> str:
+    return bid[:12] if bid else "none"
+
+
+def each(items: Iterable[T], fn: Callable[[T], Any], limit: int) -> list[tuple[T, Any, BaseException | None]]:
+    """fn over items, at most `limit` at once; (item, result, error) in the items' order."""
+    items = list(items)
+    if not items:
+        return []
+
+    def one(x: T) -> tuple[T, Any, BaseException | None]:
+        try:
+            return x, fn(x), None
+        except Exception as e:  # every failure is reported for its host; none stops the others
+            return x, None, e
+
+    with ThreadPoolExecutor(max_workers=max(1, min(limit, len(items)))) as ex:
+        return list(ex.map(one, items))
+
+
+def explain(e: BaseException) -> str:
+    return str(e) if isinstance(e, BuilderError) else f"{type(e).__name__}: {e}"
+
+
+
+def problems(report: Any) -> str:
+    """The hosts that did not pass, and why (an AuditReport, or its JSON)."""
+    if isinstance(report, dict):
+        hosts = report.get("hosts") or {}
+        bad = [f"{n}: {h.get('message') or h.get('status')}" for n, h in hosts.items() if h.get("status") != "pass"]
+    else:
+        bad = [f"{h.name}: {h.first_problem() or h.status}" for h in report.hosts if h.status != "pass"]
+    return "; ".join(bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
+
+
+class Fleetwork:
+    """One command's view of a fleet: its inventory, lane and the connection to every host."""
+
+    def __init__(
+        self, opts: DeployOptions, say: Say, *, strict: bool = True, sockets: ControlSockets | None = None
+    ) -> None:
+        """`strict`: the lane must be locked as pinned (what a deploy or start needs); otherwise it
+        need only exist in the pins and the lock (what `builder status` needs to compare).
+        `sockets`: the command's connections, when it made them already (see `command_sockets`)."""
+        from builder.bundle import check_lane, load_bundle_inputs
+        from builder.hosts import check_against_pins, find_fleet
+
+        self.opts, self.say = opts, say
+        self.ctx = load_bundle_inputs(opts.pins, opts.lock, opts.store)
+        self.fleet_path, self.fleet = find_fleet(self.ctx.hosts_dir, opts.fleet)
+        if strict:
+            self.lane_name = check_lane(self.ctx, self.fleet_path, self.fleet)
+        else:
+            check_against_pins(self.fleet_path, self.fleet, set(self.ctx.pins.lanes), set(self.ctx.lock.lanes))
+            self.lane_name = self.fleet.fleet.lane
+        self.lane = self.ctx.pins.lanes[self.lane_name]
+        self.hosts: list[Host] = self.fleet.by_rank()
+        self.head = self.hosts[0]
+        self.workers = self.hosts[1:]
+        self.ops: dict[str, HostOps] = {}
+        self.states: dict[str, HostState] = {}
+        self.sockets = sockets or command_sockets(opts)
+        self.shared = shared_view(self.sockets)
+
+    @property
+    def fleet_name(self) -> str:
+        return self.fleet.fleet.name
+
+    def op(self, h: Host) -> HostOps:
+        from builder.deploy.hoststate import HostOps
+        from builder.ship import Remote
+
+        if h.name not in self.ops:
+            # (the command's sockets: its audits and ships use this host's one connection too)
+            remote = Remote(self.fleet_path, self.fleet, h, self.opts.connect_timeout, sockets=self.shared)
+            self.ops[h.name] = HostOps(remote, timeout=self.opts.timeout)
+        return self.ops[h.name]
+
+    def report(self, command: str) -> DeployReport:
+        """An empty report of `command` on this fleet: every host pending."""
+        return DeployReport(
+            fleet=self.fleet_name, lane=self.lane_name, command=command, target_lock=self.ctx.lock.lock_hash(),
+            hosts=[HostOutcome(h.name, h.rank, h.role) for h in self.hosts],
+        )
+
+    def close(self) -> None:
+        for o in self.ops.values():
+            o.close()
+        close_sockets(self.sockets)
+
+    def limit(self) -> int:
+        return max(1, self.opts.parallel)
+
+    # ------------------------------------------------------------------ facts
+
+    def probe(self, hosts: list[Host] | None = None) -> dict[str, str]:
+        """Refresh self.states; host -> why it could not be asked (empty when every host answered)."""
+        port = self.lane.serve.port
+        failed: dict[str, str] = {}
+        for h, st, err in each(
+            hosts or self.hosts,
+            lambda h: self.op(h).state(self.lane_name, port if h.role == "head" else None),
+            len(self.hosts),
+        ):
+            if err is not None:
+                failed[h.name] = explain(err)
+                self.states.pop(h.name, None)
+            else:
+                self.states[h.name] = st
+        return failed
+
+    # ------------------------------------------------------------------ stop and start, in rank order
+
+    def stop_all(self, only: set[str] | None = None) -> dict[str, str]:
+        """Stop the lane's containers: the head first, then the workers (of `only`, when given).
+        host -> why not (empty: all stopped)."""
+        failed: dict[str, str] = {}
+
+        def stop(h: Host) -> None:
+            st = self.states.get(h.name)
+            self.op(h).stop(self.lane_name, bool(st and st.current), self.opts.stop_timeout)
+
+        for group in ([self.head], self.workers):
+            group = [h for h in group if only is None or h.name in only]
+            for h, _, err in each(group, stop, len(group)):
+                if err is not None:
+                    failed[h.name] = explain(err)
+                else:
+                    self.say(f"{h.name}: stopped rank {h.rank}")
+        return failed
+
+    def start_all(self) -> None:
+        """Start the installed release: the workers, wait until each answers, then the head, and wait
+        for its /health. BuilderError naming the first rank that did not come up."""
+        from builder.launch import container_name, host_address
+
+        s = self.lane.serve
+        t = self.opts.start_timeout
+
+        def start_worker(h: Host) -> None:
+            o = self.op(h)
+            o.start(t)
+            ok, reason = o.wait(
+                container_name(self.lane_name, h.rank),
+                ports=[s.port, s.rendezvous_port],
+                addrs=[host_address(self.fleet, h), "127.0.0.1"],
+                health_port=None,
+                timeout=t,
+            )
+            if not ok:
+                raise BuilderError(f"{h.name}: rank {h.rank}: {reason}")
+            self.say(f"{h.name}: rank {h.rank} is up")
+
+        for h, _, err in each(self.workers, start_worker, len(self.workers)):
+            if err is not None:
+                raise BuilderError(explain(err) if str(err).startswith(h.name) else f"{h.name}: {explain(err)}")
+        o = self.op(self.head)
+        o.start(t)
+        ok, reason = o.wait(
+            container_name(self.lane_name, self.head.rank), ports=[s.port], addrs=["127.0.0.1"],
+            health_port=s.port, timeout=t,
+        )
+        if not ok:
+            raise BuilderError(f"{self.head.name}: rank 0 (head): {reason}")
+        self.say(f"{self.head.name}: rank 0 is up and /health answers on port {s.port}")
+
+    # ------------------------------------------------------------------ audits
+
+    def audit(self, phase: str, *, release: str = "current", snapshot: Path | None = None) -> Any:
+        return run_fleet_audit(self.opts, self.shared, self.say, phase, release=release, snapshot=snapshot,
+                               hosts_dir=self.ctx.hosts_dir)
+
+
+@contextmanager
+def fleet_command(opts: DeployOptions, say: Say, command: str) -> Iterator[tuple[Fleetwork, DeployReport]]:
+    """`builder start` or `stop`: the fleet (ConfigError before any host is contacted) under its lock,
+    and the command's report, timed; the connections are closed at the end."""
+    t0 = time.monotonic()
+    w = Fleetwork(opts, say)
+    rep = w.report(command)
+    try:
+        with fleet_lock(opts.store, w.fleet_name, command):
+            yield w, rep
+    finally:
+        w.close()
+        rep.seconds = time.monotonic() - t0
+
+
+def command_sockets(opts: DeployOptions) -> ControlSockets:
+    """One connection per host for the whole command: every step, ship and audit of it reuses the
+    host's one ControlMaster in the command's folder (the user's kept folder with --ssh-persist > 0:
+    kept that long after the command; else a folder of the command's own, closed and removed at the
+    end, and ended by ssh itself 60 s after its last use if the command is killed)."""
+    return ControlSockets.for_run(opts.ssh_persist)
+
+
+def shared_view(sockets: ControlSockets) -> ControlSockets:
+    """What the command's steps, ships and audits see: its sockets, as connections to reuse (and to
+    open, when there is none yet), never to close: the command closes them (close_sockets)."""
+    return ControlSockets(sockets.folder, True, sockets.persist or 60.0)
+
+
+def close_sockets(sockets: ControlSockets) -> None:
+    """Close the command's own connections (every ControlMaster in its folder) and remove the folder;
+    kept ones (--ssh-persist > 0) stay for the next command."""
+    import stat
+    import subprocess
+
+    if sockets.shared:
+        return
+    try:
+        entries = list(sockets.folder.iterdir())
+    except OSError:
+        entries = []
+    procs = []
+    for p in entries:  # (every host's at once)
+        try:
+            if stat.S_ISSOCK(p.lstat().st_mode):
+                procs.append(subprocess.Popen(
+                    ["ssh", "-o", f"ControlPath={p}", "-O", "exit", "--", "builder-control"],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                ))
+        except OSError:
+            pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    sockets.cleanup()
+
+
+def run_fleet_audit(
+    opts: DeployOptions, shared: ControlSockets, say: Say, phase: str, *, release: str = "current",
+    snapshot: Path | None = None, hosts_dir: Path | None = None,
+) -> Any:
+    """`builder audit --fleet F --phase PHASE` over the command's connections (`snapshot`: against the
+    pins and lock kept there, for a rolled-back release)."""
+    from builder.audit import AuditOptions, run_audit
+
+    ao = AuditOptions(
+        root=snapshot or opts.root,
+        pins=(snapshot / "pins.toml") if snapshot else opts.pins,
+        lock=(snapshot / "pins.lock") if snapshot else opts.lock,
+        store=opts.store,
+        hosts_dir=hosts_dir or opts.root / "hosts",
+        checks_dir=opts.checks_dir or opts.root / "checks",
+        fleet=opts.fleet,
+        mode=opts.audit_mode,
+        phase=phase,
+        release=release,
+        connect_timeout=float(opts.connect_timeout),
+        # (the command's folder, "kept" for the audit's length: the command closes them)
+        control_dir=shared.folder,
+        ssh_persist=shared.persist,
+    )
+    what = {"preflight": "preflight audit (the gate)", "serving": "serving audit", "all": "audit"}[phase]
+    say(f"{what} of fleet {opts.fleet}{' (the staged release)' if release == 'staged' else ''}")
+    return run_audit(ao, on_host=lambda h: say(f"{h.name}: {what}: {h.status} ({h.seconds:.1f} s)"))

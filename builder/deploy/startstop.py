@@ -1,0 +1,96 @@
+"""`builder start` and `builder stop`: a fleet's installed release, in rank order, under the fleet lock.
+
+Start: the preflight audit first; a fleet partly up is stopped first (a new worker never joins an old
+head); the workers, then the head; wait for the API; the serving audit. Stop: the head first, then the
+workers; only the lane's containers.
+"""
+
+from __future__ import annotations
+
+from builder.deploy.fleetwork import DeployOptions, Fleetwork, Say, explain, fleet_command, problems
+from builder.deploy.report import DeployReport
+
+
+def start(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
+    """Start the installed release of every host in rank order (workers, then the head), after the
+    preflight audit; a fleet partly up is stopped first (a new worker never joins an old head)."""
+    with fleet_command(opts, say, "start") as (w, rep):
+        _start(w, rep)
+    return rep
+
+
+def _start(w: Fleetwork, rep: DeployReport) -> None:
+    failed = w.probe()
+    for name, why in failed.items():
+        rep.host(name).result, rep.host(name).message = "unreachable", why
+    if failed:
+        rep.result, rep.reason, rep.unreachable = "refused", "not every host answered; nothing was started", True
+        return
+    missing = [h.name for h in w.hosts if w.states[h.name].installed is None]
+    for h in w.hosts:
+        o, st = rep.host(h.name), w.states[h.name]
+        o.origin = o.target = st.installed
+        o.on = "none" if st.installed is None else "old"
+    if missing:
+        rep.result = "refused"
+        rep.reason = f"no release installed on {', '.join(missing)} (run `builder deploy --fleet {w.fleet_name}`)"
+        return
+    if all(w.states[h.name].up_on(w.states[h.name].installed) for h in w.hosts) and w.states[w.head.name].healthy:
+        w.say(f"fleet {w.fleet_name}: every rank is up already")
+        for h in w.hosts:
+            rep.host(h.name).result = "unchanged"
+    else:
+        if not _audit(w, rep, "preflight", "refused", "the preflight audit failed; nothing was started"):
+            return
+        if any(w.states[h.name].containers for h in w.hosts):
+            stopped = w.stop_all()  # a fleet partly up: stop every rank first, head first
+            if stopped:
+                rep.result, rep.reason = "failed", "; ".join(f"{n}: {why}" for n, why in stopped.items())
+                return
+        try:
+            w.start_all()
+        except Exception as e:
+            rep.result, rep.reason = "failed", explain(e)
+            return
+        for h in w.hosts:
+            rep.host(h.name).result = "started"
+    if not _audit(w, rep, "serving", "failed", "started, but the serving audit fails"):
+        return
+    rep.result, rep.reason = "started", "every rank is up and the fleet passes its serving audit"
+
+
+def _audit(w: Fleetwork, rep: DeployReport, phase: str, result: str, why: str) -> bool:
+    """The fleet's audit of `phase`, recorded in the report; on a failure, the report's `result` and
+    `why` (with the hosts that failed), and False."""
+    report = w.audit(phase)
+    rep.audit = report.to_json()
+    if report.exit_code == 0:
+        return True
+    rep.result, rep.unreachable = result, report.exit_code == 3
+    rep.reason = f"{why}: {problems(report)}"
+    return False
+
+
+def stop(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
+    """Stop the lane's containers on every host: the head first, then the workers (only the lane's)."""
+    with fleet_command(opts, say, "stop") as (w, rep):
+        failed = w.probe()
+        for name, why in failed.items():
+            rep.host(name).result, rep.host(name).message = "unreachable", why
+        for h in w.hosts:
+            st = w.states.get(h.name)
+            if st is not None:
+                rep.host(h.name).origin = st.installed
+                rep.host(h.name).on = "none" if st.installed is None else "old"
+        errors = w.stop_all(only=set(w.states))  # (what answered: a host that did not is named)
+        for name, why in errors.items():
+            rep.host(name).result, rep.host(name).message = "failed", why
+        for h in w.hosts:
+            if rep.host(h.name).result == "pending":
+                rep.host(h.name).result = "stopped"
+        if failed or errors:
+            rep.unreachable = bool(failed)
+            rep.result, rep.reason = "failed", "not every rank could be stopped"
+        else:
+            rep.result, rep.reason = "stopped", "every rank of the lane is stopped"
+    return rep

@@ -1,0 +1,61 @@
+"""A deploy's switch: stop the running release (the head first), switch every host, start the new one
+(the workers first) and audit it serving. Any failure raises: the deploy then rolls back."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from builder.deploy.deployment import Deployment
+from builder.deploy.fleetwork import each, explain, problems, short
+from builder.errors import BuilderError, UnreachableError
+
+if TYPE_CHECKING:
+    from builder.hosts import Host
+
+
+def forward(d: Deployment) -> None:
+    """From the running release to the new one: stop (the head first), switch, start (the workers
+    first), the serving audit. BuilderError on any failure (the deploy then rolls back)."""
+    w = d.w
+    failed = w.stop_all(only={w.head.name})  # the head first: no new worker ever meets an old head
+    if failed:
+        raise BuilderError("; ".join(f"{n}: {why}" for n, why in failed.items()))
+    d.phase("switching")
+
+    def stop_and_switch(h: Host) -> str:
+        """A worker stops (once the head has); then each host switches as soon as it is stopped."""
+        if h.role == "worker":
+            st = w.states.get(h.name)
+            w.op(h).stop(w.lane_name, bool(st and st.current), d.opts.stop_timeout)
+            d.say(f"{h.name}: stopped rank {h.rank}")
+        if w.states[h.name].installed == d.out(h).target:
+            return "unchanged"
+        w.op(h).switch(d.bundles[h.name].bundle_id)
+        return "switched"
+
+    errors = []
+    for h, res, err in each(w.hosts, stop_and_switch, w.limit()):
+        o = d.out(h)
+        if err is not None:
+            o.result, o.message = ("unreachable" if isinstance(err, UnreachableError) else "failed"), explain(err)
+            errors.append(o.message)
+        elif res == "switched":
+            o.result, o.on = "switched", "new"
+            d.say(f"{h.name}: switched {short(o.origin)} -> {short(o.target)}")
+    if errors:
+        raise BuilderError("; ".join(errors))
+    for h in w.hosts:
+        o = d.out(h)
+        if o.result != "switched":
+            o.result, o.on = "unchanged", "new"
+    d.phase("starting")
+    for h in w.hosts:
+        st = w.states[h.name]
+        st.current = d.out(h).target  # (what stop_all reads: a release is installed now)
+    w.start_all()
+    d.phase("verifying")
+    report = w.audit("serving")
+    d.rep.audit = report.to_json()
+    if report.exit_code != 0:
+        raise BuilderError(f"the serving audit failed: {problems(report)}")
+
