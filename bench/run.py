@@ -35,6 +35,8 @@ BENCHMARKS: dict[str, str] = {
     "bundle": "bench.bundle",  # (e) bundle creation, install-side verification; (f) peak memory
     "deploy": "bench.deploy",  # (g) builder deploy: unchanged fleet vs preflight audit; 4 hosts vs 1
     "fetch": "bench.fetch",  # (h) builder fetch (verified) vs hf download from the fake Hub
+    "ship": "bench.ship",  # (i) fleet bundles linked from the store, ship vs scp -r, installer, progress
+    "registry": "bench.registry",  # (j) top-layer update: registry and thin bundle vs archive; push vs docker push
 }
 
 

@@ -21,7 +21,7 @@ from builder.canon import atomic_write
 from builder.errors import ConfigError
 from builder.loader import read_toml, validate
 from builder.schema import Name, Strict
-from builder.ssh import parse_target, ssh_config_file
+from builder.ssh import parse_target
 
 
 class Fabric(Strict):
@@ -104,7 +104,51 @@ class FleetInfo(Strict):
     lane: Name
     trusted_key: str | None = Field(default=None, description="minisign public key file for bundles")
     ssh_config: str | None = Field(default=None, description="relative paths: from this file's folder")
+    registry: str | None = Field(default=None, description="https://host:port the hosts pull the image from")
+    registry_ca: str | None = Field(default=None, description="the CA file of its TLS (from this file's folder)")
     note: str | None = None
+
+    @field_validator("registry")
+    @classmethod
+    def _registry_url(cls, v: str | None) -> str | None:
+        if v is not None and not (v.startswith("https://") or v.startswith("http://")):
+            raise ValueError(f"not a registry URL (want https://host:port): {v}")
+        return v
+
+
+def fleet_relative(fleet_file: Path, value: str) -> Path:
+    """A path the fleet file names (``fleet.ssh_config``, ``fleet.trusted_key``, ``fleet.registry_ca``):
+    ``~`` expanded, and a relative one taken from the fleet file's folder, wherever builder runs."""
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (fleet_file.parent / p).resolve()
+
+
+def fleet_file_named(fleet_file: Path, key: str, value: str | None) -> Path | None:
+    """`fleet_relative`, when the fleet file names one; ConfigError naming the file and key when it is
+    not a file."""
+    if value is None:
+        return None
+    p = fleet_relative(fleet_file, value)
+    if not p.is_file():
+        raise ConfigError(f"{fleet_file}: {key}: no such file: {p}")
+    return p
+
+
+def ssh_config_file(fleet_file: Path, value: str | None) -> Path | None:
+    """The fleet's ``ssh_config`` (the same file for audit, ship and deploy)."""
+    return fleet_file_named(fleet_file, "fleet.ssh_config", value)
+
+
+def fleet_registry_ca(fleet_file: Path, fleet: Fleet) -> Path | None:
+    """The fleet's ``registry_ca``: the CA file of its registry's TLS."""
+    return fleet_file_named(fleet_file, "fleet.registry_ca", fleet.fleet.registry_ca)
+
+
+def fleet_trusted_key(fleet_file: Path, fleet: Fleet) -> Path | None:
+    """The fleet's ``trusted_key``, the public key its hosts trust (read, and refused when missing or
+    malformed, by whoever reads it)."""
+    value = fleet.fleet.trusted_key
+    return fleet_relative(fleet_file, value) if value else None
 
 
 class Fleet(Strict):

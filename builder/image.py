@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder import ASSEMBLY_FORMAT, __version__, gitsrc, layers
+from builder import ASSEMBLY_FORMAT, __version__, gitsrc, layers, provenance
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.fetch import scrub_url
 from builder.imagerecord import ImageRecord, read_record, tag_for, write_record
@@ -280,10 +280,15 @@ def build(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offl
     if not force:
         rec = up_to_date(store_root, p, labels)
         if rec is not None:
+            provenance.ensure(store_root, p, rec)  # records from before provenance get theirs now
             return ImageResult(record=rec, built=False)
     rec = _build_once(pins, lock, p, root, Store(store_root), labels, offline=offline, engine=engine,
                       on_log=on_log)
+    old = read_record(store_root, p.address)
+    if old is not None and old.image_id == rec.image_id:
+        rec = rec.model_copy(update={"pushed": old.pushed})  # the same image is still in those registries
     write_record(store_root, rec)
+    provenance.write(store_root, p, rec)
     return ImageResult(record=rec, built=True)
 
 
@@ -324,7 +329,9 @@ def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, label
     dockerio.tag(result.image_id, repo, t)
     return ImageRecord(name=p.name, input_address=p.address, image_id=result.image_id,
                        diff_ids=list(result.diff_ids), tag=the_tag, lock_hash=p.lock_hash, platform=p.platform,
-                       source_date_epoch=p.source_date_epoch, labels=labels)
+                       source_date_epoch=p.source_date_epoch, labels=labels,
+                       manifest_digest=result.manifest_digest, config_size=len(result.config),
+                       layer_sizes=[layer.size for layer in result.layers])
 
 
 def check_reproducible(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offline: bool = False,

@@ -31,6 +31,14 @@ class ImageRecord(Strict):
     platform: str
     source_date_epoch: int
     labels: dict[str, str] = {}
+    # The image's OCI manifest (uncompressed layers, so its layer digests are the DiffIDs): what
+    # `builder push` sends, computable without the engine. Absent in records of older builds.
+    manifest_digest: Digest | None = None
+    config_size: int | None = None
+    layer_sizes: list[int] = []
+    # registry (host:port) -> the reference pushed there, by digest (host:port/builder/NAME@sha256:...).
+    # Only references: credentials are never recorded.
+    pushed: dict[str, str] = {}
 
 
 def tag_for(name: str, input_address: str) -> str:

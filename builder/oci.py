@@ -21,6 +21,7 @@ import http.client
 import json
 import os
 import re
+import ssl
 import subprocess
 import urllib.error
 import urllib.request
@@ -53,6 +54,7 @@ class ImageRef:
     repository: str
     tag: str | None
     digest: str | None
+    scheme: str | None = None  # set by a registry URL (https://host:5000); else https but for loopback
 
     @property
     def reference(self) -> str:
@@ -65,7 +67,7 @@ class ImageRef:
 
     @property
     def base_url(self) -> str:
-        scheme = "http" if self.host in LOOPBACK else "https"
+        scheme = self.scheme or ("http" if self.host in LOOPBACK else "https")
         return f"{scheme}://{self.registry}"
 
 
@@ -116,15 +118,52 @@ def platform_matches(want: str, os_: str, arch: str, variant: str | None) -> boo
 # HTTP with registry auth
 
 
+def docker_config_credentials(registry: str) -> tuple[str, str] | None:
+    """(user, password) for ``registry`` from the docker client's config (``$DOCKER_CONFIG/config.json``,
+    else ``~/.docker/config.json``): its ``auths`` entry, as ``docker login`` writes it. Credential
+    helpers (``credsStore``) are not run: their secrets stay with them."""
+    folder = os.environ.get("DOCKER_CONFIG") or os.path.join(os.path.expanduser("~"), ".docker")
+    try:
+        with open(os.path.join(folder, "config.json"), "rb") as f:
+            doc = json.loads(f.read(1024 * 1024))
+    except (OSError, ValueError):
+        return None
+    auths = doc.get("auths") if isinstance(doc, dict) else None
+    if not isinstance(auths, dict):
+        return None
+    for key in (registry, f"https://{registry}", f"http://{registry}", f"https://{registry}/v2/"):
+        entry = auths.get(key)
+        if isinstance(entry, dict) and isinstance(entry.get("auth"), str):
+            try:
+                user, sep, password = base64.b64decode(entry["auth"]).decode("utf-8").partition(":")
+            except (ValueError, UnicodeDecodeError):
+                return None
+            return (user, password) if sep else None
+    return None
+
+
 class Registry:
-    def __init__(self, ref: ImageRef, *, timeout: float = TIMEOUT) -> None:
+    def __init__(self, ref: ImageRef, *, timeout: float = TIMEOUT, ca_file: str | None = None,
+                 push: bool = False) -> None:
         self.ref = ref
         self.timeout = timeout
         self.auth: str | None = None
+        self.push = push
         self.user = os.environ.get("BUILDER_REGISTRY_USER")
         self.password = os.environ.get("BUILDER_REGISTRY_PASSWORD")
+        if self.user is None or self.password is None:
+            creds = docker_config_credentials(ref.registry)
+            if creds is not None:
+                self.user, self.password = creds
         # redirects (to blob stores) are followed; the Authorization header is "unredirected"
-        self.opener = urllib.request.build_opener()
+        handlers: list[urllib.request.BaseHandler] = []
+        if ca_file is not None:
+            try:
+                ctx = ssl.create_default_context(cafile=ca_file)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"{ca_file}: not a CA file: {e}") from None
+            handlers.append(urllib.request.HTTPSHandler(context=ctx))
+        self.opener = urllib.request.build_opener(*handlers)
 
     def _basic(self) -> str | None:
         if self.user is None or self.password is None:
@@ -132,8 +171,9 @@ class Registry:
         return "Basic " + base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
 
     def _open(self, url: str, *, method: str = "GET", accept: str | None = None,
-              auth: str | None = None) -> Any:
-        req = urllib.request.Request(url, method=method, headers={"User-Agent": "builder-oci/1"})
+              auth: str | None = None, data: Any = None, headers: dict[str, str] | None = None) -> Any:
+        req = urllib.request.Request(url, method=method, data=data,
+                                     headers={"User-Agent": "builder-oci/1", **(headers or {})})
         if accept:
             req.add_header("Accept", accept)
         if auth:
@@ -159,6 +199,37 @@ class Registry:
                 raise
         raise AssertionError("unreachable")
 
+    def send(self, url_or_path: str, *, method: str, data: Any = None, headers: dict[str, str] | None = None,
+             rewind: Any = None) -> tuple[int, bytes, dict[str, str]]:
+        """One request that may carry a body (uploads, manifest PUTs, HEADs): (status, body, headers).
+
+        Non-2xx answers other than a first 401 are returned, not raised, so a caller reads 404 as
+        "not there". ``rewind``: called before a retry after a 401, so a file body is sent from its start.
+        """
+        if url_or_path.startswith(("http://", "https://")):
+            url = url_or_path
+        elif url_or_path.startswith("/"):
+            url = self.ref.base_url + url_or_path
+        else:
+            url = f"{self.ref.base_url}/v2/{self.ref.repository}/{url_or_path}"
+        for attempt in range(2):
+            try:
+                with self._open(url, method=method, auth=self.auth, data=data, headers=headers) as resp:
+                    body = resp.read(MAX_MANIFEST + 1) if method != "HEAD" else b""
+                    return resp.status, body[:MAX_MANIFEST], {k.lower(): v for k, v in resp.headers.items()}
+            except urllib.error.HTTPError as e:
+                hdrs = {k.lower(): v for k, v in e.headers.items()}
+                if e.code == 401 and attempt == 0:
+                    e.close()
+                    self._authenticate(hdrs.get("www-authenticate", ""))
+                    if rewind is not None:
+                        rewind()
+                    continue
+                body = b"" if method == "HEAD" else e.read(64 * 1024)
+                e.close()
+                return e.code, body, hdrs
+        raise AssertionError("unreachable")
+
     def _where(self) -> str:
         return f"{self.ref.registry}/{self.ref.repository}"
 
@@ -175,7 +246,8 @@ class Registry:
         if scheme.lower() != "bearer" or "realm" not in fields:
             raise ResolveError(f"{self._where()}: unsupported registry authentication: {scheme or 'none'}")
         query = {"service": fields.get("service", "")}
-        query["scope"] = fields.get("scope") or f"repository:{self.ref.repository}:pull"
+        wanted = "pull,push" if self.push else "pull"
+        query["scope"] = fields.get("scope") or f"repository:{self.ref.repository}:{wanted}"
         token_url = f"{fields['realm']}?{urlencode(query)}"
         try:
             with self._open(token_url, auth=self._basic()) as resp:
@@ -357,4 +429,4 @@ def resolve(name: str, spec: BaseImage, *, offline: bool, spec_hash: str) -> Loc
 
 
 __all__ = ["resolve", "resolve_registry", "resolve_local", "parse_ref", "ImageRef", "Registry",
-           "platform_matches"]
+           "platform_matches", "docker_config_credentials"]

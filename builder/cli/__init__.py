@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from builder import __version__
+from builder.cli.options import file_option, folder_option
 
 # name -> (module, attribute, one-line help). The help is here so --help needs no import.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -27,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "why": ("builder.cli.image", "why", "Print an image's closure and input address."),
     "gc": ("builder.cli.image", "gc", "Remove store entries no lock refers to."),
     "keygen": ("builder.cli.bundle", "keygen", "Make an Ed25519 (minisign-compatible) signing key pair."),
+    "push": ("builder.cli.push", "push", "Push a built image to a registry by digest (only the blobs it lacks)."),
     "bundle": ("builder.cli.bundle", "bundle", "Render a signed per-host launch bundle."),
     "verify": ("builder.cli.bundle", "verify", "Verify a bundle folder against its signature and hashes."),
     "ship": ("builder.cli.ship", "ship", "Copy a bundle to a host (or a folder) and install it."),
@@ -68,31 +70,11 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="builder")
-@click.option(
-    "--pins",
-    "pins",
-    type=click.Path(dir_okay=False, path_type=Path),
-    envvar="BUILDER_PINS",
-    default="pins.toml",
-    show_default=True,
-    help="The pins file (its folder is the project root).",
-)
-@click.option(
-    "--lock",
-    "lock",
-    type=click.Path(dir_okay=False, path_type=Path),
-    envvar="BUILDER_LOCK",
-    default=None,
-    help="The lock file [default: pins.lock beside the pins].",
-)
-@click.option(
-    "--store",
-    "store",
-    type=click.Path(file_okay=False, path_type=Path),
-    envvar="BUILDER_STORE",
-    default=None,
-    help="The content-addressed store and caches [default: .cache/builder under the project root].",
-)
+@file_option("--pins", "pins", envvar="BUILDER_PINS", default="pins.toml", show_default=True,
+             help="The pins file (its folder is the project root).")
+@file_option("--lock", "lock", envvar="BUILDER_LOCK", help="The lock file [default: pins.lock beside the pins].")
+@folder_option("--store", "store", envvar="BUILDER_STORE",
+               help="The content-addressed store and caches [default: .cache/builder under the project root].")
 @click.pass_context
 def cli(ctx: click.Context, pins: Path, lock: Path | None, store: Path | None) -> None:
     """builder: make a DGX Spark lane reproducible and checkable.

@@ -15,13 +15,22 @@ from builder.cli import get_ctx
 @click.option("--force", is_flag=True, help="Build even when the tagged image is up to date.")
 @click.option("--emulate", is_flag=True, help="Allow building another platform than the engine's (QEMU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result record as JSON on stdout.")
+@click.option("--push", "push_to", metavar="URL", help="Then push it to this registry by digest (builder push).")
+@click.option("--ca", "ca", type=click.Path(dir_okay=False), help="CA file of the --push registry's TLS.")
 def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, force: bool, emulate: bool,
-          as_json: bool) -> int:
+          as_json: bool, push_to: str | None, ca: str | None) -> int:
     """Build the locked closure of image NAME into a content-addressed, reproducible image."""
     from builder import image as core
     from builder import output
 
     c = get_ctx()
+    target = None
+    if push_to is not None:  # a bad URL is refused before anything is built
+        from pathlib import Path
+
+        from builder.cli.push import target_from
+
+        target = target_from(push_to, Path(ca) if ca else None, None, c.root / "hosts")
     if plan_only:
         p = core.plan(c.pins, c.lock, name)
         _print_plan(core.describe(p), as_json)
@@ -51,6 +60,13 @@ def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, f
         output.status(f"{rec.tag}: built {rec.image_id[:19]} ({len(rec.diff_ids)} layers)")
     if res.reproducible:
         output.status(f"{rec.tag}: reproducible: a rebuild from nothing gave the same ImageID {rec.image_id[:19]}")
+    if target is not None:
+        from builder import registry
+
+        assert isinstance(target, registry.Target)
+        pushed, _ = registry.push(c.store, rec, target)
+        output.status(f"{pushed.reference}: " + ("already in the registry; nothing sent" if pushed.already else
+                      f"pushed ({pushed.sent_blobs} blobs, {pushed.sent_bytes} bytes sent)"))
     return 0
 
 

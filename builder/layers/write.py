@@ -26,10 +26,13 @@ def _header(name: str, size: int, *, is_dir: bool, mtime: int) -> bytes:
     return ti.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
 
 
-def archive_chunks(record: SpooledImage, *, repo_tags: Sequence[str] = (), mtime: int = 0) -> Iterator[bytes]:
+def archive_chunks(record: SpooledImage, *, repo_tags: Sequence[str] = (), mtime: int = 0,
+                   omit: frozenset[str] = frozenset()) -> Iterator[bytes]:
     """The image's archive as a stream of chunks: ``docker load`` format plus an OCI layout.
 
     Sorted entries, fixed ``mtime``, owner 0/0, uncompressed layers. Memory: one chunk at a time.
+    ``omit``: DiffIDs whose layer files are left out (a thin archive: manifest.json still lists them; an
+    engine with the classic image store loads it when it holds those layers' chain already).
     """
     manifest = record.manifest
     manifest_hex = record.manifest_digest.removeprefix("sha256:")
@@ -65,6 +68,8 @@ def archive_chunks(record: SpooledImage, *, repo_tags: Sequence[str] = (), mtime
     }
     big: dict[str, Layer] = {}
     for layer in record.layers:
+        if layer.diff_id in omit:
+            continue
         big.setdefault(f"blobs/sha256/{layer.diff_id.removeprefix('sha256:')}", layer)
     names = sorted(["blobs", "blobs/sha256", *small, *[n for n in big if n not in small]])
     total = 0

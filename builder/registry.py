@@ -1,0 +1,379 @@
+"""`builder push`: a built image into a registry by digest, through the OCI distribution API.
+
+What is pushed is the image's own OCI manifest (builder.layers: uncompressed layers, so every layer's
+digest is its DiffID and the manifest digest is a function of the image), not what `docker push`
+would make of it: the same image gives the same manifest digest from any machine. Before anything is
+sent, the manifest and every blob are asked for with HEAD; what the registry holds is not sent, and an
+image the registry holds whole costs one HEAD (plus the check below). The engine is asked for the
+image's bytes (`docker save`) only when a blob is missing. After the push the registry's answer is
+checked: the manifest by digest, its config's DiffIDs against the record. The reference pushed
+(``host:port/builder/NAME@sha256:...``) is recorded in the image record; credentials
+(BUILDER_REGISTRY_USER / BUILDER_REGISTRY_PASSWORD, or the docker config's ``auths``) are sent only
+to the registry and never written or printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import ipaddress
+import os
+import re
+import tempfile
+import urllib.error
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from builder import layers, oci
+from builder.canon import canonical_json, file_lock
+from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
+from builder.fetch import network_reason
+from builder.hosts import Fleet, fleet_registry_ca
+from builder.imagerecord import ImageRecord, read_record, write_record
+from builder.layers.spooled import MEDIA_CONFIG, MEDIA_LAYER, MEDIA_MANIFEST
+
+REPO_PREFIX = "builder"
+UPLOAD_BLOCK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Target:
+    """A registry to push to or pull from: ``host:port``, its scheme and the CA file that signs its TLS."""
+
+    registry: str
+    scheme: str
+    ca_file: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.registry}"
+
+    def repository(self, name: str) -> str:
+        return f"{REPO_PREFIX}/{name}"
+
+    def reference(self, name: str, manifest_digest: str) -> str:
+        return f"{self.registry}/{self.repository(name)}@{manifest_digest}"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_target(url: str, where: str, ca_file: str | Path | None = None) -> Target:
+    """``https://host:port`` (or ``host:port``; plain ``http://`` only for loopback). ConfigError naming
+    ``where`` otherwise. The URL is never echoed when it carries credentials."""
+    text = url if "://" in url else f"https://{url}"
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"{where}: not a registry URL: {url}") from None
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"{where}: credentials do not belong in the registry URL "
+                          "(set BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD)")
+    if parts.scheme not in ("https", "http") or not parts.hostname or parts.path.strip("/") or parts.query:
+        raise ConfigError(f"{where}: not a registry URL (want https://host:port): {url}")
+    host = parts.hostname
+    if ":" in host:
+        host = f"[{host}]"
+    if parts.scheme == "http" and not _loopback(parts.hostname):
+        raise ConfigError(f"{where}: plain http is for a loopback registry only; use https with a CA file: {url}")
+    registry = f"{host}:{port}" if port else host
+    ca = None
+    if ca_file is not None:
+        ca = str(ca_file)
+        if not os.path.isfile(ca):
+            raise ConfigError(f"{where}: CA file not found: {ca}")
+    return Target(registry=registry, scheme=parts.scheme, ca_file=ca)
+
+
+@dataclass
+class PushResult:
+    reference: str
+    manifest_digest: str
+    registry: str
+    sent_blobs: int
+    sent_bytes: int
+    held_blobs: int
+    already: bool  # the registry held the whole image: nothing was sent
+
+    def as_json(self) -> dict[str, Any]:
+        return {"reference": self.reference, "manifest_digest": self.manifest_digest, "registry": self.registry,
+                "sent_blobs": self.sent_blobs, "sent_bytes": self.sent_bytes, "held_blobs": self.held_blobs,
+                "already": self.already}
+
+
+def manifest_of(rec: ImageRecord) -> bytes | None:
+    """The image's OCI manifest from the record alone (None for a record of an older build)."""
+    if rec.config_size is None or len(rec.layer_sizes) != len(rec.diff_ids):
+        return None
+    return canonical_json({
+        "schemaVersion": 2,
+        "mediaType": MEDIA_MANIFEST,
+        "config": {"mediaType": MEDIA_CONFIG, "digest": rec.image_id, "size": rec.config_size},
+        "layers": [{"mediaType": MEDIA_LAYER, "digest": d, "size": s}
+                   for d, s in zip(rec.diff_ids, rec.layer_sizes, strict=True)],
+    })
+
+
+def _sha(data: bytes) -> str:
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class _Client:
+    """The push side of the distribution API over oci.Registry's HTTP and auth."""
+
+    def __init__(self, target: Target, repository: str) -> None:
+        self.target = target
+        ref = oci.ImageRef(registry=target.registry, repository=repository, tag=None, digest=None,
+                           scheme=target.scheme)
+        self.reg = oci.Registry(ref, ca_file=target.ca_file, push=True)
+        self.where = f"registry {target.registry}"
+
+    def has(self, kind: str, digest: str) -> bool:
+        status, _, headers = self.reg.send(f"{kind}/{digest}", method="HEAD",
+                                           headers={"Accept": MEDIA_MANIFEST} if kind == "manifests" else None)
+        if status == 200:
+            if kind == "manifests" and headers.get("docker-content-digest", digest) != digest:
+                raise VerifyError(f"{self.where}: manifest {digest} is answered as "
+                                  f"{headers.get('docker-content-digest')}")
+            return True
+        if status == 404:
+            return False
+        raise BuilderError(f"{self.where}: HEAD {kind}/{digest[:19]}: HTTP {status}")
+
+    def upload(self, digest: str, size: int, open_body: Callable[[], Any]) -> None:
+        status, body, headers = self.reg.send("blobs/uploads/", method="POST", data=b"",
+                                              headers={"Content-Length": "0"})
+        if status != 202 or "location" not in headers:
+            raise BuilderError(f"{self.where}: starting an upload: HTTP {status} {_short(body)}")
+        location = headers["location"]
+        sep = "&" if "?" in location else "?"
+        with open_body() as f:
+            def rewind() -> None:
+                f.seek(0)
+
+            status, body, _ = self.reg.send(f"{location}{sep}digest={digest}", method="PUT", data=f, rewind=rewind,
+                                            headers={"Content-Type": "application/octet-stream",
+                                                     "Content-Length": str(size)})
+        if status != 201:
+            raise BuilderError(f"{self.where}: uploading {digest[:19]}: HTTP {status} {_short(body)}")
+
+    def put_manifest(self, reference: str, raw: bytes) -> None:
+        status, body, headers = self.reg.send(f"manifests/{reference}", method="PUT", data=raw,
+                                              headers={"Content-Type": MEDIA_MANIFEST})
+        if status != 201:
+            raise BuilderError(f"{self.where}: putting manifest {reference[:19]}: HTTP {status} {_short(body)}")
+        theirs = headers.get("docker-content-digest")
+        if theirs and theirs != _sha(raw):
+            raise VerifyError(f"{self.where}: manifest {reference[:19]}: the registry says {theirs}, "
+                              f"the bytes are {_sha(raw)}")
+
+
+def _short(body: bytes) -> str:
+    text = " ".join(body.decode("utf-8", "replace").split())
+    return text[:160]
+
+
+def verify_pushed(client: _Client, rec: ImageRecord, manifest_digest: str) -> None:
+    """What the registry returns for the digest is this image: its config is the ImageID, its layers and
+    its config's DiffIDs are the recorded ones."""
+    doc, _, got = client.reg.manifest(manifest_digest)
+    if got != manifest_digest:
+        raise VerifyError(f"{client.where}: manifest {manifest_digest} hashes to {got}")
+    config = doc.get("config") or {}
+    if config.get("digest") != rec.image_id:
+        raise VerifyError(f"{client.where}: manifest {manifest_digest[:19]} names config {config.get('digest')}, "
+                          f"not image {rec.image_id}")
+    layer_digests = [str(x.get("digest")) for x in doc.get("layers") or []]
+    cfg = client.reg.blob_json(rec.image_id)
+    diff_ids = [str(x) for x in ((cfg.get("rootfs") or {}).get("diff_ids") or [])]
+    if diff_ids != list(rec.diff_ids) or layer_digests != list(rec.diff_ids):
+        raise VerifyError(f"{client.where}: {client.reg.ref.repository}@{manifest_digest[:19]} has DiffIDs other "
+                          f"than the image record's")
+
+
+def push(store: Path, rec: ImageRecord, target: Target, *,
+         on_log: Callable[[str], None] = lambda s: None) -> tuple[PushResult, ImageRecord]:
+    return push_image(store, rec, target, on_log=on_log)
+
+
+def push_image(store: Path, rec: ImageRecord, target: Target, *,
+               on_log: Callable[[str], None] = lambda s: None) -> tuple[PushResult, ImageRecord]:
+    """Push the recorded image; return what was sent and the updated record (also written).
+
+    One push of an image at a time (a lock beside its record): the bundles of a fleet are made at once,
+    and the second finds the registry holding what the first sent."""
+    repository = target.repository(rec.name)
+    client = _Client(target, repository)
+    try:
+        with file_lock(store / "locks" / f"push-{rec.input_address}.lock"):
+            rec = read_record(store, rec.input_address) or rec
+            res, rec = _push(store, rec, target, client, on_log)
+    except urllib.error.HTTPError as e:
+        raise BuilderError(f"{client.where}: HTTP {e.code} for {repository}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        raise UnreachableError(f"{client.where}: cannot reach {target.url}: {network_reason(e)}") from None
+    return res, rec
+
+
+def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
+          on_log: Callable[[str], None]) -> tuple[PushResult, ImageRecord]:
+    manifest = manifest_of(rec)
+    sizes: dict[str, Any] = {}
+    sent_blobs = sent_bytes = held = 0
+    already = False
+    if manifest is not None and client.has("manifests", _sha(manifest)):
+        already = True
+        held = 1 + len(rec.diff_ids)
+        on_log(f"{client.where} holds {_sha(manifest)[:19]}: nothing to send")
+    else:
+        blobs = [rec.image_id, *rec.diff_ids]
+        missing = [d for d in dict.fromkeys(blobs) if not client.has("blobs", d)]
+        held = len(dict.fromkeys(blobs)) - len(missing)
+        if missing or manifest is None:
+            manifest, n, size, sizes = _send_from_engine(store, rec, client, set(missing), on_log)
+            sent_blobs, sent_bytes = n, size
+        client.put_manifest(_sha(manifest), manifest)
+        sent_bytes += len(manifest)
+    digest = _sha(manifest)
+    tag = rec.input_address[:32]
+    status, _, headers = client.reg.send(f"manifests/{tag}", method="HEAD", headers={"Accept": MEDIA_MANIFEST})
+    if status != 200 or headers.get("docker-content-digest") != digest:
+        client.put_manifest(tag, manifest)  # a tag too, so the registry's garbage collection keeps it
+    verify_pushed(client, rec, digest)
+    reference = target.reference(rec.name, digest)
+    new = rec.model_copy(update={
+        **sizes,  # a record of an older build learns its manifest's sizes
+        "manifest_digest": digest,
+        "pushed": {**rec.pushed, target.registry: reference},
+    })
+    if new != rec:
+        write_record(store, new)
+    return PushResult(reference=reference, manifest_digest=digest, registry=target.registry, sent_blobs=sent_blobs,
+                      sent_bytes=sent_bytes, held_blobs=held, already=already), new
+
+
+def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: set[str],
+                      on_log: Callable[[str], None]) -> tuple[bytes, int, int, dict[str, Any]]:
+    """The image's bytes from the engine (spooled: the config and its layers), the missing blobs sent.
+    Returns (manifest, blobs sent, bytes sent, the record's size fields)."""
+    from builder import dockerio
+
+    if not dockerio.image_exists(rec.image_id):
+        raise ConfigError(f"images.{rec.name}: image {rec.image_id[:19]} is not in the Docker Engine "
+                          f"(run `builder image {rec.name}`)")
+    tmp = store / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    sent = size = 0
+    with tempfile.TemporaryDirectory(prefix=f"push-{os.getpid()}-", dir=tmp) as td:
+        image = layers.read_image(dockerio.save(rec.image_id), Path(td) / "work")
+        if image.image_id != rec.image_id or image.diff_ids != list(rec.diff_ids):
+            raise VerifyError(f"images.{rec.name}: the engine saved {image.image_id[:19]}, "
+                              f"the record says {rec.image_id[:19]}")
+        manifest = image.manifest
+        sizes = {"config_size": len(image.config), "layer_sizes": [layer.size for layer in image.layers]}
+        if rec.manifest_digest and image.manifest_digest != rec.manifest_digest:
+            raise VerifyError(f"images.{rec.name}: manifest {image.manifest_digest[:19]} is not the recorded "
+                              f"{rec.manifest_digest[:19]}")
+        if rec.image_id in missing:
+            on_log(f"sending config {rec.image_id[:19]} ({len(image.config)} bytes)")
+            config = image.config
+            client.upload(rec.image_id, len(config), lambda: _BytesBody(config))
+            sent, size = sent + 1, size + len(config)
+        done: set[str] = set()
+        for layer in image.layers:
+            if layer.diff_id not in missing or layer.diff_id in done:
+                continue
+            on_log(f"sending layer {layer.diff_id[:19]} ({layer.size} bytes)")
+            client.upload(layer.diff_id, layer.size, lambda p=layer.path: open(p, "rb"))  # type: ignore[misc]
+            done.add(layer.diff_id)
+            sent, size = sent + 1, size + layer.size
+    return manifest, sent, size, sizes
+
+
+class _BytesBody(contextlib.AbstractContextManager["_BytesBody"]):
+    """Bytes as a seekable body for a retried PUT."""
+
+    def __init__(self, data: bytes) -> None:
+        import io
+
+        self._f = io.BytesIO(data)
+
+    def read(self, n: int = -1) -> bytes:
+        return self._f.read(n)
+
+    def seek(self, pos: int) -> int:
+        return self._f.seek(pos)
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+
+def reference_for(rec: ImageRecord, target: Target) -> str | None:
+    """The recorded reference of this image in ``target`` (None when it was not pushed there)."""
+    ref = rec.pushed.get(target.registry)
+    if ref is None or not rec.manifest_digest or not ref.endswith("@" + rec.manifest_digest):
+        return None
+    if not re.fullmatch(r"[^@\s]+@sha256:[0-9a-f]{64}", ref):
+        return None
+    return ref
+
+
+def fleet_pull_reference(store: Path, fleet_path: Path, fleet: Fleet, rec: ImageRecord, *, push: bool) -> str | None:
+    """The reference by digest a fleet's hosts pull the image by (None when the fleet names no registry).
+
+    ``push``: push it first (what the registry holds is not sent), so the reference is there to pull;
+    else the reference recorded by an earlier push, or None when it was never pushed there."""
+    if fleet.fleet.registry is None:
+        return None
+    target = parse_target(fleet.fleet.registry, f"{fleet_path}: fleet.registry", fleet_registry_ca(fleet_path, fleet))
+    if push:
+        res, _ = push_image(store, rec, target)
+        return res.reference
+    return reference_for(rec, target)
+
+
+# --------------------------------------------------------------------------- thin bundles
+
+
+def read_have(path: Path) -> list[str]:
+    """The DiffIDs a host holds, from FILE: an apply record (``state/applied.json``), the installer's
+    ``status`` JSON (its ``applied``), or a JSON list of ``sha256:`` digests. ConfigError naming the file."""
+    import json
+
+    try:
+        doc = json.loads(path.read_bytes())
+    except OSError as e:
+        raise ConfigError(f"--have {path}: cannot read: {e.strerror or e}") from None
+    except ValueError:
+        raise ConfigError(f"--have {path}: not JSON") from None
+    if isinstance(doc, dict) and isinstance(doc.get("applied"), dict):
+        doc = doc["applied"]
+    if isinstance(doc, dict):
+        doc = (doc.get("image") or {}).get("diff_ids") if isinstance(doc.get("image"), dict) else None
+    if not isinstance(doc, list) or not all(isinstance(d, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", d)
+                                            for d in doc):
+        raise ConfigError(f"--have {path}: no layer list (want an apply record, `installer status` JSON "
+                          "or a list of sha256: DiffIDs)")
+    return list(doc)
+
+
+def thin_omitted(diff_ids: list[str], have: list[str]) -> int:
+    """How many leading layers of the image a thin archive leaves out: the longest prefix the host holds
+    (a layer is only of use to `docker load` with every layer below it)."""
+    held = set(have)
+    n = 0
+    while n < len(diff_ids) and diff_ids[n] in held:
+        n += 1
+    return n

@@ -1,0 +1,223 @@
+"""`builder push` against a REAL registry (Debian's docker-registry) on loopback, with htpasswd auth, and
+the image built by the CLI in a copy of the project (a two-layer demo image). The registry's own access
+log tells what was sent."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_registry_support as support  # noqa: E402
+
+from builder import registry as reg  # noqa: E402
+from builder.errors import ConfigError  # noqa: E402
+
+pytestmark = [pytest.mark.registry, pytest.mark.docker, pytest.mark.build]
+
+
+def _skip_without_parts() -> None:
+    if shutil.which(support.registrylib.REGISTRY_BIN) is None:
+        pytest.skip("docker-registry is not installed (apt-get install docker-registry)")
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        pytest.skip("no Docker Engine")
+
+
+@dataclass
+class Built:
+    root: Path
+    workdir: Path
+    env: dict[str, str]
+    record: dict[str, Any]
+
+    def builder(self, *args: str, check: bool = True, env: dict[str, str] | None = None
+                ) -> subprocess.CompletedProcess[str]:
+        return support.run_builder(self.root, {**self.env, **(env or {})}, *args, check=check)
+
+    def record_now(self) -> dict[str, Any]:
+        rec: dict[str, Any] = json.loads((self.workdir / "store" / "images" /
+                                          f"{self.record['input_address']}.json").read_text())
+        return rec
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
+    _skip_without_parts()
+    workdir = tmp_path_factory.mktemp("push")
+    root = support.two_layer_project(workdir / "project")
+    env = support.env_for(workdir)
+    support.run_builder(root, env, "lock", "--offline", "demo")
+    p = support.run_builder(root, env, "image", "demo", "--offline", "--json")
+    return Built(root, workdir, env, json.loads(p.stdout))
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[support.Served]:
+    with support.serve(tmp_path / "registry", auth=True) as r:
+        yield r
+
+
+def creds(r: support.Served) -> dict[str, str]:
+    assert r.user and r.password
+    return {"BUILDER_REGISTRY_USER": r.user, "BUILDER_REGISTRY_PASSWORD": r.password}
+
+
+def test_the_record_knows_the_manifest_and_the_image_has_two_layers(built: Built) -> None:
+    rec = built.record
+    assert len(rec["diff_ids"]) == 2 and rec["manifest_digest"].startswith("sha256:")
+    assert rec["layer_sizes"][0] > support.PAYLOAD and rec["config_size"] > 0
+
+
+def test_push_sends_every_blob_then_nothing(built: Built, registry: support.Served) -> None:
+    p = built.builder("push", "demo", "--registry", registry.url, "--json", env=creds(registry))
+    first = json.loads(p.stdout)
+    rec = built.record_now()
+    assert first["manifest_digest"] == rec["manifest_digest"] == built.record["manifest_digest"]
+    assert first["reference"] == f"{registry.addr}/builder/demo@{rec['manifest_digest']}"
+    assert rec["pushed"] == {registry.addr: first["reference"]}
+    assert first["sent_blobs"] == 3 and not first["already"]  # the config and both layers
+    assert registry.blob_puts() == 3
+    assert first["sent_bytes"] >= sum(rec["layer_sizes"]) + rec["config_size"]
+
+    before = len(registry.requests())
+    p = built.builder("push", "demo", "--registry", registry.url, "--json", env=creds(registry))
+    again = json.loads(p.stdout)
+    assert again["already"] and again["sent_bytes"] == 0 and again["sent_blobs"] == 0
+    assert registry.blob_puts(before) == 0  # the registry's own log: no upload
+    assert not [r for r in registry.requests()[before:] if r["method"] in ("PUT", "POST", "PATCH")]
+    # credentials never in records, output or the store
+    assert registry.password is not None
+    assert registry.password not in p.stdout + p.stderr
+    for f in (built.workdir / "store").rglob("*.json"):
+        assert registry.password not in f.read_text(errors="replace"), f
+
+
+def test_push_sends_only_the_layers_the_registry_lacks(built: Built, registry: support.Served) -> None:
+    """The payload layer already there (pushed under another repository name would not count: the
+    same repository), only the config and the engine layer go."""
+    built.builder("push", "demo", "--registry", registry.url, env=creds(registry))
+    rec = built.record_now()
+    engine_layer = rec["diff_ids"][1]
+    registry.stop()
+    blob = registry.workdir / "storage" / "docker" / "registry" / "v2" / "repositories" / "builder" / "demo"
+    shutil.rmtree(blob / "_layers" / "sha256" / engine_layer.removeprefix("sha256:"))
+    shutil.rmtree(blob / "_manifests")
+    registry.start()
+    before = len(registry.requests())
+    out = json.loads(built.builder("push", "demo", "--registry", registry.url, "--json", env=creds(registry)).stdout)
+    assert out["sent_blobs"] == 1 and out["held_blobs"] == 2
+    assert out["sent_bytes"] < rec["layer_sizes"][0]  # not the payload
+    assert registry.blob_puts(before) == 1
+
+
+def test_docker_pulls_what_was_pushed_by_digest(built: Built, tmp_path: Path) -> None:
+    """The engine takes the manifest builder pushed (uncompressed OCI layers): a pull by digest gives the
+    recorded ImageID. (No auth: the loopback registry docker trusts without TLS.)"""
+    with support.serve(tmp_path / "open") as r:
+        out = json.loads(built.builder("push", "demo", "--registry", r.url, "--json").stdout)
+        p = subprocess.run(["docker", "pull", out["reference"]], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr
+        got = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", out["reference"]],
+                             capture_output=True, text=True).stdout.strip()
+        subprocess.run(["docker", "rmi", out["reference"]], capture_output=True)
+        assert got == built.record["image_id"]
+
+
+def test_credentials_from_the_docker_config(built: Built, registry: support.Served) -> None:
+    import base64
+
+    cfg = built.workdir / "docker-config"
+    cfg.mkdir(exist_ok=True)
+    auth = base64.b64encode(f"{registry.user}:{registry.password}".encode()).decode()
+    (cfg / "config.json").write_text(json.dumps({"auths": {registry.addr: {"auth": auth}}}))
+    try:
+        p = built.builder("push", "demo", "--registry", registry.url)
+        assert p.stdout.strip().endswith(built.record["manifest_digest"])
+    finally:
+        (cfg / "config.json").unlink()
+    p = built.builder("push", "demo", "--registry", registry.url, check=False)
+    assert p.returncode == 1 and "wants credentials" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_registry_serving_other_bytes_is_caught(built: Built, registry: support.Served) -> None:
+    """The registry's storage changed under it (the config blob's bytes): the check after the push reads
+    the config back, and refuses."""
+    built.builder("push", "demo", "--registry", registry.url, env=creds(registry))
+    cfg_hex = built.record["image_id"].removeprefix("sha256:")
+    blobs = registry.workdir / "storage" / "docker" / "registry" / "v2" / "blobs" / "sha256"
+    data = blobs / cfg_hex[:2] / cfg_hex / "data"
+    doc = json.loads(data.read_bytes())
+    doc["rootfs"]["diff_ids"].reverse()
+    data.write_bytes(json.dumps(doc).encode())
+    p = built.builder("push", "demo", "--registry", registry.url, check=False, env=creds(registry))
+    assert p.returncode == 1, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and registry.addr in errors[0] and "hashes to" in errors[0], p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_a_registry_that_is_down_is_one_line(built: Built, tmp_path: Path) -> None:
+    with support.serve(tmp_path / "gone") as r:
+        url = r.url
+    p = built.builder("push", "demo", "--registry", url, check=False)
+    assert p.returncode == 3 and p.stderr.count("\n") == 1, p.stderr
+    assert url.removeprefix("http://") in p.stderr and "cannot reach" in p.stderr
+
+
+def test_bad_registry_urls_are_refused_before_anything(built: Built) -> None:
+    for url, says in (("http://203.0.113.7:5000", "plain http is for a loopback registry"),
+                      ("https://someone:s3cret-planted@203.0.113.7:5000", "credentials do not belong"),
+                      ("ftp://203.0.113.7", "not a registry URL")):
+        p = built.builder("push", "demo", "--registry", url, check=False)
+        assert p.returncode == 2 and says in p.stderr and "--registry" in p.stderr, p.stderr
+        assert "s3cret-planted" not in p.stderr and "Traceback" not in p.stderr
+    p = built.builder("image", "demo", "--push", "http://203.0.113.7:5000", check=False)
+    assert p.returncode == 2 and "plain http" in p.stderr
+
+
+def test_the_installer_tags_a_pulled_image_as_a_build_does() -> None:
+    from builder import installer
+    from builder.imagerecord import tag_for
+
+    assert installer.pulled_tag({"name": "demo", "input_address": "ab" * 32}) == tag_for("demo", "ab" * 32)
+
+
+def test_parse_target() -> None:
+    t = reg.parse_target("https://spark-head:5000", "fleet.registry")
+    assert (t.registry, t.scheme, t.url) == ("spark-head:5000", "https", "https://spark-head:5000")
+    assert reg.parse_target("127.0.0.1:5000", "x").scheme == "https"
+    assert reg.parse_target("http://[::1]:5000", "x").registry == "[::1]:5000"
+    with pytest.raises(ConfigError, match="fleet.registry: not a registry URL"):
+        reg.parse_target("https://h:5000/path", "fleet.registry")
+    with pytest.raises(ConfigError, match="CA file not found"):
+        reg.parse_target("https://h:5000", "x", "/nonexistent/ca.crt")
+
+
+def test_a_record_of_an_older_build_is_pushed_from_the_engine(built: Built, registry: support.Served) -> None:
+    """A record written before manifests were recorded: the image is read from the engine, pushed, and the
+    record learns its manifest (the next push needs the engine no more)."""
+    path = built.workdir / "store" / "images" / f"{built.record['input_address']}.json"
+    saved = path.read_text()
+    try:
+        old = json.loads(saved)
+        for k in ("manifest_digest", "config_size", "layer_sizes", "pushed"):
+            old.pop(k, None)
+        path.write_text(json.dumps(old))
+        out = json.loads(built.builder("push", "demo", "--registry", registry.url, "--json",
+                                       env=creds(registry)).stdout)
+        assert out["manifest_digest"] == built.record["manifest_digest"] and out["sent_blobs"] == 3
+        rec = built.record_now()
+        assert rec["layer_sizes"] == built.record["layer_sizes"] and rec["config_size"] == built.record["config_size"]
+        again = json.loads(built.builder("push", "demo", "--registry", registry.url, "--json",
+                                         env=creds(registry)).stdout)
+        assert again["already"]
+    finally:
+        path.write_text(saved)

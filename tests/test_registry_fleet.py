@@ -1,0 +1,254 @@
+"""The fleet takes its image from a registry: a REAL registry (Debian's docker-registry) on the test
+fleet's network with TLS from a CA made here, real pushes by `builder bundle --with-image` (through
+`builder push`), and real pulls by the test hosts' own dockerd (each trusts the CA through
+/etc/docker/certs.d/<host:port>/ca.crt). The bytes the registry served are read from its access log.
+
+One fleet, in order: the first install pulls every layer; an engine-only change pulls only the
+changed layer (and the config); a registry that is down is one line naming it and the old release
+stays current; a bundle naming a manifest that is not the lock's image is refused before anything
+switches.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fleetlib  # noqa: E402
+import journeylib  # noqa: E402
+import test_registry_support as support  # noqa: E402
+
+pytestmark = [pytest.mark.registry, pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
+FLEET = "regfleet"
+
+
+def _skip_without_parts() -> None:
+    if shutil.which(support.registrylib.REGISTRY_BIN) is None:
+        pytest.skip("docker-registry is not installed (apt-get install docker-registry)")
+    if not fleetlib.docker_available():
+        pytest.skip("no Docker Engine")
+
+
+def _current(fleet: fleetlib.Fleet, h: fleetlib.Host) -> str:
+    return fleet.exec(h, f"readlink {journeylib.PATHS['bundles']}/current", check=False).stdout.strip()
+
+
+def _has_image(fleet: fleetlib.Fleet, h: fleetlib.Host, image_id: str) -> bool:
+    return fleet.exec(h, f"docker image inspect --format '{{{{.Id}}}}' {image_id}", check=False
+                      ).stdout.strip() == image_id
+
+
+@dataclass
+class RegFleet:
+    root: Path
+    store: Path
+    keys: Path
+    fleet: fleetlib.Fleet
+    reg: support.Served
+    env: dict[str, str]
+
+    def builder(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return support.run_builder(self.root, self.env, *args, check=check)
+
+    def record(self) -> dict[str, Any]:
+        recs = sorted((self.store / "images").glob("*.json"), key=lambda f: f.stat().st_mtime)
+        out: dict[str, Any] = json.loads(recs[-1].read_text())
+        return out
+
+
+@contextmanager
+def registry_fleet(tmp_path: Path) -> Iterator[RegFleet]:
+    """Two test hosts whose dockerd trusts a registry on the fleet's network (TLS, a CA made here), the
+    fleet file naming it (fleet.registry, fleet.registry_ca relative to the fleet file), the lane
+    locked, fetched and built, and a signing key: nothing installed yet."""
+    _skip_without_parts()
+    root = support.two_layer_project(tmp_path / "project")
+    env = support.env_for(tmp_path)
+    env["BUILDER_SSH_DIR"] = str(tmp_path / "ssh")
+    (tmp_path / "ssh").mkdir(mode=0o700)
+    keys = tmp_path / "keys"
+    fleet = fleetlib.start_fleet(2, tmp_path / "fleet")
+    try:
+        gateway = str(next(ipaddress.ip_network(fleet.subnet).hosts()))
+        with support.serve(tmp_path / "registry", ip=gateway, tls=True) as reg:
+            assert reg.ca is not None
+            for h in fleet.hosts:
+                journeylib.prepare_host(fleet, h)
+                fleet.exec(h, f"mkdir -p /etc/docker/certs.d/{reg.addr}")
+                fleetlib.docker("cp", str(reg.ca), f"{h.container_name}:/etc/docker/certs.d/{reg.addr}/ca.crt")
+            shutil.copyfile(reg.ca, root / "hosts" / "regfleet-ca.crt")
+            toml = journeylib.fleet_toml(FLEET, "demo", fleet, keys)
+            toml = toml.replace("[fleet]\n", f'[fleet]\nregistry = "{reg.url}"\nregistry_ca = "regfleet-ca.crt"\n', 1)
+            (root / "hosts" / f"{FLEET}.toml").write_text(toml)
+            rf = RegFleet(root, tmp_path / "store", keys, fleet, reg, env)
+            rf.builder("lock", "--offline", "demo")
+            rf.builder("fetch", "demo", "--offline")
+            rf.builder("image", "demo", "--offline")
+            rf.builder("keygen", "--out", str(keys))
+            yield rf
+    finally:
+        fleetlib.close_kept_connections(tmp_path / "ssh")
+        fleet.teardown()
+
+
+def test_deploy_takes_the_image_from_the_registry(tmp_path: Path) -> None:
+    """`builder deploy --with-image` on a registry fleet: the first deploy pulls every layer on each host,
+    a deploy of what runs sends nothing and remakes no bundle, an engine-only change pulls only the
+    changed layer and the config."""
+    with registry_fleet(tmp_path) as rf:
+        args = ("deploy", "--fleet", FLEET, "--json", "--key", str(rf.keys / "builder.key"), "--with-image",
+                "--with-models", "--stop-timeout", "2", "--start-timeout", "60")
+
+        def deploy(want: str) -> dict[str, Any]:
+            p = rf.builder(*args, check=False)
+            rep: dict[str, Any] = json.loads(p.stdout) if p.stdout.strip() else {}
+            assert p.returncode == 0 and rep.get("result") == want, (p.returncode, rep.get("reason"), p.stderr[-3000:])
+            return rep
+
+        mark = len(rf.reg.requests())
+        deploy("deployed")
+        first = rf.record()
+        assert rf.reg.blob_bytes_served(mark) == 2 * (sum(first["layer_sizes"]) + first["config_size"])
+        for h in rf.fleet.hosts:
+            assert _has_image(rf.fleet, h, first["image_id"])
+
+        mark = len(rf.reg.requests())
+        deploy("unchanged")
+        assert rf.reg.blob_bytes_served(mark) == 0 and rf.reg.blob_puts(mark) == 0
+
+        support.engine_change(rf.root, "0.1.3")
+        rf.builder("lock", "--offline", "demo")
+        rf.builder("image", "demo", "--offline")
+        mark = len(rf.reg.requests())
+        deploy("deployed")
+        second = rf.record()
+        assert second["diff_ids"][0] == first["diff_ids"][0] and second["image_id"] != first["image_id"]
+        assert rf.reg.blob_bytes_served(mark) == 2 * (second["layer_sizes"][1] + second["config_size"])
+
+
+def test_the_fleet_pulls_only_what_it_lacks_from_its_registry(tmp_path: Path) -> None:
+    _skip_without_parts()
+    root = support.two_layer_project(tmp_path / "project")
+    env = support.env_for(tmp_path)
+    env["BUILDER_SSH_DIR"] = str(tmp_path / "ssh")
+    (tmp_path / "ssh").mkdir(mode=0o700)
+    keys = tmp_path / "keys"
+    store = tmp_path / "store"
+
+    def builder(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return support.run_builder(root, env, *args, check=check)
+
+    fleet = fleetlib.start_fleet(2, tmp_path / "fleet")
+    try:
+        gateway = str(next(ipaddress.ip_network(fleet.subnet).hosts()))
+        with support.serve(tmp_path / "registry", ip=gateway, tls=True) as reg:
+            assert reg.ca is not None
+            for h in fleet.hosts:
+                journeylib.prepare_host(fleet, h)
+                fleet.exec(h, f"mkdir -p /etc/docker/certs.d/{reg.addr}")
+                fleetlib.docker("cp", str(reg.ca), f"{h.container_name}:/etc/docker/certs.d/{reg.addr}/ca.crt")
+            shutil.copyfile(reg.ca, root / "hosts" / "regfleet-ca.crt")
+            toml = journeylib.fleet_toml(FLEET, "demo", fleet, keys)
+            toml = toml.replace("[fleet]\n", f'[fleet]\nregistry = "{reg.url}"\nregistry_ca = "regfleet-ca.crt"\n', 1)
+            (root / "hosts" / f"{FLEET}.toml").write_text(toml)
+            builder("lock", "--offline", "demo")
+            builder("fetch", "demo", "--offline")
+            builder("image", "demo", "--offline")
+            builder("keygen", "--out", str(keys))
+            key = str(keys / "builder.key")
+            bundle_args = ("bundle", "--fleet", FLEET, "--with-image", "--with-models", "--key", key)
+
+            def ship_all() -> None:
+                for h in reversed(fleet.hosts):
+                    builder("ship", f"{FLEET}/{h.name}")
+
+            def record() -> dict[str, object]:
+                recs = sorted((store / "images").glob("*.json"), key=lambda f: f.stat().st_mtime)
+                out: dict[str, object] = json.loads(recs[-1].read_text())
+                return out
+
+            # 1. the first install pulls every layer
+            builder(*bundle_args)
+            first = record()
+            bdir = root / "out" / "bundles" / FLEET / fleet.hosts[0].name
+            manifest = json.loads((bdir / "manifest.json").read_text())
+            assert manifest["image"]["archive"] is None
+            assert manifest["image"]["pull"] == f"{reg.addr}/builder/demo@{first['manifest_digest']}"
+            assert not (bdir / "image.tar").exists()
+            assert (bdir / "provenance" / "provenance.intoto.json.minisig").is_file()
+            builder("verify", str(bdir), "--key", str(keys / "builder.pub"))
+            mark = len(reg.requests())
+            ship_all()
+            sizes = first["layer_sizes"]
+            assert isinstance(sizes, list) and isinstance(first["config_size"], int)
+            whole = sum(sizes) + first["config_size"]
+            assert reg.blob_bytes_served(mark) == 2 * whole  # each host pulled every blob, once
+            for h in fleet.hosts:
+                assert _has_image(fleet, h, str(first["image_id"]))
+                assert _current(fleet, h).endswith(json.loads(
+                    (root / "out" / "bundles" / FLEET / h.name / "manifest.json").read_text())["bundle_id"])
+
+            # 2. an engine-only change: only the engine layer (and the new config) is pulled
+            support.engine_change(root, "0.1.1")
+            builder("lock", "--offline", "demo")
+            builder("image", "demo", "--offline")
+            mark = len(reg.requests())
+            builder(*bundle_args)
+            second = record()
+            assert isinstance(second["diff_ids"], list) and isinstance(first["diff_ids"], list)
+            assert second["diff_ids"][0] == first["diff_ids"][0] and second["diff_ids"][1] != first["diff_ids"][1]
+            assert reg.blob_puts(mark) == 2  # the push sent the engine layer and the config only
+            mark = len(reg.requests())
+            ship_all()
+            sizes2 = second["layer_sizes"]
+            assert isinstance(sizes2, list) and isinstance(second["config_size"], int)
+            changed = sizes2[1]
+            served = reg.blob_bytes_served(mark)
+            assert served == 2 * (changed + second["config_size"]), (served, changed)
+            assert served <= 2 * 1.1 * changed
+            for h in fleet.hosts:
+                assert _has_image(fleet, h, str(second["image_id"]))
+            current = {h.name: _current(fleet, h) for h in fleet.hosts}
+
+            # 3. the registry is down: one line naming it, the old release stays current
+            support.engine_change(root, "0.1.2")
+            builder("lock", "--offline", "demo")
+            builder("image", "demo", "--offline")
+            builder(*bundle_args)
+            third = record()
+            reg.stop()
+            head = fleet.hosts[0]
+            p = builder("ship", f"{FLEET}/{head.name}", check=False)
+            assert p.returncode == 1, p.stderr
+            errors = [line for line in p.stderr.splitlines() if "error" in line.lower()]
+            assert len(errors) == 1 and f"registry {reg.addr}" in errors[0], p.stderr
+            assert "Traceback" not in p.stderr
+            assert _current(fleet, head) == current[head.name]
+            assert not _has_image(fleet, head, str(third["image_id"]))
+            reg.start()
+
+            # 4. a bundle naming a manifest that is not the lock's image is refused before the switch
+            rec_file = store / "images" / f"{third['input_address']}.json"
+            tampered = json.loads(rec_file.read_text())
+            tampered["manifest_digest"] = first["manifest_digest"]
+            tampered["pushed"] = {reg.addr: f"{reg.addr}/builder/demo@{first['manifest_digest']}"}
+            rec_file.write_text(json.dumps(tampered))
+            builder("bundle", "--fleet", FLEET, "--with-models", "--key", str(keys / "builder.key"))
+            p = builder("ship", f"{FLEET}/{head.name}", check=False)
+            assert p.returncode == 1, p.stderr
+            assert f"is image {first['image_id']}, not the bundle's {third['image_id']}" in p.stderr, p.stderr
+            assert _current(fleet, head) == current[head.name]
+    finally:
+        fleetlib.close_kept_connections(tmp_path / "ssh")
+        fleet.teardown()
