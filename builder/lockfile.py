@@ -19,7 +19,7 @@ from builder.canon import address, atomic_write, clean_stale_tmp, file_lock, pre
 from builder.errors import ConfigError
 from builder.hashing import sha256_file
 from builder.loader import read_json, validate
-from builder.pins import INPUT_KINDS, Pins, load_pins
+from builder.pins import INPUT_KINDS, SECTIONS, Pins, load_pins
 from builder.schema import Digest, Hex40, Sha256, Strict
 
 LOCK_FORMAT: Literal[1] = 1
@@ -276,7 +276,7 @@ def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None)
         for rel in sorted(set(current_inputs) | set(lock.inputs)):
             if current_inputs.get(rel) != lock.inputs.get(rel):
                 problems.append(f"{rel}: changed since the lock was written")
-        for kind in (*INPUT_KINDS, "images", "lanes"):
+        for kind in SECTIONS:
             extra = set(getattr(lock, kind)) - set(getattr(pins, kind))
             for n in sorted(extra):
                 problems.append(f"{kind}.{n}: in the lock but not in pins")

@@ -21,6 +21,8 @@ PINS_FORMAT = 1
 REV_RE = r"^[0-9a-f]{7,40}$"
 #: the kinds of input a lock resolves, in the order it resolves them
 INPUT_KINDS = ("sources", "toolchains", "bases", "models", "files")
+#: every section of pins.toml that names things (and of the lock, which has an entry per name)
+SECTIONS = (*INPUT_KINDS, "images", "lanes")
 
 
 class Patch(Strict):
