@@ -21,6 +21,7 @@ from builder.lockfile import (
     LockedImage,
     LockedLane,
     LockedModel,
+    LockedPublishedImage,
     LockedSource,
     LockedToolchain,
 )
@@ -176,7 +177,12 @@ def _file(old: LockedFile, new: LockedFile) -> list[str]:
     return _moved("url", old.url, new.url) + _moved("sha256", old.sha256, new.sha256, short=True)
 
 
-def _image(old: LockedImage, new: LockedImage) -> list[str]:
+def _image(old: LockedImage | LockedPublishedImage, new: LockedImage | LockedPublishedImage) -> list[str]:
+    if isinstance(old, LockedPublishedImage) or isinstance(new, LockedPublishedImage):
+        def what(e: LockedImage | LockedPublishedImage) -> str:
+            return e.published if isinstance(e, LockedPublishedImage) else f"recipe {e.recipe}"
+
+        return _moved("platform", old.platform, new.platform) + _moved("image", what(old), what(new))
     out = _moved("platform", old.platform, new.platform)
     a, b = old.recipe_files, new.recipe_files
     changed = sorted(p for p in a.keys() & b.keys() if a[p] != b[p])

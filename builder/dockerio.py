@@ -295,6 +295,23 @@ def load(source: str | os.PathLike[str] | IO[bytes] | Iterable[bytes]) -> str:
     return str(_call(what, lambda: run(source)))
 
 
+def pull(ref: str) -> None:
+    """``docker pull ref`` (``repo@sha256:...``: the engine checks every byte against the digest).
+
+    The engine reports a failed pull in the stream it answers with (HTTP 200 already sent), so the
+    stream is read to its end and its first error raised."""
+    repo, sep, reference = ref.partition("@")
+    if not sep:
+        repo, _, reference = ref.rpartition(":")
+
+    def do() -> None:
+        for event in client().api.pull(repo, tag=reference, stream=True, decode=True):
+            if isinstance(event, dict) and event.get("error"):
+                raise BuilderError(f"docker pull {ref}: {' '.join(str(event['error']).split())}")
+
+    _call(f"docker pull {ref}", do)
+
+
 def tag(image: str, repo: str, tag_name: str) -> None:
     """Point ``repo:tag_name`` at ``image``."""
 

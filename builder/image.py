@@ -26,7 +26,7 @@ from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.fetch import scrub_url
 from builder.imagerecord import ImageRecord, read_record, tag_for, write_record
 from builder.lockfile import Lock, check_lock, load_lock
-from builder.pins import Pins, load_pins
+from builder.pins import ImageRecipe, Pins, load_pins
 from builder.plan import Plan, make_plan
 from builder.store import Store
 
@@ -60,7 +60,7 @@ def plan(pins_path: Path, lock_path: Path, name: str) -> Plan:
 
 
 def labels_for(p: Plan, lock: Lock, pins: Pins) -> dict[str, str]:
-    img = pins.images[p.name]
+    img = _recipe(pins, p.name)
     c = p.closure
     out = {
         "org.opencontainers.image.title": p.name,
@@ -118,7 +118,7 @@ def up_to_date(store_root: Path, p: Plan, labels: dict[str, str]) -> ImageRecord
 def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, dest: Path, *,
                      offline: bool, build_platform: str, on_log: Callable[[str], None]) -> dict[str, str]:
     """Lay out the build context from the store; return the build args. Nothing unverified goes in."""
-    img = pins.images[p.name]
+    img = _recipe(pins, p.name)
     shutil.copytree(root / img.recipe, dest, dirs_exist_ok=True)
     buildargs: dict[str, str] = dict(img.build_args)
     buildargs["SOURCE_DATE_EPOCH"] = str(p.source_date_epoch)
@@ -181,6 +181,13 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
         buildargs["BASE"] = f"{name_only}@{base['manifest_digest']}"
     (dest / ".builder-closure.json").write_text(json.dumps(p.closure, sort_keys=True, indent=1))
     return buildargs
+
+
+def _recipe(pins: Pins, name: str) -> ImageRecipe:
+    img = pins.images[name]
+    if not isinstance(img, ImageRecipe):
+        raise ConfigError(f"images.{name}: a published image has no recipe; nothing is built")
+    return img
 
 
 def _has_tag(ref: str) -> bool:
@@ -272,6 +279,8 @@ def build(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offl
 
     pins, lock, root = load_inputs(pins_path, lock_path, name)
     p = make_plan(pins, lock, name, root)
+    if p.published is not None:
+        return take_published(store_root, p, offline=offline, force=force, on_log=on_log)
     labels = labels_for(p, lock, pins)
     engine = dockerio.engine_platform()
     if _arch(engine) != _arch(p.platform) and not allow_emulation:
@@ -290,6 +299,51 @@ def build(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offl
     write_record(store_root, rec)
     provenance.write(store_root, p, rec)
     return ImageResult(record=rec, built=True)
+
+
+def take_published(store_root: Path, p: Plan, *, offline: bool, force: bool = False,
+                   on_log: Callable[[str], None] = lambda s: None) -> ImageResult:
+    """A published image into the engine by its digest (pulled unless the engine holds its ImageID), checked
+    against the lock (ImageID, DiffIDs), tagged as a build is and recorded with the same fields: bundles,
+    installs and audits take it as they take a built one."""
+    from builder import dockerio
+
+    pub = p.published
+    assert pub is not None
+    tag = tag_for(p.name, p.address)
+    rec = read_record(store_root, p.address)
+    info = dockerio.image_inspect(pub["image_id"])
+    if rec is not None and not force and info is not None and dockerio.image_id(tag) == rec.image_id:
+        return ImageResult(record=rec, built=False)
+    if info is None or force:
+        if offline:
+            raise BuilderError(f"images.{p.name}: {pub['ref']} is not in the Docker engine, and --offline does "
+                               "not pull (docker load it, or run without --offline)")
+        on_log(f"pulling {pub['ref']}")
+        dockerio.pull(pub["ref"])
+        info = dockerio.image_inspect(pub["image_id"])
+        if info is None:
+            got = dockerio.image_id(pub["ref"]) or "nothing"
+            raise VerifyError(f"images.{p.name}: {pub['ref']} pulled as image {got}, not the locked {pub['image_id']}")
+    layers_ = list((info.get("RootFS") or {}).get("Layers") or [])
+    if str(info.get("Id")) != pub["image_id"] or layers_ != pub["diff_ids"]:
+        raise VerifyError(f"images.{p.name}: the engine's image {str(info.get('Id'))[:19]} has DiffIDs other than "
+                          "the lock's")
+    repo, _, t = tag.rpartition(":")
+    dockerio.tag(pub["image_id"], repo, t)
+    labels = {str(k): str(v) for k, v in ((info.get("Config") or {}).get("Labels") or {}).items()}
+    new = ImageRecord(name=p.name, input_address=p.address, image_id=pub["image_id"], diff_ids=layers_, tag=tag,
+                      lock_hash=p.lock_hash, platform=p.platform, source_date_epoch=p.source_date_epoch,
+                      labels=labels, published=pub["ref"],
+                      # the registry's manifest is builder's own form only when builder pushed it
+                      manifest_digest=None, pushed=rec.pushed if rec is not None else {})
+    if rec is not None and rec.image_id == new.image_id:
+        # what a push learned (the manifest builder pushes, its sizes) still holds for the same image
+        new = new.model_copy(update={"manifest_digest": rec.manifest_digest, "config_size": rec.config_size,
+                                     "layer_sizes": rec.layer_sizes})
+    if new != rec:
+        write_record(store_root, new)
+    return ImageResult(record=new, built=rec is None)
 
 
 def _arch(platform: str) -> str:
@@ -339,8 +393,9 @@ def check_reproducible(pins_path: Path, lock_path: Path, store_root: Path, name:
     """Build (or reuse) the image, then rebuild it from nothing (no cache) and compare ImageIDs."""
     from builder import dockerio
 
-    first = build(pins_path, lock_path, store_root, name, offline=offline, on_log=on_log)
     pins, lock, root = load_inputs(pins_path, lock_path, name)
+    _recipe(pins, name)  # a published image is not built here: nothing to reproduce
+    first = build(pins_path, lock_path, store_root, name, offline=offline, on_log=on_log)
     p = make_plan(pins, lock, name, root)
     labels = labels_for(p, lock, pins)
     check_tag = f"builder-check/{name}:{p.address[:32]}"

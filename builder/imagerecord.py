@@ -39,6 +39,8 @@ class ImageRecord(Strict):
     # registry (host:port) -> the reference pushed there, by digest (host:port/builder/NAME@sha256:...).
     # Only references: credentials are never recorded.
     pushed: dict[str, str] = {}
+    # A published image (pins' `published`): the reference by digest it was pulled by. None when built.
+    published: str | None = None
 
 
 def tag_for(name: str, input_address: str) -> str:

@@ -46,7 +46,7 @@ def _real_loc(loc: tuple[Any, ...], obj: Any) -> tuple[Any, ...]:
 
 
 # tags pydantic inserts into locations for discriminated unions and similar
-_TAGS = {"zig", "cuda", "wheel", "int", "str", "literal['auto']"}
+_TAGS = {"zig", "cuda", "wheel", "int", "str", "literal['auto']", "image-recipe", "image-published"}
 
 
 def validation_message(path: Path | str, err: ValidationError, obj: Any = None) -> str:

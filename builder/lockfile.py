@@ -19,7 +19,7 @@ from builder.canon import address, atomic_write, clean_stale_tmp, file_lock, pre
 from builder.errors import ConfigError
 from builder.hashing import sha256_file
 from builder.loader import read_json, validate
-from builder.pins import INPUT_KINDS, SECTIONS, Pins, load_pins
+from builder.pins import INPUT_KINDS, SECTIONS, ImageRecipe, Pins, load_pins
 from builder.schema import Digest, Hex40, Sha256, Strict
 
 LOCK_FORMAT: Literal[1] = 1
@@ -103,6 +103,18 @@ class LockedImage(Strict):
     source_date_epoch: int = Field(ge=0)
 
 
+class LockedPublishedImage(Strict):
+    """A published image as the registry (or, offline, the engine) gave it: what every host must hold."""
+
+    spec_hash: Sha256
+    published: str  # the pinned reference, registry/repo@sha256:...
+    manifest_digest: Digest
+    image_id: Digest  # the config's digest
+    diff_ids: list[Digest] = Field(min_length=1)
+    platform: str
+    source: Literal["registry", "local"]
+
+
 class LockedLane(Strict):
     spec_hash: Sha256
     image: str
@@ -120,7 +132,7 @@ class Lock(Strict):
     bases: dict[str, LockedBase] = {}
     models: dict[str, LockedModel] = {}
     files: dict[str, LockedFile] = {}
-    images: dict[str, LockedImage] = {}
+    images: dict[str, LockedImage | LockedPublishedImage] = {}
     lanes: dict[str, LockedLane] = {}
     seal: Sha256 | None = None
 
@@ -176,7 +188,7 @@ def tracked_inputs(pins: Pins, root: Path, pins_path: Path) -> dict[str, str]:
             path = root / p.file
             if path.is_file():
                 out[p.file] = sha256_file(path)[0]
-    for img in pins.images.values():
+    for img in pins.recipes().values():
         if (root / img.recipe).is_dir():
             out.update(recipe_files(root, img.recipe))
     return out
@@ -251,7 +263,7 @@ def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None)
                         problems.append(f"sources.{name}.patches[{i}]: {p.file} is missing")
                     elif sha256_file(path)[0] != p.sha256:
                         problems.append(f"sources.{name}.patches[{i}]: {p.file} changed since the lock")
-    img_names = _selected_images(pins, names)
+    img_names = selected_images(pins, names)
     for name in sorted(img_names):
         spec = pins.images[name]
         li = lock.images.get(name)
@@ -261,6 +273,8 @@ def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None)
         if li.spec_hash != spec_hash(spec):
             problems.append(f"images.{name}: pins changed since the lock was written")
             continue
+        if not isinstance(spec, ImageRecipe) or not isinstance(li, LockedImage):
+            continue  # a published image: its pin (by digest) is all there is
         current = recipe_files(root, spec.recipe)
         for rel in sorted(set(current) | set(li.recipe_files)):
             if current.get(rel) != li.recipe_files.get(rel):
@@ -283,7 +297,7 @@ def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None)
     return LockCheck(ok=not problems, problems=problems)
 
 
-def _selected_images(pins: Pins, names: list[str] | None) -> set[str]:
+def selected_images(pins: Pins, names: list[str] | None) -> set[str]:
     if not names:
         return set(pins.images)
     out: set[str] = set()

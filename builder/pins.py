@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from builder.errors import ConfigError
 from builder.loader import read_toml, validate
@@ -160,6 +160,41 @@ class ImageRecipe(Strict):
         return v
 
 
+PUBLISHED_RE = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+
+
+class PublishedImage(Strict):
+    """A published image run as it is, named by digest (``registry/repo@sha256:...``): nothing is built.
+
+    The lock records its manifest digest, its config digest (the ImageID) and its DiffIDs; `builder
+    image` pulls it by digest and checks them. A tag alone is refused: it can move under the lock.
+    """
+
+    published: str = Field(min_length=1)
+    platform: Platform = "linux/arm64"
+    note: str | None = None
+
+    @field_validator("published")
+    @classmethod
+    def _by_digest(cls, v: str) -> str:
+        if not PUBLISHED_RE.fullmatch(v):
+            if "@" not in v:
+                raise ValueError(f"{v!r} names a tag, not a digest: want registry/repo@sha256:<64 hex>")
+            raise ValueError(f"{v!r} is not a reference by digest: want registry/repo@sha256:<64 hex>")
+        return v
+
+
+def _image_kind(v: object) -> str:
+    if isinstance(v, dict):
+        return "image-published" if "published" in v else "image-recipe"
+    return "image-published" if isinstance(v, PublishedImage) else "image-recipe"
+
+
+#: an image is built from a recipe, or published elsewhere and run as it is
+Image = Annotated[Annotated[ImageRecipe, Tag("image-recipe")] | Annotated[PublishedImage, Tag("image-published")],
+                  Discriminator(_image_kind)]
+
+
 class Serve(Strict):
     tensor_parallel: int = Field(ge=1, le=64)
     context: int = Field(ge=1)
@@ -194,12 +229,22 @@ class Pins(Strict):
     bases: dict[Name, BaseImage] = {}
     models: dict[Name, HfModel] = {}
     files: dict[Name, PlainFile] = {}
-    images: dict[Name, ImageRecipe] = {}
+    images: dict[Name, Image] = {}
     lanes: dict[Name, Lane] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_kind_of_image(cls, data: object) -> object:
+        images = data.get("images") if isinstance(data, dict) else None
+        for name, img in (images or {}).items() if isinstance(images, dict) else ():
+            if isinstance(img, dict) and "published" in img and "recipe" in img:
+                raise ValueError(f"images.{name}.published: an image is built from a recipe or published, "
+                                 "not both (drop `recipe` or `published`)")
+        return data
 
     @model_validator(mode="after")
     def _references(self) -> Pins:
-        for name, img in self.images.items():
+        for name, img in self.recipes().items():
             if img.base is not None and img.base not in self.bases:
                 raise _Ref(f"images.{name}.base", img.base, "bases")
             for i, s in enumerate(img.sources):
@@ -218,6 +263,14 @@ class Pins(Strict):
                 if m not in self.models:
                     raise _Ref(f"lanes.{name}.models[{i}]", m, "models")
         return self
+
+    def recipes(self) -> dict[str, ImageRecipe]:
+        """The images built from a recipe."""
+        return {n: i for n, i in self.images.items() if isinstance(i, ImageRecipe)}
+
+    def published(self) -> dict[str, PublishedImage]:
+        """The images run as published, by digest."""
+        return {n: i for n, i in self.images.items() if isinstance(i, PublishedImage)}
 
     # ---- closure helpers -------------------------------------------------------------
 
@@ -246,6 +299,8 @@ class Pins(Strict):
 
     def _image_closure(self, name: str, out: dict[str, set[str]]) -> None:
         img = self.images[name]
+        if isinstance(img, PublishedImage):
+            return  # its one input is itself (lock.images)
         if img.base:
             out["bases"].add(img.base)
         out["sources"].update(img.sources)

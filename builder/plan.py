@@ -17,8 +17,8 @@ from typing import Any
 from builder import ASSEMBLY_FORMAT
 from builder.canon import address
 from builder.errors import ConfigError
-from builder.lockfile import Lock, recipe_files, spec_hash
-from builder.pins import Pins
+from builder.lockfile import Lock, LockedImage, LockedPublishedImage, recipe_files, spec_hash
+from builder.pins import Pins, PublishedImage
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,13 @@ class Plan:
 
     @property
     def source_date_epoch(self) -> int:
-        return int(self.closure["source_date_epoch"])
+        return int(self.closure.get("source_date_epoch", 0))
+
+    @property
+    def published(self) -> dict[str, Any] | None:
+        """For a published image: its reference, manifest digest, ImageID and DiffIDs (as locked)."""
+        p = self.closure.get("published")
+        return dict(p) if isinstance(p, dict) else None
 
 
 def _need(lock: Lock, kind: str, name: str, image: str) -> Any:
@@ -67,6 +73,9 @@ def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
     li = lock.images.get(name)
     if li is None or li.spec_hash != spec_hash(img):
         raise ConfigError(f"images.{name}: the lock is stale for this image (run `builder lock {name}`)")
+    if isinstance(li, LockedPublishedImage):
+        return _published_plan(name, li)
+    assert isinstance(li, LockedImage) and not isinstance(img, PublishedImage)  # same spec hash, same kind
     current = recipe_files(root, img.recipe)
     if current != li.recipe_files:
         changed = sorted(set(current.items()) ^ set(li.recipe_files.items()))
@@ -119,4 +128,16 @@ def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
         "recipe": recipe,
         "source_date_epoch": li.source_date_epoch,
     }
+    return Plan(name=name, closure=closure, address=address(closure), lock_hash=address(used))
+
+
+def _published_plan(name: str, li: LockedPublishedImage) -> Plan:
+    """A published image's closure is the image itself, as locked: the same digests, the same address."""
+    closure = {
+        "assembly_format": ASSEMBLY_FORMAT,
+        "platform": li.platform,
+        "published": {"ref": li.published, "manifest_digest": li.manifest_digest, "image_id": li.image_id,
+                      "diff_ids": list(li.diff_ids)},
+    }
+    used = {f"images.{name}": li.model_dump(mode="json")}
     return Plan(name=name, closure=closure, address=address(closure), lock_hash=address(used))

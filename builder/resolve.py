@@ -23,14 +23,24 @@ from builder.lockfile import (
     LockedImage,
     LockedLane,
     LockedPatch,
+    LockedPublishedImage,
     LockedToolchain,
     load_previous,
     recipe_files,
+    selected_images,
     spec_hash,
     tracked_inputs,
     write_lock,
 )
-from builder.pins import INPUT_KINDS, CudaToolchain, WheelToolchain, ZigToolchain, check_patch_files, load_pins
+from builder.pins import (
+    INPUT_KINDS,
+    CudaToolchain,
+    Pins,
+    WheelToolchain,
+    ZigToolchain,
+    check_patch_files,
+    load_pins,
+)
 
 
 @dataclass
@@ -103,7 +113,7 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
     root = pins_path.resolve().parent
     check_patch_files(pins, root, pins_path)
     for n in opts.update:
-        if pins.kind_of(n) not in INPUT_KINDS:
+        if pins.kind_of(n) not in INPUT_KINDS and n not in pins.published():
             raise ConfigError(f"--update {n}: no input named {n!r} in {pins_path}")
     cache = opts.cache or (root / ".cache" / "builder")
     previous = load_previous(lock_path)
@@ -143,8 +153,8 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
                 report.moved.append((f"{kind}.{name}", old_id, new_id))
             new[kind][name] = entry
             report.resolved.append(f"{kind}.{name}")
-    images: dict[str, LockedImage] = {}
-    for name, img in pins.images.items():
+    images: dict[str, LockedImage | LockedPublishedImage] = dict(_published(pins, previous, opts, report))
+    for name, img in pins.recipes().items():
         sde = max([new["sources"][s].commit_time for s in img.sources if s in new["sources"]] or [1])
         images[name] = LockedImage(spec_hash=spec_hash(img), recipe=img.recipe,
                                    recipe_files=recipe_files(root, img.recipe), platform=img.platform,
@@ -157,6 +167,41 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
                 **{k: dict(sorted(new[k].items())) for k in INPUT_KINDS})  # type: ignore[arg-type]
     report.written = write_lock(lock_path, lock)
     return report
+
+
+def _published(pins: Pins, previous: Lock | None, opts: ResolveOptions,
+               report: ResolveReport) -> dict[str, LockedPublishedImage]:
+    """The published images' entries: kept while their pin is the same (offline too), else resolved
+    through the registry (offline: the engine's copy); a failure keeps the previous entry, as for inputs."""
+    wanted = selected_images(pins, opts.names)
+    out: dict[str, LockedPublishedImage] = {}
+    for name, spec in sorted(pins.published().items()):
+        prev = previous.images.get(name) if previous is not None else None
+        prev_pub = prev if isinstance(prev, LockedPublishedImage) else None
+        same = prev_pub is not None and prev_pub.spec_hash == spec_hash(spec)
+        if prev_pub is not None and same and (name not in opts.update or name not in wanted):
+            out[name] = prev_pub
+            if name in wanted:
+                report.kept.append(f"images.{name}")
+            continue
+        if name not in wanted:
+            if prev_pub is not None:
+                out[name] = prev_pub  # stale for the new pin (--check says so) until it is locked
+            continue
+        try:
+            entry = oci.resolve_published(name, spec, offline=opts.offline, spec_hash=spec_hash(spec))
+        except ConfigError:
+            raise
+        except BuilderError as e:
+            report.failed[f"images.{name}"] = str(e)
+            if prev_pub is not None:
+                out[name] = prev_pub
+            continue
+        if prev_pub is not None and prev_pub.image_id != entry.image_id:
+            report.moved.append((f"images.{name}", prev_pub.image_id, entry.image_id))
+        out[name] = entry
+        report.resolved.append(f"images.{name}")
+    return out
 
 
 def _still_valid(kind: str, entry: Any, root: Path) -> bool:

@@ -4,6 +4,8 @@ Layout under the store root (default `.cache/builder` in the project):
   objects/<sha256>        files: patches, wheels, toolchain archives, plain files
   trees/<tree_sha256>/    source trees exported at their locked commit (patches not applied)
   images/<address>.json   what `builder image` built (see imagerecord.py)
+  provenance/<address>/   the image's SBOM and provenance statement (provenance.py)
+  locks/push-<address>.lock  held while that image is pushed (registry.py)
   git/                    bare mirror caches (gitsrc.py)
   tmp/                    staging: every entry is written here, verified, then os.replace()d
   .lock                   flock held while entries are added or collected
@@ -15,6 +17,7 @@ at most a folder under tmp/, which the next writer removes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -236,16 +239,62 @@ class Store:
                     if not dry_run:
                         p.unlink()
                     removed.append(f"{folder.name}/{p.name}")
+            # what is kept beside an image record goes with it: its provenance folder, its push lock
+            prov = self.root / "provenance"
+            if prov.is_dir():
+                for p in sorted(prov.iterdir()):
+                    if p.name in keep_images:
+                        kept += 1
+                        continue
+                    freed += _size(p)
+                    if not dry_run and p.is_dir() and not p.is_symlink():
+                        _rmtree_ro(p)
+                    elif not dry_run:
+                        p.unlink()
+                    removed.append(f"provenance/{p.name}")
+            locks = self.root / "locks"
+            if locks.is_dir():
+                for p in sorted(locks.glob("push-*.lock")):
+                    if p.name.removeprefix("push-").removesuffix(".lock") in keep_images:
+                        kept += 1
+                        continue
+                    if not dry_run and not _unlink_unheld(p):
+                        kept += 1  # a push of it is under way right now
+                        continue
+                    removed.append(f"locks/{p.name}")
             if self.trees.is_dir():
                 for p in sorted(self.trees.iterdir()):
                     if p.name in keep_trees and not (verify and sha256_tree(p) != p.name):
                         kept += 1
                         continue
-                    freed += sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+                    freed += _size(p)
                     if not dry_run:
                         _rmtree_ro(p)
                     removed.append(f"trees/{p.name}")
         return GcReport(removed=removed, kept=kept, freed_bytes=freed)
+
+
+def _size(p: Path) -> int:
+    if not p.is_dir() or p.is_symlink():
+        return p.lstat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _unlink_unheld(p: Path) -> bool:
+    """Remove a lock file nobody holds (False, leaving it, while a process holds it)."""
+    try:
+        fd = os.open(p, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        p.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _owner_alive(name: str) -> bool:

@@ -216,6 +216,20 @@ def two_layer_project(dest: Path, payload: bytes | None = None) -> Path:
     return root
 
 
+def local_fleet(root: Path, tmp: Path, keys: Path, name: str = "thin", lane: str = "demo",
+                registry: str | None = None) -> None:
+    """An inventory of two hosts whose paths lie under ``tmp``: bundles for an installer run here, into a
+    root of the test's own (``--root``); ``registry``: its `fleet.registry`."""
+    paths = f'{{ models = "{tmp}/srv/models", engram = "{tmp}/srv/engram", bundles = "{tmp}/var" }}'
+    text = f'[fleet]\nname = "{name}"\nlane = "{lane}"\ntrusted_key = "{keys / "builder.pub"}"\n'
+    if registry is not None:
+        text += f'registry = "{registry}"\n'
+    for rank, host in enumerate((f"{name}-1", f"{name}-2")):
+        text += (f'\n[[hosts]]\nname = "{host}"\nssh = "{host}"\naddress = "192.0.2.{rank + 10}"\nrank = {rank}\n'
+                 f'role = "{"head" if rank == 0 else "worker"}"\npaths = {paths}\n')
+    (root / "hosts" / f"{name}.toml").write_text(text)
+
+
 def engine_change(root: Path, version: str = "0.1.1") -> None:
     """Change only the engine: another ENGINE_VERSION compiled in (the payload layer stays)."""
     pins = root / "pins.toml"

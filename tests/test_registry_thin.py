@@ -29,12 +29,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.build, pytest.mark.registry]
 
 
 def _fleet(root: Path, tmp: Path, keys: Path) -> None:
-    paths = f'{{ models = "{tmp}/srv/models", engram = "{tmp}/srv/engram", bundles = "{tmp}/var" }}'
-    text = f'[fleet]\nname = "thin"\nlane = "demo"\ntrusted_key = "{keys / "builder.pub"}"\n'
-    for rank, name in enumerate(("thin-1", "thin-2")):
-        text += (f'\n[[hosts]]\nname = "{name}"\nssh = "{name}"\naddress = "192.0.2.{rank + 10}"\nrank = {rank}\n'
-                 f'role = "{"head" if rank == 0 else "worker"}"\npaths = {paths}\n')
-    (root / "hosts" / "thin.toml").write_text(text)
+    support.local_fleet(root, tmp, keys)
 
 
 def _docker(*args: str) -> subprocess.CompletedProcess[str]:

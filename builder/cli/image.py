@@ -54,7 +54,10 @@ def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, f
         output.data_json(d)
     else:
         output.data(rec.tag)
-    if not res.built:
+    if rec.published is not None:
+        output.status(f"{rec.tag}: {'pulled' if res.built else 'up to date'}: published {rec.published} "
+                      f"({rec.image_id[:19]}, {len(rec.diff_ids)} layers)")
+    elif not res.built:
         output.status(f"{rec.tag}: up to date ({rec.image_id[:19]})")
     else:
         output.status(f"{rec.tag}: built {rec.image_id[:19]} ({len(rec.diff_ids)} layers)")

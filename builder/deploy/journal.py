@@ -79,7 +79,7 @@ def snapshot_dir(store: Path, lock_hash: str) -> Path:
     return store / "deploy" / "locks" / lock_hash
 
 
-def snapshot(store: Path, lock_hash: str, pins: Path, lock: Path, root: Path, recipe: str) -> Path:
+def snapshot(store: Path, lock_hash: str, pins: Path, lock: Path, root: Path, recipe: str | None) -> Path:
     """Keep the pins, the lock and the image's recipe folder (``recipe``: relative to the project
     root ``root``) under the lock's hash (once)."""
     d = snapshot_dir(store, lock_hash)
@@ -89,7 +89,7 @@ def snapshot(store: Path, lock_hash: str, pins: Path, lock: Path, root: Path, re
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     shutil.copy2(pins, tmp / "pins.toml")
-    if (root / recipe).is_dir():  # (the recipe: a folder of the project, such as images/demo)
+    if recipe is not None and (root / recipe).is_dir():  # (the recipe: a folder of the project, such as images/demo)
         shutil.copytree(root / recipe, tmp / recipe, symlinks=True)
     shutil.copy2(lock, tmp / "pins.lock")  # last: a snapshot with its lock is complete
     with contextlib.suppress(FileNotFoundError):

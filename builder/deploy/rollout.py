@@ -123,7 +123,8 @@ def run(d: Deployment) -> DeployReport:
         return noop(d, earlier, early)
     for line in changes(d):
         d.say(f"to deploy: {line}")
-    recipe = w.ctx.pins.images[w.lane.image].recipe
+    built = w.ctx.pins.recipes().get(w.lane.image)  # (a published image has no recipe folder)
+    recipe = built.recipe if built is not None else None
     J.snapshot(opts.store, rep.target_lock or "", opts.pins, opts.lock, opts.root, recipe)
     if not stage(d):
         return d.refuse("staging failed; no host was switched", unreachable=rep.unreachable)
