@@ -3,14 +3,15 @@
 
 The project is the bundle tests' small lane (tests/bundlelib.py: pins, fleet, image record) with its
 model pointing at the benchmark's model folder (8 files, 4 GiB; symlinks, so nothing is copied to set
-up). `builder bundle spark-a --with-models` writes the bundle in 256 MiB parts; `builder verify`
-checks signature and every part; the offline installer (builder/installer.py) installs it into a
-root under the workdir. Each runs as its own process, so wall time and peak RSS (wait4's ru_maxrss
-for that one child) are its own.
+up). `builder bundle spark-a --with-models` links the model files from the store (the first run
+imports them: hashed, then hard-linked; see bench/ship.py for the fleet's disk and the copy it
+replaced); `builder verify` checks signature and every file; the offline installer
+(builder/installer.py) installs it into a root under the workdir. Each runs as its own process, so
+wall time and peak RSS (wait4's ru_maxrss for that one child) are its own.
 
-The memory figure uses one 4 GiB sparse file (--quick: 512 MiB) bundled as a model file: the same
-streaming path (bundle.write_stream, installer.iter_file) an image.tar takes; `docker save`/`docker
-load` of a real 4 GiB image are not part of it.
+The memory figure uses one 4 GiB sparse file (--quick: 512 MiB) bundled as a model file (linked
+into the bundle; the installer streams it through installer.iter_file, the path an image.tar
+takes); `docker save`/`docker load` of a real 4 GiB image are not part of it.
 """
 
 from __future__ import annotations
@@ -45,8 +46,11 @@ MEM_LIMIT = 200 * MiB
 _IMAGES: list[str] = []
 
 
-def _project(base: Path, files: dict[str, Path], hosts_root: Path) -> dict[str, Any]:
-    """A bundle project whose one model is `files` (name -> path, linked, not copied)."""
+def _project(base: Path, files: dict[str, Path], hosts_root: Path, *, hosts: list[dict[str, Any]] | None = None,
+             ssh_config: str | None = None) -> dict[str, Any]:
+    """A bundle project whose one model is `files` (name -> path, linked, not copied); its fleet is
+    `hosts` (default: the bundle tests' two, with their folders under hosts_root), the lane's
+    tensor parallelism their number."""
     sys.path.insert(0, str(REPO / "tests"))
     import bundlelib
 
@@ -73,13 +77,16 @@ def _project(base: Path, files: dict[str, Path], hosts_root: Path) -> dict[str, 
     for n, p in files.items():
         os.symlink(p, mdir / n)
     bundlelib.set_pins(root)
-    hosts = []
-    for h in bundlelib.DEFAULT_HOSTS:
-        hr = hosts_root / h["name"]
-        hosts.append({**h, "paths": {"models": str(hr / "models"), "engram": str(hr / "engram"),
-                                     "bundles": str(hr / "bundles")}})
+    if hosts is None:
+        hosts = []
+        for h in bundlelib.DEFAULT_HOSTS:
+            hr = hosts_root / h["name"]
+            hosts.append({**h, "paths": {"models": str(hr / "models"), "engram": str(hr / "engram"),
+                                         "bundles": str(hr / "bundles")}})
+    pins_text = (root / "pins.toml").read_text()
+    (root / "pins.toml").write_text(pins_text.replace("tensor_parallel = 2", f"tensor_parallel = {len(hosts)}"))
     (root / "hosts").mkdir()
-    (root / "hosts" / "test.toml").write_text(bundlelib.fleet_toml(hosts))
+    (root / "hosts" / "test.toml").write_text(bundlelib.fleet_toml(hosts, ssh_config=ssh_config))
     pins = load_pins(root / "pins.toml")
     digests = hash_files(list(files.values()))
     lf = [LockedModelFile(path=n, size=digests[str(p)][1], sha256=digests[str(p)][0])

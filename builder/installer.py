@@ -5,8 +5,9 @@ ONE stdlib-only file (no third-party imports, no builder imports; python3 >= 3.8
 needs only python3, docker and openssl (OpenSSL 3.0 or newer, for Ed25519) on the host.
 
 How it reaches a host:
-- ``builder ship HOST`` sends the operator's trusted copy over ssh stdin (``python3 - install ...``);
-  the copy in the bundle is never run by ship.
+- ``builder ship HOST`` sends the operator's trusted copy over ssh stdin to
+  ``ROOT/incoming/installer-<sha256>.py`` and runs it there (``receive``, after checking it against
+  that sha256); the copy in the bundle is never run by ship.
 - A sneakernet bundle also carries the assembled installer as ``install.py``. The FIRST install on a
   host should use the operator's copy (``builder`` installs it as ``builder/installer.py``; the assembled
   one is ``python3 -m builder.installer assemble > install.py``): never run code from a bundle that has
@@ -22,7 +23,10 @@ Commands::
     switch --root ROOT --to BUNDLE_ID [--rollback]
     rollback --root ROOT
     status --root ROOT
-    inventory DIR            (sizes and sha256 of the files under DIR, for ship's resume)
+    receive --root ROOT [install's key, host, --stage and --reserve options]
+                             (builder ship: the bundle streamed on stdin, each byte hashed as it
+                             arrives, then installed; see "receive" below)
+    inventory DIR            (sizes and sha256 of the files under DIR)
     assemble                 (print this installer with the minisign verifier embedded)
 
 Layout under ROOT (a host's ``paths.bundles``)::
@@ -41,7 +45,10 @@ Layout under ROOT (a host's ``paths.bundles``)::
 Order of an install: signature (against ROOT/trusted.pub; ``--insecure`` must be explicit to skip),
 then every hash (extra, missing or changed files; ``..``, absolute paths, links and device files are
 refused), then free disk, then: load the image if its ID is not present (the loaded ID must equal the
-manifest's), place bundled model files atomically, stage the release, switch ``current``, keep the old
+manifest's; a bundle of a fleet with a registry names the image by digest in ``image.pull`` instead of
+carrying it, and ``docker pull`` fetches only the layers the host lacks; a thin archive,
+``image.omitted_layers``, is refused unless the host holds the layers it leaves out), place bundled
+model files atomically, stage the release, switch ``current``, keep the old
 one as ``previous``, write the apply record. A SIGKILL at any point leaves ``current`` on a complete
 release (the old one until the switch) and a rerun completes. A rerun of the installed bundle changes
 nothing.
@@ -114,6 +121,11 @@ HEX64 = re.compile(r"^[0-9a-f]{64}$")
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 PART_SUFFIX = re.compile(r"\.part([0-9]{4})$")
+# host[:port]/repo@sha256:<hex>: the only form of image.pull (by digest, never by tag)
+PULL_REF = re.compile(
+    r"^([A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:[0-9]{1,5})?/[a-z0-9]+([._/-][a-z0-9]+)*@sha256:[0-9a-f]{64}$"
+)
+PULL_TIMEOUT = 3600
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
@@ -239,8 +251,9 @@ def human(n: int) -> str:
     return "%d B" % n
 
 
-def hash_file(path: str) -> tuple[str, int]:
-    """sha256 and size of one regular file: readinto one reusable buffer (no allocation per read)."""
+def hash_file(path: str, on_bytes: Callable[[int], None] | None = None) -> tuple[str, int]:
+    """sha256 and size of one regular file: readinto one reusable buffer (no allocation per read);
+    ``on_bytes`` (progress) is told each read's size."""
     h = hashlib.sha256()
     size = 0
     buf = bytearray(READ_SIZE)
@@ -254,6 +267,8 @@ def hash_file(path: str) -> tuple[str, int]:
                 break
             h.update(view[:n])
             size += n
+            if on_bytes is not None:
+                on_bytes(n)
     return h.hexdigest(), size
 
 
@@ -397,8 +412,10 @@ def check_manifest(obj: Any) -> dict[str, Any]:
     img = obj["image"]
     _want(
         img,
-        {"name": str, "input_address": str, "image_id": str, "diff_ids": list, "archive": "str?"},
+        {"name": str, "input_address": str, "image_id": str, "diff_ids": list, "archive": "str?", "pull": "str?",
+         "omitted_layers": int},
         "image",
+        optional=("pull", "omitted_layers"),
     )
     if not HEX64.match(img["input_address"]):
         raise _err("image.input_address", "not a sha256")
@@ -409,6 +426,10 @@ def check_manifest(obj: Any) -> dict[str, Any]:
             raise _err("image.diff_ids[%d]" % i, "not a sha256: digest")
     if img["archive"] is not None and img["archive"] != IMAGE_ARCHIVE:
         raise _err("image.archive", "must be %r or null" % IMAGE_ARCHIVE)
+    if img.get("pull") is not None and not PULL_REF.match(img["pull"]):
+        raise _err("image.pull", "not a registry reference by digest (host:port/repo@sha256:...)")
+    if "omitted_layers" in img and (img["archive"] is None or not 0 < img["omitted_layers"] <= len(img["diff_ids"])):
+        raise _err("image.omitted_layers", "must count leading layers of a carried archive")
     paths = obj["paths"]
     _want(paths, {"bundles": str, "models": str, "engram": str}, "paths")
     for k in ("bundles", "models", "engram"):
@@ -596,6 +617,7 @@ def verify_bundle(
     insecure: bool = False,
     sig_check: SigCheck | None = None,
     hashes: bool = True,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> tuple[dict[str, Any], bytes, bytes]:
     """Check signature, structure and every hash of a bundle folder; return (manifest, its bytes, sig bytes).
 
@@ -648,11 +670,13 @@ def verify_bundle(
     if wrong:
         raise InstallError("%s: changed files: %s" % (bundle_dir, _names(wrong)))
     if hashes:
-        check_all_hashes(bundle_dir, manifest["files"])
+        check_all_hashes(bundle_dir, manifest["files"], on_bytes)
     return manifest, mbytes, sbytes
 
 
-def check_all_hashes(bundle_dir: str, files: list[dict[str, Any]]) -> None:
+def check_all_hashes(
+    bundle_dir: str, files: list[dict[str, Any]], on_bytes: Callable[[int], None] | None = None
+) -> None:
     """Every part (and every file not in parts) against its signed sha256, several at once.
 
     The whole-file sha256 of a file in parts is not recomputed here: each part's sha256 is in the
@@ -671,7 +695,7 @@ def check_all_hashes(bundle_dir: str, files: list[dict[str, Any]]) -> None:
     def one(job: tuple[str, int, str, str]) -> str | None:
         rel, size, digest, what = job
         try:
-            got, n = hash_file(os.path.join(bundle_dir, rel))
+            got, n = hash_file(os.path.join(bundle_dir, rel), on_bytes)
         except InstallError:  # its one refusal: not a regular file
             return "%s: not a regular file" % rel
         except OSError as e:
@@ -685,12 +709,14 @@ def check_all_hashes(bundle_dir: str, files: list[dict[str, Any]]) -> None:
             raise InstallError(err)
 
 
-def iter_file(bundle_dir: str, entry: dict[str, Any]) -> Iterator[memoryview]:
+def iter_file(bundle_dir: str, entry: dict[str, Any], check: bool = True) -> Iterator[memoryview]:
     """The bytes of a manifest file (whole or reassembled from its parts), checked as they stream.
 
     Raises InstallError naming the part or file whose size or sha256 differ (after the last chunk of it).
+    ``check=False``: bytes this process already hashed as they arrived (receive) are not hashed again.
     """
-    whole = hashlib.sha256()
+    # One hash per byte: a file's own sha256, or each part's (the signed parts' hashes fix the
+    # reassembled bytes, as check_all_hashes relies on too).
     total = 0
     pieces = entry.get("parts") or [{"path": entry["path"], "size": entry["size"], "sha256": entry["sha256"]}]
     buf = bytearray(READ_SIZE)
@@ -711,8 +737,8 @@ def iter_file(bundle_dir: str, entry: dict[str, Any]) -> Iterator[memoryview]:
                 if not n:
                     break
                 chunk = view[:n]
-                h.update(chunk)
-                whole.update(chunk)
+                if check:
+                    h.update(chunk)
                 n_part += n
                 total += n
                 if n_part > p["size"]:
@@ -720,11 +746,11 @@ def iter_file(bundle_dir: str, entry: dict[str, Any]) -> Iterator[memoryview]:
                         "%s: larger than the manifest says (%d bytes)" % (p["path"], p["size"])
                     )
                 yield chunk
-        if n_part != p["size"] or h.hexdigest() != p["sha256"]:
+        if n_part != p["size"] or (check and h.hexdigest() != p["sha256"]):
             what = "damaged part" if entry.get("parts") else "changed file"
             raise InstallError("%s: sha256 mismatch (%s)" % (p["path"], what))
-    if total != entry["size"] or whole.hexdigest() != entry["sha256"]:
-        raise InstallError("%s: sha256 of the reassembled file does not match" % entry["path"])
+    if total != entry["size"]:
+        raise InstallError("%s: the reassembled file has %d bytes, not %d" % (entry["path"], total, entry["size"]))
 
 
 def check_file_hashes(bundle_dir: str, entry: dict[str, Any]) -> None:
@@ -783,8 +809,9 @@ def docker_root() -> str | None:
     return d or None
 
 
-def load_image(bundle_dir: str, manifest: dict[str, Any]) -> None:
-    """Stream the archive (reassembled from parts, hash-checked) into `docker load`; check the loaded ID."""
+def load_image(bundle_dir: str, manifest: dict[str, Any], verified: bool = False) -> None:
+    """Stream the archive (reassembled from parts, hash-checked unless ``verified``: receive hashed it
+    as it arrived) into `docker load`; check the loaded ID."""
     img = manifest["image"]
     entry = [f for f in manifest["files"] if f["path"] == img["archive"]][0]
     exe = shutil.which("docker")
@@ -796,7 +823,7 @@ def load_image(bundle_dir: str, manifest: dict[str, Any]) -> None:
     failed: BaseException | None = None
     try:
         assert proc.stdin is not None
-        for chunk in iter_file(bundle_dir, entry):
+        for chunk in iter_file(bundle_dir, entry, check=not verified):
             proc.stdin.write(chunk)
         proc.stdin.close()
     except BrokenPipeError:
@@ -828,6 +855,81 @@ def load_image(bundle_dir: str, manifest: dict[str, Any]) -> None:
         )
     if layers and layers != img["diff_ids"]:
         raise InstallError("docker load: image %s has DiffIDs other than the manifest's" % img["image_id"])
+
+
+def check_thin(img: dict[str, Any]) -> None:
+    """A thin archive (``image.omitted_layers``: its leading layers left out) loads only on an engine
+    with the classic image store that holds those layers' chain already: `docker load` there skips a
+    layer whose chain it has, without reading its file. An engine keeping images in containerd needs
+    every blob. Refused here, before anything changes, when either does not hold."""
+    p = docker(["info", "--format", "{{json .DriverStatus}}"], timeout=60)
+    if p.returncode == 0 and b"io.containerd.snapshotter" in p.stdout:
+        raise InstallError(
+            "image %s: this host's Docker Engine keeps images in containerd, whose docker load needs every "
+            "layer; a thin bundle cannot be loaded here (bundle it without --thin)" % img["image_id"]
+        )
+    k = img["omitted_layers"]
+    want = img["diff_ids"][:k]
+    ids = docker(["image", "ls", "--quiet", "--no-trunc"], timeout=60)
+    listed = sorted(set(ids.stdout.decode("utf-8", "replace").split())) if ids.returncode == 0 else []
+    chains: list[list[str]] = []
+    if listed:
+        q = docker(["image", "inspect", "--format", "{{json .RootFS.Layers}}"] + listed, timeout=120)
+        for line in q.stdout.decode("utf-8", "replace").splitlines():
+            try:
+                chains.append([str(x) for x in json.loads(line) or []])
+            except ValueError:
+                continue
+    held = 0
+    for chain in chains:
+        n = 0
+        while n < min(len(chain), k) and chain[n] == want[n]:
+            n += 1
+        held = max(held, n)
+    if held < k:
+        raise InstallError(
+            "image %s: the bundle leaves out %d layer(s) this host does not hold, from %s (bundle it without "
+            "--thin, or with --have from this host's record)" % (img["image_id"], k - held, want[held][:19])
+        )
+
+
+def pull_image(manifest: dict[str, Any]) -> None:
+    """``docker pull`` the image by digest from the fleet's registry; check the pulled ImageID and DiffIDs.
+
+    The host's dockerd fetches only the layers it lacks and checks every blob against its digest; the
+    ImageID check here is what ties the registry's manifest to the signed bundle (another image under
+    that reference is refused before anything switches). A registry that does not answer is one line
+    naming it.
+    """
+    img = manifest["image"]
+    ref = img["pull"]
+    registry = ref.split("/", 1)[0]
+    _say("pulling image %s from %s" % (img["image_id"][:19], registry))
+    p = docker(["pull", "--quiet", ref], timeout=PULL_TIMEOUT)
+    if p.returncode != 0:
+        lines = p.stderr.decode("utf-8", "replace").strip().splitlines() or ["failed"]
+        raise InstallError("registry %s: cannot pull %s: %s" % (registry, ref.split("/", 1)[1], lines[-1][:300]))
+    layers = image_present(img["image_id"])
+    if layers is None:
+        got = docker(["image", "inspect", "--format", "{{.Id}}", ref])
+        gid = got.stdout.decode("utf-8", "replace").strip() if got.returncode == 0 else "nothing"
+        raise InstallError(
+            "registry %s: %s is image %s, not the bundle's %s" % (registry, ref.split("/", 1)[1], gid, img["image_id"])
+        )
+    if layers != img["diff_ids"]:
+        raise InstallError("registry %s: image %s has DiffIDs other than the manifest's" % (registry, img["image_id"]))
+    # a pull by digest tags nothing; the image gets the tag a `docker load` of its archive gives it
+    # (a marked copy of builder.imagerecord.tag_for), which the audit checks
+    tag = pulled_tag(img)
+    t = docker(["tag", img["image_id"], tag], timeout=60)
+    if t.returncode != 0:
+        err = t.stderr.decode("utf-8", "replace").strip() or "failed"
+        raise InstallError("docker tag %s: %s" % (tag, err[-200:]))
+
+
+def pulled_tag(img: dict[str, Any]) -> str:
+    """builder/NAME:<input address[:32]>: builder.imagerecord.tag_for, copied (the installer imports nothing)."""
+    return "builder/%s:%s" % (img["name"], img["input_address"][:32])
 
 
 # --------------------------------------------------------------------------- root state
@@ -1163,8 +1265,13 @@ def install(
                 "first install (or --insecure to skip the signature)" % r.trusted,
                 EXIT_CONFIG,
             )
-        # 2. signature and every hash, before anything changes
-        manifest, mbytes, sbytes = verify_bundle(bundle_dir, key, insecure=insecure, sig_check=sig_check)
+        # 2. signature, structure and sizes, before anything changes; each byte is hashed once below,
+        # in the pass that uses it (a model file as it is written to a temp name beside its place,
+        # the image archive as it streams into docker load, the rest on its own), and nothing is
+        # placed or switched until every one checked out
+        manifest, mbytes, sbytes = verify_bundle(
+            bundle_dir, key, insecure=insecure, sig_check=sig_check, hashes=False
+        )
         bid = manifest["bundle_id"]
         if host is not None and manifest["host"] != host:
             raise InstallError("bundle is for host %r, not %r" % (manifest["host"], host), EXIT_CONFIG)
@@ -1187,6 +1294,7 @@ def install(
             and release_ok(r.release(bid), manifest, mbytes)
             and all(model_ok(m, vouch) is None for m in manifest["models"])
         ):
+            check_all_hashes(bundle_dir, manifest["files"])
             _say("bundle %s is already installed; nothing to do" % bid[:16])
             if stage:
                 _mark_staged(r, manifest, mbytes, old.get("previous_bundle_id"))
@@ -1194,7 +1302,7 @@ def install(
                 _remove_source(r, bundle_dir)
             return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid)}
         # 3. what is needed, and room for it
-        if have_layers is None and img["archive"] is None:
+        if have_layers is None and img["archive"] is None and img.get("pull") is None:
             raise InstallError(
                 "image %s is not on this host and the bundle carries no image (bundle it with "
                 "--with-image)" % img["image_id"]
@@ -1203,6 +1311,8 @@ def install(
             raise InstallError(
                 "image %s on this host has DiffIDs other than the manifest's" % img["image_id"]
             )
+        if have_layers is None and img["archive"] is not None and img.get("omitted_layers"):
+            check_thin(img)
         bundled = {f["path"]: f for f in manifest["files"]}
         needs: list[tuple[str, int]] = []
         for m in manifest["models"]:
@@ -1215,7 +1325,7 @@ def install(
                     "with --with-models)" % (m["path"], why)
                 )
             needs.append((m["path"], m["size"]))
-        if have_layers is None:
+        if have_layers is None and img["archive"] is not None:
             archive = bundled[img["archive"]]
             needs.append((docker_root() or r.root, 2 * archive["size"]))
         needs.append(
@@ -1223,14 +1333,24 @@ def install(
         )
         check_disk(needs, reserve)
         # 4. image, models, release, switch, record
-        if have_layers is None:
-            load_image(bundle_dir, manifest)
-        for m in manifest["models"]:
-            if model_ok(m, vouch) is not None:
-                _say("placing model file %s" % m["path"])
-                copy_entry(bundle_dir, bundled[m["bundled"]], m["path"], 0o644)
-                if model_ok(m, None) is not None:
-                    raise InstallError("model file %s: changed while it was placed" % m["path"])
+        placing = [m for m in manifest["models"] if model_ok(m, vouch) is not None]
+        loading = have_layers is None and img["archive"] is not None
+        streamed = {bundled[m["bundled"]]["path"] for m in placing} | ({img["archive"]} if loading else set())
+        check_all_hashes(bundle_dir, [f for f in manifest["files"] if f["path"] not in streamed])
+        written = _write_models(bundle_dir, bundled, placing)
+        try:
+            if loading:
+                load_image(bundle_dir, manifest)
+            elif have_layers is None:
+                pull_image(manifest)
+        except BaseException:
+            for tmp, _ in written:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+            raise
+        for tmp, dest in written:
+            os.replace(tmp, dest)
+            fsync_dir(os.path.dirname(dest))
         stage_release(r, bundle_dir, manifest, mbytes, sbytes)
         if new_key:  # the first install's key becomes the host's trusted key once the bundle is staged
             atomic_write(r.trusted, trusted_key or b"", 0o644)
@@ -1265,6 +1385,45 @@ def install(
         }
 
 
+def _write_models(
+    bundle_dir: str, bundled: dict[str, dict[str, Any]], placing: list[dict[str, Any]]
+) -> list[tuple[str, str]]:
+    """Each model file to place, reassembled and hash-checked as it is written to a temp name beside
+    its final path, several files at once (hashlib and the writes release the GIL): [(temp, final)].
+    A mismatch removes every temp and names the file."""
+    written: list[tuple[str, str]] = []
+    for m in placing:
+        d = os.path.dirname(m["path"])
+        stem = _tmp_stem(m["path"])
+        with contextlib.suppress(FileNotFoundError):
+            for n in os.listdir(d):  # left by a killed run (outside ROOT: clean_temps misses it)
+                if n.startswith(stem):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(d, n))
+        written.append((os.path.join(d, "%splace-%d" % (stem, os.getpid())), m["path"]))
+
+    def one(i: int) -> None:
+        m, (tmp, _) = placing[i], written[i]
+        _say("placing model file %s" % m["path"])
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            for chunk in iter_file(bundle_dir, bundled[m["bundled"]]):
+                while chunk:
+                    chunk = chunk[f.write(chunk) :]
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+
+    try:
+        in_parallel(one, list(range(len(placing))), size=lambda i: int(placing[i]["size"]))
+    except BaseException:
+        for tmp, _ in written:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        raise
+    return written
+
+
 def _remove_source(r: Root, bundle_dir: str) -> None:
     real = os.path.realpath(bundle_dir)
     if not _under(real, os.path.realpath(r.incoming)):
@@ -1275,7 +1434,11 @@ def _remove_source(r: Root, bundle_dir: str) -> None:
         shutil.rmtree(gone, ignore_errors=True)
 
 
-def stage_release(r: Root, bundle_dir: str, manifest: dict[str, Any], mbytes: bytes, sbytes: bytes) -> None:
+def stage_release(
+    r: Root, bundle_dir: str, manifest: dict[str, Any], mbytes: bytes, sbytes: bytes, link: bool = False
+) -> None:
+    """Make releases/<bundle id>/ from the bundle's release files. ``link``: they are whole files in
+    ``incoming/`` that receive checked, linked into the release rather than copied."""
     bid = manifest["bundle_id"]
     final = r.release(bid)
     if os.path.isdir(final) and release_ok(final, manifest, mbytes):
@@ -1285,7 +1448,13 @@ def stage_release(r: Root, bundle_dir: str, manifest: dict[str, Any], mbytes: by
     shutil.rmtree(tmp, ignore_errors=True)
     os.mkdir(tmp, 0o755)
     for fe in release_files(manifest):
-        copy_entry(bundle_dir, fe, os.path.join(tmp, fe["path"]), MODES[fe["mode"]])
+        dest = os.path.join(tmp, fe["path"])
+        if link:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.link(os.path.join(bundle_dir, fe["path"]), dest)
+            os.chmod(dest, MODES[fe["mode"]])
+        else:
+            copy_entry(bundle_dir, fe, dest, MODES[fe["mode"]])
     atomic_write(os.path.join(tmp, MANIFEST), mbytes, 0o644)
     if sbytes:
         atomic_write(os.path.join(tmp, SIGNATURE), sbytes, 0o644)
@@ -1445,6 +1614,443 @@ def inventory(d: str) -> dict[str, list[Any]]:
     return out
 
 
+# --------------------------------------------------------------------------- receive (ship's stream)
+#
+# ``builder ship`` runs ``receive`` over the host's one ssh connection with the bundle as a stream on
+# stdin, so each byte crosses the wire once and is hashed once here, as it arrives, straight into
+# the file it ends up in:
+#
+#   ship -> host   RECEIVE_MAGIC, then "<manifest bytes> <signature bytes>\n", then those bytes
+#   host -> ship   one JSON line {"want": [[path, offset], ...]}: the manifest files the host needs,
+#                  each from offset (what an earlier, cut receive left), in manifest order
+#   ship -> host   for each wanted file, its bytes from offset to its end (the manifest's parts
+#                  read one after another), nothing else
+#   host -> ship   one JSON line: the install's answer (installed, staged or unchanged)
+#
+# Nothing is accepted before the signature and the manifest check out. A model file is received
+# into a temp name beside its final path and the image archive and launch files into
+# ``incoming/<bundle id>/``; a file in parts is written as one file and each part's sha256 is checked
+# at its end. A file whose bytes are not the signed ones is removed and named; nothing is placed,
+# loaded or switched until every wanted file is in and checked. A file received whole is recorded
+# in ``incoming/<bundle id>/.received.json`` (its size, mtime and inode: fast mode's rule), so a
+# ship cut later does not send it again; a cut file is resumed from its last byte (its bytes so far
+# are hashed again, the only second read). The release folder links the launch files received.
+
+RECEIVE_MAGIC = b"builder-receive 1\n"
+RECEIPTS = ".received.json"
+
+
+def _read_exact(inp: Any, n: int, what: str) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = inp.read(n - len(out))
+        if not chunk:
+            raise InstallError("%s: the stream ended early (%d of %d bytes)" % (what, len(out), n))
+        out += chunk
+    return bytes(out)
+
+
+def read_header(inp: Any) -> tuple[bytes, bytes]:
+    """(manifest bytes, signature bytes) from the start of a receive stream."""
+    if _read_exact(inp, len(RECEIVE_MAGIC), "receive") != RECEIVE_MAGIC:
+        raise InstallError("receive: not a builder receive stream", EXIT_CONFIG)
+    line = inp.readline(64)
+    try:
+        nm, ns = (int(x) for x in line.split())
+    except ValueError:
+        raise InstallError("receive: malformed header", EXIT_CONFIG) from None
+    if not (0 < nm <= MAX_MANIFEST and 0 <= ns <= 64 * 1024):
+        raise InstallError("receive: manifest or signature too large", EXIT_CONFIG)
+    return _read_exact(inp, nm, MANIFEST), _read_exact(inp, ns, SIGNATURE)
+
+
+def check_signed(mbytes: bytes, sbytes: bytes, key: bytes | None, insecure: bool,
+                 sig_check: SigCheck | None = None) -> dict[str, Any]:
+    """verify_bundle's checks of the manifest and its signature, on bytes (nothing else is read)."""
+    comment = None
+    if not insecure:
+        if key is None:
+            raise InstallError("no trusted key to check the signature with", EXIT_CONFIG)
+        check_signature_form(sbytes)
+        comment = (sig_check or openssl_sig_check)(mbytes, sbytes, key)
+    try:
+        obj = json.loads(mbytes.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise InstallError("%s: malformed JSON: %s" % (MANIFEST, str(e)[:200])) from None
+    manifest = check_manifest(obj)
+    if bundle_id_of(manifest) != manifest["bundle_id"]:
+        raise InstallError("%s: bundle_id does not match the manifest's content" % MANIFEST)
+    if comment is not None and comment != trusted_comment_for(manifest):
+        raise InstallError(
+            "%s: the signed trusted comment %r does not match the manifest (id, host, fleet, "
+            "lane, rank)" % (SIGNATURE, comment[:200])
+        )
+    return manifest
+
+
+def _host_key(r: Root, trusted_key: bytes | None, insecure: bool) -> tuple[bytes | None, bool]:
+    """(the key to check the signature with, whether it is the first install's new key)."""
+    if insecure:
+        _say("WARNING: --insecure: the signature is NOT checked")
+        return None, False
+    if os.path.exists(r.trusted):
+        key = _read_limited(r.trusted, 64 * 1024, r.trusted)
+        have = _parse_key(key, r.trusted)
+        if trusted_key is not None:
+            given = _parse_key(trusted_key, "--trusted-key")
+            if (given.key_id, given.key) != (have.key_id, have.key):
+                raise InstallError(
+                    "the given key %s differs from %s (key %s); to rotate keys, remove that "
+                    "file first" % (given.key_id_hex, r.trusted, have.key_id_hex),
+                    EXIT_CONFIG,
+                )
+        return key, False
+    if trusted_key is not None:
+        _parse_key(trusted_key, "--trusted-key")
+        return trusted_key, True
+    raise InstallError(
+        "%s: no trusted key; give the fleet's public key with --trusted-key FILE at the "
+        "first install (or --insecure to skip the signature)" % r.trusted,
+        EXIT_CONFIG,
+    )
+
+
+class _Incoming:
+    """One manifest file the host needs: where it is written, how much of it is already there."""
+
+    def __init__(self, entry: dict[str, Any], dest: str) -> None:
+        self.entry = entry
+        self.dest = dest
+        self.offset = 0
+        self.whole = hashlib.sha256()
+        self.part = hashlib.sha256()
+        self.part_index = 0
+        self.in_part = 0
+        #: (offset, whole-file hash) at the end of the last part that checked out
+        self.mark: tuple[int, Any] = (0, self.whole.copy())
+        self.failed = False
+
+    @property
+    def path(self) -> str:
+        return str(self.entry["path"])
+
+    def pieces(self) -> list[dict[str, Any]]:
+        return self.entry.get("parts") or [self.entry]
+
+    def _feed(self, view: memoryview) -> None:
+        """Hash the bytes at self.offset on (split at part ends); InstallError on a damaged part
+        (and nothing more is hashed after it)."""
+        if self.failed:
+            return
+        pieces = self.pieces()
+        parted = len(pieces) > 1
+        while view:
+            p = pieces[self.part_index]
+            take = min(len(view), p["size"] - self.in_part)
+            chunk = view[:take]
+            (self.part if parted else self.whole).update(chunk)  # one hash per byte
+            self.in_part += take
+            self.offset += take
+            view = view[take:]
+            if self.in_part == p["size"] and len(pieces) > 1:
+                if self.part.hexdigest() != p["sha256"]:
+                    self.failed = True
+                    raise InstallError("%s: sha256 mismatch (damaged part)" % p["path"])
+                self.mark = (self.offset, self.whole.copy())
+                self.part_index = min(self.part_index + 1, len(pieces) - 1)
+                self.part, self.in_part = hashlib.sha256(), 0
+
+    def _back_to_mark(self) -> None:
+        """Forget what follows the last part that checked out (a damaged part is received again)."""
+        self.offset, whole = self.mark
+        self.whole = whole.copy()
+        self.failed = False
+        self.part, self.in_part = hashlib.sha256(), 0
+        at, self.part_index = 0, 0
+        for i, p in enumerate(self.pieces()):
+            if at >= self.offset:
+                self.part_index = i
+                break
+            at += p["size"]
+
+    def resume(self) -> None:
+        """Hash what an earlier, cut receive left in dest: the offset to ask for from there."""
+        try:
+            have = os.stat(self.dest).st_size
+        except FileNotFoundError:
+            return
+        if have > self.entry["size"]:
+            os.truncate(self.dest, 0)
+            return
+        buf = bytearray(READ_SIZE)
+        view = memoryview(buf)
+        with open(self.dest, "rb", buffering=0) as f:
+            try:
+                while self.offset < have:
+                    n = f.readinto(view[: min(READ_SIZE, have - self.offset)])
+                    if not n:
+                        break
+                    self._feed(view[:n])
+            except InstallError:
+                self._back_to_mark()
+        os.truncate(self.dest, self.offset)
+
+    def receive(self, inp: Any, on_bytes: Callable[[int], None] | None = None) -> None:
+        """Read the rest of the file from inp into dest, hashing as it arrives; check it whole.
+
+        The hashing runs on a thread of its own, a chunk behind the reads and writes (hashlib
+        releases the GIL), so receiving is bounded by the slower of the two, not their sum. Three
+        buffers: one is read into while the others wait for their hash."""
+        os.makedirs(os.path.dirname(self.dest), exist_ok=True)
+        size = self.entry["size"]
+        fd = os.open(self.dest, os.O_WRONLY | os.O_CREAT, 0o644)
+        hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="receive-sha256")
+        bufs = [bytearray(READ_SIZE) for _ in range(3)]
+        pending: list[Any] = [None, None, None]
+        try:
+            os.ftruncate(fd, self.offset)
+            os.lseek(fd, self.offset, os.SEEK_SET)
+            got, i = self.offset, 0
+            try:
+                while got < size:
+                    if pending[i] is not None:
+                        pending[i].result()  # its hash is done (a damaged part raises here)
+                    view = memoryview(bufs[i])
+                    n = _fill(inp, view[: min(READ_SIZE, size - got)])
+                    if not n:
+                        raise InstallError(
+                            "%s: the stream ended at byte %d of %d (ship again to resume)" % (self.path, got, size)
+                        )
+                    chunk = view[:n]
+                    while chunk:
+                        chunk = chunk[os.write(fd, chunk) :]
+                    pending[i] = hasher.submit(self._feed, view[:n])
+                    got += n
+                    i = (i + 1) % 3
+                    if on_bytes is not None:
+                        on_bytes(n)
+                for f in pending:
+                    if f is not None:
+                        f.result()
+            except InstallError:
+                for f in pending:
+                    if f is not None:
+                        with contextlib.suppress(InstallError):
+                            f.result()
+                if self.failed:  # a damaged part: keep what checked out, drop the rest
+                    self._back_to_mark()
+                    os.ftruncate(fd, self.offset)
+                raise
+            if len(self.pieces()) == 1 and self.whole.hexdigest() != self.entry["sha256"]:
+                os.unlink(self.dest)
+                raise InstallError(
+                    "%s: sha256 mismatch (the bytes received are not the signed ones; removed)" % self.path
+                )
+            os.fsync(fd)
+        finally:
+            hasher.shutdown(wait=True)
+            os.close(fd)
+
+
+def _fill(inp: Any, view: memoryview) -> int:
+    """Read into all of view (a pipe gives at most its buffer per read), or until the stream ends:
+    one hash and one write per buffer, not per pipe read."""
+    n = 0
+    while n < len(view):
+        k = inp.readinto(view[n:])
+        if not k:
+            break
+        n += k
+    return n
+
+
+#: Linux's F_SETPIPE_SZ: a larger pipe for the stream (fewer, larger reads)
+F_SETPIPE_SZ = 1031
+PIPE_SIZE = 1 << 20
+
+
+def widen_pipe(fd: int) -> None:
+    """Ask for a 1 MiB pipe buffer where fd is a pipe (Linux; elsewhere, or when refused, nothing)."""
+    with contextlib.suppress(OSError, ValueError):
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
+
+
+def _receipts(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            obj = json.loads(f.read(MAX_MANIFEST).decode("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def _received_whole(receipts: dict[str, Any], inc: _Incoming) -> bool:
+    """Does an earlier receive's receipt still vouch for dest (fast mode's rule)?"""
+    try:
+        st = os.stat(inc.dest)
+    except OSError:
+        return False
+    e = inc.entry
+    return fast_mode_drift(receipts.get(inc.dest), e["sha256"], e["size"], st.st_size, st.st_mtime_ns,
+                           st.st_ino) is None
+
+
+def receive(
+    root: str,
+    inp: Any,
+    out: Any,
+    *,
+    trusted_key: bytes | None = None,
+    insecure: bool = False,
+    host: str | None = None,
+    reserve: int = DEFAULT_RESERVE,
+    lock_timeout: float = 60.0,
+    stage: bool = False,
+) -> dict[str, Any]:
+    """Receive a bundle streamed on inp (see above) and install it; the wanted list goes to out."""
+    r = Root(root)
+    mbytes, sbytes = read_header(inp)
+    with r.locked(lock_timeout):
+        r.clean_temps()
+        key, new_key = _host_key(r, trusted_key, insecure)
+        manifest = check_signed(mbytes, sbytes, key, insecure)
+        bid = manifest["bundle_id"]
+        if host is not None and manifest["host"] != host:
+            raise InstallError("bundle is for host %r, not %r" % (manifest["host"], host), EXIT_CONFIG)
+        old = r.read_record()
+        if old and old.get("host") not in (None, manifest["host"]):
+            raise InstallError(
+                "%s: this host was installed as %r; the bundle is for %r"
+                % (r.record, old.get("host"), manifest["host"]),
+                EXIT_CONFIG,
+            )
+        current = r.link("current")
+        img = manifest["image"]
+        have_layers = image_present(img["image_id"])
+        vouch = [old, r.read_record(r.staged_record)]
+        placing = [m for m in manifest["models"] if model_ok(m, vouch) is not None]
+        release_there = os.path.isdir(r.release(bid)) and release_ok(r.release(bid), manifest, mbytes)
+
+        def reply(obj: dict[str, Any]) -> None:
+            out.write((json.dumps(obj, sort_keys=True) + "\n").encode("utf-8"))
+            out.flush()
+
+        ready = have_layers is not None and release_there and not placing
+        if stage and ready and r.link("staged") == bid and r.read_record(r.staged_record):
+            reply({"want": []})
+            _say("bundle %s is already staged; nothing to do" % bid[:16])
+            return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid), "received": []}
+        if ready and current == bid and old and old.get("bundle_id") == bid:
+            reply({"want": []})
+            _say("bundle %s is already installed; nothing to do" % bid[:16])
+            if stage:
+                _mark_staged(r, manifest, mbytes, old.get("previous_bundle_id"))
+            return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid), "received": []}
+        if have_layers is None and img["archive"] is None and img.get("pull") is None:
+            raise InstallError(
+                "image %s is not on this host and the bundle carries no image (bundle it with "
+                "--with-image)" % img["image_id"]
+            )
+        if have_layers and have_layers != img["diff_ids"]:
+            raise InstallError("image %s on this host has DiffIDs other than the manifest's" % img["image_id"])
+        files = {f["path"]: f for f in manifest["files"]}
+        inc_dir = os.path.join(r.incoming, bid)
+        wanted: list[_Incoming] = []
+        for m in placing:
+            if m["bundled"] is None:
+                raise InstallError(
+                    "model file %s: %s (the bundle does not carry it; copy it there or bundle "
+                    "with --with-models)" % (m["path"], model_ok(m, vouch))
+                )
+            d, mine = os.path.dirname(m["path"]), _tmp_stem(m["path"]) + "recv-" + bid[:16]
+            with contextlib.suppress(FileNotFoundError):
+                for n in os.listdir(d):  # what a receive of another bundle left for this file
+                    if n.startswith(_tmp_stem(m["path"])) and n != mine:
+                        with contextlib.suppress(OSError):
+                            os.unlink(os.path.join(d, n))
+            wanted.append(_Incoming(files[m["bundled"]], os.path.join(d, mine)))
+        load = have_layers is None and img["archive"] is not None
+        if load:
+            wanted.append(_Incoming(files[img["archive"]], os.path.join(inc_dir, img["archive"])))
+        if not release_there:
+            wanted += [_Incoming(fe, os.path.join(inc_dir, fe["path"])) for fe in release_files(manifest)]
+        for n in os.listdir(r.incoming) if os.path.isdir(r.incoming) else []:
+            if HEX64.match(n) and n != bid:  # another bundle's unfinished receive: its disk back
+                shutil.rmtree(os.path.join(r.incoming, n), ignore_errors=True)
+        receipts_path = os.path.join(inc_dir, RECEIPTS)
+        receipts = _receipts(receipts_path)
+        todo = []
+        for w in wanted:
+            if _received_whole(receipts, w):
+                continue
+            w.resume()
+            todo.append(w)
+        needs = [(w.dest, w.entry["size"] - w.offset) for w in todo]
+        if load:
+            needs.append((docker_root() or r.root, 2 * files[img["archive"]]["size"]))
+        check_disk(needs, reserve)
+        reply({"want": [[w.path, w.offset] for w in todo]})
+        got = 0
+        for w in todo:
+            start = w.offset
+            w.receive(inp)
+            got += w.entry["size"] - start
+            st = os.stat(w.dest)
+            receipts[w.dest] = {"size": st.st_size, "sha256": w.entry["sha256"], "mtime": st.st_mtime_ns,
+                                "inode": st.st_ino}
+            atomic_write(receipts_path, json.dumps(receipts, sort_keys=True).encode("utf-8"))
+        # every wanted byte is in and checked: load, place, stage, switch
+        if load:
+            whole = dict(manifest, files=[{k: v for k, v in f.items() if k != "parts"} for f in manifest["files"]])
+            load_image(inc_dir, whole, verified=True)
+        elif have_layers is None:
+            pull_image(manifest)
+        for i, m in enumerate(placing):
+            w = wanted[i]  # (wanted starts with the model files, in placing's order)
+            _say("placing model file %s" % m["path"])
+            os.chmod(w.dest, 0o644)
+            os.replace(w.dest, m["path"])
+            fsync_dir(os.path.dirname(m["path"]))
+        if not release_there:
+            stage_release(r, inc_dir, {**manifest, "files": [
+                {k: v for k, v in f.items() if k != "parts"} for f in manifest["files"]]}, mbytes, sbytes,
+                link=True)
+        res = _switch_in(r, manifest, mbytes, stage, current, trusted_key if new_key else None)
+        shutil.rmtree(inc_dir, ignore_errors=True)
+        res["received"] = [w.path for w in todo]
+        res["bytes_received"] = got
+        return res
+
+
+def _switch_in(r: Root, manifest: dict[str, Any], mbytes: bytes, stage: bool, current: str | None,
+               new_key: bytes | None) -> dict[str, Any]:
+    """The end of an install once the release is staged: the first key, then staged or current."""
+    bid = manifest["bundle_id"]
+    if new_key is not None:
+        atomic_write(r.trusted, new_key, 0o644)
+        _say("trusted key set: %s" % r.trusted)
+    if stage:
+        _mark_staged(r, manifest, mbytes, current)
+        _say(
+            "staged bundle %s (host %s, lane %s, rank %d); current stays %s"
+            % (bid[:16], manifest["host"], manifest["lane"], manifest["rank"], (current or "none")[:16])
+        )
+        return {"result": "staged", "bundle_id": bid, "current": current, "release": r.release(bid)}
+    previous = r.link("previous")
+    if current is not None and current != bid:
+        r.set_link("previous", current)
+        previous = current
+    r.set_link("current", bid)
+    write_record(r, manifest, mbytes, "install", previous if previous != bid else None)
+    r.clear_staged(bid)
+    _say(
+        "installed bundle %s (host %s, lane %s, rank %d); previous: %s"
+        % (bid[:16], manifest["host"], manifest["lane"], manifest["rank"], (previous or "none")[:16])
+    )
+    return {"result": "installed", "bundle_id": bid, "previous_bundle_id": previous, "release": r.release(bid)}
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -1480,6 +2086,15 @@ def _parser() -> argparse.ArgumentParser:
     rb.add_argument("--lock-timeout", type=float, default=60.0)
     st = sub.add_parser("status", help="print the current state as JSON")
     st.add_argument("--root", required=True)
+    rc = sub.add_parser("receive", help="receive a bundle streamed on stdin (builder ship) and install it")
+    rc.add_argument("--root", required=True)
+    rc.add_argument("--trusted-key", help="the fleet's minisign public key file (first install)")
+    rc.add_argument("--trusted-key-base64", help="the same key as its base64 line")
+    rc.add_argument("--insecure", action="store_true", help="skip the signature check (explicit only)")
+    rc.add_argument("--host", help="refuse a bundle made for another host")
+    rc.add_argument("--reserve", type=int, default=DEFAULT_RESERVE, help="bytes to keep free (default 256 MiB)")
+    rc.add_argument("--lock-timeout", type=float, default=60.0)
+    rc.add_argument("--stage", action="store_true", help="stage only: point staged at it, do not switch")
     inv = sub.add_parser("inventory", help="print sizes and sha256 of the files under DIR as JSON")
     inv.add_argument("dir")
     sub.add_parser("assemble", help="print this installer with the verifier embedded")
@@ -1509,6 +2124,19 @@ def main(argv: list[str] | None = None) -> int:
             res = rollback(args.root, lock_timeout=args.lock_timeout)
         elif args.cmd == "status":
             res = status(args.root)
+        elif args.cmd == "receive":
+            widen_pipe(0)
+            res = receive(
+                args.root,
+                sys.stdin.buffer,
+                sys.stdout.buffer,
+                trusted_key=_key_bytes(args),
+                insecure=args.insecure,
+                host=args.host,
+                reserve=args.reserve,
+                lock_timeout=args.lock_timeout,
+                stage=args.stage,
+            )
         elif args.cmd == "inventory":
             res = inventory(args.dir)
         elif args.cmd == "assemble":

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -96,16 +98,140 @@ def table(title: str | None, columns: list[str], rows: list[list[str]]) -> None:
     console().print(t)
 
 
-def progress() -> Any:
-    """A rich Progress on stderr (transient; silent when not a terminal)."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+class _Quiet:
+    """What progress() gives when stderr is not a terminal: the same calls, no output, no rich."""
 
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        console=console(),
-        transient=True,
-        disable=not sys.stderr.isatty(),
-    )
+    def __enter__(self) -> _Quiet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add_task(self, description: str, total: float | None = None, **fields: Any) -> int:
+        return 0
+
+    def update(self, task: int, **fields: Any) -> None:
+        return None
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        return None
+
+    def reset(self, task: int, **fields: Any) -> None:
+        return None
+
+
+def progress_enabled() -> bool:
+    """Progress bars are drawn only on a terminal (and never into a pipe, a file or --json's output)."""
+    return sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+
+
+#: seconds a job runs before its progress is drawn: a shorter one shows none, and the bars (rich's
+#: import and its refresh thread) cost a job that needs them under 2 % of its time
+PROGRESS_DELAY = 3.0
+
+
+class _Deferred:
+    """progress() on a terminal: tasks are kept here and drawn by a rich Progress only once the job
+    has run PROGRESS_DELAY seconds (then every call is passed on to it)."""
+
+    def __init__(self, delay: float) -> None:
+        self._lock = threading.Lock()
+        self._tasks: list[dict[str, Any]] = []
+        self._rich: Any = None
+        self._rich_ids: list[Any] = []
+        self._closed = False
+        self._timer = threading.Timer(delay, self._start)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deferred:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+        with self._lock:
+            self._closed = True
+            if self._rich is not None:
+                self._rich.stop()
+
+    def _start(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        with self._lock:
+            if self._closed:
+                return
+            bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=console(),
+                transient=True,
+            )
+            for t in self._tasks:
+                self._rich_ids.append(bar.add_task(t["description"], total=t["total"], completed=t["completed"],
+                                                   visible=t["visible"]))
+            bar.start()
+            self._rich = bar
+
+    def add_task(self, description: str, total: float | None = None, visible: bool = True, **_: Any) -> int:
+        with self._lock:
+            self._tasks.append({"description": description, "total": total, "completed": 0, "visible": visible})
+            if self._rich is not None:
+                self._rich_ids.append(self._rich.add_task(description, total=total, visible=visible))
+            return len(self._tasks) - 1
+
+    def update(self, task: int, **fields: Any) -> None:
+        with self._lock:
+            t = self._tasks[task]
+            for k in ("description", "total", "visible"):
+                if k in fields:
+                    t[k] = fields[k]
+            if "advance" in fields:
+                t["completed"] += fields["advance"]
+            if self._rich is not None:
+                self._rich.update(self._rich_ids[task], **fields)
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        with self._lock:
+            self._tasks[task]["completed"] += advance
+            if self._rich is not None:
+                self._rich.advance(self._rich_ids[task], advance)
+
+    def reset(self, task: int, **fields: Any) -> None:
+        with self._lock:
+            t = self._tasks[task]
+            t["completed"] = 0
+            for k in ("description", "total", "visible"):
+                if k in fields:
+                    t[k] = fields[k]
+            if self._rich is not None:
+                self._rich.reset(self._rich_ids[task], **fields)
+
+
+def progress(delay: float = PROGRESS_DELAY) -> Any:
+    """The one progress display of builder: rich bars on stderr with bytes, rate and time left
+    (transient), drawn once the job has run ``delay`` seconds. Off a terminal it is a silent
+    stand-in that does not import rich, so a script's stderr and --json's stdout never see a bar.
+    Its methods (add_task, update, advance, reset: rich's) may be called from any thread."""
+    if not progress_enabled():
+        return _Quiet()
+    return _Deferred(delay)
+
+
+def byte_counter(bar: Any, description: str, total: int) -> Callable[[int], None]:
+    """A new task on bar and the callback that advances it by a number of bytes."""
+    task = bar.add_task(description, total=total)
+
+    def advance(n: int) -> None:
+        bar.advance(task, n)
+
+    return advance

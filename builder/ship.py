@@ -4,13 +4,17 @@ Over SSH (builder.ssh: the system ``ssh`` with the fleet's ssh_config when it na
 ``BatchMode=yes``, a connect timeout and keep-alives, and one connection per host for the whole ship,
 however many files are sent; host keys are checked as ssh_config says, never switched off):
 
-1. the bundle is verified here (signature against the fleet's key, every hash);
-2. ``python3 - status`` on the host (the installer, sent over stdin from this machine's trusted copy)
-   says whether the bundle is already installed: then nothing is sent;
-3. ``python3 - inventory`` hashes what ``<paths.bundles>/incoming/<bundle_id>/`` already holds; files and
-   parts whose size and sha256 match are skipped, extras are removed, the rest is sent with
-   ``cat > tmp && mv`` (a cut transfer never leaves a short file under the real name);
-4. ``python3 - install`` verifies again on the host, loads, stages, switches and records.
+1. the bundle's signature, manifest and file sizes are checked here (its bytes were hashed when
+   they were written; the host hashes every byte it receives);
+2. one remote command writes the installer (this machine's trusted copy, sent on stdin) to
+   ``<paths.bundles>/incoming/installer-<sha256>.py`` and runs its ``status``: a bundle already
+   installed (or staged, for ``--stage``) is not sent;
+3. one more, ``installer receive``, gets the signed manifest first, answers which files it lacks and
+   from which byte (what a cut ship left is not sent again), then reads exactly those bytes from
+   the same stdin (sent with sendfile, no per-file command), hashes each as it arrives into the
+   file it ends up in (a model file beside its place, the image archive and launch files in
+   ``incoming/``), refuses a wrong byte naming the file, and installs: load, place, stage (the
+   release links the launch files received), switch, record.
 
 Every ssh call has a timeout (base + size / minimum rate). A host that cannot be reached (ssh exit
 255, or no answer in time) gives UnreachableError (exit 3, one line naming the host); a rerun resumes.
@@ -28,6 +32,9 @@ import os
 import shlex
 import shutil
 import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -35,10 +42,12 @@ from typing import IO, Any
 from builder import installer as inst
 from builder.bundle import public_key_for, read_public_key, signing_key_path, verify_with_key
 from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
-from builder.hosts import Fleet, Host, find_host
-from builder.ssh import Connection, ControlSockets, ssh_config_file
+from builder.hosts import Fleet, Host, find_host, ssh_config_file
+from builder.ssh import Connection, ControlSockets
 
 MiB = 1024 * 1024
+#: bytes per sendfile call (a progress step)
+SEND_CHUNK = 8 * MiB
 
 
 @dataclass
@@ -59,6 +68,10 @@ class ShipOptions:
     stage: bool = False
     #: the run's control sockets, when the ship is one step of a larger run (``builder deploy``)
     sockets: ControlSockets | None = None
+    #: progress: what will be sent, once the host has said what it lacks ([(file, bytes)]) ...
+    on_plan: Callable[[list[tuple[str, int]]], None] | None = None
+    #: ... and then (the bundle file being sent, bytes just sent)
+    on_bytes: Callable[[str, int], None] | None = None
 
 
 @dataclass
@@ -220,15 +233,19 @@ def _load_bundle(
     bdir = opts.bundle or root / "out" / "bundles" / fleet.fleet.name / host.name
     if not (bdir / inst.MANIFEST).is_file():
         raise ConfigError(f"{bdir}: no bundle there (run `builder bundle {host.name}`)")
+    # Over ssh the host hashes every byte it receives against the signed manifest (and refuses a
+    # wrong one, naming the file), so here the signature and sizes suffice; a copy to a folder is
+    # checked in full here, as nothing else will check it before it is carried away.
+    hashes = opts.to is not None
     if opts.insecure:  # nothing is checked against a key, so none is needed (or asked for)
         key = b""
         try:
-            manifest, _, _ = inst.verify_bundle(str(bdir), None, insecure=True)
+            manifest, _, _ = inst.verify_bundle(str(bdir), None, insecure=True, hashes=hashes)
         except inst.InstallError as e:
             raise VerifyError(str(e)) from None
     else:
         key = trusted_key_bytes(root, fleet, bdir, opts)
-        manifest = verify_with_key(bdir, key)
+        manifest = verify_with_key(bdir, key, hashes=hashes)
     if manifest["host"] != host.name or manifest["fleet"] != fleet.fleet.name:
         raise ConfigError(
             f"{bdir}: the bundle is for {manifest['fleet']}/{manifest['host']}, not "
@@ -268,81 +285,165 @@ def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
         return _ship_over_ssh(remote, fleet, host, bdir, manifest, key, opts)
 
 
+def _installer_answer(remote: Remote, proc_rc: int, stdout: bytes, stderr: bytes, what: str) -> dict[str, Any]:
+    """The installer's JSON answer (its last stdout line), or the error it printed, as run_installer reads it."""
+    name = remote.host.name
+    if remote.kind == "ssh" and proc_rc == 255:
+        last = _last_line(stderr) or "connection failed"
+        raise UnreachableError(f"{name}: unreachable over ssh ({remote.host.ssh}): {last}")
+    if proc_rc != 0:
+        msg = _error_line(stderr) or f"exit status {proc_rc}"
+        if proc_rc == 127 or "python3: not found" in msg or "command not found" in msg:
+            raise BuilderError(f"{name}: python3 not found on the host")
+        cls = ConfigError if proc_rc == inst.EXIT_CONFIG else BuilderError
+        raise cls(f"{name}: {what}: {msg}")
+    try:
+        out = json.loads(stdout.decode("utf-8").strip().splitlines()[-1])
+    except (ValueError, IndexError, UnicodeDecodeError):
+        raise BuilderError(f"{name}: {what}: unreadable answer from the installer") from None
+    if not isinstance(out, dict):
+        raise BuilderError(f"{name}: {what}: unexpected answer from the installer")
+    return out
+
+
+#: the exit status of ship's receive command when the host lacks this installer (it is sent, then
+#: the receive runs again)
+NO_INSTALLER = 199
+
+
 def _ship_over_ssh(
     remote: Remote, fleet: Fleet, host: Host, bdir: Path, manifest: dict[str, Any], key: bytes, opts: ShipOptions
 ) -> ShipResult:
-    bid = manifest["bundle_id"]
-    hroot = host.paths.bundles
+    """One remote command over the host's one connection: ``installer receive`` (this machine's
+    trusted installer, kept on the host under its sha256 and checked against it before it runs),
+    with the bundle streamed on its stdin (only the files and bytes the host says it lacks); it
+    hashes every byte as it arrives and installs, or says the bundle is already there. A host
+    without this installer gets it first (a second command)."""
     script = inst.assemble()
-    res = ShipResult(host=host.name, fleet=fleet.fleet.name, bundle_id=bid, result="")
-    st = remote.run_installer(script, ["status", "--root", hroot], timeout=opts.timeout, what="status")
-    if opts.stage and st.get("staged") == bid:
-        res.result = "unchanged"
-        return res
-    if (
-        not opts.stage
-        and st.get("current") == bid
-        and isinstance(st.get("applied"), dict)
-        and st["applied"].get("bundle_id") == bid
-    ):
-        res.result = "unchanged"
-        return res
-    incoming = f"{hroot}/incoming/{bid}"
-    tmpdir = f"{hroot}/incoming/.tmp-{bid[:16]}"
-    files = _file_order(manifest)
-    total = sum(s for _, s, _ in files)
-    have = remote.run_installer(
-        script, ["inventory", incoming], timeout=opts.timeout + total / opts.hash_rate, what="inventory"
-    )
-    expected = {p for p, _, _ in files} | {inst.MANIFEST, inst.SIGNATURE}
-    extras = sorted(p for p in have if p not in expected)
-    if extras:
-        cmd = f"cd {shlex.quote(incoming)} && rm -f -- " + " ".join(shlex.quote(p) for p in extras)
-        p = remote.run(cmd, timeout=opts.timeout, what="remove extra files")
-        if p.returncode != 0:
-            raise BuilderError(
-                f"{host.name}: cannot remove extra files in {incoming}: {_last_line(p.stderr)}"
-            )
-        res.removed = extras
-    prep = remote.run(
-        f"rm -rf {shlex.quote(tmpdir)} && mkdir -p {shlex.quote(tmpdir)} {shlex.quote(incoming)}",
-        timeout=opts.timeout,
-        what="prepare",
-    )
-    if prep.returncode != 0:
-        raise BuilderError(f"{host.name}: cannot create {incoming}: {_last_line(prep.stderr)}")
-    sends = files + _meta_files(bdir)
-    for rel, size, digest in sends:
-        got = have.get(rel)
-        if isinstance(got, list) and len(got) == 2 and got[0] == size and got[1] == digest:
-            res.skipped.append(rel)
-            continue
-        _send(remote, bdir / rel, f"{tmpdir}/{rel}", f"{incoming}/{rel}", size, opts)
-        res.sent.append(rel)
-        res.bytes_sent += size
-    remote.run(f"rm -rf {shlex.quote(tmpdir)}", timeout=opts.timeout, what="clean up")
-    args = ["install", incoming, "--root", hroot, "--host", host.name, "--remove-source"]
+    digest = hashlib.sha256(script).hexdigest()
+    hroot = host.paths.bundles
+    prog = f"{hroot}/incoming/installer-{digest[:16]}.py"
+    q = shlex.quote
+    args = ["receive", "--root", hroot, "--host", host.name]
     if opts.stage:
         args.append("--stage")
     if opts.insecure:
         args.append("--insecure")
     else:
         args += ["--trusted-key-base64", _key_line(key)]
-    out = remote.run_installer(script, args, timeout=opts.timeout + 120 + 3 * total / opts.hash_rate, what="install")
+    receive = (
+        f'test "$(sha256sum < {q(prog)} 2>/dev/null | cut -c1-64)" = {digest} || exit {NO_INSTALLER}; '
+        f"exec python3 {q(prog)} " + " ".join(q(a) for a in args)
+    )
+    res = _receive(remote, host, bdir, manifest, receive, opts)
+    if res is not None:
+        return res
+    put = (
+        f"umask 022 && mkdir -p {q(hroot + '/incoming')} && cat > {q(prog + '.tmp')} && "
+        f"mv -f {q(prog + '.tmp')} {q(prog)}"
+    )
+    p = remote.run(put, timeout=opts.timeout, stdin=script, what="send the installer")
+    if p.returncode != 0:
+        raise BuilderError(f"{host.name}: cannot write {prog}: {_last_line(p.stderr)}")
+    res = _receive(remote, host, bdir, manifest, receive, opts)
+    if res is None:
+        raise BuilderError(f"{host.name}: {prog} does not match the installer just sent")
+    return res
+
+
+def _receive(
+    remote: Remote, host: Host, bdir: Path, manifest: dict[str, Any], command: str, opts: ShipOptions
+) -> ShipResult | None:
+    """Run the receive command with the bundle streamed to it; None when the host lacks the installer."""
+    res = ShipResult(host=host.name, fleet=manifest["fleet"], bundle_id=manifest["bundle_id"], result="")
+    files = {f["path"]: f for f in manifest["files"]}
+    total = sum(f["size"] for f in manifest["files"])
+    mbytes = (bdir / inst.MANIFEST).read_bytes()
+    sbytes = (bdir / inst.SIGNATURE).read_bytes() if not opts.insecure else b""
+    limit = opts.timeout + 120 + total / opts.min_rate + 3 * total / opts.hash_rate
+    remote.connect()
+    argv = remote.argv(command)
+    errf = tempfile.TemporaryFile()
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf)
+    except FileNotFoundError:
+        raise ConfigError(f"{argv[0]}: not found (needed to reach {host.name})") from None
+    fired: list[bool] = []
+
+    def stalled() -> None:
+        fired.append(True)
+        proc.kill()
+
+    timer = threading.Timer(limit, stalled)
+    timer.daemon = True
+    timer.start()
+    assert proc.stdin is not None and proc.stdout is not None
+    inst.widen_pipe(proc.stdin.fileno())
+    broken = False
+    try:
+        try:
+            proc.stdin.write(inst.RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes)
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            want = json.loads(line).get("want") if line.strip() else None
+            if isinstance(want, list):
+                sent = {p for p, _ in want}
+                res.skipped = sorted(set(files) - sent)
+                if opts.on_plan is not None:
+                    opts.on_plan([(p, files[p]["size"] - int(o)) for p, o in want])
+                for path, offset in want:
+                    entry = files[path]
+                    _stream(proc.stdin.fileno(), bdir, entry, int(offset), opts)
+                    res.sent.append(path)
+                    res.bytes_sent += entry["size"] - int(offset)
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError, ValueError):
+            broken = True  # the host stopped reading: its error is on its stderr
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        tail = proc.stdout.read()
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    errf.seek(0)
+    err = errf.read(1 << 20)
+    if fired:
+        raise UnreachableError(
+            f"{host.name}: no answer within {limit:.0f} s (receive) over {remote.kind} to {host.ssh}"
+        )
+    if rc == NO_INSTALLER and not res.sent:
+        return None
+    if broken and rc == 0:
+        rc = 1
+    out = _installer_answer(remote, rc, tail, err, "receive")
     res.result = str(out.get("result", "installed"))
     return res
 
 
-def _send(remote: Remote, src: Path, tmp: str, dest: str, size: int, opts: ShipOptions) -> None:
-    d_tmp, d_dest = os.path.dirname(tmp), os.path.dirname(dest)
-    cmd = (
-        f"umask 022 && mkdir -p {shlex.quote(d_tmp)} {shlex.quote(d_dest)} && cat > {shlex.quote(tmp)} && "
-        f"mv -f {shlex.quote(tmp)} {shlex.quote(dest)}"
-    )
-    with open(src, "rb") as f:
-        p = remote.run(cmd, timeout=opts.timeout + size / opts.min_rate, stdin=f, what=f"send {src.name}")
-    if p.returncode != 0:
-        raise BuilderError(f"{remote.host.name}: sending {src.name} failed: {_last_line(p.stderr)}")
+def _stream(fd: int, bdir: Path, entry: dict[str, Any], offset: int, opts: ShipOptions) -> None:
+    """Write a manifest file's bytes from offset to fd (its parts one after another), by sendfile:
+    the bytes go from the page cache to the pipe without passing through Python."""
+    pieces = entry.get("parts") or [entry]
+    at = 0
+    for piece in pieces:
+        start, end = at, at + piece["size"]
+        at = end
+        if end <= offset:
+            continue
+        skip = max(0, offset - start)
+        with open(bdir / piece["path"], "rb") as f:
+            pos, left = skip, piece["size"] - skip
+            while left > 0:
+                n = os.sendfile(fd, f.fileno(), pos, min(left, SEND_CHUNK))
+                if n == 0:
+                    raise VerifyError(f"{bdir / piece['path']}: shorter than the manifest says")
+                pos += n
+                left -= n
+                if opts.on_bytes is not None:
+                    opts.on_bytes(entry["path"], n)
 
 
 # --------------------------------------------------------------------------- sneakernet

@@ -112,17 +112,56 @@ def test_minisign_cli_accepts_the_signature(proj: Project) -> None:
     assert p.returncode == 0, p.stderr
 
 
-def test_parts_and_models(proj: Project) -> None:
+def test_models_are_linked_whole_from_the_store(proj: Project) -> None:
+    """A model file larger than the part size is still one file: a hard link to the store's object."""
     d = _bundle(proj, with_models=True, part_size=5000)
     m = manifest(d)
     weights = next(f for f in m["files"] if f["path"] == "models/demo-model/weights-r1of2.bin")
-    assert [p["path"] for p in weights["parts"]] == [
-        f"parts/models/demo-model/weights-r1of2.bin.part{i:04d}" for i in range(4)
-    ]
-    assert [p["size"] for p in weights["parts"]] == [5000, 5000, 5000, 1384]
-    assert not (d / "models/demo-model/weights-r1of2.bin").exists()
-    assert (d / "models/demo-model/config.json").is_file()
+    assert "parts" not in weights and not (d / "parts" / "models").exists()
+    obj = proj.store / "models" / "objects" / weights["sha256"]
+    assert os.path.samefile(d / "models/demo-model/weights-r1of2.bin", obj)
     assert verify_dir(d, proj.pub)["bundle_id"] == m["bundle_id"]
+
+
+def _disk_used(*roots: Path) -> int:
+    """Bytes the files under roots take, each inode once (as du counts hard links)."""
+    seen: dict[tuple[int, int], int] = {}
+    for r in roots:
+        for p in r.rglob("*"):
+            st = p.lstat()
+            if stat.S_ISREG(st.st_mode):
+                seen[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return sum(seen.values())
+
+
+def test_fleet_bundles_share_the_stores_inodes(proj: Project) -> None:
+    """Every host's bundle holds its model files as links to the store: the fleet costs one copy."""
+    res = make_fleet_bundles(_ctx(proj), "testfleet", BundleOptions(key=proj.key, with_models=True))
+    objects = proj.store / "models" / "objects"
+    linked = 0
+    for r in res:
+        for f in manifest(r.path)["files"]:
+            if f["path"].startswith("models/"):
+                st, obj = (r.path / f["path"]).stat(), (objects / f["sha256"]).stat()
+                assert (st.st_ino, st.st_dev) == (obj.st_ino, obj.st_dev) and st.st_nlink >= 3
+                linked += 1
+    assert linked == 6  # config and tokenizer on both ranks, one weights file each
+    model_bytes = sum(len(b) for b in bl.MODEL_FILES.values())
+    bundles = _disk_used(*(r.path / "models" for r in res))
+    everything = _disk_used(proj.store / "models", *(r.path / "models" for r in res))
+    assert everything == _disk_used(proj.store / "models") and bundles <= everything
+    assert everything <= model_bytes + 4 * 4096 * len(bl.MODEL_FILES)  # one copy (block rounding)
+
+
+def test_a_store_object_changed_behind_builders_back_is_named(proj: Project) -> None:
+    _bundle(proj, with_models=True)
+    obj = next((proj.store / "models" / "objects").iterdir())
+    os.chmod(obj, 0o644)
+    data = obj.read_bytes()
+    obj.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    r = proj.cli("bundle", "spark-b", "--with-models", "--key", str(proj.key))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert "models.demo-model: " in r.stderr and "changed behind builder's back" in r.stderr
 
 
 def test_write_stream_splits_exactly(tmp_path: Path) -> None:
@@ -257,12 +296,12 @@ def test_missing_signature_unknown_key_extra_missing(proj: Project, tmp_path: Pa
     (d / "extra.txt").write_text("x")
     assert "extra files not in the manifest: extra.txt" in _expect_refused(d, proj.pub)
     (d / "extra.txt").unlink()
-    part = d / "parts/models/demo-model/weights-r1of2.bin.part0002"
+    part = d / "parts/install.py.part0002"
     data = part.read_bytes()
     part.unlink()
-    assert "missing files: parts/models/demo-model/weights-r1of2.bin.part0002" in _expect_refused(d, proj.pub)
+    assert "missing files: parts/install.py.part0002" in _expect_refused(d, proj.pub)
     part.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    assert "weights-r1of2.bin.part0002: sha256 mismatch (damaged part)" in _expect_refused(d, proj.pub)
+    assert "install.py.part0002: sha256 mismatch (damaged part)" in _expect_refused(d, proj.pub)
     part.write_bytes(data)
     (d / "manifest.json.minisig").unlink()
     assert "manifest.json.minisig: missing" in _expect_refused(d, proj.pub)
@@ -314,7 +353,7 @@ def test_errors_are_builder_errors(proj: Project, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_peak_memory_with_a_4gib_file(tmp_path: Path) -> None:
-    """A 4 GiB model file (sparse zeros) is bundled in parts and verified with flat memory."""
+    """A 4 GiB model file (sparse zeros) is linked into the bundle and verified with flat memory."""
     import hashlib
 
     proj = make_project(tmp_path)
@@ -365,8 +404,7 @@ def test_peak_memory_with_a_4gib_file(tmp_path: Path) -> None:
         assert p.returncode == 0, p.stderr
         rss_kib = int(p.stderr.rsplit("RSS", 1)[1].split()[0])
         assert rss_kib < 200 * 1024, f"{args[0]}: peak RSS {rss_kib} KiB"
-    parts = list((proj.out("spark-b") / "parts").rglob("*.part*"))
-    assert len(parts) == 16
+    assert (proj.out("spark-b") / "models/demo-model/weights-r1of2.bin").stat().st_nlink >= 3
 
 
 @pytest.mark.docker

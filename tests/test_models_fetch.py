@@ -170,3 +170,25 @@ def test_the_demo_lanes_local_files_are_imported_by_hard_link(tmp_path: Path) ->
     assert view.read_bytes() == src.read_bytes()
     if os.stat(src).st_dev == os.stat(tmp_path).st_dev:
         assert os.path.samefile(view, src)
+
+
+def test_a_symlinked_snapshot_is_imported_as_the_file_it_names(tmp_path: Path) -> None:
+    """An HF cache's snapshot is symbolic links to its blobs: the store links the blob, never the link."""
+    import hashlib
+
+    from builder.models.store import ModelStore, Wanted
+
+    blob = tmp_path / "hf" / "blobs" / "abc"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(b"weights" * 1000)
+    snap = tmp_path / "hf" / "snapshots" / ("c" * 40) / "w.bin"
+    snap.parent.mkdir(parents=True)
+    snap.symlink_to("../../blobs/abc")
+    data = blob.read_bytes()
+    w = Wanted(model="m", commit="c" * 40, path="w.bin", size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    store = ModelStore(tmp_path / "store")
+    assert store.import_file(snap, w) == "linked"
+    obj = store.object_path(w.sha256)
+    assert not obj.is_symlink() and os.path.samefile(obj, blob)
+    dest = tmp_path / "bundle" / "w.bin"
+    assert store.place(w, dest) == "linked" and not dest.is_symlink() and os.path.samefile(dest, blob)

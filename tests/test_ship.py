@@ -48,15 +48,18 @@ def test_sneakernet_copy_resumes_and_verifies(tmp_path: Path) -> None:
     dest = usb / bl.FLEET / "spark-b"
     assert first["dest"] == str(dest) and not first["skipped"]
     assert bl.tree_bytes(dest) == bl.tree_bytes(p.out("spark-b"))
-    # a cut copy: one part short, one missing, one stray file
-    part = dest / "parts/models/demo-model/weights-r1of2.bin.part0001"
+    # a cut copy: one part short, one missing, a model file short, one stray file
+    part = dest / "parts/install.py.part0001"
     part.write_bytes(part.read_bytes()[:100])
-    (dest / "parts/models/demo-model/weights-r1of2.bin.part0003").unlink()
+    (dest / "parts/install.py.part0003").unlink()
+    weights = dest / "models/demo-model/weights-r1of2.bin"
+    weights.write_bytes(weights.read_bytes()[:100])
     (dest / "stray").write_text("x")
     again = _ship_to(p, usb)
     assert sorted(again["sent"]) == [
-        "parts/models/demo-model/weights-r1of2.bin.part0001",
-        "parts/models/demo-model/weights-r1of2.bin.part0003",
+        "models/demo-model/weights-r1of2.bin",
+        "parts/install.py.part0001",
+        "parts/install.py.part0003",
     ]
     assert again["removed"] == ["stray"]
     assert bl.tree_bytes(dest) == bl.tree_bytes(p.out("spark-b"))
@@ -223,24 +226,34 @@ def test_ship_install_start_rollback_on_the_fleet(fleet2: Any, tmp_path: Path) -
     assert r.returncode == 0 and json.loads(r.stdout)["result"] == "unchanged", r.stderr
     assert _applied(fleet, head) == before
 
-    # a new release: resume after a cut transfer (only the damaged part is sent again)
+    # a new release: a cut ship resumes from the byte it reached (what the host holds is not sent again)
     bl.relock(p, streams=3)
     r = p.cli("bundle", "--fleet", bl.FLEET, "--with-image", "--part-size", "512KiB", "--key", str(p.key))
     assert r.returncode == 0, r.stderr
     d2 = p.out(head.name)
-    id2 = bl.manifest(d2)["bundle_id"]
+    m2 = bl.manifest(d2)
+    id2 = m2["bundle_id"]
+    archive = next(f for f in m2["files"] if f["path"] == "image.tar")
+    assert len(archive["parts"]) >= 2
+    whole = b"".join((d2 / pt["path"]).read_bytes() for pt in archive["parts"])
+    have = 512 * 1024 + 1000  # into the second part: a ship cut there left these bytes
     incoming = f"{FLEET_PATHS['bundles']}/incoming/{id2}"
     fleet.exec(head, f"mkdir -p {incoming}")
+    (tmp_path / "cut").write_bytes(whole[:have])
     subprocess.run(
-        ["docker", "cp", f"{d2}/.", f"{head.container}:{incoming}"], check=True, capture_output=True
+        ["docker", "cp", str(tmp_path / "cut"), f"{head.container}:{incoming}/image.tar"],
+        check=True, capture_output=True,
     )
     fleet.exec(head, f"chown -R spark {FLEET_PATHS['bundles']}")
-    damaged = "parts/image.tar.part0001"
-    fleet.exec(head, f"truncate -s 1000 {incoming}/{damaged}")
+    fleet.ssh(head, f"{FLEET_PATHS['bundles']}/current/stop.sh", check=True)
+    fleet.exec(head, ["docker", "image", "rm", "-f", p.image_id])  # so that the host needs the archive
     r = p.cli("ship", head.name, "--signing-key", str(p.key), "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["result"] == "installed" and out["sent"] == [damaged], out
+    assert out["result"] == "installed" and "image.tar" in out["sent"], out
+    sizes = {f["path"]: f["size"] for f in m2["files"]}
+    assert out["bytes_sent"] == sum(sizes[f] for f in out["sent"]) - have, out
+    assert not any(f.startswith("models/") for f in out["sent"]), out  # the host holds them already
     rec = _applied(fleet, head)
     assert rec["bundle_id"] == id2 and rec["previous_bundle_id"] == ids1[head.name]
 

@@ -11,8 +11,11 @@ A bundle is a folder (never one big tar) for one host's rank of a fleet:
     start.sh stop.sh rank.env config.json   the rank's launch files (builder.launch)
     install.py               the assembled installer (run only a verified copy; see builder/installer.py)
     image.tar                the image as a `docker load` archive (--with-image)
-    models/<model>/<file>    model files (--with-models)
-    parts/<path>.partNNNN    files larger than --part-size, in parts, each hashed in the manifest
+    models/<model>/<file>    model files (--with-models): hard links to the model store's objects
+                             (builder.models.store: a reflink where links are refused, a copy only
+                             across file systems), never in parts, so a fleet holds them once
+    parts/<path>.partNNNN    other files larger than --part-size (the image archive), in parts,
+                             each hashed in the manifest
 
 The bundle id is the sha256 of the canonical manifest without the id. No timestamps go anywhere and
 modes are fixed, so the same lock, inventory and image give the same bytes (Ed25519 signatures are

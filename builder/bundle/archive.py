@@ -16,7 +16,7 @@ from builder.hashing import READ_SIZE
 
 @contextlib.contextmanager
 def image_archive(
-    image_id: str, work: Path, *, tag: str | None = None, mtime: int = 0
+    image_id: str, work: Path, *, tag: str | None = None, mtime: int = 0, omit: frozenset[str] = frozenset()
 ) -> Iterator[IO[bytes]]:
     """A `docker load` archive of the image, streamed, byte-identical for the same image.
 
@@ -33,5 +33,5 @@ def image_archive(
     image = layers.read_image(dockerio.save(image_id), work)
     if image.image_id != image_id:
         raise VerifyError(f"--with-image: the engine saved {image.image_id} for {image_id}")
-    chunks = layers.archive_chunks(image, repo_tags=[tag] if tag else [], mtime=mtime)
+    chunks = layers.archive_chunks(image, repo_tags=[tag] if tag else [], mtime=mtime, omit=omit)
     yield io.BufferedReader(ChunkReader(iter(chunks)), buffer_size=READ_SIZE)  # type: ignore[arg-type]

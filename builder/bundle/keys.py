@@ -11,6 +11,7 @@ from builder import installer as inst
 from builder import sign
 from builder.errors import ConfigError
 from builder.hosts import find_fleet
+from builder.hosts import fleet_trusted_key as trusted_key_file
 
 SIGNING_KEY_ENV = "BUILDER_SIGNING_KEY"
 
@@ -56,18 +57,15 @@ def read_public_key(path: Path) -> bytes:
 
 
 def fleet_trusted_key(root: Path, fleet_name: str) -> Path | None:
-    """The fleet's trusted_key (relative to the project root) when the inventory names one."""
+    """The fleet's trusted_key (relative to its fleet file's folder) when the inventory names one."""
     hosts_dir = root / "hosts"
     if not hosts_dir.is_dir():
         return None
     try:
-        _, fleet = find_fleet(hosts_dir, fleet_name)
+        path, fleet = find_fleet(hosts_dir, fleet_name)
     except ConfigError:
         return None
-    if not fleet.fleet.trusted_key:
-        return None
-    p = Path(fleet.fleet.trusted_key)
-    return p if p.is_absolute() else root / p
+    return trusted_key_file(path, fleet)
 
 
 def public_key_for(bundle_dir: Path, key: Path | None, root: Path | None) -> Path:

@@ -53,7 +53,9 @@ def _readinto_fn(src: IO[bytes]) -> Callable[[memoryview], int]:
     return read_copy
 
 
-def write_stream(src: IO[bytes], rel: str, dest: Path, part_size: int, mode: str) -> WrittenFile:
+def write_stream(
+    src: IO[bytes], rel: str, dest: Path, part_size: int, mode: str, on_bytes: Callable[[int], None] | None = None
+) -> WrittenFile:
     """Copy a stream into dest/rel, or into dest/parts/rel.partNNNN when it is larger than part_size.
 
     Hashes each part and the whole file on the way; every file written is fsynced (with its final
@@ -120,6 +122,8 @@ def write_stream(src: IO[bytes], rel: str, dest: Path, part_size: int, mode: str
             direct = write_all(fd, chunk, in_part, direct)
             in_part += n
             total += n
+            if on_bytes is not None:
+                on_bytes(n)
             which = (which + 1) % nbuf
             if in_part >= part_size:
                 finish_part()

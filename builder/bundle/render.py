@@ -10,23 +10,25 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder import __version__, sign
+from builder import __version__, provenance, registry, sign
 from builder import installer as inst
 from builder.bundle.archive import image_archive
 from builder.bundle.keys import signing_key_path
 from builder.bundle.parts import WrittenFile, write_bytes, write_stream
 from builder.canon import canonical_json, file_lock, fsync_dir, pretty_json
-from builder.errors import ConfigError, VerifyError
-from builder.hf import hub_cache_dirs, repo_folder_name
+from builder.errors import ConfigError
 from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
 from builder.imagerecord import ImageRecord, require_record
 from builder.launch import ModelMount, render_launch
-from builder.lockfile import Lock, LockedModel, load_lock, spec_hash
-from builder.pins import HfModel, Pins, load_pins
+from builder.lockfile import Lock, load_lock, spec_hash
+from builder.models.fetch import in_store
+from builder.models.store import ModelStore, Wanted
+from builder.pins import Pins, load_pins
 from builder.placement import host_files
 from builder.plan import make_plan
 
@@ -40,6 +42,11 @@ class BundleOptions:
     with_image: bool = False
     with_models: bool = False
     part_size: int = DEFAULT_PART_SIZE
+    #: --thin --have FILE: the DiffIDs the host holds; the archive leaves out the leading layers it holds
+    have: list[str] | None = None
+    #: progress: called once per host with its name and the model bytes its bundle holds; returns
+    #: the callback each model file and image chunk then advances by the bytes it adds
+    progress: Callable[[str, int], Callable[[int], None]] | None = None
 
 
 @dataclass
@@ -146,23 +153,6 @@ def rank_launch(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> 
     return RankLaunch(identity=identity, record=rec, image=image, models=models, files=files)
 
 
-def model_source(ctx: BundleInputs, name: str, spec: HfModel, lm: LockedModel, rel: str) -> Path:
-    """Where a locked model file is here: the pin's local folder (snapshot or HF cache), or the HF cache."""
-    cands: list[Path] = []
-    if spec.local:
-        base = Path(spec.local) if Path(spec.local).is_absolute() else ctx.root / spec.local
-        cands += [base / rel, base / "snapshots" / lm.commit / rel,
-                  base / repo_folder_name(spec.repo) / "snapshots" / lm.commit / rel]
-    cands += [hub / repo_folder_name(spec.repo) / "snapshots" / lm.commit / rel for hub in hub_cache_dirs()]
-    for c in cands:
-        if c.is_file():
-            return c
-    raise ConfigError(
-        f"models.{name}: {rel} not found locally (looked in {', '.join(str(c) for c in cands)}); "
-        "fetch it or bundle without --with-models"
-    )
-
-
 # --------------------------------------------------------------------------- making bundles
 
 
@@ -205,6 +195,11 @@ def render_bundle(
     launch = rank_launch(ctx, fleet, host, lane_name)
     rec, image, models = launch.record, launch.image, launch.models
     secret = sign.load_secret_key(signing_key_path(opts.key))  # fail early (exit 2), before any write
+    on_bytes = None
+    if opts.progress is not None:
+        on_bytes = opts.progress(
+            f"{fleet.fleet.name}/{host.name}", sum(m["size"] for m in models) if opts.with_models else 0
+        )
 
     parent = out.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -219,41 +214,48 @@ def render_bundle(
                 written.append(write_bytes(data, rel, tmp, opts.part_size, mode))
             written.append(write_bytes(inst.assemble(), "install.py", tmp, opts.part_size, "0755"))
             archive = None
-            if opts.with_image:
+            # a fleet with a registry gets the image by digest (pushed now with --with-image), not an archive
+            pull = registry.fleet_pull_reference(ctx.store, fleet_path, fleet, rec, push=opts.with_image)
+            for rel, data in provenance.bundle_files(ctx.store, rec, secret).items():
+                written.append(write_bytes(data, rel, tmp, opts.part_size, "0644"))
+            omitted = registry.thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
+            if opts.with_image and pull is None:
                 work = tmp.parent / f"{tmp.name}-work"
                 try:
                     with image_archive(
-                        rec.image_id, work, tag=rec.tag, mtime=rec.source_date_epoch
+                        rec.image_id, work, tag=rec.tag, mtime=rec.source_date_epoch,
+                        omit=frozenset(rec.diff_ids[:omitted]),
                     ) as stream:
-                        written.append(write_stream(stream, inst.IMAGE_ARCHIVE, tmp, opts.part_size, "0644"))
+                        written.append(write_stream(stream, inst.IMAGE_ARCHIVE, tmp, opts.part_size, "0644",
+                                                    on_bytes=on_bytes))
                 finally:
                     shutil.rmtree(work, ignore_errors=True)
                 archive = inst.IMAGE_ARCHIVE
             model_entries = []
+            placed: set[str] = set()
+            store = ModelStore(ctx.store)
             for m in models:
                 bundled = None
                 if opts.with_models:
-                    spec, lm = ctx.pins.models[m["model"]], ctx.lock.models[m["model"]]
-                    src = model_source(ctx, m["model"], spec, lm, m["file"])
+                    # The store's object, linked whole (never in parts: a part would be a second copy
+                    # of the bytes); ship resumes a model file by offset instead.
+                    wanted = Wanted(model=m["model"], commit=ctx.lock.models[m["model"]].commit,
+                                    path=m["file"], size=m["size"], sha256=m["sha256"])
+                    in_store(ctx.pins, ctx.root, store, wanted)
                     bundled = f"models/{m['model']}/{m['file']}"
-                    # Unbuffered: write_stream reads into its own buffers (one copy, no bytes objects).
-                    # The same single read is both the lock check (the whole-file sha256 below) and
-                    # the copy into parts: nothing reads the model file twice.
-                    with open(src, "rb", buffering=0) as f:
-                        with contextlib.suppress(AttributeError, OSError):
-                            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                        w = write_stream(f, bundled, tmp, opts.part_size, "0644")
-                    if (w.size, w.sha256) != (m["size"], m["sha256"]):
-                        raise VerifyError(
-                            f"{src}: size or sha256 differ from the lock (models.{m['model']}: {m['file']})"
-                        )
-                    written.append(w)
+                    how = store.place(wanted, tmp / bundled)
+                    if how == "linked":
+                        placed.add(bundled)
+                    if on_bytes is not None:
+                        on_bytes(m["size"])
+                    written.append(WrittenFile(bundled, m["size"], m["sha256"], "0644"))
                 model_entries.append({**m, "bundled": bundled})
             body: dict[str, Any] = {
                 "format": inst.FORMAT,
                 "kind": inst.KIND,
                 **launch.identity,
-                "image": {**image, "archive": archive},
+                "image": {**image, "archive": archive, **({"pull": pull} if pull else {}),
+                          **({"omitted_layers": omitted} if omitted and archive else {})},
                 "files": sorted((w.entry() for w in written), key=lambda e: e["path"]),
                 "models": model_entries,
             }
@@ -269,10 +271,14 @@ def render_bundle(
             # Durability before the rename: every file (write_stream already fsynced the data it
             # wrote, so this is cheap for those; it catches the manifest, the signature and the
             # modes set after), then every folder, deepest first, so each entry is on disk.
+            # A file linked from the store is the store's, already on disk (and its mode is the store's).
             for dirpath, _dirs, files in sorted(os.walk(tmp), key=lambda t: -len(t[0])):
                 os.chmod(dirpath, 0o755)
                 for fn in files:
-                    with open(os.path.join(dirpath, fn), "rb") as fh:
+                    full = os.path.join(dirpath, fn)
+                    if os.path.relpath(full, tmp) in placed:
+                        continue
+                    with open(full, "rb") as fh:
                         os.fsync(fh.fileno())
                 fsync_dir(dirpath)
             unchanged = False

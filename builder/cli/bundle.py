@@ -7,18 +7,13 @@ from pathlib import Path
 import click
 
 from builder.cli import get_ctx
+from builder.cli.options import file_option, fleet_option, folder_option, json_option, part_size_option
 
 
 @click.command()
-@click.option(
-    "--out",
-    "out",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Folder for builder.key and builder.pub [default: $XDG_CONFIG_HOME/builder].",
-)
+@folder_option("--out", "out", help="Folder for builder.key and builder.pub [default: $XDG_CONFIG_HOME/builder].")
 @click.option("--force", is_flag=True, help="Replace an existing key pair.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@json_option()
 def keygen(out: Path | None, force: bool, as_json: bool) -> int:
     """Make an Ed25519 key pair (minisign-compatible): builder.key (mode 0600) and builder.pub."""
     from builder import bundle as core
@@ -34,31 +29,16 @@ def keygen(out: Path | None, force: bool, as_json: bool) -> int:
 
 @click.command()
 @click.argument("host", required=False)
-@click.option("--fleet", "fleet", metavar="NAME", help="Bundle every host of this fleet.")
-@click.option(
-    "--out",
-    "out",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Output folder [default: out/bundles/<fleet>/<host>; with --fleet, the parent].",
-)
-@click.option(
-    "--key",
-    "key",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Signing key [default: $BUILDER_SIGNING_KEY, else the keygen default].",
-)
+@fleet_option("Bundle every host of this fleet.")
+@folder_option("--out", "out", help="Output folder [default: out/bundles/<fleet>/<host>; with --fleet, the parent].")
+@file_option("--key", "key", help="Signing key [default: $BUILDER_SIGNING_KEY, else the keygen default].")
 @click.option("--with-image", is_flag=True, help="Include the image as a docker-load archive (image.tar).")
 @click.option("--with-models", is_flag=True, help="Include this rank's model files (models/).")
-@click.option(
-    "--part-size",
-    "part_size",
-    default="256MiB",
-    show_default=True,
-    help="Files larger than this are stored in hashed parts.",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@click.option("--thin", is_flag=True, help="With --with-image: leave out the layers the host holds (--have).")
+@click.option("--have", "have", type=click.Path(dir_okay=False, path_type=Path),
+              help="The host's layer list: its apply record or `installer status` JSON (for --thin).")
+@part_size_option
+@json_option()
 def bundle(
     host: str | None,
     fleet: str | None,
@@ -66,6 +46,8 @@ def bundle(
     key: Path | None,
     with_image: bool,
     with_models: bool,
+    thin: bool,
+    have: Path | None,
     part_size: str,
     as_json: bool,
 ) -> int:
@@ -77,11 +59,18 @@ def bundle(
     if (host is None) == (fleet is None):
         raise ConfigError("give a HOST or --fleet NAME (one of them)")
     c = get_ctx()
+    if thin != (have is not None) or (thin and not with_image):
+        raise ConfigError("--thin needs --with-image and --have FILE (the host's layer list)")
+    from builder.registry import read_have
+
     opts = core.BundleOptions(
-        out=out, key=key, with_image=with_image, with_models=with_models, part_size=core.parse_size(part_size)
+        out=out, key=key, with_image=with_image, with_models=with_models, part_size=core.parse_size(part_size),
+        have=read_have(have) if have is not None else None,
     )
     ctx = core.load_bundle_inputs(c.pins, c.lock, c.store)
-    results = core.make_fleet_bundles(ctx, fleet, opts) if fleet else [core.make_bundle(ctx, str(host), opts)]
+    with output.progress() as bar:
+        opts.progress = lambda name, total: output.byte_counter(bar, f"bundle {name}", total)
+        results = core.make_fleet_bundles(ctx, fleet, opts) if fleet else [core.make_bundle(ctx, str(host), opts)]
     for r in results:
         note = " (unchanged)" if r.unchanged else ""
         output.status(
@@ -110,14 +99,8 @@ def bundle(
 
 @click.command()
 @click.argument("bundle_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option(
-    "--key",
-    "key",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Public key [default: the fleet's trusted_key, else the keygen default].",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@file_option("--key", "key", help="Public key [default: the fleet's trusted_key, else the keygen default].")
+@json_option()
 def verify(bundle_dir: Path, key: Path | None, as_json: bool) -> int:
     """Check a bundle folder: the signature, then every file's hash (extra, missing, changed: exit 1)."""
     from builder import bundle as core
@@ -125,7 +108,9 @@ def verify(bundle_dir: Path, key: Path | None, as_json: bool) -> int:
 
     c = get_ctx()
     pub = core.public_key_for(bundle_dir, key, c.root)
-    m = core.verify_dir(bundle_dir, pub)
+    total = sum(p.stat().st_size for p in bundle_dir.rglob("*") if p.is_file()) if bundle_dir.is_dir() else 0
+    with output.progress() as bar:
+        m = core.verify_dir(bundle_dir, pub, output.byte_counter(bar, f"verify {bundle_dir.name}", total))
     if as_json:
         output.data_json(
             {

@@ -7,48 +7,20 @@ from pathlib import Path
 import click
 
 from builder.cli import get_ctx
+from builder.cli.options import file_option, folder_option, insecure_option, json_option
 
 
 @click.command()
 @click.argument("host")
-@click.option(
-    "--to",
-    "to",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Copy the bundle to DIR/<fleet>/<host>/ (sneakernet) instead of installing over SSH.",
-)
-@click.option(
-    "--bundle",
-    "bundle_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="The bundle folder [default: out/bundles/<fleet>/<host>].",
-)
-@click.option(
-    "--key",
-    "key",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Public key the host trusts [default: fleet.trusted_key, else the signing key's].",
-)
-@click.option(
-    "--signing-key",
-    "signing_key",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Signing key whose public half to trust when no public key is configured.",
-)
-@click.option(
-    "--timeout",
-    "timeout",
-    type=float,
-    default=60.0,
-    show_default=True,
-    help="Base seconds for every remote call (transfers add size / 1 MiB/s).",
-)
-@click.option("--insecure", is_flag=True, help="Install without checking the signature (explicit only).")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+@folder_option("--to", "to", help="Copy the bundle to DIR/<fleet>/<host>/ (sneakernet) instead of installing over SSH.")
+@folder_option("--bundle", "bundle_dir", help="The bundle folder [default: out/bundles/<fleet>/<host>].")
+@file_option("--key", "key", help="Public key the host trusts [default: fleet.trusted_key, else the signing key's].")
+@file_option("--signing-key", "signing_key",
+             help="Signing key whose public half to trust when no public key is configured.")
+@click.option("--timeout", "timeout", type=float, default=60.0, show_default=True,
+              help="Base seconds for every remote call (transfers add size / 1 MiB/s).")
+@insecure_option
+@json_option()
 def ship(
     host: str,
     to: Path | None,
@@ -67,7 +39,25 @@ def ship(
     opts = core.ShipOptions(
         bundle=bundle_dir, to=to, key=key, signing_key=signing_key, timeout=timeout, insecure=insecure
     )
-    r = core.ship(c.root, host, opts)
+    with output.progress() as bar:
+        total = bar.add_task(f"ship {host}", total=None)
+        current = bar.add_task("", total=None, visible=False)
+        sizes: dict[str, int] = {}
+        last = [""]
+
+        def on_plan(plan: list[tuple[str, int]]) -> None:
+            sizes.update(plan)
+            bar.update(total, total=sum(sizes.values()))
+
+        def on_bytes(path: str, n: int) -> None:
+            if last[0] != path:  # a new file: its own bar
+                last[0] = path
+                bar.reset(current, total=sizes.get(path), description=f"  {path}", visible=True)
+            bar.advance(total, n)
+            bar.advance(current, n)
+
+        opts.on_plan, opts.on_bytes = on_plan, on_bytes
+        r = core.ship(c.root, host, opts)
     if as_json:
         output.data_json(
             {

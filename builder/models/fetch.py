@@ -93,6 +93,21 @@ def local_copy(pins: Pins, root: Path, w: Wanted) -> Path | None:
     return next((c for c in cands if c.is_file()), None)
 
 
+def in_store(pins: Pins, root: Path, store: ModelStore, w: Wanted) -> Path:
+    """The store's object for a locked file, importing a local copy first when the store lacks it
+    (what `builder fetch --offline` would do for it); its bytes checked (ModelStore.checked).
+    ConfigError naming the model and file when neither the store nor a local copy has it."""
+    if not store.has(w):
+        src = local_copy(pins, root, w)
+        if src is None:
+            raise ConfigError(
+                f"{w.where}: not in the model store ({store.root}) and no local copy; run "
+                f"`builder fetch {w.model}`, or bundle without --with-models"
+            )
+        store.import_file(src, w)
+    return store.checked(w)
+
+
 def download(store: ModelStore, repo: str, w: Wanted, on_bytes: OnBytes | None = None) -> None:
     """GET the file at the locked commit into its partial file, resuming what is there; verify; commit."""
     from huggingface_hub import get_session, hf_hub_url

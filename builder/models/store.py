@@ -5,16 +5,27 @@
                                                     launch files read)
     <store>/models/partial/<sha256>.part            a download in progress (never taken as whole)
     <store>/models/tmp/                             imports being verified before their rename
+    <store>/models/stamps/<sha256>.json             size, mtime (ns) and inode of the object when it
+                                                    was last hashed in full (what vouches for it)
 
 An object's name is its content's sha256, so a file is stored once whatever models, revisions or
 hosts use it. Every object is written into ``tmp/`` or ``partial/`` inside the store (one file
 system), verified against the lock (size and sha256), then renamed into place under a lock: a
 reader never sees a half-written object under a real name.
+
+Bundles take model files from here by hard link (``place``: a reflink where a link is refused, a
+copy only across file systems), so a fleet's bundles cost one copy of the weights, not one per host.
+An object is trusted without reading it while its stamp vouches for it (the installer's fast-mode
+rule, ``fast_mode_drift``: same size, mtime and inode as when it was hashed); a store file written
+through a link behind builder's back gets a new mtime and is hashed again before it is used.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -23,9 +34,13 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.canon import file_lock, fsync_dir
+from builder.canon import atomic_write, file_lock, fsync_dir
 from builder.errors import VerifyError
-from builder.hashing import sha256_file
+from builder.hashing import READ_SIZE, sha256_file, stamp
+from builder.installer import fast_mode_drift
+
+#: Linux's FICLONE ioctl (a reflink: a new inode sharing the source's extents; btrfs, XFS, bcachefs)
+FICLONE = 0x40049409
 
 
 @dataclass(frozen=True)
@@ -62,7 +77,7 @@ class ModelStore:
         return self.view_dir(w.model, w.commit) / w.path
 
     def _ensure(self) -> None:
-        for d in ("objects", "partial", "tmp", "views"):
+        for d in ("objects", "partial", "tmp", "views", "stamps"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ objects
@@ -89,12 +104,76 @@ class ModelStore:
                 f"the store's copy has sha256 {digest[:16]}, the lock says {w.sha256[:16]} "
                 "(changed behind builder's back)"
             )
+        self._stamp(w)
         return None
 
     def remove(self, w: Wanted) -> None:
         with self._locked():
-            for p in (self.object_path(w.sha256), self.partial_path(w.sha256)):
+            for p in (self.object_path(w.sha256), self.partial_path(w.sha256), self.stamp_path(w.sha256)):
                 p.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ stamps
+
+    def stamp_path(self, sha256: str) -> Path:
+        return self.root / "stamps" / f"{sha256}.json"
+
+    def _stamp(self, w: Wanted) -> None:
+        """Record the object's size, mtime and inode now that its bytes were hashed in full."""
+        self._ensure()
+        st = stamp(self.object_path(w.sha256))
+        atomic_write(self.stamp_path(w.sha256), json.dumps({**st, "sha256": w.sha256}).encode())
+
+    def vouched(self, w: Wanted) -> bool:
+        """Whether the object's stamp still vouches for its bytes (nothing is read)."""
+        try:
+            rec = json.loads(self.stamp_path(w.sha256).read_bytes())
+            st = self.object_path(w.sha256).stat()
+        except (OSError, ValueError):
+            return False
+        return fast_mode_drift(rec, w.sha256, w.size, st.st_size, st.st_mtime_ns, st.st_ino) is None
+
+    def checked(self, w: Wanted) -> Path:
+        """The object's path once its bytes are known to be the locked ones: vouched by its stamp, or
+        hashed again now (and stamped). VerifyError naming the model and file when they are not."""
+        if not self.vouched(w):
+            why = self.verify(w)
+            if why is not None:
+                raise VerifyError(f"{w.where}: {why} (run `builder fetch --verify {w.model}`)")
+            self._stamp(w)
+        return self.object_path(w.sha256)
+
+    def place(self, w: Wanted, dest: Path) -> str:
+        """Put the (checked) object at dest, a new name: a hard link, else a reflink, else a copy
+        hashed on the way (only across file systems, or where links are refused). Returns 'linked',
+        'reflinked' or 'copied'."""
+        src = Path(os.path.realpath(self.checked(w)))  # (an object that is a link: what it names)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dest)
+            return "linked"
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EACCES):
+                raise
+        with open(src, "rb") as fi, open(dest, "wb") as fo:
+            try:
+                fcntl.ioctl(fo.fileno(), FICLONE, fi.fileno())
+                return "reflinked"
+            except OSError:
+                pass
+            h = hashlib.sha256()
+            n = 0
+            buf = bytearray(READ_SIZE)
+            view = memoryview(buf)
+            while k := fi.readinto(buf):
+                h.update(view[:k])
+                fo.write(view[:k])
+                n += k
+            fo.flush()
+            os.fsync(fo.fileno())
+        if (n, h.hexdigest()) != (w.size, w.sha256):
+            dest.unlink(missing_ok=True)
+            raise VerifyError(f"{w.where}: the store's copy changed while it was copied to {dest}")
+        return "copied"
 
     def commit_object(self, src: Path, w: Wanted, digest: str, size: int) -> Path:
         """Rename a verified file (in tmp/ or partial/) into objects/ and link the view."""
@@ -109,6 +188,7 @@ class ModelStore:
         with self._locked():
             os.replace(src, dest)
             fsync_dir(dest.parent)
+            self._stamp(w)
         self.link_view(w)
         return dest
 
@@ -117,6 +197,9 @@ class ModelStore:
         then hard-linked where it is on the same file system, copied otherwise. Returns 'linked' or
         'copied'. VerifyError (nothing stored) when its bytes are not the locked ones."""
         self._ensure()
+        # The file itself, not a symbolic link to it (an HF cache's snapshot is links to its blobs):
+        # link(2) does not follow a link, so the store would keep the link instead of the bytes.
+        src = Path(os.path.realpath(src))
         digest, size = sha256_file(src)
         if size != w.size or digest != w.sha256:
             raise VerifyError(
@@ -139,6 +222,7 @@ class ModelStore:
             with self._locked():
                 os.replace(tmp, dest)
                 fsync_dir(dest.parent)
+                self._stamp(w)
             self.link_view(w)
         else:
             self.commit_object(tmp, w, digest, size)

@@ -1,0 +1,88 @@
+"""Progress bars (builder.output.progress): drawn on a terminal only, on stderr; stdout stays data."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bundlelib as bl  # noqa: E402
+
+
+def _run_on_pty(argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    """Run argv with stderr on a pseudo-terminal and stdout on a pipe: (exit code, stdout, pty output)."""
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TERM")}
+    env["TERM"] = "xterm-256color"
+    p = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    seen = b""
+    while True:
+        r, _, _ = select.select([master], [], [], 0.2)
+        if r:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+        elif p.poll() is not None:
+            break
+    out = p.stdout.read().decode() if p.stdout else ""
+    p.wait(timeout=60)
+    os.close(master)
+    return p.returncode, out, seen.decode("utf-8", "replace")
+
+
+def test_no_bar_off_a_terminal_and_json_stays_one_document(tmp_path: Path) -> None:
+    p = bl.make_project(tmp_path)
+    r = p.cli("bundle", "spark-b", "--with-models", "--key", str(p.key), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)[0]["host"] == "spark-b"
+    assert "\r" not in r.stderr and "\x1b" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    r = p.cli("verify", str(p.out("spark-b")), "--key", str(p.pub), "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True, r.stderr
+    assert "\x1b" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_on_a_terminal_the_bar_goes_to_stderr_only(tmp_path: Path) -> None:
+    p = bl.make_project(tmp_path)
+    argv = [sys.executable, "-m", "builder", "--pins", str(p.pins), "bundle", "--fleet", bl.FLEET, "--with-models",
+            "--key", str(p.key), "--json"]
+    rc, out, tty = _run_on_pty(argv, p.root)
+    assert rc == 0, tty
+    assert [b["host"] for b in json.loads(out)] == ["spark-a", "spark-b"]  # stdout: the data alone
+
+
+def test_a_long_job_draws_bytes_rate_and_time_left_on_the_terminal(tmp_path: Path) -> None:
+    code = (
+        "import time\n"
+        "from builder import output\n"
+        "with output.progress(delay=0.1) as bar:\n"
+        "    step = output.byte_counter(bar, 'bundle testfleet/spark-b', 64 << 20)\n"
+        "    for _ in range(8):\n"
+        "        time.sleep(0.1)\n"
+        "        step(4 << 20)\n"
+        "print('done')\n"
+    )
+    rc, out, tty = _run_on_pty([sys.executable, "-c", code], tmp_path)
+    assert rc == 0 and out == "done\n", tty
+    assert "bundle testfleet/spark-b" in tty and "MB" in tty and "\x1b[" in tty  # drawn on stderr only
+
+
+def test_progress_without_a_terminal_does_not_load_rich() -> None:
+    code = (
+        "import sys\n"
+        "from builder import output\n"
+        "with output.progress() as bar:\n"
+        "    output.byte_counter(bar, 'x', 10)(5)\n"
+        "print('rich' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "False\n" and r.stderr == "", r.stderr
