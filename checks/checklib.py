@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -97,6 +98,70 @@ def lane_containers(lane: str, rank: int) -> Cmd:
     )
 
 
+def image_refs(expect: dict[str, Any]) -> list[str]:
+    """The image's ID and tag, when the image checks run (else none)."""
+    img = expect.get("image")
+    return [img["image_id"], img["tag"]] if "image" in (expect.get("concerns") or []) and img else []
+
+
+def docker_objects_command(expect: dict[str, Any]) -> Cmd:
+    """The image's ID and tag (when the image checks run) and this rank's containers (when the
+    runtime, serving or GPU checks run) in one `docker inspect`, which takes images and containers
+    alike: one docker CLI start less. With one of them only, that one's own command."""
+    refs = image_refs(expect)
+    lane, rank = expect["lane"], expect["host"]["rank"]
+    if not refs:
+        return lane_containers(lane, rank)
+    if not set(expect.get("concerns") or []) & CONTAINER_CONCERNS:
+        return inspect_images(refs)
+    return (
+        f"ids=$(docker ps -aq --filter label={LABEL_LANE}=%s --filter label={LABEL_RANK}=%s) && "
+        "docker inspect" + " %s" * len(refs) + " $ids",
+        lane,
+        str(rank),
+        *refs,
+    )
+
+
+#: the concerns whose checks look at this rank's containers
+CONTAINER_CONCERNS = {"runtime", "serving", "gpu"}
+
+
+@dataclass
+class DockerObjects:
+    """What docker said of the image and of this rank's containers (`docker_objects`)."""
+
+    #: each image reference's inspect (None: not found); every one None when docker gave no answer;
+    #: None when the answer cannot be matched with the references (ask for each on its own)
+    images: dict[str, Any] | None
+    #: this rank's containers, or None when docker gave no answer (`why`)
+    containers: list[dict[str, Any]] | None
+    why: str = ""
+
+
+def docker_objects(host: Any, expect: dict[str, Any]) -> DockerObjects:
+    """The answer of `docker_objects_command`, taken apart: the containers are the objects with a
+    State; the images, the others, in the order asked, less those docker says it did not find."""
+    refs = image_refs(expect)
+    r = run(host, *docker_objects_command(expect))
+    missing = {x for x in refs if f"No such image: {x}" in r.stderr or f"No such object: {x}" in r.stderr}
+    try:
+        found = json.loads(r.stdout or "[]")
+    except ValueError:
+        found = None
+    if not isinstance(found, list) or (r.rc != 0 and not missing):
+        if r.rc != 0:
+            err = (r.stderr or r.stdout).strip().splitlines()
+            why = f"docker gave no answer (exit {r.rc}: {err[-1] if err else 'no output'})"
+            return DockerObjects(None if missing else dict.fromkeys(refs), None, why)
+        return DockerObjects(None, None, "docker inspect: output is not JSON")
+    containers = [o for o in found if isinstance(o, dict) and "State" in o]
+    images = [o for o in found if not (isinstance(o, dict) and "State" in o)]
+    present = [x for x in refs if x not in missing]
+    matched = dict.fromkeys(refs) | dict(zip(present, images, strict=True)) if len(images) == len(present) else None
+    return DockerObjects(matched, containers)
+
+
 def container_pids(container_id: str) -> Cmd:
     """The host PIDs of a container's processes (`docker top`)."""
     return ("docker top %s -eo pid", container_id)
@@ -128,6 +193,28 @@ def model_files_commands(expect: dict[str, Any]) -> list[Cmd]:
     return [python(FILES, dumps({"paths": c, "hash": full, "jobs": jobs})) for c in batches(paths)]
 
 
+def release_files_command(expect: dict[str, Any]) -> Cmd:
+    """The hostfacts.files call that hashes every file the apply record names under the release
+    (the record is read there, so that the prefetch runs it with the record, not after it)."""
+    return python(FILES, dumps({"record": expect["applied_path"], "under": expect["current_path"], "hash": True,
+                                "jobs": 4}))
+
+
+def release_files(host: Any, expect: dict[str, Any], paths: list[str]) -> Any:
+    """Size and sha256 of each of `paths` (the release's files the check's apply record names): the
+    answer of `release_files_command` when it covers exactly these paths (the host's record then
+    named the same files), else a call for these paths."""
+    r = run(host, *release_files_command(expect))
+    if r.rc == 0:
+        try:
+            got = json.loads(r.stdout)
+        except ValueError:
+            got = None
+        if isinstance(got, dict) and sorted(got) == sorted(paths):
+            return got
+    return json_output(run(host, *python(FILES, dumps({"paths": paths, "hash": True, "jobs": 4}))))
+
+
 def listing_roots(expect: dict[str, Any]) -> list[str]:
     roots = [m["root"] for m in expect.get("models") or []] + [expect["paths"]["engram"].rstrip("/")]
     return list(dict.fromkeys(roots))
@@ -146,17 +233,17 @@ def gpu_commands() -> list[Cmd]:
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:
     """The commands the selected checks will run on this host whatever they find (commands that
-    depend on another command's answer, such as the apply record's file list, are not here)."""
+    depend on another command's answer, such as a container's processes, are not here)."""
     concerns = set(expect.get("concerns") or [])
     want = expect["expect"]
     cmds: list[Cmd] = [lookup_commands(sorted(KNOWN_COMMANDS))]
     if concerns & {"release", "models", "engram"}:
         cmds.append(cat(expect["applied_path"]))
-    img = expect.get("image")
-    if "image" in concerns and img:
-        cmds.append(inspect_images([img["image_id"], img["tag"]]))
+    if image_refs(expect) or (concerns & CONTAINER_CONCERNS and want.get("docker")):
+        cmds.append(docker_objects_command(expect))
     if "release" in concerns:
         cmds.append(cat(f"{expect['current_path']}/manifest.json"))
+        cmds.append(release_files_command(expect))
     if "models" in concerns:
         cmds += model_files_commands(expect)
     if concerns & {"models", "engram"}:
@@ -178,8 +265,6 @@ def planned(expect: dict[str, Any]) -> list[Cmd]:
         cmds.append(docker_info())
     if "runtime" in concerns and expect["host"]["role"] == "head":
         cmds.append(LISTENERS)
-    if concerns & {"runtime", "serving", "gpu"} and want.get("docker"):
-        cmds.append(lane_containers(expect["lane"], expect["host"]["rank"]))
     return cmds
 
 
@@ -255,14 +340,10 @@ def read_applied(host: Any, expect: dict[str, Any]) -> tuple[dict[str, Any] | No
 def lane_container(host: Any, expect: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """The one container of this host's lane and rank (docker inspect), or None and why: none,
     several, or no answer from docker."""
-    r = run(host, *lane_containers(expect["lane"], expect["host"]["rank"]))
-    if r.rc != 0:
-        err = (r.stderr or r.stdout).strip().splitlines()
-        return None, f"docker gave no answer (exit {r.rc}: {err[-1] if err else 'no output'})"
-    try:
-        found = json.loads(r.stdout or "[]")
-    except ValueError:
-        return None, "docker container inspect: output is not JSON"
+    objs = docker_objects(host, expect)
+    if objs.containers is None:
+        return None, objs.why
+    found = objs.containers
     name = f"lane {expect['lane']} rank {expect['host']['rank']}"
     if not found:
         return None, f"no container of {name}"

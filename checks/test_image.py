@@ -13,37 +13,28 @@ import json
 from typing import Any
 
 import pytest
-from checklib import exists, expected_image, inspect_images, or_skip, run
+from checklib import docker_objects, exists, expected_image, image_refs, inspect_images, or_skip, run
 
 _CACHE: dict[str, Any] = {}
 
 
-def _inspect(host: Any, ref: str, image: dict[str, Any]) -> dict[str, Any] | None:
+def _inspect(host: Any, ref: str, expect: dict[str, Any]) -> dict[str, Any] | None:
     """`docker image inspect` of the image's ID or tag (None: absent, or no engine answer).
 
-    Both references are inspected by one answer (checklib.inspect_images). It lists the images it
-    found, in the order asked, and names each one it did not find on stderr; if its output cannot
-    be matched up that way, each reference is inspected on its own.
+    Both references are inspected by one answer (checklib.docker_objects, with this rank's
+    containers when those checks run too). If its output cannot be matched up with them, each
+    reference is inspected on its own.
     """
     if ref not in _CACHE:
-        refs = [image["image_id"], image["tag"]]
-        r = run(host, *inspect_images(refs))
-        try:
-            found = json.loads(r.stdout or "[]")
-        except ValueError:
-            found = None
-        present = [x for x in refs if f"No such image: {x}" not in r.stderr]
-        if r.rc != 0 and len(present) == len(refs):  # no answer about either (no engine?)
-            _CACHE.update({x: None for x in refs})
-        elif isinstance(found, list) and len(found) == len(present):
-            _CACHE.update({x: None for x in refs})
-            _CACHE.update(zip(present, found, strict=True))
+        images = docker_objects(host, expect).images
+        if images is not None:
+            _CACHE.update(images)
         else:
-            for x in refs:
+            for x in image_refs(expect):
                 one = run(host, *inspect_images([x]))
                 data = json.loads(one.stdout or "[]") if one.rc == 0 else []
                 _CACHE[x] = data[0] if data else None
-    return _CACHE[ref]  # type: ignore[no-any-return]
+    return _CACHE.get(ref)
 
 
 @pytest.fixture(scope="module")
@@ -54,22 +45,22 @@ def image(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
     return img
 
 
-def test_present_by_id(host: Any, image: dict[str, Any]) -> None:
-    found = _inspect(host, image["image_id"], image)
+def test_present_by_id(host: Any, image: dict[str, Any], expect: dict[str, Any]) -> None:
+    found = _inspect(host, image["image_id"], expect)
     assert found is not None, (
         f"image {image['name']}: expected ImageID {image['image_id']} present, found absent"
     )
     assert found["Id"] == image["image_id"], f"ImageID: expected {image['image_id']}, found {found['Id']}"
 
 
-def test_tag_points_at_image(host: Any, image: dict[str, Any]) -> None:
-    found = _inspect(host, image["tag"], image)
+def test_tag_points_at_image(host: Any, image: dict[str, Any], expect: dict[str, Any]) -> None:
+    found = _inspect(host, image["tag"], expect)
     got = found["Id"] if found else "no such tag"
     assert got == image["image_id"], f"tag {image['tag']}: expected {image['image_id']}, found {got}"
 
 
-def test_diff_ids(host: Any, image: dict[str, Any]) -> None:
-    found = _inspect(host, image["image_id"], image)
+def test_diff_ids(host: Any, image: dict[str, Any], expect: dict[str, Any]) -> None:
+    found = _inspect(host, image["image_id"], expect)
     if found is None:
         pytest.skip("image absent (see image::present_by_id)")
     layers = found.get("RootFS", {}).get("Layers") or []
@@ -86,9 +77,9 @@ def test_diff_ids(host: Any, image: dict[str, Any]) -> None:
         )
 
 
-def test_labels(host: Any, image: dict[str, Any]) -> None:
+def test_labels(host: Any, image: dict[str, Any], expect: dict[str, Any]) -> None:
     want: dict[str, str] = or_skip(image.get("labels"), "the build record has no labels")
-    found = _inspect(host, image["image_id"], image)
+    found = _inspect(host, image["image_id"], expect)
     if found is None:
         pytest.skip("image absent (see image::present_by_id)")
     got = (found.get("Config") or {}).get("Labels") or {}

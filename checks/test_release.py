@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 import pytest
-from checklib import cat, expected_image, or_skip, read_applied, remote_json, require, run
+from checklib import cat, expected_image, or_skip, read_applied, release_files, require, run
 
-from builder.hostfacts import FILES, dumps, shown
+from builder.hostfacts import shown
 
 LAUNCH_FILES = ("start.sh", "stop.sh", "rank.env")
 
@@ -69,7 +69,7 @@ def test_launch_files_unchanged(host: Any, record: dict[str, Any], expect: dict[
     )
     cur = expect["current_path"]
     paths = [f"{cur}/{f['path']}" for f in files]
-    got = remote_json(host, FILES, dumps({"paths": paths, "hash": True, "jobs": 4}))
+    got = release_files(host, expect, paths)
     bad = []
     for f, p in zip(files, paths, strict=True):
         g = got.get(p, {})

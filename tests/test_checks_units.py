@@ -120,6 +120,39 @@ def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> N
     assert len(calls) == 2
 
 
+def test_release_files_come_with_the_record_in_the_prefetch(tmp_path: Path) -> None:
+    """The release files' hashes are in the one prefetch call (the host reads the record's file list
+    itself); a check whose record names other files than the host's answer covers asks for its own."""
+    import hashlib
+
+    import testinfra
+
+    cl: Any = checklib_fresh()
+    host = testinfra.get_host("local://")
+    expect = local_expect(tmp_path)
+    cur = tmp_path / "current"
+    cur.mkdir()
+    (cur / "start.sh").write_text("run")
+    (cur / "stop.sh").write_text("halt")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "applied.json").write_text(json.dumps({"files": [{"path": "start.sh"}, {"path": "stop.sh"}]}))
+    calls: list[str] = []
+    real_run = host.run
+
+    def counting_run(command: str, *args: str) -> Any:
+        calls.append(command)
+        return real_run(command, *args)
+
+    host.run = counting_run
+    cl.prefetch(host, expect)
+    got = cl.release_files(host, expect, [f"{cur}/start.sh", f"{cur}/stop.sh"])
+    assert got[f"{cur}/stop.sh"]["sha256"] == hashlib.sha256(b"halt").hexdigest()
+    assert calls == ["python3 -I -S -c %s %s %s"]  # answered by the prefetch
+    got = cl.release_files(host, expect, [f"{cur}/start.sh"])  # another list: its own call
+    assert list(got) == [f"{cur}/start.sh"] and len(calls) == 2
+
+
 def test_prefetch_that_fails_leaves_each_check_to_run_its_own_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -183,3 +216,70 @@ def test_inspect_images_answers_found_and_missing_images_in_one_call() -> None:
     assert "No such image: builder-test-missing:0" in r.stderr
     info = cl.run(testinfra.get_host("local://"), *cl.docker_info())
     assert info.rc == 0 and json.loads(info.stdout)["ServerVersion"]
+
+
+def docker_expect(concerns: list[str]) -> dict[str, Any]:
+    return {"concerns": concerns, "lane": "demo", "host": {"rank": 1, "role": "worker"},
+            "image": {"image_id": "sha256:ab", "tag": "builder/demo:1"}}
+
+
+def test_the_image_and_the_ranks_containers_are_one_docker_inspect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One docker CLI call answers the image checks and the container checks; docker's answer is
+    taken apart by what it says (containers have a State, images are in the order asked, less those
+    it names as not found), and an answer it cannot take apart leaves each image to its own call."""
+    from types import SimpleNamespace
+
+    cl: Any = checklib_fresh()
+    both = cl.docker_objects_command(docker_expect(["image", "runtime"]))
+    assert both[0].endswith("docker inspect %s %s $ids") and both[1:] == ("demo", "1", "sha256:ab", "builder/demo:1")
+    assert cl.docker_objects_command(docker_expect(["image"])) == cl.inspect_images(["sha256:ab", "builder/demo:1"])
+    assert cl.docker_objects_command(docker_expect(["serving"])) == cl.lane_containers("demo", 1)
+    plan = cl.planned({**docker_expect(["image", "runtime"]), "expect": {"docker": True}})
+    assert [c for c in plan if "docker" in c[0]] == [cl.lookup_commands(["docker", "nvidia-smi"]), both,
+                                                     cl.docker_info()]
+    img, ctr = {"Id": "sha256:ab"}, {"Id": "c1", "State": {"Running": True}, "Name": "/demo-r1"}
+    answers: dict[str, Any] = {}
+    monkeypatch.setattr(cl, "run", lambda host, *cmd: answers["r"])
+    exp = docker_expect(["image", "runtime"])
+
+    def said(rc: int, out: object, err: str = "") -> Any:
+        answers["r"] = SimpleNamespace(rc=rc, stdout=out if isinstance(out, str) else json.dumps(out), stderr=err)
+        return cl.docker_objects(None, exp)
+
+    got = said(0, [img, img, ctr])
+    assert got.images == {"sha256:ab": img, "builder/demo:1": img} and got.containers == [ctr]
+    got = said(1, [img, ctr], "Error: No such object: builder/demo:1\n")  # the tag points nowhere
+    assert got.images == {"sha256:ab": img, "builder/demo:1": None} and got.containers == [ctr]
+    got = said(1, [], "Error: No such object: sha256:ab\nError: No such object: builder/demo:1\n")
+    assert got.images == {"sha256:ab": None, "builder/demo:1": None} and got.containers == []
+    got = said(1, "", "Cannot connect to the Docker daemon at unix:///var/run/docker.sock.\n")  # no engine
+    assert got.images == {"sha256:ab": None, "builder/demo:1": None} and got.containers is None
+    assert got.why == "docker gave no answer (exit 1: Cannot connect to the Docker daemon at unix:///var/run/docker.sock.)"
+    assert said(0, [img, ctr]).images is None  # two references, one image: ask for each
+    assert said(0, "garbage").why == "docker inspect: output is not JSON"
+
+
+@pytest.mark.docker
+def test_docker_inspect_of_images_and_containers_against_the_engine() -> None:
+    """`docker_objects` against this machine's real Docker Engine: a labelled container of the lane
+    and rank, the image by ID and a tag that does not exist."""
+    import subprocess
+
+    import fleetlib
+    import testinfra
+
+    if not fleetlib.docker_available():
+        pytest.skip("Docker engine not reachable")
+    cl: Any = checklib_fresh()
+    image_id = fleetlib.tiny_image("builder-test-dockerfacts:1")
+    lane = f"test-objects-{os.getpid()}"
+    cid = subprocess.run(["docker", "create", "--label", f"{cl.LABEL_LANE}={lane}", "--label", f"{cl.LABEL_RANK}=1",
+                          image_id, "true"], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        exp = {**docker_expect(["image", "serving"]), "lane": lane,
+               "image": {"image_id": image_id, "tag": "builder-test-missing:0"}}
+        got = cl.docker_objects(testinfra.get_host("local://"), exp)
+        assert got.images[image_id]["Id"] == image_id and got.images["builder-test-missing:0"] is None
+        assert [c["Id"] for c in got.containers or []] == [cid]
+    finally:
+        subprocess.run(["docker", "rm", "-f", cid], capture_output=True)

@@ -76,6 +76,28 @@ def test_files_stats_hashes_and_lists(tmp_path: Path) -> None:
     assert listed == {str(tmp_path / "m"): ["b", "sub/a"], str(tmp_path / "none"): None}
 
 
+def test_files_hashes_what_an_apply_record_names(tmp_path: Path) -> None:
+    """The release files' fact reads the record itself (one call with it in the batch) and hashes
+    each file it names under the release; a missing or malformed record is exit status 1."""
+    rel = tmp_path / "current"
+    (rel / "sub").mkdir(parents=True)
+    (rel / "start.sh").write_text("#!/bin/sh\n")
+    (rel / "sub" / "x").write_text("x")
+    rec = tmp_path / "applied.json"
+    rec.write_text(json.dumps({"files": [{"path": "start.sh"}, {"path": "sub/x"}, {"path": "gone"}]}))
+    req = {"record": str(rec), "under": str(rel), "hash": True, "jobs": 2}
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", hf.FILES, json.dumps(req)], capture_output=True, text=True)
+    got = json.loads(r.stdout)
+    assert list(got) == [f"{rel}/start.sh", f"{rel}/sub/x", f"{rel}/gone"]
+    assert got[f"{rel}/sub/x"]["sha256"] == hashlib.sha256(b"x").hexdigest() and "error" in got[f"{rel}/gone"]
+    for bad in ("not json", json.dumps({"files": "start.sh"}), json.dumps([1])):
+        rec.write_text(bad)
+        r = subprocess.run([sys.executable, "-I", "-S", "-c", hf.FILES, json.dumps(req)], capture_output=True,
+                           text=True)
+        assert r.returncode == 1 and r.stdout == "" and "no apply record" in r.stderr, bad
+    assert files.recorded_paths(str(tmp_path / "none.json"), str(rel)) is None
+
+
 def test_files_runs_as_the_host_runs_it_and_reports_progress(tmp_path: Path) -> None:
     for i in range(3):
         (tmp_path / "d" / str(i)).mkdir(parents=True)
@@ -220,6 +242,26 @@ def test_batch_runs_shell_and_python_items(tmp_path: Path) -> None:
     assert key == "echo direct" and hf.parse_batch(json.dumps({key: answer})) == {key: (0, b"direct\n", b"")}
     _, missing = batch.run_item(["py", "k", "x", ""], 5)
     assert missing[0] == 1
+
+
+def test_a_fact_runs_in_a_fork_of_the_batch_as_python3_would_run_it(tmp_path: Path) -> None:
+    """A fact module runs in a fork of the batch's interpreter, not in a new python3, with what
+    ``python3 -I -S -c SOURCE ARG`` gives it: argv, __name__, stdin at end of file, its own session,
+    only its progress descriptor beside 0-2, and sys.exit's status."""
+    probe = ("import json, os, sys\n"
+             "fds = sorted(int(f) for f in os.listdir('/proc/self/fd'))\n"
+             "sys.stdout.write(json.dumps({'argv': sys.argv, 'name': __name__, 'stdin': sys.stdin.read(),\n"
+             "    'leader': os.getsid(0) == os.getpid(), 'progress': os.environ['BUILDER_PROGRESS_FD'],\n"
+             "    'fds': fds}))\n"
+             "if __name__ == '__main__':\n    sys.exit(5)\n")
+    got, _ = batch_run(["echo before", ["py", "probe", probe, "the-arg"], ["py", "other", "print(1)", ""]], 10)
+    rc, out, err = got["probe"]
+    facts = json.loads(out)
+    assert rc == 5 and err == b"", err
+    assert facts["argv"] == ["-c", "the-arg"] and facts["name"] == "__main__" and facts["stdin"] == ""
+    assert facts["leader"] and facts["progress"] == "3"
+    assert [f for f in facts["fds"] if f > 3] in ([], [4]), facts["fds"]  # (4: the listing's own)
+    assert got["other"] == (0, b"1\n", b"") and got["echo before"] == (0, b"before\n", b"")
 
 
 def test_a_fact_that_blocks_times_out_and_the_others_come_back(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from builder.audit.options import AuditOptions
 from builder.audit.report import CheckOutcome, HostResult
 from builder.canon import atomic_write, pretty_json
 from builder.hosts import FleetHost
-from builder.ssh import Connection, ControlSockets, run_bounded
+from builder.ssh import Connection, ControlSockets, why_not
 
 #: pytest's plugins the checks do not use; each one adds hook calls around every check
 NOT_PLUGINS = ("cacheprovider", "logging", "warnings", "faulthandler", "junitxml", "doctest", "pastebin",
@@ -49,17 +49,7 @@ def probe(t: FleetHost, opts: AuditOptions, conn: Connection | None) -> str | No
         return conn.open()
     if t.host.connection == "local":
         return None
-    limit = opts.connect_timeout + 5
-    try:
-        p = run_bounded(["docker", "exec", t.host.ssh, "true"], limit)
-    except FileNotFoundError:
-        return "docker: not found on this machine"
-    if p is None:
-        return f"no answer within {limit:g} s"
-    if p.returncode == 0:
-        return None
-    lines = [ln.strip() for ln in (p.stderr or p.stdout).splitlines() if ln.strip()]
-    return lines[-1] if lines else f"docker exit status {p.returncode}"
+    return why_not(["docker", "exec", t.host.ssh, "true"], opts.connect_timeout + 5)
 
 
 def host_options(t: FleetHost, opts: AuditOptions, conn: Connection | None) -> list[str]:

@@ -5,7 +5,11 @@ argv[1] is a JSON request, one of:
 * ``{"paths": [...], "hash": bool, "jobs": int}``: ``{path: {"size", "mtime_ns", "inode"[, "sha256"]}}``,
   or ``{path: {"error": why}}``; with ``hash``, files are hashed in ``jobs`` threads;
 * ``{"roots": [...]}``: ``{root: [every regular file under it, relative, sorted]}``, ``null`` for a
-  root that is not a folder.
+  root that is not a folder;
+* ``{"record": PATH, "under": DIR, "hash": bool, "jobs": int}``: as ``paths``, for ``DIR/<path>`` of
+  each entry of the JSON file PATH's ``files`` list (an apply record's): the files a record names,
+  found in the same call as the record, not in a second one after it was read. Exit status 1 when
+  PATH is not such a record.
 
 Progress goes to the file descriptor in $BUILDER_PROGRESS_FD, one byte per file, per 8 MiB hashed and
 per folder listed: the batch (batch.py) restarts this fact's time bound on each, so a long hash goes
@@ -99,11 +103,28 @@ def list_roots(roots: list[str], tick: Callable[[], None]) -> dict[str, list[str
     return out
 
 
+def recorded_paths(record: str, under: str) -> list[str] | None:
+    """``under/<path>`` for each entry of the record's ``files`` list, in its order; None when the
+    record cannot be read or has no such list."""
+    try:
+        with open(record, "rb") as f:
+            files = json.load(f).get("files")
+        return [f"{under}/{e['path']}" for e in files]
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+        return None
+
+
 def main(argv: list[str]) -> int:
     req = json.loads(argv[1])
     tick = progress()
     if "roots" in req:
         answer: object = list_roots(list(req["roots"]), tick)
+    elif "record" in req:
+        paths = recorded_paths(req["record"], req["under"])
+        if paths is None:
+            sys.stderr.write(f"{req['record']}: no apply record with a files list\n")
+            return 1
+        answer = stat_files(paths, bool(req.get("hash")), int(req.get("jobs", 4)), tick)
     else:
         answer = stat_files(list(req["paths"]), bool(req.get("hash")), int(req.get("jobs", 4)), tick)
     sys.stdout.write(json.dumps(answer))
