@@ -379,22 +379,30 @@ def _local_inspect(ref: str) -> dict[str, Any] | None:
     return data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None
 
 
+def _local_image(where: str, ref: str, platforms: list[str], why_missing: str) -> dict[str, Any]:
+    """The engine's inspect of a local image, checked offline: it is there, has a sha256 id, and is
+    every one of the platforms the pin asks for (ResolveError naming ``where`` otherwise)."""
+    info = _local_inspect(ref)
+    if info is None:
+        raise ResolveError(f"{where}: not reachable offline ({ref}{why_missing})")
+    if not re.fullmatch(r"sha256:[0-9a-f]{64}", str(info.get("Id", ""))):
+        raise ResolveError(f"{where}: the local image {ref} has no sha256 id")
+    os_, arch, var = str(info.get("Os", "")), str(info.get("Architecture", "")), info.get("Variant")
+    for want in platforms:
+        if not platform_matches(want, os_, arch, var):
+            have = "/".join(x for x in (os_, arch, var) if x)
+            raise ResolveError(f"{where}: the local image {ref} is {have}, not {want} (offline)")
+    return info
+
+
 def resolve_local(name: str, spec: BaseImage, spec_hash: str) -> LockedBase:
     where = f"bases.{name}"
-    info = _local_inspect(spec.ref)
-    if info is None:
-        raise ResolveError(f"{where}: not reachable offline ({spec.ref})")
-    image_id = str(info.get("Id", ""))
-    if not re.fullmatch(r"sha256:[0-9a-f]{64}", image_id):
-        raise ResolveError(f"{where}: the local image {spec.ref} has no sha256 id")
-    os_, arch, var = str(info.get("Os", "")), str(info.get("Architecture", "")), info.get("Variant")
+    info = _local_image(where, spec.ref, spec.platforms, "")
+    image_id = str(info["Id"])
     env_list = [str(x) for x in ((info.get("Config") or {}).get("Env") or [])]
     platforms: dict[str, str] = {}
     env: dict[str, list[str]] = {}
     for want in spec.platforms:
-        if not platform_matches(want, os_, arch, var):
-            have = "/".join(x for x in (os_, arch, var) if x)
-            raise ResolveError(f"{where}: the local image {spec.ref} is {have}, not {want} (offline)")
         platforms[want] = image_id
         env[want] = env_list
     repo = parse_ref(spec.ref)
@@ -488,16 +496,8 @@ def resolve_published(name: str, spec: PublishedImage, *, offline: bool, spec_ha
 
 
 def _published_local(where: str, spec: PublishedImage, ref: ImageRef, spec_hash: str) -> LockedPublishedImage:
-    info = _local_inspect(spec.published)
-    if info is None:
-        raise ResolveError(f"{where}: not reachable offline ({spec.published} is not in the Docker engine)")
-    image_id = str(info.get("Id", ""))
-    if not re.fullmatch(r"sha256:[0-9a-f]{64}", image_id):
-        raise ResolveError(f"{where}: the local image {spec.published} has no sha256 id")
-    os_, arch, var = str(info.get("Os", "")), str(info.get("Architecture", "")), info.get("Variant")
-    if not platform_matches(spec.platform, os_, arch, var):
-        have = "/".join(x for x in (os_, arch, var) if x)
-        raise ResolveError(f"{where}: the local image {spec.published} is {have}, not {spec.platform} (offline)")
+    info = _local_image(where, spec.published, [spec.platform], " is not in the Docker engine")
+    image_id = str(info["Id"])
     diff_ids = _diff_ids(where, {"rootfs": {"diff_ids": (info.get("RootFS") or {}).get("Layers")}}, None)
     assert ref.digest is not None
     return LockedPublishedImage(spec_hash=spec_hash, published=spec.published, manifest_digest=ref.digest,

@@ -184,6 +184,10 @@ class ModelStore:
                 f"sha256 {digest[:16]}; removed"
             )
         os.chmod(src, 0o444)
+        return self._publish(src, w)
+
+    def _publish(self, src: Path, w: Wanted) -> Path:
+        """Rename a checked file into objects/ (durably, under the store's lock) and link its view."""
         dest = self.object_path(w.sha256)
         with self._locked():
             os.replace(src, dest)
@@ -218,12 +222,7 @@ class ModelStore:
             digest, size = sha256_file(tmp)  # the copy is what the store keeps
         if how == "linked":
             # a hard link shares the source's inode: keep the source's mode, do not chmod it
-            dest = self.object_path(w.sha256)
-            with self._locked():
-                os.replace(tmp, dest)
-                fsync_dir(dest.parent)
-                self._stamp(w)
-            self.link_view(w)
+            self._publish(tmp, w)
         else:
             self.commit_object(tmp, w, digest, size)
         return how
