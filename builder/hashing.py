@@ -109,8 +109,11 @@ def size_or_zero(path: str | os.PathLike[str]) -> int:
         return 0
 
 
-def sha256_file(path: str | os.PathLike[str], read_size: int = READ_SIZE) -> tuple[str, int]:
-    """(sha256 hex, size) of one file: readinto one reusable buffer, hashed through a memoryview."""
+def sha256_file(
+    path: str | os.PathLike[str], read_size: int = READ_SIZE, on_bytes: Callable[[int], None] | None = None
+) -> tuple[str, int]:
+    """(sha256 hex, size) of one file: readinto one reusable buffer, hashed through a memoryview.
+    ``on_bytes`` (a progress bar's) is told each number of bytes just hashed."""
     h = hashlib.sha256()
     buf = bytearray(read_size)
     view = memoryview(buf)
@@ -131,6 +134,8 @@ def sha256_file(path: str | os.PathLike[str], read_size: int = READ_SIZE) -> tup
                 # hashlib releases the GIL for updates over 2 KiB: other threads hash meanwhile.
                 h.update(view[:n])
                 size += n
+                if on_bytes is not None:
+                    on_bytes(n)
     finally:
         os.close(fd)
     return h.hexdigest(), size

@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +76,25 @@ def list_files(folder: Path) -> list[str]:
     return sorted(out)
 
 
-def hash_files(folder: Path, paths: list[str], *, where: str,
-               workers: int | None = None) -> list[tuple[str, str, int]]:
+#: a progress callback for hashing a model's local files: (models.NAME, its bytes in all, bytes just
+#: hashed); called once with 0 bytes before the first, from the caller's thread, then from the hashers'
+HashProgress = Callable[[str, int, int], None]
+
+
+def hash_files(folder: Path, paths: list[str], *, where: str, workers: int | None = None,
+               progress: HashProgress | None = None) -> list[tuple[str, str, int]]:
     """(path, sha256, size) for each path, hashed in parallel (hashlib releases the GIL)."""
+    on_bytes: Callable[[int], None] | None = None
+    if progress is not None:
+        total = sum(size_or_zero(folder / rel) for rel in paths)
+        progress(where, total, 0)
+
+        def on_bytes(n: int) -> None:
+            progress(where, total, n)
 
     def one(rel: str) -> tuple[str, str, int]:
         try:
-            digest, size = sha256_file(folder / rel)
+            digest, size = sha256_file(folder / rel, on_bytes=on_bytes)
         except FileNotFoundError:
             raise ResolveError(f"{where}: file vanished: {rel} (in {folder})") from None
         except OSError as e:
@@ -128,7 +140,7 @@ def find_snapshot(spec: HfModel, folder: Path, *, where: str) -> tuple[Path, str
 
 
 def lock_from_folder(name: str, spec: HfModel, folder: Path, commit: str, spec_hash: str,
-                     previous: LockedModel | None = None) -> LockedModel:
+                     previous: LockedModel | None = None, progress: HashProgress | None = None) -> LockedModel:
     where = f"models.{name}"
     paths = select_files(list_files(folder), spec.include, spec.exclude)
     if previous is not None and previous.repo == spec.repo and previous.commit == commit:
@@ -140,7 +152,7 @@ def lock_from_folder(name: str, spec: HfModel, folder: Path, commit: str, spec_h
             raise ResolveError(f"{where}: file vanished: {gone[0]}{more} (locked at {commit[:12]}, "
                                f"missing from {folder})")
     _check_count(where, spec, len(paths))
-    hashed = hash_files(folder, paths, where=where)
+    hashed = hash_files(folder, paths, where=where, progress=progress)
     files = [LockedModelFile(path=p, size=s, sha256=d) for p, d, s in hashed]
     return _locked(spec, commit, "local", files, spec_hash)
 
@@ -162,7 +174,7 @@ def _locked(spec: HfModel, commit: str, source: str, files: list[LockedModelFile
 
 
 def resolve_local(name: str, spec: HfModel, folder: Path, spec_hash: str,
-                  previous: LockedModel | None = None) -> LockedModel:
+                  previous: LockedModel | None = None, progress: HashProgress | None = None) -> LockedModel:
     """Lock from a folder on disk: an HF cache layout, or a plain snapshot folder."""
     where = f"models.{name}"
     if not folder.is_dir():
@@ -170,14 +182,14 @@ def resolve_local(name: str, spec: HfModel, folder: Path, spec_hash: str,
     found = find_snapshot(spec, folder, where=where)
     if found is not None:
         snap, commit = found
-        return lock_from_folder(name, spec, snap, commit, spec_hash, previous)
+        return lock_from_folder(name, spec, snap, commit, spec_hash, previous, progress)
     if (folder / "snapshots").is_dir() or (folder / repo_folder_name(spec.repo)).is_dir():
         raise ResolveError(f"{where}: revision {spec.revision} of {spec.repo} is not in the HF cache "
                            f"{folder}")
     if not HEX40.match(spec.revision):
         raise ConfigError(f"models.{name}.revision: a plain local folder needs a 40-hex commit revision "
                           f"(got {spec.revision!r})")
-    return lock_from_folder(name, spec, folder, spec.revision, spec_hash, previous)
+    return lock_from_folder(name, spec, folder, spec.revision, spec_hash, previous, progress)
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,7 +236,7 @@ def resolve_hub(name: str, spec: HfModel, *, cache: Path, spec_hash: str) -> Loc
 
 
 def resolve(name: str, spec: HfModel, *, root: Path, cache: Path, offline: bool, spec_hash: str,
-            previous: LockedModel | None = None) -> LockedModel:
+            previous: LockedModel | None = None, progress: HashProgress | None = None) -> LockedModel:
     """Resolve one model pin: from ``local`` if set, from the HF cache offline, else from the Hub.
 
     ``previous`` (the entry of the lock being replaced, if any) lets a local resolution notice
@@ -233,12 +245,12 @@ def resolve(name: str, spec: HfModel, *, root: Path, cache: Path, offline: bool,
     if spec.local:
         folder = Path(spec.local).expanduser()
         return resolve_local(name, spec, folder if folder.is_absolute() else root / folder, spec_hash,
-                             previous)
+                             previous, progress)
     if offline:
         for hub in hub_cache_dirs():
             found = find_snapshot(spec, hub, where=f"models.{name}") if hub.is_dir() else None
             if found is not None:
-                return lock_from_folder(name, spec, found[0], found[1], spec_hash, previous)
+                return lock_from_folder(name, spec, found[0], found[1], spec_hash, previous, progress)
         raise ResolveError(f"models.{name}: not in the cache and --offline was given "
                            f"({spec.repo}@{spec.revision})")
     return resolve_hub(name, spec, cache=cache, spec_hash=spec_hash)

@@ -19,6 +19,8 @@ Commands::
     install BUNDLE_DIR --root ROOT [--trusted-key FILE | --trusted-key-base64 LINE] [--insecure]
             [--host NAME] [--remove-source] [--reserve BYTES]
             [--stage]
+            (--remove-source, for a folder under ROOT/incoming: its model files are linked into
+            place where that is a move, see _link_whole; otherwise each is copied)
     stage --root ROOT --release BUNDLE_ID   (stage a release already under releases/)
     switch --root ROOT --to BUNDLE_ID [--rollback]
     rollback --root ROOT
@@ -1337,7 +1339,7 @@ def install(
         loading = have_layers is None and img["archive"] is not None
         streamed = {bundled[m["bundled"]]["path"] for m in placing} | ({img["archive"]} if loading else set())
         check_all_hashes(bundle_dir, [f for f in manifest["files"] if f["path"] not in streamed])
-        written = _write_models(bundle_dir, bundled, placing)
+        written = _write_models(bundle_dir, bundled, placing, link=remove_source)
         try:
             if loading:
                 load_image(bundle_dir, manifest)
@@ -1385,12 +1387,38 @@ def install(
         }
 
 
+def _link_whole(src: str, tmp: str) -> bool:
+    """Hard-link src to tmp when that is the same as moving it: src is a whole regular file that
+    nothing else links (so once the bundle folder is removed, the placed file is the only name of
+    its bytes, as after a rename) and that this user owns (as a copy would be). False where it is
+    not, or where links are refused (another file system, or one without links): then it is copied."""
+    try:
+        st = os.lstat(src)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+        return False
+    try:
+        os.link(src, tmp)
+    except OSError:
+        return False
+    got = os.lstat(tmp)
+    if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):  # src was replaced in between: copy it
+        os.unlink(tmp)
+        return False
+    return True
+
+
 def _write_models(
-    bundle_dir: str, bundled: dict[str, dict[str, Any]], placing: list[dict[str, Any]]
+    bundle_dir: str, bundled: dict[str, dict[str, Any]], placing: list[dict[str, Any]], link: bool = False
 ) -> list[tuple[str, str]]:
     """Each model file to place, reassembled and hash-checked as it is written to a temp name beside
     its final path, several files at once (hashlib and the writes release the GIL): [(temp, final)].
-    A mismatch removes every temp and names the file."""
+    A mismatch removes every temp and names the file.
+
+    ``link`` (the bundle folder is the installer's, under incoming/, and is removed once installed):
+    a whole model file on the same file system is hard-linked to its temp name and hashed there, not
+    written again (see _link_whole); anything else is copied."""
     written: list[tuple[str, str]] = []
     for m in placing:
         d = os.path.dirname(m["path"])
@@ -1406,9 +1434,19 @@ def _write_models(
         m, (tmp, _) = placing[i], written[i]
         _say("placing model file %s" % m["path"])
         os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        entry = bundled[m["bundled"]]
+        if link and not entry.get("parts") and _link_whole(os.path.join(bundle_dir, entry["path"]), tmp):
+            # the one read, of the name it is placed from: its sha256 against the manifest
+            digest, size = hash_file(tmp)
+            if (digest, size) != (entry["sha256"], entry["size"]):
+                raise InstallError("%s: sha256 mismatch (changed file)" % entry["path"])
+            with open(tmp, "rb") as f:  # its bytes on disk before it is renamed into place, as a copy's
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            return
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         with os.fdopen(fd, "wb", buffering=0) as f:
-            for chunk in iter_file(bundle_dir, bundled[m["bundled"]]):
+            for chunk in iter_file(bundle_dir, entry):
                 while chunk:
                     chunk = chunk[f.write(chunk) :]
             os.fsync(f.fileno())

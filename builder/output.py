@@ -134,7 +134,8 @@ class _Deferred:
     """progress() on a terminal: tasks are kept here and drawn by a rich Progress only once the job
     has run PROGRESS_DELAY seconds (then every call is passed on to it)."""
 
-    def __init__(self, delay: float) -> None:
+    def __init__(self, delay: float, unit: str = "bytes") -> None:
+        self._unit = unit
         self._lock = threading.Lock()
         self._tasks: list[dict[str, Any]] = []
         self._rich: Any = None
@@ -160,19 +161,24 @@ class _Deferred:
             DownloadColumn,
             Progress,
             TextColumn,
+            TimeElapsedColumn,
             TimeRemainingColumn,
             TransferSpeedColumn,
         )
 
+        # a job counted in items (hosts) has no byte rate to show, only how long each one has run
+        columns: tuple[Any, ...] = (
+            (DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+            if self._unit == "bytes"
+            else (TimeElapsedColumn(),)
+        )
         with self._lock:
             if self._closed:
                 return
             bar = Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
-                TimeRemainingColumn(),
+                *columns,
                 console=console(),
                 transient=True,
             )
@@ -217,14 +223,15 @@ class _Deferred:
                 self._rich.reset(self._rich_ids[task], **fields)
 
 
-def progress(delay: float = PROGRESS_DELAY) -> Any:
+def progress(delay: float = PROGRESS_DELAY, unit: str = "bytes") -> Any:
     """The one progress display of builder: rich bars on stderr with bytes, rate and time left
-    (transient), drawn once the job has run ``delay`` seconds. Off a terminal it is a silent
+    (``unit="items"``: a bar and the time each task has run, for work counted in hosts), transient,
+    drawn once the job has run ``delay`` seconds. Off a terminal it is a silent
     stand-in that does not import rich, so a script's stderr and --json's stdout never see a bar.
     Its methods (add_task, update, advance, reset: rich's) may be called from any thread."""
     if not progress_enabled():
         return _Quiet()
-    return _Deferred(delay)
+    return _Deferred(delay, unit)
 
 
 def byte_counter(bar: Any, description: str, total: int) -> Callable[[int], None]:

@@ -49,6 +49,8 @@ class ResolveOptions:
     update: set[str] = field(default_factory=set)
     names: list[str] | None = None
     cache: Path | None = None
+    #: progress of hashing local model files (models.NAME, its bytes in all, bytes just hashed)
+    on_hash: hf.HashProgress | None = None
 
 
 @dataclass
@@ -76,7 +78,7 @@ def _resolve_one(kind: str, name: str, spec: Any, root: Path, cache: Path, opts:
         return locked.model_copy(update={"patches": patches, "spec_hash": spec_hash(spec)})
     if kind == "models":
         return hf.resolve(name, spec, root=root, cache=cache / "hf", offline=opts.offline,
-                          spec_hash=spec_hash(spec), previous=previous)
+                          spec_hash=spec_hash(spec), previous=previous, progress=opts.on_hash)
     if kind == "bases":
         return oci.resolve(name, spec, offline=opts.offline, spec_hash=spec_hash(spec))
     if kind == "files":

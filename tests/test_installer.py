@@ -422,3 +422,54 @@ def test_manifest_parser_never_crashes(data: st.DataObject) -> None:
         assert isinstance(m, dict)
         inst.physical_files(m)
         inst.release_files(m)
+
+
+@pytest.mark.docker
+def test_install_links_model_files_it_moves_from_incoming_and_copies_the_rest(
+    dproj: bl.Project, tmp_path: Path
+) -> None:
+    """--remove-source from incoming/ on the models' file system: each model file is hard-linked into
+    place and hashed there, not written again (link + remove = rename); without --remove-source, or
+    for a file that something else also links, it is copied."""
+    root = tmp_path / "host" / "builder"
+    out = bundle(dproj, tmp_path / "b", with_models=True)
+    models = bl.manifest(out)["models"]
+    assert all(os.stat(out / m["bundled"]).st_nlink > 1 for m in models)  # links into the store
+    r = install(out, root, "--trusted-key", str(dproj.pub))  # the bundle stays: copies
+    assert r.returncode == 0, r.stderr
+    for m in models:
+        assert os.stat(m["path"]).st_nlink == 1 and not os.path.samefile(m["path"], out / m["bundled"])
+    shutil.rmtree(tmp_path / "host" / "models")
+    shutil.rmtree(root / "releases")
+    (root / "current").unlink()
+    (root / "state" / "applied.json").unlink()
+
+    inc = root / "incoming" / "usb"
+    shutil.copytree(out, inc)  # as `cp -r` from the sneakernet disk: one name per file
+    inodes = {m["path"]: os.stat(inc / m["bundled"]).st_ino for m in models}
+    r = install(inc, root, "--remove-source")
+    assert r.returncode == 0, r.stderr
+    assert not inc.exists()
+    for m in models:
+        st = os.stat(m["path"])
+        assert st.st_ino == inodes[m["path"]] and st.st_nlink == 1 and st.st_mode & 0o777 == 0o644
+        assert hashlib.sha256(Path(m["path"]).read_bytes()).hexdigest() == m["sha256"]
+    rec = json.loads((root / "state" / "applied.json").read_text())
+    assert {m["path"]: m["inode"] for m in rec["models"]} == inodes  # fast mode's record: the placed inode
+
+
+@pytest.mark.docker
+def test_a_changed_model_file_in_incoming_is_refused_and_not_placed(dproj: bl.Project, tmp_path: Path) -> None:
+    root = tmp_path / "host" / "builder"
+    out = bundle(dproj, tmp_path / "b", with_models=True)
+    inc = root / "incoming" / "usb"
+    shutil.copytree(out, inc)
+    m = next(m for m in bl.manifest(out)["models"] if m["path"].endswith("tokenizer.json"))
+    data = bytearray((inc / m["bundled"]).read_bytes())
+    data[0] ^= 1  # same size: only the hash can tell
+    (inc / m["bundled"]).write_bytes(bytes(data))
+    r = install(inc, root, "--trusted-key", str(dproj.pub), "--remove-source")
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].endswith("sha256 mismatch (changed file)"), r.stderr
+    assert m["bundled"] in r.stderr
+    assert inc.is_dir() and not (root / "current").exists()
+    assert not [p for p in (tmp_path / "host" / "models").rglob("*") if p.is_file()]

@@ -13,12 +13,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bundlelib as bl  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def _run_on_pty(argv: list[str], cwd: Path) -> tuple[int, str, str]:
     """Run argv with stderr on a pseudo-terminal and stdout on a pipe: (exit code, stdout, pty output)."""
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TERM")}
     env["TERM"] = "xterm-256color"
+    env["PYTHONPATH"] = str(ROOT)  # this tree's builder, whatever the folder the command runs in
     p = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, env=env)
     os.close(slave)
     seen = b""
@@ -86,3 +89,59 @@ def test_progress_without_a_terminal_does_not_load_rich() -> None:
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == "False\n" and r.stderr == "", r.stderr
+
+
+def _slow_unreachable_fleet(tmp_path: Path) -> Path:
+    """An audit project whose two hosts take 4 s to turn out unreachable (their ssh ProxyCommand
+    waits, then fails): a full-mode audit that lasts past the bars' delay without any host."""
+    import auditlib
+
+    paths = auditlib.make_project(tmp_path / "proj")
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text("Host *\n  ProxyCommand sh -c 'sleep 4; exit 1'\n")
+    hosts = [{"name": "a", "ssh": "node-a", "rank": 0, "role": "head"},
+             {"name": "b", "ssh": "node-b", "rank": 1, "role": "worker"}]
+    (paths["hosts"] / "f.toml").write_text(auditlib.fleet_toml("f", hosts, ssh_config=str(cfg)))
+    return paths["pins"]
+
+
+def test_full_audit_draws_one_bar_per_host_on_a_terminal_only(tmp_path: Path) -> None:
+    pins = _slow_unreachable_fleet(tmp_path)
+    argv = [sys.executable, "-m", "builder", "--pins", str(pins), "audit", "--fleet", "f", "--mode", "full", "--json"]
+    rc, out, tty = _run_on_pty(argv, pins.parent)
+    assert rc == 3, tty
+    assert sorted(json.loads(out)["hosts"]) == ["a", "b"]  # stdout: one JSON document
+    assert "audit a (full)" in tty and "audit b (full)" in tty and "\x1b[" in tty
+    r = subprocess.run(argv, cwd=pins.parent, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 3 and len(json.loads(r.stdout)["hosts"]) == 2
+    assert "(full)" not in r.stderr and "\x1b" not in r.stderr and "\r" not in r.stderr, r.stderr
+
+
+#: `builder` with its progress bars drawn at once (not after 3 s), for jobs a test keeps short
+NO_DELAY = ("import functools, sys\nfrom builder import output\n"
+            "output.progress = functools.partial(output.progress, delay=0)\n"
+            "sys.argv[0] = 'builder'\nfrom builder.cli import main\nmain()\n")
+
+
+def _big_local_model(p: bl.Project) -> None:
+    """A local model file big enough that hashing it takes a few refreshes of the bar (a plain
+    folder, so the pin names its commit)."""
+    pins = p.pins.read_text().replace('revision = "main"', f'revision = "{"a" * 40}"')
+    p.pins.write_text(pins)
+    with open(p.root / "models" / "demo" / "big.safetensors", "wb") as f:
+        f.truncate(512 << 20)
+
+
+def test_lock_hashing_local_models_draws_a_bar_on_a_terminal_only(tmp_path: Path) -> None:
+    p = bl.make_project(tmp_path)
+    _big_local_model(p)
+    args = ["--pins", str(p.pins), "lock", "--offline", "--update", "demo-model", "--json"]
+    rc, out, tty = _run_on_pty([sys.executable, "-c", NO_DELAY, *args], p.root)
+    assert rc == 0, tty
+    assert json.loads(out)["resolved"] == ["models.demo-model"]  # stdout: one JSON document
+    assert "hash models.demo-model" in tty and "MB" in tty and "\x1b[" in tty
+    r = subprocess.run([sys.executable, "-c", NO_DELAY, *args], cwd=p.root, capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0 and json.loads(r.stdout)["written"] is False, r.stderr
+    assert "hash models" not in r.stderr and "\x1b" not in r.stderr and "\r" not in r.stderr, r.stderr

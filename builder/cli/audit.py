@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -17,6 +19,10 @@ from builder.cli.options import (
     mode_option,
     ssh_persist_option,
 )
+
+if TYPE_CHECKING:
+    from builder.audit import AuditOptions
+    from builder.hosts import FleetHost
 
 
 @click.command()
@@ -89,10 +95,20 @@ def audit(
         ssh_persist=ssh_persist,
     )
 
-    def progress(h: core.HostResult) -> None:
-        output.status(f"{h.name}: {h.status} ({h.seconds:.1f} s)")
+    # fast mode is done in seconds: no bars; full mode hashes every model file on each host
+    full = mode == "full"
+    bars: Any = output.progress(unit="items") if full else contextlib.nullcontext()
+    with bars as bar:
+        tasks: dict[str, int] = {}
+        if full:
+            tasks = {t.name: bar.add_task(f"audit {t.name} (full)", total=1) for t in _targets(opts)}
 
-    report = core.run_audit(opts, on_host=progress)
+        def on_host(h: core.HostResult) -> None:
+            output.status(f"{h.name}: {h.status} ({h.seconds:.1f} s)")
+            if h.name in tasks:
+                bar.update(tasks[h.name], description=f"audit {h.name}: {h.status}", advance=1)
+
+        report = core.run_audit(opts, on_host=on_host)
     cols, rows = core.matrix_rows(report)
     output.table(f"audit ({report.mode}, {report.phase})", cols, rows)
     for h in report.hosts:
@@ -106,3 +122,15 @@ def audit(
     n_bad = sum(1 for h in report.hosts if h.status != "pass")
     output.status(f"{len(report.hosts)} host(s), {n_bad} not passing, {report.seconds:.1f} s")
     return report.exit_code
+
+
+def _targets(opts: AuditOptions) -> list[FleetHost]:
+    """The hosts the audit will reach, for their progress bars; none when the selection is wrong
+    (run_audit then names the problem, in its own order of checks)."""
+    from builder.audit import select_targets
+    from builder.errors import BuilderError
+
+    try:
+        return select_targets(opts.hosts_dir or opts.root / "hosts", opts.names, opts.fleet)
+    except BuilderError:
+        return []

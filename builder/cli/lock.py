@@ -34,10 +34,25 @@ def lock(names: tuple[str, ...], offline: bool, update: tuple[str, ...], check: 
         if res.ok:
             output.status(f"{c.lock}: up to date" + (f" for {', '.join(names)}" if names else ""))
         return 0 if res.ok else 1
+    import threading
+
     from builder import resolve as core
 
-    rep = core.resolve(c.pins, c.lock, core.ResolveOptions(offline=offline, update=set(update),
-                                                            names=list(names) or None, cache=c.store))
+    opts = core.ResolveOptions(offline=offline, update=set(update), names=list(names) or None, cache=c.store)
+    with output.progress() as bar:
+        tasks: dict[str, int] = {}
+        new_task = threading.Lock()
+
+        def on_hash(model: str, total: int, n: int) -> None:
+            if model not in tasks:
+                with new_task:
+                    if model not in tasks:
+                        tasks[model] = bar.add_task(f"hash {model}", total=total)
+            if n:
+                bar.advance(tasks[model], n)
+
+        opts.on_hash = on_hash
+        rep = core.resolve(c.pins, c.lock, opts)
     for what, old, new in rep.moved:
         output.status(f"{what}: {old} -> {new}")
     if as_json:

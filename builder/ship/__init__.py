@@ -1,0 +1,93 @@
+"""Move a bundle to its host and install it: over SSH (resumable), or to a folder for sneakernet.
+
+The rooms: `options` (what a ship is asked and what it did), `remote` (running commands on a host
+over its one connection), `send` (the stream to the installer's ``receive``), `todir` (the
+sneakernet copy); here: checking the bundle and picking the way.
+
+Over SSH (builder.ssh: the system ``ssh`` with the fleet's ssh_config when it names one,
+``BatchMode=yes``, a connect timeout and keep-alives, and one connection per host for the whole ship,
+however many files are sent; host keys are checked as ssh_config says, never switched off):
+
+1. the bundle's signature, manifest and file sizes are checked here (its bytes were hashed when
+   they were written; the host hashes every byte it receives);
+2. one remote command writes the installer (this machine's trusted copy, sent on stdin) to
+   ``<paths.bundles>/incoming/installer-<sha256>.py`` and runs its ``status``: a bundle already
+   installed (or staged, for ``--stage``) is not sent;
+3. one more, ``installer receive``, gets the signed manifest first, answers which files it lacks and
+   from which byte (what a cut ship left is not sent again), then reads exactly those bytes from
+   the same stdin (sent with sendfile, no per-file command), hashes each as it arrives into the
+   file it ends up in (a model file beside its place, the image archive and launch files in
+   ``incoming/``), refuses a wrong byte naming the file, and installs: load, place, stage (the
+   release links the launch files received), switch, record.
+
+Every ssh call has a timeout (base + size / minimum rate). A host that cannot be reached (ssh exit
+255, or no answer in time) gives UnreachableError (exit 3, one line naming the host); a rerun resumes.
+
+``--to DIR`` copies the bundle to ``DIR/<fleet>/<host>/`` instead (resumable the same way), then
+verifies the copy. Install it on the host with a trusted installer (see builder/installer.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from builder import installer as inst
+from builder.bundle import public_key_for, read_public_key, signing_key_path, verify_with_key
+from builder.errors import ConfigError, VerifyError
+from builder.hosts import Fleet, Host, find_host
+from builder.ship.options import ShipOptions, ShipResult
+from builder.ship.remote import Remote
+from builder.ship.send import ship_over_ssh
+from builder.ship.todir import ship_to_dir
+
+__all__ = ["Remote", "ShipOptions", "ShipResult", "ship", "ship_to_dir", "trusted_key_bytes"]
+
+
+def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
+    """Ship HOST's bundle (project root = the folder of pins.toml; inventories in root/hosts)."""
+    fleet_file, fleet, host = find_host(root / "hosts", host_ref)
+    bdir, manifest, key = _load_bundle(root, fleet, host, opts)
+    if opts.to is not None:
+        return ship_to_dir(
+            bdir, manifest, opts.to / fleet.fleet.name / host.name, key if not opts.insecure else None
+        )
+    with Remote(fleet_file, fleet, host, opts.connect_timeout, sockets=opts.sockets) as remote:
+        return ship_over_ssh(remote, host, bdir, manifest, key, opts)
+
+
+def trusted_key_bytes(root: Path, fleet: Fleet, bundle_dir: Path, opts: ShipOptions) -> bytes:
+    """The public key the host is told to trust: --key, else fleet.trusted_key, else the signing key's."""
+    from builder import sign
+
+    if opts.key is not None or fleet.fleet.trusted_key:
+        return read_public_key(public_key_for(bundle_dir, opts.key, root))
+    sk = sign.load_secret_key(signing_key_path(opts.signing_key))
+    return sign.public_key_text(sk.public_key).encode("ascii")
+
+
+def _load_bundle(
+    root: Path, fleet: Fleet, host: Host, opts: ShipOptions
+) -> tuple[Path, dict[str, Any], bytes]:
+    bdir = opts.bundle or root / "out" / "bundles" / fleet.fleet.name / host.name
+    if not (bdir / inst.MANIFEST).is_file():
+        raise ConfigError(f"{bdir}: no bundle there (run `builder bundle {host.name}`)")
+    # Over ssh the host hashes every byte it receives against the signed manifest (and refuses a
+    # wrong one, naming the file), so here the signature and sizes suffice; a copy to a folder is
+    # checked in full here, as nothing else will check it before it is carried away.
+    hashes = opts.to is not None
+    if opts.insecure:  # nothing is checked against a key, so none is needed (or asked for)
+        key = b""
+        try:
+            manifest, _, _ = inst.verify_bundle(str(bdir), None, insecure=True, hashes=hashes)
+        except inst.InstallError as e:
+            raise VerifyError(str(e)) from None
+    else:
+        key = trusted_key_bytes(root, fleet, bdir, opts)
+        manifest = verify_with_key(bdir, key, hashes=hashes)
+    if manifest["host"] != host.name or manifest["fleet"] != fleet.fleet.name:
+        raise ConfigError(
+            f"{bdir}: the bundle is for {manifest['fleet']}/{manifest['host']}, not "
+            f"{fleet.fleet.name}/{host.name}"
+        )
+    return bdir, manifest, key

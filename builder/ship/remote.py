@@ -1,0 +1,143 @@
+"""Running commands on a host over its one connection (ssh, `docker exec`, or locally), and reading
+the installer's answers."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+from pathlib import Path
+from typing import IO, Any
+
+from builder import installer as inst
+from builder.errors import BuilderError, ConfigError, UnreachableError
+from builder.hosts import Fleet, Host, ssh_config_file
+from builder.ssh import Connection, ControlSockets
+
+
+class Remote:
+    """Runs shell commands on a host: over ssh, with `docker exec`, or locally (connection = local).
+
+    Over ssh every command of one ship goes through one connection (builder.ssh), opened by the
+    first command and closed by `close`: one key exchange per host, however many files are sent."""
+
+    def __init__(
+        self,
+        fleet_file: Path,
+        fleet: Fleet,
+        host: Host,
+        connect_timeout: int = 10,
+        sockets: ControlSockets | None = None,
+    ) -> None:
+        """`fleet_file`: the inventory file `fleet` was read from (a relative ssh_config is taken
+        from its folder, as the audit takes it). `sockets`: a run's control sockets shared with other
+        commands of that run (``builder deploy``: its steps and audits use one connection per host);
+        by default the Remote's own, removed by `close`."""
+        self.host = host
+        self.sockets = sockets
+        self.kind = host.connection
+        self.ssh_config = ssh_config_file(fleet_file, fleet.fleet.ssh_config)
+        self.connect_timeout = connect_timeout
+        self._ssh: Connection | None = None
+        self._open = False
+
+    def _connection(self) -> Connection:
+        if self._ssh is None:
+            sockets = self.sockets or ControlSockets.for_run(persist=0)
+            self._ssh = Connection.to(self.host.ssh, self.ssh_config, sockets, self.connect_timeout)
+        return self._ssh
+
+    def argv(self, command: str) -> list[str]:
+        if self.kind == "local":
+            return ["sh", "-c", command]
+        if self.kind == "docker":
+            return ["docker", "exec", "-i", self.host.ssh, "sh", "-c", command]
+        return self._connection().argv(command)  # (ssh ... -- HOST COMMAND)
+
+    def connect(self) -> None:
+        """Open the host's ssh connection, if not yet open; UnreachableError when it cannot be."""
+        if self.kind != "ssh" or self._open:
+            return
+        why = self._connection().open()
+        if why is not None:
+            raise UnreachableError(f"{self.host.name}: unreachable over ssh ({self.host.ssh}): {why}")
+        self._open = True
+
+    def close(self) -> None:
+        """Close the host's connection (idempotent)."""
+        if self._ssh is not None:
+            self._ssh.close()
+            if self.sockets is None:  # (shared sockets are their run's to remove)
+                self._ssh.sockets.cleanup()
+            self._ssh, self._open = None, False
+
+    def __enter__(self) -> Remote:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(
+        self, command: str, *, timeout: float, stdin: bytes | IO[bytes] | None = None, what: str = ""
+    ) -> subprocess.CompletedProcess[bytes]:
+        self.connect()
+        argv = self.argv(command)
+        kw: dict[str, Any] = (
+            {"input": stdin}
+            if isinstance(stdin, bytes)
+            else {"stdin": stdin if stdin is not None else subprocess.DEVNULL}
+        )
+        try:
+            proc = subprocess.run(argv, capture_output=True, timeout=timeout, check=False, **kw)
+        except subprocess.TimeoutExpired:
+            raise UnreachableError(
+                f"{self.host.name}: no answer within {timeout:.0f} s"
+                f"{' (' + what + ')' if what else ''} over {self.kind} to {self.host.ssh}"
+            ) from None
+        except FileNotFoundError:
+            raise ConfigError(f"{argv[0]}: not found (needed to reach {self.host.name})") from None
+        if self.kind == "ssh" and proc.returncode == 255:
+            last = last_line(proc.stderr) or "connection failed"
+            raise UnreachableError(f"{self.host.name}: unreachable over ssh ({self.host.ssh}): {last}")
+        return proc
+
+    def run_installer(self, script: bytes, args: list[str], *, timeout: float, what: str) -> dict[str, Any]:
+        """Run the installer on the host (script on stdin); its JSON answer, or the error it printed."""
+        cmd = "python3 - " + " ".join(shlex.quote(a) for a in args)
+        proc = self.run(cmd, timeout=timeout, stdin=script, what=what)
+        return installer_answer(self, proc.returncode, proc.stdout, proc.stderr, what)
+
+
+def last_line(data: bytes) -> str:
+    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def error_line(data: bytes) -> str:
+    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("error: "):
+            return ln[len("error: ") :]
+    return lines[-1] if lines else ""
+
+
+def installer_answer(remote: Remote, proc_rc: int, stdout: bytes, stderr: bytes, what: str) -> dict[str, Any]:
+    """The installer's JSON answer (its last stdout line), or the error it printed (one
+    reading for run_installer and ship's receive stream)."""
+    name = remote.host.name
+    if remote.kind == "ssh" and proc_rc == 255:
+        last = last_line(stderr) or "connection failed"
+        raise UnreachableError(f"{name}: unreachable over ssh ({remote.host.ssh}): {last}")
+    if proc_rc != 0:
+        msg = error_line(stderr) or f"exit status {proc_rc}"
+        if proc_rc == 127 or "python3: not found" in msg or "command not found" in msg:
+            raise BuilderError(f"{name}: python3 not found on the host")
+        cls = ConfigError if proc_rc == inst.EXIT_CONFIG else BuilderError
+        raise cls(f"{name}: {what}: {msg}")
+    try:
+        out = json.loads(stdout.decode("utf-8").strip().splitlines()[-1])
+    except (ValueError, IndexError, UnicodeDecodeError):
+        raise BuilderError(f"{name}: {what}: unreadable answer from the installer") from None
+    if not isinstance(out, dict):
+        raise BuilderError(f"{name}: {what}: unexpected answer from the installer")
+    return out

@@ -1,0 +1,171 @@
+"""The ssh send path: the bundle streamed over the host's one connection to the installer's
+``receive`` (this machine's trusted copy, kept on the host under its sha256), only the files and
+bytes the host says it lacks, each sent with sendfile."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from builder import installer as inst
+from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
+from builder.hosts import Host
+from builder.ship.options import MiB, ShipOptions, ShipResult
+from builder.ship.remote import Remote, installer_answer, last_line
+
+#: bytes per sendfile call (a progress step)
+SEND_CHUNK = 8 * MiB
+
+
+def key_line(key: bytes) -> str:
+    from builder import sign
+
+    return sign.parse_public_key(key).base64
+
+
+#: the exit status of ship's receive command when the host lacks this installer (it is sent, then
+#: the receive runs again)
+NO_INSTALLER = 199
+
+
+def ship_over_ssh(
+    remote: Remote, host: Host, bdir: Path, manifest: dict[str, Any], key: bytes, opts: ShipOptions
+) -> ShipResult:
+    """One remote command over the host's one connection: ``installer receive`` (this machine's
+    trusted installer, kept on the host under its sha256 and checked against it before it runs),
+    with the bundle streamed on its stdin (only the files and bytes the host says it lacks); it
+    hashes every byte as it arrives and installs, or says the bundle is already there. A host
+    without this installer gets it first (a second command)."""
+    script = inst.assemble()
+    digest = hashlib.sha256(script).hexdigest()
+    hroot = host.paths.bundles
+    prog = f"{hroot}/incoming/installer-{digest[:16]}.py"
+    q = shlex.quote
+    args = ["receive", "--root", hroot, "--host", host.name]
+    if opts.stage:
+        args.append("--stage")
+    if opts.insecure:
+        args.append("--insecure")
+    else:
+        args += ["--trusted-key-base64", key_line(key)]
+    receive = (
+        f'test "$(sha256sum < {q(prog)} 2>/dev/null | cut -c1-64)" = {digest} || exit {NO_INSTALLER}; '
+        f"exec python3 {q(prog)} " + " ".join(q(a) for a in args)
+    )
+    res = _receive(remote, host, bdir, manifest, receive, opts)
+    if res is not None:
+        return res
+    put = (
+        f"umask 022 && mkdir -p {q(hroot + '/incoming')} && cat > {q(prog + '.tmp')} && "
+        f"mv -f {q(prog + '.tmp')} {q(prog)}"
+    )
+    p = remote.run(put, timeout=opts.timeout, stdin=script, what="send the installer")
+    if p.returncode != 0:
+        raise BuilderError(f"{host.name}: cannot write {prog}: {last_line(p.stderr)}")
+    res = _receive(remote, host, bdir, manifest, receive, opts)
+    if res is None:
+        raise BuilderError(f"{host.name}: {prog} does not match the installer just sent")
+    return res
+
+
+def _receive(
+    remote: Remote, host: Host, bdir: Path, manifest: dict[str, Any], command: str, opts: ShipOptions
+) -> ShipResult | None:
+    """Run the receive command with the bundle streamed to it; None when the host lacks the installer."""
+    res = ShipResult(host=host.name, fleet=manifest["fleet"], bundle_id=manifest["bundle_id"], result="")
+    files = {f["path"]: f for f in manifest["files"]}
+    total = sum(f["size"] for f in manifest["files"])
+    mbytes = (bdir / inst.MANIFEST).read_bytes()
+    sbytes = (bdir / inst.SIGNATURE).read_bytes() if not opts.insecure else b""
+    limit = opts.timeout + 120 + total / opts.min_rate + 3 * total / opts.hash_rate
+    remote.connect()
+    argv = remote.argv(command)
+    errf = tempfile.TemporaryFile()
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf)
+    except FileNotFoundError:
+        raise ConfigError(f"{argv[0]}: not found (needed to reach {host.name})") from None
+    fired: list[bool] = []
+
+    def stalled() -> None:
+        fired.append(True)
+        proc.kill()
+
+    timer = threading.Timer(limit, stalled)
+    timer.daemon = True
+    timer.start()
+    assert proc.stdin is not None and proc.stdout is not None
+    inst.widen_pipe(proc.stdin.fileno())
+    broken = False
+    try:
+        try:
+            proc.stdin.write(inst.RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes)
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            want = json.loads(line).get("want") if line.strip() else None
+            if isinstance(want, list):
+                sent = {p for p, _ in want}
+                res.skipped = sorted(set(files) - sent)
+                if opts.on_plan is not None:
+                    opts.on_plan([(p, files[p]["size"] - int(o)) for p, o in want])
+                for path, offset in want:
+                    entry = files[path]
+                    _stream(proc.stdin.fileno(), bdir, entry, int(offset), opts)
+                    res.sent.append(path)
+                    res.bytes_sent += entry["size"] - int(offset)
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError, ValueError):
+            broken = True  # the host stopped reading: its error is on its stderr
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        tail = proc.stdout.read()
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    errf.seek(0)
+    err = errf.read(1 << 20)
+    if fired:
+        raise UnreachableError(
+            f"{host.name}: no answer within {limit:.0f} s (receive) over {remote.kind} to {host.ssh}"
+        )
+    if rc == NO_INSTALLER and not res.sent:
+        return None
+    if broken and rc == 0:
+        rc = 1
+    out = installer_answer(remote, rc, tail, err, "receive")
+    res.result = str(out.get("result", "installed"))
+    return res
+
+
+def _stream(fd: int, bdir: Path, entry: dict[str, Any], offset: int, opts: ShipOptions) -> None:
+    """Write a manifest file's bytes from offset to fd (its parts one after another), by sendfile:
+    the bytes go from the page cache to the pipe without passing through Python."""
+    pieces = entry.get("parts") or [entry]
+    at = 0
+    for piece in pieces:
+        start, end = at, at + piece["size"]
+        at = end
+        if end <= offset:
+            continue
+        skip = max(0, offset - start)
+        with open(bdir / piece["path"], "rb") as f:
+            pos, left = skip, piece["size"] - skip
+            while left > 0:
+                n = os.sendfile(fd, f.fileno(), pos, min(left, SEND_CHUNK))
+                if n == 0:
+                    raise VerifyError(f"{bdir / piece['path']}: shorter than the manifest says")
+                pos += n
+                left -= n
+                if opts.on_bytes is not None:
+                    opts.on_bytes(entry["path"], n)
