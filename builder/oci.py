@@ -31,8 +31,8 @@ from urllib.parse import urlencode
 
 from builder.errors import ConfigError, ResolveError
 from builder.fetch import network_reason
-from builder.lockfile import LockedBase, LockedPublishedImage
-from builder.pins import BaseImage, PublishedImage
+from builder.lockfile import LockedBase
+from builder.pins import BaseImage
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
@@ -379,7 +379,7 @@ def _local_inspect(ref: str) -> dict[str, Any] | None:
     return data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None
 
 
-def _local_image(where: str, ref: str, platforms: list[str], why_missing: str) -> dict[str, Any]:
+def local_image(where: str, ref: str, platforms: list[str], why_missing: str) -> dict[str, Any]:
     """The engine's inspect of a local image, checked offline: it is there, has a sha256 id, and is
     every one of the platforms the pin asks for (ResolveError naming ``where`` otherwise)."""
     info = _local_inspect(ref)
@@ -397,7 +397,7 @@ def _local_image(where: str, ref: str, platforms: list[str], why_missing: str) -
 
 def resolve_local(name: str, spec: BaseImage, spec_hash: str) -> LockedBase:
     where = f"bases.{name}"
-    info = _local_image(where, spec.ref, spec.platforms, "")
+    info = local_image(where, spec.ref, spec.platforms, "")
     image_id = str(info["Id"])
     env_list = [str(x) for x in ((info.get("Config") or {}).get("Env") or [])]
     platforms: dict[str, str] = {}
@@ -437,72 +437,5 @@ def resolve(name: str, spec: BaseImage, *, offline: bool, spec_hash: str) -> Loc
 
 
 # ---------------------------------------------------------------------------------------
-# published images (run as they are)
-
-
-def _diff_ids(where: str, config: dict[str, Any], layers: int | None) -> list[str]:
-    diff_ids = [str(x) for x in ((config.get("rootfs") or {}).get("diff_ids") or [])]
-    if not diff_ids or not all(re.fullmatch(r"sha256:[0-9a-f]{64}", d) for d in diff_ids):
-        raise ResolveError(f"{where}: the image config has no DiffIDs")
-    if layers is not None and layers != len(diff_ids):
-        raise ResolveError(f"{where}: the manifest has {layers} layers, its config {len(diff_ids)} DiffIDs")
-    return diff_ids
-
-
-def resolve_published(name: str, spec: PublishedImage, *, offline: bool, spec_hash: str) -> LockedPublishedImage:
-    """A published image by digest: the registry's manifest (its bytes hash to the pinned digest) and
-    config (its bytes hash to the digest the manifest names: the ImageID), or offline the engine's copy
-    pulled by that digest."""
-    where = f"images.{name}"
-    try:
-        ref = parse_ref(spec.published)
-    except ConfigError as e:
-        raise ConfigError(f"{where}.published: {e}") from None
-    assert ref.digest is not None  # PublishedImage takes references by digest only
-    if offline:
-        return _published_local(where, spec, ref, spec_hash)
-    reg = Registry(ref)
-    try:
-        doc, media, digest = reg.manifest(ref.digest)
-        if media in INDEX_TYPES or "manifests" in doc:
-            match = next((m for m in doc.get("manifests") or []
-                          if platform_matches(spec.platform, (m.get("platform") or {}).get("os", ""),
-                                              (m.get("platform") or {}).get("architecture", ""),
-                                              (m.get("platform") or {}).get("variant"))), None)
-            if match is None:
-                raise ResolveError(f"{where}: platform {spec.platform} is not in the index {spec.published}")
-            doc, media, digest = reg.manifest(str(match.get("digest")))
-        if not (media in MANIFEST_TYPES or "config" in doc):
-            raise ResolveError(f"{where}: {spec.published}: unsupported manifest type {media or 'unknown'}")
-        image_id = str((doc.get("config") or {}).get("digest"))
-        if not re.fullmatch(r"sha256:[0-9a-f]{64}", image_id):
-            raise ResolveError(f"{where}: {spec.published}: the manifest names no config digest")
-        config = reg.blob_json(image_id)
-    except ResolveError as e:
-        text = str(e)
-        raise ResolveError(text if text.startswith(where) else f"{where}: {text}") from None
-    except urllib.error.HTTPError as e:
-        what = "not found" if e.code == 404 else f"HTTP {e.code}"
-        raise ResolveError(f"{where}: {spec.published}: {what} at {ref.registry}") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        raise ResolveError(f"{where}: cannot reach {ref.registry} for {spec.published}: {network_reason(e)}") from None
-    os_, arch, var = config.get("os", ""), config.get("architecture", ""), config.get("variant")
-    if not platform_matches(spec.platform, os_, arch, var):
-        have = "/".join(x for x in (os_, arch, var) if x)
-        raise ResolveError(f"{where}: {spec.published} is {have}, not {spec.platform}")
-    return LockedPublishedImage(spec_hash=spec_hash, published=spec.published, manifest_digest=digest,
-                                image_id=image_id, diff_ids=_diff_ids(where, config, len(doc.get("layers") or [])),
-                                platform=spec.platform, source="registry")
-
-
-def _published_local(where: str, spec: PublishedImage, ref: ImageRef, spec_hash: str) -> LockedPublishedImage:
-    info = _local_image(where, spec.published, [spec.platform], " is not in the Docker engine")
-    image_id = str(info["Id"])
-    diff_ids = _diff_ids(where, {"rootfs": {"diff_ids": (info.get("RootFS") or {}).get("Layers")}}, None)
-    assert ref.digest is not None
-    return LockedPublishedImage(spec_hash=spec_hash, published=spec.published, manifest_digest=ref.digest,
-                                image_id=image_id, diff_ids=diff_ids, platform=spec.platform, source="local")
-
-
-__all__ = ["resolve", "resolve_published", "resolve_registry", "resolve_local", "parse_ref", "ImageRef", "Registry",
+__all__ = ["resolve", "resolve_registry", "resolve_local", "parse_ref", "ImageRef", "Registry",
            "platform_matches", "docker_config_credentials"]

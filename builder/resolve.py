@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder import __version__, fetch, gitsrc, hf, oci
+from builder import __version__, fetch, gitsrc, hf, oci, published
 from builder.canon import address
 from builder.errors import BuilderError, ConfigError
 from builder.hashing import sha256_file
@@ -191,7 +191,7 @@ def _published(pins: Pins, previous: Lock | None, opts: ResolveOptions,
                 out[name] = prev_pub  # stale for the new pin (--check says so) until it is locked
             continue
         try:
-            entry = oci.resolve_published(name, spec, offline=opts.offline, spec_hash=spec_hash(spec))
+            entry = published.resolve_published(name, spec, offline=opts.offline, spec_hash=spec_hash(spec))
         except ConfigError:
             raise
         except BuilderError as e:

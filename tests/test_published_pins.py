@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import journeylib  # noqa: E402
 
-from builder import gc, oci, resolve  # noqa: E402
+from builder import gc, published, resolve  # noqa: E402
 from builder.errors import ResolveError  # noqa: E402
 from builder.lockfile import LockedPublishedImage, check_lock, load_lock  # noqa: E402
 from builder.pins import PublishedImage, load_pins  # noqa: E402
@@ -78,7 +78,7 @@ def test_lock_plan_check_and_gc_of_a_published_image(project: Path, monkeypatch:
         calls.append(offline)
         return _locked(spec)
 
-    monkeypatch.setattr(oci, "resolve_published", registry_says)
+    monkeypatch.setattr(published, "resolve_published", registry_says)
     rep = resolve.resolve(pins_path, lock_path, resolve.ResolveOptions(names=["pub"], offline=False))
     assert rep.resolved == ["images.pub"] and not rep.failed and calls == [False]
     lock = load_lock(lock_path)
@@ -92,7 +92,7 @@ def test_lock_plan_check_and_gc_of_a_published_image(project: Path, monkeypatch:
     def unreachable(name: str, spec: PublishedImage, *, offline: bool, spec_hash: str) -> LockedPublishedImage:
         raise ResolveError(f"images.{name}: not reachable offline")
 
-    monkeypatch.setattr(oci, "resolve_published", unreachable)
+    monkeypatch.setattr(published, "resolve_published", unreachable)
     rep = resolve.resolve(pins_path, lock_path, resolve.ResolveOptions(offline=True, names=["pub"]))
     assert "images.pub" in rep.kept and not rep.failed and lock_path.read_bytes() == before
     # --update asks again; a failure keeps the entry and names the image
