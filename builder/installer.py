@@ -631,27 +631,13 @@ def verify_bundle(
         raise InstallError("%s: no such bundle folder" % bundle_dir, EXIT_CONFIG)
     mbytes = _read_limited(os.path.join(bundle_dir, MANIFEST), MAX_MANIFEST, MANIFEST)
     sbytes = b""
-    comment = None
     if not insecure:
         if trusted_key is None:
             raise InstallError("no trusted key to check the signature with", EXIT_CONFIG)
         sbytes = _read_limited(os.path.join(bundle_dir, SIGNATURE), 64 * 1024, SIGNATURE)
-        check_signature_form(sbytes)
-        comment = (sig_check or openssl_sig_check)(mbytes, sbytes, trusted_key)
     elif os.path.lexists(os.path.join(bundle_dir, SIGNATURE)):
         sbytes = _read_limited(os.path.join(bundle_dir, SIGNATURE), 64 * 1024, SIGNATURE)
-    try:
-        obj = json.loads(mbytes.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise InstallError("%s: malformed JSON: %s" % (MANIFEST, str(e)[:200])) from None
-    manifest = check_manifest(obj)
-    if bundle_id_of(manifest) != manifest["bundle_id"]:
-        raise InstallError("%s: bundle_id does not match the manifest's content" % MANIFEST)
-    if comment is not None and comment != trusted_comment_for(manifest):
-        raise InstallError(
-            "%s: the signed trusted comment %r does not match the manifest (id, host, fleet, "
-            "lane, rank)" % (SIGNATURE, comment[:200])
-        )
+    manifest = check_signed(mbytes, sbytes, trusted_key, insecure, sig_check)
     expected = physical_files(manifest)
     files, refused = scan_tree(bundle_dir)
     if refused:
@@ -1242,31 +1228,7 @@ def install(
     bundle_dir = os.path.abspath(bundle_dir)
     with r.locked(lock_timeout):
         r.clean_temps()
-        # 1. the key
-        key: bytes | None = None
-        new_key = False
-        if insecure:
-            _say("WARNING: --insecure: the signature is NOT checked")
-        elif os.path.exists(r.trusted):
-            key = _read_limited(r.trusted, 64 * 1024, r.trusted)
-            have = _parse_key(key, r.trusted)
-            if trusted_key is not None:
-                given = _parse_key(trusted_key, "--trusted-key")
-                if (given.key_id, given.key) != (have.key_id, have.key):
-                    raise InstallError(
-                        "the given key %s differs from %s (key %s); to rotate keys, remove that "
-                        "file first" % (given.key_id_hex, r.trusted, have.key_id_hex),
-                        EXIT_CONFIG,
-                    )
-        elif trusted_key is not None:
-            _parse_key(trusted_key, "--trusted-key")
-            key, new_key = trusted_key, True
-        else:
-            raise InstallError(
-                "%s: no trusted key; give the fleet's public key with --trusted-key FILE at the "
-                "first install (or --insecure to skip the signature)" % r.trusted,
-                EXIT_CONFIG,
-            )
+        key, new_key = _host_key(r, trusted_key, insecure)  # 1. the key
         # 2. signature, structure and sizes, before anything changes; each byte is hashed once below,
         # in the pass that uses it (a model file as it is written to a temp name beside its place,
         # the image archive as it streams into docker load, the rest on its own), and nothing is
@@ -1275,15 +1237,7 @@ def install(
             bundle_dir, key, insecure=insecure, sig_check=sig_check, hashes=False
         )
         bid = manifest["bundle_id"]
-        if host is not None and manifest["host"] != host:
-            raise InstallError("bundle is for host %r, not %r" % (manifest["host"], host), EXIT_CONFIG)
-        old = r.read_record()
-        if old and old.get("host") not in (None, manifest["host"]):
-            raise InstallError(
-                "%s: this host was installed as %r; the bundle is for %r"
-                % (r.record, old.get("host"), manifest["host"]),
-                EXIT_CONFIG,
-            )
+        old = _host_record(r, manifest, host)
         current = r.link("current")
         img = manifest["image"]
         have_layers = image_present(img["image_id"])
@@ -1304,15 +1258,7 @@ def install(
                 _remove_source(r, bundle_dir)
             return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid)}
         # 3. what is needed, and room for it
-        if have_layers is None and img["archive"] is None and img.get("pull") is None:
-            raise InstallError(
-                "image %s is not on this host and the bundle carries no image (bundle it with "
-                "--with-image)" % img["image_id"]
-            )
-        if have_layers and have_layers != img["diff_ids"]:
-            raise InstallError(
-                "image %s on this host has DiffIDs other than the manifest's" % img["image_id"]
-            )
+        _check_image_source(img, have_layers)
         if have_layers is None and img["archive"] is not None and img.get("omitted_layers"):
             check_thin(img)
         bundled = {f["path"]: f for f in manifest["files"]}
@@ -1354,37 +1300,10 @@ def install(
             os.replace(tmp, dest)
             fsync_dir(os.path.dirname(dest))
         stage_release(r, bundle_dir, manifest, mbytes, sbytes)
-        if new_key:  # the first install's key becomes the host's trusted key once the bundle is staged
-            atomic_write(r.trusted, trusted_key or b"", 0o644)
-            _say("trusted key set: %s" % r.trusted)
-        if stage:
-            _mark_staged(r, manifest, mbytes, current)
-            _say(
-                "staged bundle %s (host %s, lane %s, rank %d); current stays %s"
-                % (bid[:16], manifest["host"], manifest["lane"], manifest["rank"], (current or "none")[:16])
-            )
-            if remove_source:
-                _remove_source(r, bundle_dir)
-            return {"result": "staged", "bundle_id": bid, "current": current, "release": r.release(bid)}
-        previous = r.link("previous")
-        if current is not None and current != bid:
-            r.set_link("previous", current)
-            previous = current
-        r.set_link("current", bid)
-        write_record(r, manifest, mbytes, "install", previous if previous != bid else None)
-        r.clear_staged(bid)
-        _say(
-            "installed bundle %s (host %s, lane %s, rank %d); previous: %s"
-            % (bid[:16], manifest["host"], manifest["lane"], manifest["rank"], (previous or "none")[:16])
-        )
+        res = _switch_in(r, manifest, mbytes, stage, current, trusted_key if new_key else None)
         if remove_source:
             _remove_source(r, bundle_dir)
-        return {
-            "result": "installed",
-            "bundle_id": bid,
-            "previous_bundle_id": previous,
-            "release": r.release(bid),
-        }
+        return res
 
 
 def _link_whole(src: str, tmp: str) -> bool:
@@ -1726,6 +1645,30 @@ def check_signed(mbytes: bytes, sbytes: bytes, key: bytes | None, insecure: bool
     return manifest
 
 
+def _host_record(r: Root, manifest: dict[str, Any], host: str | None) -> dict[str, Any] | None:
+    """This host's apply record, once the bundle is known to be for this host (InstallError if not)."""
+    if host is not None and manifest["host"] != host:
+        raise InstallError("bundle is for host %r, not %r" % (manifest["host"], host), EXIT_CONFIG)
+    old = r.read_record()
+    if old and old.get("host") not in (None, manifest["host"]):
+        raise InstallError(
+            "%s: this host was installed as %r; the bundle is for %r" % (r.record, old.get("host"), manifest["host"]),
+            EXIT_CONFIG,
+        )
+    return old
+
+
+def _check_image_source(img: dict[str, Any], have_layers: list[str] | None) -> None:
+    """The image is on this host with the manifest's layers, or the bundle says how to get it."""
+    if have_layers is None and img["archive"] is None and img.get("pull") is None:
+        raise InstallError(
+            "image %s is not on this host and the bundle carries no image (bundle it with --with-image)"
+            % img["image_id"]
+        )
+    if have_layers and have_layers != img["diff_ids"]:
+        raise InstallError("image %s on this host has DiffIDs other than the manifest's" % img["image_id"])
+
+
 def _host_key(r: Root, trusted_key: bytes | None, insecure: bool) -> tuple[bytes | None, bool]:
     """(the key to check the signature with, whether it is the first install's new key)."""
     if insecure:
@@ -1954,15 +1897,7 @@ def receive(
         key, new_key = _host_key(r, trusted_key, insecure)
         manifest = check_signed(mbytes, sbytes, key, insecure)
         bid = manifest["bundle_id"]
-        if host is not None and manifest["host"] != host:
-            raise InstallError("bundle is for host %r, not %r" % (manifest["host"], host), EXIT_CONFIG)
-        old = r.read_record()
-        if old and old.get("host") not in (None, manifest["host"]):
-            raise InstallError(
-                "%s: this host was installed as %r; the bundle is for %r"
-                % (r.record, old.get("host"), manifest["host"]),
-                EXIT_CONFIG,
-            )
+        old = _host_record(r, manifest, host)
         current = r.link("current")
         img = manifest["image"]
         have_layers = image_present(img["image_id"])
@@ -1985,13 +1920,7 @@ def receive(
             if stage:
                 _mark_staged(r, manifest, mbytes, old.get("previous_bundle_id"))
             return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid), "received": []}
-        if have_layers is None and img["archive"] is None and img.get("pull") is None:
-            raise InstallError(
-                "image %s is not on this host and the bundle carries no image (bundle it with "
-                "--with-image)" % img["image_id"]
-            )
-        if have_layers and have_layers != img["diff_ids"]:
-            raise InstallError("image %s on this host has DiffIDs other than the manifest's" % img["image_id"])
+        _check_image_source(img, have_layers)
         files = {f["path"]: f for f in manifest["files"]}
         inc_dir = os.path.join(r.incoming, bid)
         wanted: list[_Incoming] = []
@@ -2142,18 +2071,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.cmd in ("install", "receive"):  # (the two take the same checks and limits)
+            common = {"trusted_key": _key_bytes(args), "insecure": args.insecure, "host": args.host,
+                      "reserve": args.reserve, "lock_timeout": args.lock_timeout, "stage": args.stage}
         if args.cmd == "install":
-            res = install(
-                args.bundle,
-                args.root,
-                trusted_key=_key_bytes(args),
-                insecure=args.insecure,
-                host=args.host,
-                remove_source=args.remove_source,
-                reserve=args.reserve,
-                lock_timeout=args.lock_timeout,
-                stage=args.stage,
-            )
+            res = install(args.bundle, args.root, remove_source=args.remove_source, **common)
         elif args.cmd == "stage":
             res = stage_installed(args.root, args.release, lock_timeout=args.lock_timeout)
         elif args.cmd == "switch":
@@ -2164,17 +2086,7 @@ def main(argv: list[str] | None = None) -> int:
             res = status(args.root)
         elif args.cmd == "receive":
             widen_pipe(0)
-            res = receive(
-                args.root,
-                sys.stdin.buffer,
-                sys.stdout.buffer,
-                trusted_key=_key_bytes(args),
-                insecure=args.insecure,
-                host=args.host,
-                reserve=args.reserve,
-                lock_timeout=args.lock_timeout,
-                stage=args.stage,
-            )
+            res = receive(args.root, sys.stdin.buffer, sys.stdout.buffer, **common)
         elif args.cmd == "inventory":
             res = inventory(args.dir)
         elif args.cmd == "assemble":
