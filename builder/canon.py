@@ -146,3 +146,8 @@ def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def attrs(obj: object, *names: str) -> dict[str, Any]:
+    """``{name: obj.name}`` for the named attributes: the plain part of a report's JSON, in order."""
+    return {n: getattr(obj, n) for n in names}

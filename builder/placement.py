@@ -17,6 +17,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from builder.canon import attrs
 from builder.errors import ConfigError
 from builder.hosts import Host, Paths
 from builder.lockfile import Lock, spec_hash
@@ -65,11 +66,7 @@ class PlacedModel:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "role": self.role,
-            "root": self.root,
-            "locked_files": self.locked_files,
-            "expect_files": self.expect_files,
+            **attrs(self, "name", "role", "root", "locked_files", "expect_files"),
             "files": [f.to_json() for f in self.files],
         }
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from builder.audit.options import CONCERNS
-from builder.canon import atomic_write
+from builder.canon import atomic_write, attrs
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 
 
@@ -58,9 +58,7 @@ class AuditReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "mode": self.mode,
-            "phase": self.phase,
-            "concerns": self.concerns,
+            **attrs(self, "mode", "phase", "concerns"),
             "exit": self.exit_code,
             "seconds": round(self.seconds, 3),
             "hosts": {

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from builder.canon import attrs
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 
 RESULTS = ("deployed", "unchanged", "planned", "refused", "rolled-back", "failed", "started", "stopped")
@@ -34,13 +35,7 @@ class HostOutcome:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "rank": self.rank,
-            "role": self.role,
-            "origin": self.origin,
-            "target": self.target,
-            "result": self.result,
-            "on": self.on,
-            "message": self.message,
+            **attrs(self, "rank", "role", "origin", "target", "result", "on", "message"),
             **({"plan": self.plan} if self.plan else {}),
         }
 
@@ -84,18 +79,13 @@ class DeployReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "command": self.command,
-            "fleet": self.fleet,
-            "lane": self.lane,
-            "result": self.result,
+            **attrs(self, "command", "fleet", "lane", "result"),
             "exit": self.exit_code,
             "reason": self.reason,
             "fleet_on": self.fleet_on(),
-            "resumed": self.resumed,
-            "target_lock": self.target_lock,
+            **attrs(self, "resumed", "target_lock"),
             "seconds": round(self.seconds, 3),
             "hosts": {h.host: h.to_json() for h in self.hosts},
-            "audit": self.audit,
-            "rollback_audit": self.rollback_audit,
+            **attrs(self, "audit", "rollback_audit"),
             **({"steps": self.steps} if self.steps else {}),
         }

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from builder.canon import attrs
 from builder.deploy import journal as J
 from builder.deploy.fleetwork import DeployOptions, Fleetwork
 from builder.deploy.hoststate import HostState
@@ -77,10 +78,7 @@ class FleetStatus:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "fleet": self.fleet,
-            "lane": self.lane,
-            "lock_hash": self.lock_hash,
-            "image_id": self.image_id,
+            **attrs(self, "fleet", "lane", "lock_hash", "image_id"),
             "exit": self.exit_code,
             "summary": self.summary,
             "deploy": self.deploy,
