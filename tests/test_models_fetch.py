@@ -192,3 +192,31 @@ def test_a_symlinked_snapshot_is_imported_as_the_file_it_names(tmp_path: Path) -
     assert not obj.is_symlink() and os.path.samefile(obj, blob)
     dest = tmp_path / "bundle" / "w.bin"
     assert store.place(w, dest) == "linked" and not dest.is_symlink() and os.path.samefile(dest, blob)
+
+
+@pytest.fixture
+def small_store(proj: Path) -> Iterator[Path]:
+    """The model store on a 64 KiB tmpfs: the 100 KiB LFS file fills it mid-download (a real ENOSPC)."""
+    store = proj / "store"
+    models = store / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(models)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield store
+    finally:
+        subprocess.run(["umount", "-l", str(models)], check=False)
+
+
+def test_a_disk_that_fills_mid_download(proj: Path, hub: FakeHub, small_store: Path) -> None:
+    r = cli(proj, hub, "fetch", "tiny")
+    assert r.returncode != 0
+    # (the files are fetched at once, so each that could not be written is named, one line each)
+    err = [line for line in r.stderr.splitlines() if line.startswith("error")]
+    assert any("models.tiny: model.safetensors:" in e and "No space left" in e for e in err), r.stderr
+    assert all(e.startswith("error: models.tiny: ") for e in err), r.stderr
+    for path in FILES:  # nothing under a real name: no object, no view
+        w = wanted(proj, path)
+        assert not ModelStore(small_store).object_path(w.sha256).exists(), path
+        assert not (small_store / "models" / "views" / "tiny" / w.commit / path).exists(), path
