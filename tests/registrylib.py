@@ -45,6 +45,17 @@ DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
 ACCEPT_ALL = ", ".join([OCI_INDEX, OCI_MANIFEST, DOCKER_LIST, DOCKER_MANIFEST])
 
 
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """A registry process stopped: SIGTERM, then SIGKILL after 10 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
 class RegistryError(RuntimeError):
     """The test registry failed to start or refused a request (one line)."""
 
@@ -125,13 +136,7 @@ class Registry:
         self.stop()
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        stop_process(self.process)
 
     # ---- HTTP
 

@@ -138,117 +138,83 @@ def test_deploy_takes_the_image_from_the_registry(tmp_path: Path) -> None:
 
 
 def test_the_fleet_pulls_only_what_it_lacks_from_its_registry(tmp_path: Path) -> None:
-    _skip_without_parts()
-    root = support.two_layer_project(tmp_path / "project")
-    env = support.env_for(tmp_path)
-    env["BUILDER_SSH_DIR"] = str(tmp_path / "ssh")
-    (tmp_path / "ssh").mkdir(mode=0o700)
-    keys = tmp_path / "keys"
-    store = tmp_path / "store"
+    with registry_fleet(tmp_path) as rf:
+        root, keys, store, fleet, reg, builder = rf.root, rf.keys, rf.store, rf.fleet, rf.reg, rf.builder
+        key = str(keys / "builder.key")
+        bundle_args = ("bundle", "--fleet", FLEET, "--with-image", "--with-models", "--key", key)
 
-    def builder(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return support.run_builder(root, env, *args, check=check)
+        def ship_all() -> None:
+            for h in reversed(fleet.hosts):
+                builder("ship", f"{FLEET}/{h.name}")
 
-    fleet = fleetlib.start_fleet(2, tmp_path / "fleet")
-    try:
-        gateway = str(next(ipaddress.ip_network(fleet.subnet).hosts()))
-        with support.serve(tmp_path / "registry", ip=gateway, tls=True) as reg:
-            assert reg.ca is not None
-            for h in fleet.hosts:
-                journeylib.prepare_host(fleet, h)
-                fleet.exec(h, f"mkdir -p /etc/docker/certs.d/{reg.addr}")
-                fleetlib.docker("cp", str(reg.ca), f"{h.container_name}:/etc/docker/certs.d/{reg.addr}/ca.crt")
-            shutil.copyfile(reg.ca, root / "hosts" / "regfleet-ca.crt")
-            toml = journeylib.fleet_toml(FLEET, "demo", fleet, keys)
-            toml = toml.replace("[fleet]\n", f'[fleet]\nregistry = "{reg.url}"\nregistry_ca = "regfleet-ca.crt"\n', 1)
-            (root / "hosts" / f"{FLEET}.toml").write_text(toml)
-            builder("lock", "--offline", "demo")
-            builder("fetch", "demo", "--offline")
-            builder("image", "demo", "--offline")
-            builder("keygen", "--out", str(keys))
-            key = str(keys / "builder.key")
-            bundle_args = ("bundle", "--fleet", FLEET, "--with-image", "--with-models", "--key", key)
+        # 1. the first install pulls every layer
+        builder(*bundle_args)
+        first = rf.record()
+        bdir = root / "out" / "bundles" / FLEET / fleet.hosts[0].name
+        manifest = json.loads((bdir / "manifest.json").read_text())
+        assert manifest["image"]["archive"] is None
+        assert manifest["image"]["pull"] == f"{reg.addr}/builder/demo@{first['manifest_digest']}"
+        assert not (bdir / "image.tar").exists()
+        assert (bdir / "provenance" / "provenance.intoto.json.minisig").is_file()
+        builder("verify", str(bdir), "--key", str(keys / "builder.pub"))
+        mark = len(reg.requests())
+        ship_all()
+        sizes = first["layer_sizes"]
+        assert isinstance(sizes, list) and isinstance(first["config_size"], int)
+        whole = sum(sizes) + first["config_size"]
+        assert reg.blob_bytes_served(mark) == 2 * whole  # each host pulled every blob, once
+        for h in fleet.hosts:
+            assert _has_image(fleet, h, str(first["image_id"]))
+            assert _current(fleet, h).endswith(json.loads(
+                (root / "out" / "bundles" / FLEET / h.name / "manifest.json").read_text())["bundle_id"])
 
-            def ship_all() -> None:
-                for h in reversed(fleet.hosts):
-                    builder("ship", f"{FLEET}/{h.name}")
+        # 2. an engine-only change: only the engine layer (and the new config) is pulled
+        support.engine_change(root, "0.1.1")
+        builder("lock", "--offline", "demo")
+        builder("image", "demo", "--offline")
+        mark = len(reg.requests())
+        builder(*bundle_args)
+        second = rf.record()
+        assert isinstance(second["diff_ids"], list) and isinstance(first["diff_ids"], list)
+        assert second["diff_ids"][0] == first["diff_ids"][0] and second["diff_ids"][1] != first["diff_ids"][1]
+        assert reg.blob_puts(mark) == 2  # the push sent the engine layer and the config only
+        mark = len(reg.requests())
+        ship_all()
+        sizes2 = second["layer_sizes"]
+        assert isinstance(sizes2, list) and isinstance(second["config_size"], int)
+        changed = sizes2[1]
+        served = reg.blob_bytes_served(mark)
+        assert served == 2 * (changed + second["config_size"]), (served, changed)
+        assert served <= 2 * 1.1 * changed
+        for h in fleet.hosts:
+            assert _has_image(fleet, h, str(second["image_id"]))
+        current = {h.name: _current(fleet, h) for h in fleet.hosts}
 
-            def record() -> dict[str, object]:
-                recs = sorted((store / "images").glob("*.json"), key=lambda f: f.stat().st_mtime)
-                out: dict[str, object] = json.loads(recs[-1].read_text())
-                return out
+        # 3. the registry is down: one line naming it, the old release stays current
+        support.engine_change(root, "0.1.2")
+        builder("lock", "--offline", "demo")
+        builder("image", "demo", "--offline")
+        builder(*bundle_args)
+        third = rf.record()
+        reg.stop()
+        head = fleet.hosts[0]
+        p = builder("ship", f"{FLEET}/{head.name}", check=False)
+        assert p.returncode == 1, p.stderr
+        errors = [line for line in p.stderr.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and f"registry {reg.addr}" in errors[0], p.stderr
+        assert "Traceback" not in p.stderr
+        assert _current(fleet, head) == current[head.name]
+        assert not _has_image(fleet, head, str(third["image_id"]))
+        reg.start()
 
-            # 1. the first install pulls every layer
-            builder(*bundle_args)
-            first = record()
-            bdir = root / "out" / "bundles" / FLEET / fleet.hosts[0].name
-            manifest = json.loads((bdir / "manifest.json").read_text())
-            assert manifest["image"]["archive"] is None
-            assert manifest["image"]["pull"] == f"{reg.addr}/builder/demo@{first['manifest_digest']}"
-            assert not (bdir / "image.tar").exists()
-            assert (bdir / "provenance" / "provenance.intoto.json.minisig").is_file()
-            builder("verify", str(bdir), "--key", str(keys / "builder.pub"))
-            mark = len(reg.requests())
-            ship_all()
-            sizes = first["layer_sizes"]
-            assert isinstance(sizes, list) and isinstance(first["config_size"], int)
-            whole = sum(sizes) + first["config_size"]
-            assert reg.blob_bytes_served(mark) == 2 * whole  # each host pulled every blob, once
-            for h in fleet.hosts:
-                assert _has_image(fleet, h, str(first["image_id"]))
-                assert _current(fleet, h).endswith(json.loads(
-                    (root / "out" / "bundles" / FLEET / h.name / "manifest.json").read_text())["bundle_id"])
-
-            # 2. an engine-only change: only the engine layer (and the new config) is pulled
-            support.engine_change(root, "0.1.1")
-            builder("lock", "--offline", "demo")
-            builder("image", "demo", "--offline")
-            mark = len(reg.requests())
-            builder(*bundle_args)
-            second = record()
-            assert isinstance(second["diff_ids"], list) and isinstance(first["diff_ids"], list)
-            assert second["diff_ids"][0] == first["diff_ids"][0] and second["diff_ids"][1] != first["diff_ids"][1]
-            assert reg.blob_puts(mark) == 2  # the push sent the engine layer and the config only
-            mark = len(reg.requests())
-            ship_all()
-            sizes2 = second["layer_sizes"]
-            assert isinstance(sizes2, list) and isinstance(second["config_size"], int)
-            changed = sizes2[1]
-            served = reg.blob_bytes_served(mark)
-            assert served == 2 * (changed + second["config_size"]), (served, changed)
-            assert served <= 2 * 1.1 * changed
-            for h in fleet.hosts:
-                assert _has_image(fleet, h, str(second["image_id"]))
-            current = {h.name: _current(fleet, h) for h in fleet.hosts}
-
-            # 3. the registry is down: one line naming it, the old release stays current
-            support.engine_change(root, "0.1.2")
-            builder("lock", "--offline", "demo")
-            builder("image", "demo", "--offline")
-            builder(*bundle_args)
-            third = record()
-            reg.stop()
-            head = fleet.hosts[0]
-            p = builder("ship", f"{FLEET}/{head.name}", check=False)
-            assert p.returncode == 1, p.stderr
-            errors = [line for line in p.stderr.splitlines() if "error" in line.lower()]
-            assert len(errors) == 1 and f"registry {reg.addr}" in errors[0], p.stderr
-            assert "Traceback" not in p.stderr
-            assert _current(fleet, head) == current[head.name]
-            assert not _has_image(fleet, head, str(third["image_id"]))
-            reg.start()
-
-            # 4. a bundle naming a manifest that is not the lock's image is refused before the switch
-            rec_file = store / "images" / f"{third['input_address']}.json"
-            tampered = json.loads(rec_file.read_text())
-            tampered["manifest_digest"] = first["manifest_digest"]
-            tampered["pushed"] = {reg.addr: f"{reg.addr}/builder/demo@{first['manifest_digest']}"}
-            rec_file.write_text(json.dumps(tampered))
-            builder("bundle", "--fleet", FLEET, "--with-models", "--key", str(keys / "builder.key"))
-            p = builder("ship", f"{FLEET}/{head.name}", check=False)
-            assert p.returncode == 1, p.stderr
-            assert f"is image {first['image_id']}, not the bundle's {third['image_id']}" in p.stderr, p.stderr
-            assert _current(fleet, head) == current[head.name]
-    finally:
-        fleetlib.close_kept_connections(tmp_path / "ssh")
-        fleet.teardown()
+        # 4. a bundle naming a manifest that is not the lock's image is refused before the switch
+        rec_file = store / "images" / f"{third['input_address']}.json"
+        tampered = json.loads(rec_file.read_text())
+        tampered["manifest_digest"] = first["manifest_digest"]
+        tampered["pushed"] = {reg.addr: f"{reg.addr}/builder/demo@{first['manifest_digest']}"}
+        rec_file.write_text(json.dumps(tampered))
+        builder("bundle", "--fleet", FLEET, "--with-models", "--key", str(keys / "builder.key"))
+        p = builder("ship", f"{FLEET}/{head.name}", check=False)
+        assert p.returncode == 1, p.stderr
+        assert f"is image {first['image_id']}, not the bundle's {third['image_id']}" in p.stderr, p.stderr
+        assert _current(fleet, head) == current[head.name]

@@ -120,13 +120,7 @@ class Served:
         return sum(1 for r in self.requests()[since:] if r["method"] == "PUT" and "/blobs/uploads/" in r["path"])
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        registrylib.stop_process(self.process)
 
     def start(self) -> None:
         """Start it again (after stop()) on the same address, storage and configuration."""
