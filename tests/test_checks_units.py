@@ -88,13 +88,8 @@ def test_collection_error_in_one_line() -> None:
     assert conf._STATE["collect_errors"] == ["checks/test_x.py: ModuleNotFoundError: No module named 'nope'"]
 
 
-def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> None:
-    import testinfra
-
-    cl: Any = checklib_fresh()
-    host = testinfra.get_host("local://")
-    expect = local_expect(tmp_path)
-    planned = cl.planned(expect)
+def count_commands(host: Any) -> list[str]:
+    """The commands host.run is given from now on (each still runs, on the real host)."""
     calls: list[str] = []
     real_run = host.run
 
@@ -103,6 +98,16 @@ def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> N
         return real_run(command, *args)
 
     host.run = counting_run
+    return calls
+
+def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> None:
+    import testinfra
+
+    cl: Any = checklib_fresh()
+    host = testinfra.get_host("local://")
+    expect = local_expect(tmp_path)
+    planned = cl.planned(expect)
+    calls = count_commands(host)
     cl.prefetch(host, expect)
     assert calls == ["python3 -I -S -c %s %s %s"]  # every planned command, one remote call
     assert len(cl.RAN) == len(planned) >= 6
@@ -137,14 +142,7 @@ def test_release_files_come_with_the_record_in_the_prefetch(tmp_path: Path) -> N
     state = tmp_path / "state"
     state.mkdir()
     (state / "applied.json").write_text(json.dumps({"files": [{"path": "start.sh"}, {"path": "stop.sh"}]}))
-    calls: list[str] = []
-    real_run = host.run
-
-    def counting_run(command: str, *args: str) -> Any:
-        calls.append(command)
-        return real_run(command, *args)
-
-    host.run = counting_run
+    calls = count_commands(host)
     cl.prefetch(host, expect)
     got = cl.release_files(host, expect, [f"{cur}/start.sh", f"{cur}/stop.sh"])
     assert got[f"{cur}/stop.sh"]["sha256"] == hashlib.sha256(b"halt").hexdigest()
