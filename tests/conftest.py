@@ -22,6 +22,9 @@ def _isolated_env(
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
     monkeypatch.setenv("NO_COLOR", "1")
     monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    # every `python3 -m builder` a test starts runs this tree's code, whatever the folder it runs in
+    # and whichever checkout `pip install -e` last pointed at
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     monkeypatch.setenv("GIT_AUTHOR_NAME", "builder tests")
     monkeypatch.setenv("GIT_AUTHOR_EMAIL", "tests@builder.invalid")
     monkeypatch.setenv("GIT_COMMITTER_NAME", "builder tests")

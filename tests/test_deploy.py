@@ -137,9 +137,8 @@ def test_the_early_audit_runs_in_a_child_and_leaves_a_configuration_error_to_the
     shared = ControlSockets(tmp_path, True, 60.0)
     req = request(opts, shared)
     assert req["phase"] == "all" and req["control_dir"] == str(tmp_path) and req["fleet"] == "nope"
-    here = str(Path(__file__).resolve().parent.parent)
     p = subprocess.run([sys.executable, "-m", "builder.deploy.early", json.dumps(req)], capture_output=True,
-                       text=True, timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": here})
+                       text=True, timeout=120, cwd=tmp_path, env=dict(os.environ))
     assert p.returncode == 2 and p.stdout == "" and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1
     said: list[str] = []
     early = EarlyAudit(opts, shared, said.append)

@@ -99,7 +99,7 @@ def test_inventory_accepts_the_shipped_fleets() -> None:
 
 
 def _cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), NO_COLOR="1")
+    env = dict(os.environ, NO_COLOR="1")
     return subprocess.run([sys.executable, "-m", "builder", "--pins", str(root / "pins.toml"), *args],
                           capture_output=True, text=True, env=env, timeout=300)
 

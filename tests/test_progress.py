@@ -13,15 +13,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bundlelib as bl  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def _run_on_pty(argv: list[str], cwd: Path) -> tuple[int, str, str]:
     """Run argv with stderr on a pseudo-terminal and stdout on a pipe: (exit code, stdout, pty output)."""
     master, slave = pty.openpty()
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TERM")}
     env["TERM"] = "xterm-256color"
-    env["PYTHONPATH"] = str(ROOT)  # this tree's builder, whatever the folder the command runs in
     p = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, env=env)
     os.close(slave)
     seen = b""
@@ -113,7 +110,7 @@ def test_full_audit_draws_one_bar_per_host_on_a_terminal_only(tmp_path: Path) ->
     assert sorted(json.loads(out)["hosts"]) == ["a", "b"]  # stdout: one JSON document
     assert "audit a (full)" in tty and "audit b (full)" in tty and "\x1b[" in tty
     r = subprocess.run(argv, cwd=pins.parent, capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                       env=dict(os.environ))
     assert r.returncode == 3 and len(json.loads(r.stdout)["hosts"]) == 2
     assert "(full)" not in r.stderr and "\x1b" not in r.stderr and "\r" not in r.stderr, r.stderr
 
@@ -142,6 +139,6 @@ def test_lock_hashing_local_models_draws_a_bar_on_a_terminal_only(tmp_path: Path
     assert json.loads(out)["resolved"] == ["models.demo-model"]  # stdout: one JSON document
     assert "hash models.demo-model" in tty and "MB" in tty and "\x1b[" in tty
     r = subprocess.run([sys.executable, "-c", NO_DELAY, *args], cwd=p.root, capture_output=True, text=True,
-                       timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                       timeout=120, env=dict(os.environ))
     assert r.returncode == 0 and json.loads(r.stdout)["written"] is False, r.stderr
     assert "hash models" not in r.stderr and "\x1b" not in r.stderr and "\r" not in r.stderr, r.stderr
