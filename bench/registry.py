@@ -38,17 +38,18 @@ FIG_PUSH = "builder push vs docker push, image already in the registry (wall tim
 FIG_PUSH_SENT = "builder push vs docker push, image already in the registry (writes to the registry)"
 
 
-def _helpers() -> tuple[Any, Any]:
+def _helpers() -> tuple[Any, Any, Any]:
     sys.path.insert(0, str(REPO / "tests"))
     import fleetlib
-    import test_registry_support as support
+    import projectlib
+    import registrylib
 
-    return fleetlib, support
+    return fleetlib, projectlib, registrylib
 
 
 def run(cfg: Config) -> list[Row]:
     try:
-        fleetlib, support = _helpers()
+        fleetlib, projectlib, registrylib = _helpers()
     except ImportError as e:
         return [skipped(NAME, f, f"test helpers: {e}") for f in (FIG_REG, FIG_THIN, FIG_PUSH_SENT, FIG_PUSH)]
     if shutil.which("docker-registry") is None:
@@ -63,12 +64,12 @@ def run(cfg: Config) -> list[Row]:
         return [skipped(NAME, f, why) for f in (FIG_REG, FIG_THIN, FIG_PUSH_SENT, FIG_PUSH)]
     work = cfg.workdir / "registry"
     payload = secrets.token_bytes((8 if cfg.quick else 32) * 1024 * 1024)
-    root = support.two_layer_project(work / "project", payload)
-    env = support.env_for(work)
+    root = projectlib.two_layer_project(work / "project", payload)
+    env = projectlib.env_for(work)
     env["BUILDER_WHEELHOUSE"] = str(wheels)
 
     def builder(*args: str) -> subprocess.CompletedProcess[str]:
-        out: subprocess.CompletedProcess[str] = support.run_builder(root, env, *args)
+        out: subprocess.CompletedProcess[str] = projectlib.run_builder(root, env, *args)
         return out
 
     made: list[str] = []
@@ -76,7 +77,7 @@ def run(cfg: Config) -> list[Row]:
     try:
         h = fleet.hosts[0]
         gateway = str(next(ipaddress.ip_network(fleet.subnet).hosts()))
-        with support.serve(work / "reg-tls", ip=gateway, tls=True) as reg:
+        with registrylib.start_registry(work / "reg-tls", ip=gateway, tls=True) as reg:
             fleet.exec(h, f"mkdir -p /etc/docker/certs.d/{reg.addr}")
             fleetlib.docker("cp", str(reg.ca), f"{h.container_name}:/etc/docker/certs.d/{reg.addr}/ca.crt")
             push = ("push", "demo", "--registry", reg.url, "--ca", str(reg.ca), "--json")
@@ -87,7 +88,7 @@ def run(cfg: Config) -> list[Row]:
             made.append(old["image_id"])
             fleet.exec(h, f"docker pull -q {json.loads(builder(*push).stdout)['reference']}", timeout=600)
             # the update: only the engine layer changes
-            support.engine_change(root, "0.2.0")
+            projectlib.engine_change(root, "0.2.0")
             builder("lock", "--offline", "demo")
             new = json.loads(builder("image", "demo", "--offline", "--json").stdout)
             made.append(new["image_id"])
@@ -109,7 +110,7 @@ def run(cfg: Config) -> list[Row]:
                     note=f"changed layers {changed} B; what the registry's access log says it served: the "
                          "engine layer and the config",
                     values={"served_bytes": served, "changed_bytes": changed, "full_bytes": full}), thin]
-        rows.extend(_push(cfg, support, work, builder, new))
+        rows.extend(_push(cfg, registrylib, work, builder, new))
     finally:
         fleet.teardown()
         for image_id in made:
@@ -146,11 +147,11 @@ def _thin(root: Path, work: Path, builder: Any, old: dict[str, Any], changed: in
                values={"thin_bytes": thin, "full_bytes": full, "changed_bytes": changed})
 
 
-def _push(cfg: Config, support: Any, work: Path, builder: Any, new: dict[str, Any]) -> list[Row]:
+def _push(cfg: Config, registrylib: Any, work: Path, builder: Any, new: dict[str, Any]) -> list[Row]:
     import statistics
     import time
 
-    with support.serve(work / "reg-open") as reg:
+    with registrylib.start_registry(work / "reg-open") as reg:
         builder("push", "demo", "--registry", reg.url)  # the first push, not timed
         ref = f"{reg.addr}/docker-push/demo:bench"
         subprocess.run(["docker", "tag", new["image_id"], ref], check=True, capture_output=True)

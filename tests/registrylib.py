@@ -1,4 +1,4 @@
-"""A loopback OCI registry for tests: Debian's ``docker-registry`` (distribution 2.8) on 127.0.0.1.
+"""The test registry: Debian's ``docker-registry`` (the CNCF distribution registry, 2.8), started one way.
 
     from registrylib import start_registry
 
@@ -6,24 +6,35 @@
         digest = reg.push_image("builder-test-tiny:1", "demo/tiny", "v1")   # docker tag + docker push
         idx = reg.push_index("demo/multi", "v1")               # OCI index, amd64 + arm64, pure HTTP
         idx.digest, idx.manifests["linux/arm64"]                # what was computed = what the registry says
+        reg.blob_bytes_served(mark)                             # bytes its access log says it served
 
-The registry listens on 127.0.0.1 only (Docker treats 127.0.0.0/8 as an insecure-allowed registry, so
-``docker push 127.0.0.1:PORT/...`` needs no daemon config). Storage, config, htpasswd, the docker client
-config (``DOCKER_CONFIG``, so ``docker login`` never touches $HOME) and the log all live under workdir.
-The planted password is a test value; it never appears in this object's repr.
+    with start_registry(tmp_path, ip=gateway, tls=True) as reg:   # on the test fleet's network, TLS
+        reg.ca                                                  # the CA made here, for dockerd and builder
+
+By default it listens on 127.0.0.1 (Docker treats 127.0.0.0/8 as an insecure-allowed registry, so
+``docker push 127.0.0.1:PORT/...`` needs no daemon config); ``ip`` puts it on another address (the test
+fleet's gateway), ``tls`` serves a certificate for that address from a CA made in the test. Storage,
+config, TLS files, htpasswd, the docker client config (``DOCKER_CONFIG``, so ``docker login`` never
+touches $HOME) and the log (with the access log, from which served bytes are counted) all live under
+workdir. ``stop()`` (or leaving ``with``) ends it; ``start()`` starts it again on the same address and
+storage. The planted password is a test value; it never appears in this object's repr.
 """
 
 from __future__ import annotations
 
 import base64
+import datetime
 import gzip
 import hashlib
 import io
+import ipaddress
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
+import ssl
 import subprocess
 import tarfile
 import time
@@ -44,17 +55,9 @@ DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
 ACCEPT_ALL = ", ".join([OCI_INDEX, OCI_MANIFEST, DOCKER_LIST, DOCKER_MANIFEST])
 
+_ACCESS = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[0-9.]+" (?P<status>\d{3}) (?P<size>\d+|-) '
+                     r'"[^"]*" "(?P<agent>[^"]*)"')
 
-
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    """A registry process stopped: SIGTERM, then SIGKILL after 10 s."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
 
 class RegistryError(RuntimeError):
     """The test registry failed to start or refused a request (one line)."""
@@ -64,9 +67,9 @@ def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def free_port() -> int:
+def free_port(ip: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((ip, 0))
         return int(s.getsockname()[1])
 
 
@@ -107,22 +110,22 @@ class PushedIndex:
 
 @dataclass
 class Registry:
-    """A running loopback registry. Use :func:`start_registry`."""
+    """A running registry. Use :func:`start_registry`."""
 
     workdir: Path
-    port: int
-    process: subprocess.Popen[bytes] = field(repr=False)
+    addr: str  # ip:port it listens on, the registry part of image references
     username: str | None = None
     password: str | None = field(default=None, repr=False)
-
-    @property
-    def host(self) -> str:
-        """``127.0.0.1:PORT``, the registry part of image references."""
-        return f"127.0.0.1:{self.port}"
+    ca: Path | None = None  # the test CA's certificate, when it serves TLS
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)  # None until start()
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}"
+        return f"{'https' if self.ca else 'http'}://{self.addr}"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "registry.log"
 
     @property
     def docker_config(self) -> Path:
@@ -136,7 +139,57 @@ class Registry:
         self.stop()
 
     def stop(self) -> None:
-        stop_process(self.process)
+        """SIGTERM, then SIGKILL after 10 s."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def start(self, timeout: float = 20) -> None:
+        """Start it (again, after stop()) on its address, storage and configuration; return once
+        ``/v2/`` answers."""
+        with open(self.log, "ab") as log:
+            process = subprocess.Popen([REGISTRY_BIN, "serve", str(self.workdir / "registry.json")],
+                                       stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.process = process
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if self.request("GET", "/v2/", auth=False, timeout=2).status in (200, 401):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        last = self.log.read_text(errors="replace").strip()[-300:]
+        raise RegistryError(f"{REGISTRY_BIN}: did not start on {self.addr}: {last}")
+
+    # ---- its access log
+
+    def requests(self) -> list[dict[str, Any]]:
+        """Every request the access log holds: method, path, status, bytes of the body served, agent."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            m = _ACCESS.search(line)
+            if m:
+                size = m["size"]
+                out.append({"method": m["method"], "path": m["path"], "status": int(m["status"]),
+                            "size": 0 if size == "-" else int(size), "agent": m["agent"]})
+        return out
+
+    def blob_bytes_served(self, since: int = 0, agent: str = "docker/") -> int:
+        """Bytes of blobs the registry sent (GET .../blobs/sha256:..., 200) from request ``since`` on, to
+        clients whose User-Agent starts with ``agent`` (by default Docker Engines pulling, not builder's
+        own read-back after a push)."""
+        return sum(r["size"] for r in self.requests()[since:]
+                   if r["method"] == "GET" and "/blobs/sha256:" in r["path"] and r["status"] == 200
+                   and r["agent"].startswith(agent))
+
+    def blob_puts(self, since: int = 0) -> int:
+        return sum(1 for r in self.requests()[since:] if r["method"] == "PUT" and "/blobs/uploads/" in r["path"])
 
     # ---- HTTP
 
@@ -158,15 +211,16 @@ class Registry:
         if creds and creds[0] is not None:
             token = base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
             req.add_header("Authorization", f"Basic {token}")
+        ctx = ssl.create_default_context(cafile=str(self.ca)) if self.ca else None
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
+            with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:
                 return Response(r.status, dict(r.headers.items()), r.read())
         except urllib.error.HTTPError as e:
             return Response(e.code, dict(e.headers.items()), e.read())
 
     def _ok(self, resp: Response, what: str, *codes: int) -> Response:
         if resp.status not in (codes or (200, 201, 202)):
-            raise RegistryError(f"{self.host}: {what}: HTTP {resp.status}: {resp.body[:200]!r}")
+            raise RegistryError(f"{self.addr}: {what}: HTTP {resp.status}: {resp.body[:200]!r}")
         return resp
 
     def push_blob(self, repository: str, data: bytes) -> str:
@@ -200,7 +254,7 @@ class Registry:
         ours = sha256_digest(raw)
         theirs = resp.headers.get("Docker-Content-Digest")
         if theirs != ours:
-            raise RegistryError(f"{self.host}: manifest {reference}: registry says {theirs}, computed {ours}")
+            raise RegistryError(f"{self.addr}: manifest {reference}: registry says {theirs}, computed {ours}")
         return ours
 
     def get_manifest(
@@ -268,7 +322,7 @@ class Registry:
             {d.platform: d.digest for d in details},
             tuple(details),
             raw_index,
-            f"{self.host}/{repository}:{tag}",
+            f"{self.addr}/{repository}:{tag}",
         )
 
     def docker_env(self) -> dict[str, str]:
@@ -280,7 +334,7 @@ class Registry:
             return
         self.docker_config.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run(
-            ["docker", "login", "-u", self.username, "--password-stdin", self.host],
+            ["docker", "login", "-u", self.username, "--password-stdin", self.addr],
             input=self.password,
             capture_output=True,
             text=True,
@@ -288,13 +342,13 @@ class Registry:
             timeout=60,
         )
         if proc.returncode != 0:
-            raise RegistryError(f"{self.host}: docker login failed: {proc.stderr.strip()[-200:]}")
+            raise RegistryError(f"{self.addr}: docker login failed: {proc.stderr.strip()[-200:]}")
 
     def push_image(self, local: str, repository: str, tag: str = "latest") -> str:
         """``docker tag`` + ``docker push`` a local image to this registry; returns the manifest digest
         the push reported (sha256:...)."""
         self.login()
-        ref = f"{self.host}/{repository}:{tag}"
+        ref = f"{self.addr}/{repository}:{tag}"
         env = self.docker_env()
         for argv in (["docker", "tag", local, ref], ["docker", "push", ref]):
             proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
@@ -332,65 +386,89 @@ def _htpasswd_line(user: str, password: str) -> str:
     return f"{user}:{bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=5)).decode()}\n"
 
 
+def make_ca(folder: Path, ip: str) -> tuple[Path, Path, Path]:
+    """(ca.crt, server.crt, server.key): a CA made here and a server certificate for ``ip`` signed by it."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "builder test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+          .not_valid_after(now + datetime.timedelta(days=2))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ip)])).issuer_name(ca_name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1)).not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(ca_key, hashes.SHA256()))
+    paths = folder / "ca.crt", folder / "server.crt", folder / "server.key"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    paths[2].chmod(0o600)
+    return paths
+
+
 def start_registry(
     workdir: Path | str,
     *,
+    ip: str = "127.0.0.1",
+    tls: bool = False,
     auth: bool = False,
     username: str = DEFAULT_USER,
     password: str | None = None,
     port: int | None = None,
-    timeout: float = 20,
 ) -> Registry:
-    """Start ``docker-registry`` on 127.0.0.1 (a free port unless given) with storage under workdir.
-    With ``auth``, htpasswd basic auth for ``username`` and ``password`` (a random planted test value if
-    None; read it back from ``.password``). Returns once ``/v2/`` answers; stop() or ``with`` ends it."""
+    """Start ``docker-registry`` on ``ip`` (a free port unless given) with storage under workdir; TLS from
+    a test CA made here with ``tls``; with ``auth``, htpasswd basic auth for ``username`` and ``password``
+    (a random planted test value if None; read it back from ``.password``). Returns once ``/v2/``
+    answers; stop() or ``with`` ends it."""
     if not registry_available():
         raise RegistryError(f"{REGISTRY_BIN}: not installed (apt-get install docker-registry)")
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     if auth and password is None:
         password = "planted-registry-pw-" + secrets.token_hex(8)
-    last = ""
-    for _attempt in range(3):
-        p = port or free_port()
-        config: dict[str, Any] = {
-            "version": 0.1,
-            "log": {"level": "warn", "accesslog": {"disabled": True}},
-            "storage": {
-                "filesystem": {"rootdirectory": str(workdir / "storage")},
-                "delete": {"enabled": True},
-            },
-            "http": {"addr": f"127.0.0.1:{p}", "secret": secrets.token_hex(16)},
-        }
-        if auth:
-            assert password is not None
-            htpasswd = workdir / "htpasswd"
-            htpasswd.write_text(_htpasswd_line(username, password))
-            htpasswd.chmod(0o600)
-            config["auth"] = {"htpasswd": {"realm": "builder-test", "path": str(htpasswd)}}
+    ca = None
+    http: dict[str, Any] = {"secret": secrets.token_hex(16)}
+    if tls:
+        ca, crt, key = make_ca(workdir / "tls", ip)
+        http["tls"] = {"certificate": str(crt), "key": str(key)}
+    config: dict[str, Any] = {
+        "version": 0.1,
+        "log": {"level": "warn", "accesslog": {"disabled": False}},
+        "storage": {"filesystem": {"rootdirectory": str(workdir / "storage")}, "delete": {"enabled": True}},
+        "http": http,
+    }
+    if auth:
+        assert password is not None
+        htpasswd = workdir / "htpasswd"
+        htpasswd.write_text(_htpasswd_line(username, password))
+        htpasswd.chmod(0o600)
+        config["auth"] = {"htpasswd": {"realm": "builder-test", "path": str(htpasswd)}}
+    error = RegistryError(f"{REGISTRY_BIN}: did not start")
+    for _attempt in range(1 if port else 3):  # a free port can be taken before the registry binds it
+        http["addr"] = f"{ip}:{port or free_port(ip)}"
         cfg = workdir / "registry.json"  # YAML parser, JSON syntax
         cfg.write_text(json.dumps(config, indent=2))
         cfg.chmod(0o600)
-        log = open(workdir / "registry.log", "ab")
-        proc = subprocess.Popen(
-            [REGISTRY_BIN, "serve", str(cfg)],
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log.close()
-        reg = Registry(workdir, p, proc, username if auth else None, password if auth else None)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if reg.request("GET", "/v2/", auth=False, timeout=2).status in (200, 401):
-                    return reg
-            except OSError:
-                pass
-            time.sleep(0.05)
-        reg.stop()
-        last = (workdir / "registry.log").read_text(errors="replace").strip()[-200:]
-        if port:
-            break
-    raise RegistryError(f"{REGISTRY_BIN}: did not start on 127.0.0.1: {last}")
+        reg = Registry(workdir, http["addr"], username if auth else None, password if auth else None, ca)
+        try:
+            reg.start()
+            return reg
+        except RegistryError as e:
+            error = e
+    raise error

@@ -108,7 +108,7 @@ def test_index_digests_from_a_real_registry(registry: Registry) -> None:
     with pytest.raises(ResolveError, match=r"bases\.b: .* resolves to sha256:.*but the pin says sha256:2222"):
         oci.resolve("b", spec.model_copy(update={"digest": "sha256:" + "2" * 64}), offline=False, spec_hash=H)
     # by digest works too
-    by_digest = BaseImage(ref=f"{registry.host}/demo/multi@{idx.digest}", platforms=["linux/arm64"])
+    by_digest = BaseImage(ref=f"{registry.addr}/demo/multi@{idx.digest}", platforms=["linux/arm64"])
     assert oci.resolve("b", by_digest, offline=False, spec_hash=H).index_digest == idx.digest
 
 
@@ -118,10 +118,10 @@ def test_missing_platform_tag_and_registry(registry: Registry) -> None:
     with pytest.raises(ResolveError) as ei:
         oci.resolve("b", BaseImage(ref=idx.reference, platforms=["linux/arm64"]), offline=False, spec_hash=H)
     assert str(ei.value) == f"bases.b: platform linux/arm64 is not in the index of {idx.reference}"
-    with pytest.raises(ResolveError, match=rf"bases\.b: {registry.host}/demo/amd:v2: not found at"):
+    with pytest.raises(ResolveError, match=rf"bases\.b: {registry.addr}/demo/amd:v2: not found at"):
         oci.resolve(
             "b",
-            BaseImage(ref=f"{registry.host}/demo/amd:v2", platforms=["linux/amd64"]),
+            BaseImage(ref=f"{registry.addr}/demo/amd:v2", platforms=["linux/amd64"]),
             offline=False,
             spec_hash=H,
         )
@@ -134,7 +134,7 @@ def test_missing_platform_tag_and_registry(registry: Registry) -> None:
 @pytest.mark.registry
 def test_single_manifest_records_platform_and_env(registry: Registry) -> None:
     digest = push_single(registry, "nvidia/pytorch", "26.07-py3", NGC_ENV)
-    ref = f"{registry.host}/nvidia/pytorch:26.07-py3"
+    ref = f"{registry.addr}/nvidia/pytorch:26.07-py3"
     got = oci.resolve("ngc", BaseImage(ref=ref, platforms=["linux/arm64"]), offline=False, spec_hash=H)
     assert got.index_digest is None and got.platforms == {"linux/arm64": digest}
     assert "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1" in got.config_env["linux/arm64"]

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import test_registry_support as support  # noqa: E402
+import projectlib  # noqa: E402
+import registrylib  # noqa: E402
 from test_registry import _skip_without_parts  # noqa: E402
 
 pytestmark = [pytest.mark.registry, pytest.mark.docker, pytest.mark.build]
@@ -36,21 +37,16 @@ class Published:
     root: Path
     workdir: Path
     env: dict[str, str]
-    registry: support.Served
+    registry: registrylib.Registry
     built: dict[str, Any]  # the record of the image built here, then pushed
     reference: str  # host:port/builder/demo@sha256:...
     keys: Path
 
     def builder(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return support.run_builder(self.root, self.env, *args, check=check)
+        return projectlib.run_builder(self.root, self.env, *args, check=check)
 
     def pin(self, published: str) -> None:
-        """The lane serves `images.pub`, published by this reference."""
-        pins = self.root / "pins.toml"
-        text = pins.read_text().split("\n# -- published --\n")[0]
-        text = text.replace('[lanes.demo]\nimage = "demo"', '[lanes.demo]\nimage = "pub"', 1)
-        pins.write_text(text + f'\n# -- published --\n[images.pub]\npublished = "{published}"\n'
-                               'platform = "linux/amd64"\n')
+        projectlib.pin_published(self.root, published)
 
     def locked(self) -> dict[str, Any]:
         entry: dict[str, Any] = json.loads((self.root / "pins.lock").read_text())["images"]["pub"]
@@ -67,16 +63,16 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Published]:
     _skip_without_parts()
     workdir = tmp_path_factory.mktemp("published")
     # a payload no other image shares: this image's ImageID is this test's alone, so removing it is safe
-    root = support.two_layer_project(workdir / "project", secrets.token_bytes(support.PAYLOAD))
-    env = support.env_for(workdir)
+    root = projectlib.two_layer_project(workdir / "project", secrets.token_bytes(projectlib.PAYLOAD))
+    env = projectlib.env_for(workdir)
     keys = workdir / "keys"
-    support.run_builder(root, env, "keygen", "--out", str(keys))
-    support.local_fleet(root, workdir, keys, name="pub")
-    support.run_builder(root, env, "lock", "--offline", "demo")
-    support.run_builder(root, env, "fetch", "demo", "--offline")
-    built = json.loads(support.run_builder(root, env, "image", "demo", "--offline", "--json").stdout)
-    with support.serve(workdir / "registry") as reg:
-        out = json.loads(support.run_builder(root, env, "push", "demo", "--registry", reg.url, "--json").stdout)
+    projectlib.run_builder(root, env, "keygen", "--out", str(keys))
+    projectlib.local_fleet(root, workdir, keys, name="pub")
+    projectlib.run_builder(root, env, "lock", "--offline", "demo")
+    projectlib.run_builder(root, env, "fetch", "demo", "--offline")
+    built = json.loads(projectlib.run_builder(root, env, "image", "demo", "--offline", "--json").stdout)
+    with registrylib.start_registry(workdir / "registry") as reg:
+        out = json.loads(projectlib.run_builder(root, env, "push", "demo", "--registry", reg.url, "--json").stdout)
         # from here on the image exists only in the registry: `builder image pub` must pull it
         assert _docker("rmi", "--force", built["image_id"]).returncode == 0
         p = Published(root, workdir, env, reg, built, out["reference"], keys)
@@ -132,7 +128,7 @@ def test_lock_image_bundle_install(published: Published) -> None:
     assert (p.workdir / "root" / "current").is_symlink()
 
     # a fleet with a registry of its own: the bundle names the image by digest, the installer pulls it
-    support.local_fleet(p.root, p.workdir, p.keys, name="pubreg", registry=p.registry.url)
+    projectlib.local_fleet(p.root, p.workdir, p.keys, name="pubreg", registry=p.registry.url)
     out = p.workdir / "bundle-reg"
     p.builder("bundle", "pubreg/pubreg-1", "--with-image", "--with-models", "--key", str(p.keys / "builder.key"),
               "--out", str(out))

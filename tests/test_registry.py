@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import test_registry_support as support  # noqa: E402
+import projectlib  # noqa: E402
+import registrylib  # noqa: E402
 
 from builder import registry as reg  # noqa: E402
 from builder.errors import ConfigError  # noqa: E402
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.registry, pytest.mark.docker, pytest.mark.build]
 
 
 def _skip_without_parts() -> None:
-    if shutil.which(support.registrylib.REGISTRY_BIN) is None:
+    if shutil.which(registrylib.REGISTRY_BIN) is None:
         pytest.skip("docker-registry is not installed (apt-get install docker-registry)")
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         pytest.skip("no Docker Engine")
@@ -40,7 +41,7 @@ class Built:
 
     def builder(self, *args: str, check: bool = True, env: dict[str, str] | None = None
                 ) -> subprocess.CompletedProcess[str]:
-        return support.run_builder(self.root, {**self.env, **(env or {})}, *args, check=check)
+        return projectlib.run_builder(self.root, {**self.env, **(env or {})}, *args, check=check)
 
     def record_now(self) -> dict[str, Any]:
         rec: dict[str, Any] = json.loads((self.workdir / "store" / "images" /
@@ -52,31 +53,31 @@ class Built:
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
     _skip_without_parts()
     workdir = tmp_path_factory.mktemp("push")
-    root = support.two_layer_project(workdir / "project")
-    env = support.env_for(workdir)
-    support.run_builder(root, env, "lock", "--offline", "demo")
-    p = support.run_builder(root, env, "image", "demo", "--offline", "--json")
+    root = projectlib.two_layer_project(workdir / "project")
+    env = projectlib.env_for(workdir)
+    projectlib.run_builder(root, env, "lock", "--offline", "demo")
+    p = projectlib.run_builder(root, env, "image", "demo", "--offline", "--json")
     return Built(root, workdir, env, json.loads(p.stdout))
 
 
 @pytest.fixture
-def registry(tmp_path: Path) -> Iterator[support.Served]:
-    with support.serve(tmp_path / "registry", auth=True) as r:
+def registry(tmp_path: Path) -> Iterator[registrylib.Registry]:
+    with registrylib.start_registry(tmp_path / "registry", auth=True) as r:
         yield r
 
 
-def creds(r: support.Served) -> dict[str, str]:
-    assert r.user and r.password
-    return {"BUILDER_REGISTRY_USER": r.user, "BUILDER_REGISTRY_PASSWORD": r.password}
+def creds(r: registrylib.Registry) -> dict[str, str]:
+    assert r.username and r.password
+    return {"BUILDER_REGISTRY_USER": r.username, "BUILDER_REGISTRY_PASSWORD": r.password}
 
 
 def test_the_record_knows_the_manifest_and_the_image_has_two_layers(built: Built) -> None:
     rec = built.record
     assert len(rec["diff_ids"]) == 2 and rec["manifest_digest"].startswith("sha256:")
-    assert rec["layer_sizes"][0] > support.PAYLOAD and rec["config_size"] > 0
+    assert rec["layer_sizes"][0] > projectlib.PAYLOAD and rec["config_size"] > 0
 
 
-def test_push_sends_every_blob_then_nothing(built: Built, registry: support.Served) -> None:
+def test_push_sends_every_blob_then_nothing(built: Built, registry: registrylib.Registry) -> None:
     p = built.builder("push", "demo", "--registry", registry.url, "--json", env=creds(registry))
     first = json.loads(p.stdout)
     rec = built.record_now()
@@ -100,7 +101,7 @@ def test_push_sends_every_blob_then_nothing(built: Built, registry: support.Serv
         assert registry.password not in f.read_text(errors="replace"), f
 
 
-def test_push_sends_only_the_layers_the_registry_lacks(built: Built, registry: support.Served) -> None:
+def test_push_sends_only_the_layers_the_registry_lacks(built: Built, registry: registrylib.Registry) -> None:
     """The payload layer already there (pushed under another repository name would not count: the
     same repository), only the config and the engine layer go."""
     built.builder("push", "demo", "--registry", registry.url, env=creds(registry))
@@ -121,7 +122,7 @@ def test_push_sends_only_the_layers_the_registry_lacks(built: Built, registry: s
 def test_docker_pulls_what_was_pushed_by_digest(built: Built, tmp_path: Path) -> None:
     """The engine takes the manifest builder pushed (uncompressed OCI layers): a pull by digest gives the
     recorded ImageID. (No auth: the loopback registry docker trusts without TLS.)"""
-    with support.serve(tmp_path / "open") as r:
+    with registrylib.start_registry(tmp_path / "open") as r:
         out = json.loads(built.builder("push", "demo", "--registry", r.url, "--json").stdout)
         p = subprocess.run(["docker", "pull", out["reference"]], capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr
@@ -131,12 +132,12 @@ def test_docker_pulls_what_was_pushed_by_digest(built: Built, tmp_path: Path) ->
         assert got == built.record["image_id"]
 
 
-def test_credentials_from_the_docker_config(built: Built, registry: support.Served) -> None:
+def test_credentials_from_the_docker_config(built: Built, registry: registrylib.Registry) -> None:
     import base64
 
     cfg = built.workdir / "docker-config"
     cfg.mkdir(exist_ok=True)
-    auth = base64.b64encode(f"{registry.user}:{registry.password}".encode()).decode()
+    auth = base64.b64encode(f"{registry.username}:{registry.password}".encode()).decode()
     (cfg / "config.json").write_text(json.dumps({"auths": {registry.addr: {"auth": auth}}}))
     try:
         p = built.builder("push", "demo", "--registry", registry.url)
@@ -147,7 +148,7 @@ def test_credentials_from_the_docker_config(built: Built, registry: support.Serv
     assert p.returncode == 1 and "wants credentials" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
-def test_a_registry_serving_other_bytes_is_caught(built: Built, registry: support.Served) -> None:
+def test_a_registry_serving_other_bytes_is_caught(built: Built, registry: registrylib.Registry) -> None:
     """The registry's storage changed under it (the config blob's bytes): the check after the push reads
     the config back, and refuses."""
     built.builder("push", "demo", "--registry", registry.url, env=creds(registry))
@@ -165,7 +166,7 @@ def test_a_registry_serving_other_bytes_is_caught(built: Built, registry: suppor
 
 
 def test_a_registry_that_is_down_is_one_line(built: Built, tmp_path: Path) -> None:
-    with support.serve(tmp_path / "gone") as r:
+    with registrylib.start_registry(tmp_path / "gone") as r:
         url = r.url
     p = built.builder("push", "demo", "--registry", url, check=False)
     assert p.returncode == 3 and p.stderr.count("\n") == 1, p.stderr
@@ -201,7 +202,7 @@ def test_parse_target() -> None:
         reg.parse_target("https://h:5000", "x", "/nonexistent/ca.crt")
 
 
-def test_a_record_of_an_older_build_is_pushed_from_the_engine(built: Built, registry: support.Served) -> None:
+def test_a_record_of_an_older_build_is_pushed_from_the_engine(built: Built, registry: registrylib.Registry) -> None:
     """A record written before manifests were recorded: the image is read from the engine, pushed, and the
     record learns its manifest (the next push needs the engine no more)."""
     path = built.workdir / "store" / "images" / f"{built.record['input_address']}.json"

@@ -27,14 +27,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fleetlib  # noqa: E402
 import journeylib  # noqa: E402
-import test_registry_support as support  # noqa: E402
+import projectlib  # noqa: E402
+import registrylib  # noqa: E402
 
 pytestmark = [pytest.mark.registry, pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
 FLEET = "regfleet"
 
 
 def _skip_without_parts() -> None:
-    if shutil.which(support.registrylib.REGISTRY_BIN) is None:
+    if shutil.which(registrylib.REGISTRY_BIN) is None:
         pytest.skip("docker-registry is not installed (apt-get install docker-registry)")
     if not fleetlib.docker_available():
         pytest.skip("no Docker Engine")
@@ -55,11 +56,11 @@ class RegFleet:
     store: Path
     keys: Path
     fleet: fleetlib.Fleet
-    reg: support.Served
+    reg: registrylib.Registry
     env: dict[str, str]
 
     def builder(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return support.run_builder(self.root, self.env, *args, check=check)
+        return projectlib.run_builder(self.root, self.env, *args, check=check)
 
     def record(self) -> dict[str, Any]:
         recs = sorted((self.store / "images").glob("*.json"), key=lambda f: f.stat().st_mtime)
@@ -73,15 +74,15 @@ def registry_fleet(tmp_path: Path) -> Iterator[RegFleet]:
     fleet file naming it (fleet.registry, fleet.registry_ca relative to the fleet file), the lane
     locked, fetched and built, and a signing key: nothing installed yet."""
     _skip_without_parts()
-    root = support.two_layer_project(tmp_path / "project")
-    env = support.env_for(tmp_path)
+    root = projectlib.two_layer_project(tmp_path / "project")
+    env = projectlib.env_for(tmp_path)
     env["BUILDER_SSH_DIR"] = str(tmp_path / "ssh")
     (tmp_path / "ssh").mkdir(mode=0o700)
     keys = tmp_path / "keys"
     fleet = fleetlib.start_fleet(2, tmp_path / "fleet")
     try:
         gateway = str(next(ipaddress.ip_network(fleet.subnet).hosts()))
-        with support.serve(tmp_path / "registry", ip=gateway, tls=True) as reg:
+        with registrylib.start_registry(tmp_path / "registry", ip=gateway, tls=True) as reg:
             assert reg.ca is not None
             for h in fleet.hosts:
                 journeylib.prepare_host(fleet, h)
@@ -127,7 +128,7 @@ def test_deploy_takes_the_image_from_the_registry(tmp_path: Path) -> None:
         deploy("unchanged")
         assert rf.reg.blob_bytes_served(mark) == 0 and rf.reg.blob_puts(mark) == 0
 
-        support.engine_change(rf.root, "0.1.3")
+        projectlib.engine_change(rf.root, "0.1.3")
         rf.builder("lock", "--offline", "demo")
         rf.builder("image", "demo", "--offline")
         mark = len(rf.reg.requests())
@@ -169,7 +170,7 @@ def test_the_fleet_pulls_only_what_it_lacks_from_its_registry(tmp_path: Path) ->
                 (root / "out" / "bundles" / FLEET / h.name / "manifest.json").read_text())["bundle_id"])
 
         # 2. an engine-only change: only the engine layer (and the new config) is pulled
-        support.engine_change(root, "0.1.1")
+        projectlib.engine_change(root, "0.1.1")
         builder("lock", "--offline", "demo")
         builder("image", "demo", "--offline")
         mark = len(reg.requests())
@@ -191,7 +192,7 @@ def test_the_fleet_pulls_only_what_it_lacks_from_its_registry(tmp_path: Path) ->
         current = {h.name: _current(fleet, h) for h in fleet.hosts}
 
         # 3. the registry is down: one line naming it, the old release stays current
-        support.engine_change(root, "0.1.2")
+        projectlib.engine_change(root, "0.1.2")
         builder("lock", "--offline", "demo")
         builder("image", "demo", "--offline")
         builder(*bundle_args)

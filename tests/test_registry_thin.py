@@ -23,13 +23,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import test_registry_support as support  # noqa: E402
+import projectlib  # noqa: E402
 
 pytestmark = [pytest.mark.docker, pytest.mark.build, pytest.mark.registry]
 
 
 def _fleet(root: Path, tmp: Path, keys: Path) -> None:
-    support.local_fleet(root, tmp, keys)
+    projectlib.local_fleet(root, tmp, keys)
 
 
 def _docker(*args: str) -> subprocess.CompletedProcess[str]:
@@ -40,20 +40,20 @@ def test_a_thin_bundle_carries_only_the_missing_layer_and_loads(tmp_path: Path) 
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         pytest.skip("no Docker Engine")
     # a payload no other image on the engine shares, so its layer chain is this test's alone
-    payload = secrets.token_bytes(support.PAYLOAD)
-    root = support.two_layer_project(tmp_path / "project", payload)
-    env = support.env_for(tmp_path)
+    payload = secrets.token_bytes(projectlib.PAYLOAD)
+    root = projectlib.two_layer_project(tmp_path / "project", payload)
+    env = projectlib.env_for(tmp_path)
     keys = tmp_path / "keys"
 
     def builder(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return support.run_builder(root, env, *args, check=check)
+        return projectlib.run_builder(root, env, *args, check=check)
 
     builder("keygen", "--out", str(keys))
     _fleet(root, tmp_path, keys)
     builder("lock", "--offline", "demo")
     builder("fetch", "demo", "--offline")
     old = json.loads(builder("image", "demo", "--offline", "--json").stdout)
-    support.engine_change(root, "0.1.7")
+    projectlib.engine_change(root, "0.1.7")
     builder("lock", "--offline", "demo")
     new = json.loads(builder("image", "demo", "--offline", "--json").stdout)
     assert new["diff_ids"][0] == old["diff_ids"][0] and new["diff_ids"][1] != old["diff_ids"][1]
@@ -107,11 +107,11 @@ def test_a_thin_bundle_carries_only_the_missing_layer_and_loads(tmp_path: Path) 
 
 
 def test_thin_needs_with_image_and_have(tmp_path: Path) -> None:
-    p = subprocess.run([support.journeylib.BUILDER, "bundle", "x/y", "--thin"], cwd=support.ROOT,
+    p = subprocess.run([projectlib.journeylib.BUILDER, "bundle", "x/y", "--thin"], cwd=projectlib.ROOT,
                        capture_output=True, text=True)
     assert p.returncode == 2 and "--thin needs --with-image and --have FILE" in p.stderr
     bad = tmp_path / "have.json"
     bad.write_text('{"image": {}}')
-    p = subprocess.run([support.journeylib.BUILDER, "bundle", "x/y", "--with-image", "--thin", "--have", str(bad)],
-                       cwd=support.ROOT, capture_output=True, text=True)
+    p = subprocess.run([projectlib.journeylib.BUILDER, "bundle", "x/y", "--with-image", "--thin", "--have", str(bad)],
+                       cwd=projectlib.ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and f"--have {bad}: no layer list" in p.stderr and "Traceback" not in p.stderr

@@ -278,7 +278,7 @@ def test_registry_password_never_printed(tmp_path: Path) -> None:
         proj = tmp_path / "proj"
         proj.mkdir()
         (proj / "pins.toml").write_text(
-            f'format = 1\n[bases.b]\nref = "{reg.host}/demo/multi:v1"\nplatforms = ["linux/arm64"]\n'
+            f'format = 1\n[bases.b]\nref = "{reg.addr}/demo/multi:v1"\nplatforms = ["linux/arm64"]\n'
         )
         r = sc.run("--pins", str(proj / "pins.toml"), "lock", "--json", cwd=proj)
         assert idx.digest in (proj / "pins.lock").read_text(), r.stderr
