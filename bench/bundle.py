@@ -56,14 +56,13 @@ def _project(base: Path, files: dict[str, Path], hosts_root: Path, *, hosts: lis
 
     from builder import __version__, sign
     from builder.canon import atomic_write
-    from builder.hashing import hash_files
+    from builder.hashing import hash_files, recipe_files
     from builder.lockfile import (
         Lock,
         LockedImage,
         LockedLane,
         LockedModel,
         LockedModelFile,
-        recipe_files,
         render_lock,
         spec_hash,
     )

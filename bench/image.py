@@ -119,11 +119,11 @@ def _timed(cfg: Config, proj: Path, store: Path, b: list[str]) -> list[Row]:
 
 def _assemble(proj: Path, store: Path, dest: Path) -> dict[str, str]:
     """The build context and build args `builder image demo` would use (builder.image's own code)."""
-    from builder import dockerio, image
+    from builder import dockerio, image, plan
     from builder.store import Store
 
     pins, lock, _ = image.load_inputs(proj / "pins.toml", proj / "pins.lock", "demo")
-    p = image.plan(proj / "pins.toml", proj / "pins.lock", "demo")
+    p = plan.make_plan(pins, lock, "demo", proj)
     engine = dockerio.engine_platform()
     return image.assemble_context(pins, lock, p, proj, Store(store), dest, offline=True,
                                   build_platform=engine, on_log=lambda _line: None)

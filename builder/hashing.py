@@ -33,9 +33,10 @@ import os
 import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from builder.installer import fast_mode_drift
+from builder.errors import ConfigError
 
 #: Read size for hashing. Large reads keep OpenSSL in its multi-block path and cut syscalls; 4 MiB
 #: keeps a thread's buffer small enough that a full pool stays far under the memory target.
@@ -164,6 +165,21 @@ def _full_path(root: str | os.PathLike[str] | None, path: str) -> str:
     return os.path.join(os.fspath(root), path)
 
 
+def recipe_files(root: Path, recipe: str) -> dict[str, str]:
+    """sha256 of every file in a recipe folder, by path relative to the project."""
+    base = root / recipe
+    if not base.is_dir():
+        raise ConfigError(f"{recipe}: recipe folder not found")
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames.sort()
+        for fn in sorted(filenames):
+            full = Path(dirpath) / fn
+            rel = full.relative_to(root).as_posix()
+            out[rel] = sha256_file(full)[0]
+    return out
+
+
 def stamp(path: str | os.PathLike[str]) -> dict[str, int]:
     """What fast mode compares: {size, mtime (ns), inode}, the apply record's keys for a model file."""
     st = os.stat(path)
@@ -203,6 +219,10 @@ def verify_files(
     """
     if mode not in ("full", "fast"):
         raise ValueError(f"mode must be 'full' or 'fast', not {mode!r}")
+    # imported here: builder.installer is a module of a thousand lines that canon, lockfile and so every
+    # command would otherwise load to hash one file
+    from builder.installer import fast_mode_drift
+
     items = [_entry(e) for e in entries]
     problems: dict[int, Problem] = {}
     to_hash: list[tuple[int, str]] = []

@@ -25,9 +25,9 @@ from builder import ASSEMBLY_FORMAT, __version__, gitsrc, layers, provenance
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.fetch import scrub_url
 from builder.imagerecord import ImageRecord, read_record, tag_for, write_record
-from builder.lockfile import Lock, check_lock, load_lock
-from builder.pins import ImageRecipe, Pins, load_pins
-from builder.plan import Plan, make_plan
+from builder.lockfile import Lock
+from builder.pins import ImageRecipe, Pins
+from builder.plan import Plan, load_inputs, make_plan
 from builder.store import Store
 
 # builder.dockerio loads the Docker SDK as it is imported, so it is imported inside the functions that
@@ -41,22 +41,6 @@ class ImageResult:
     record: ImageRecord
     built: bool  # False when it was already up to date
     reproducible: bool | None = None  # set by --check-reproducible
-
-
-def load_inputs(pins_path: Path, lock_path: Path, name: str) -> tuple[Pins, Lock, Path]:
-    pins = load_pins(pins_path)
-    if name not in pins.images:
-        have = ", ".join(sorted(pins.images)) or "none"
-        raise ConfigError(f"{pins_path}: images: no image named {name!r} (have: {have})")
-    res = check_lock(pins_path, lock_path, [name])
-    if not res.ok:
-        raise ConfigError(f"{lock_path}: stale for image {name}: {res.problems[0]} (run `builder lock {name}`)")
-    return pins, load_lock(lock_path), pins_path.resolve().parent
-
-
-def plan(pins_path: Path, lock_path: Path, name: str) -> Plan:
-    pins, lock, root = load_inputs(pins_path, lock_path, name)
-    return make_plan(pins, lock, name, root)
 
 
 def labels_for(p: Plan, lock: Lock, pins: Pins) -> dict[str, str]:

@@ -8,7 +8,6 @@ the pins into a lock is `builder.resolve`'s; this module imports no resolver.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from builder.canon import address, atomic_write, clean_stale_tmp, file_lock, pretty_json
 from builder.errors import ConfigError
-from builder.hashing import sha256_file
+from builder.hashing import recipe_files, sha256_file
 from builder.loader import read_json, validate
 from builder.pins import INPUT_KINDS, SECTIONS, ImageRecipe, Pins, load_pins
 from builder.schema import Digest, Hex40, Sha256, Strict
@@ -163,21 +162,6 @@ def render_lock(lock: Lock) -> bytes:
     data = lock.body()
     data["seal"] = address(data)
     return pretty_json(data)
-
-
-def recipe_files(root: Path, recipe: str) -> dict[str, str]:
-    """sha256 of every file in a recipe folder, by path relative to the project."""
-    base = root / recipe
-    if not base.is_dir():
-        raise ConfigError(f"{recipe}: recipe folder not found")
-    out: dict[str, str] = {}
-    for dirpath, dirnames, filenames in os.walk(base):
-        dirnames.sort()
-        for fn in sorted(filenames):
-            full = Path(dirpath) / fn
-            rel = full.relative_to(root).as_posix()
-            out[rel] = sha256_file(full)[0]
-    return out
 
 
 def tracked_inputs(pins: Pins, root: Path, pins_path: Path) -> dict[str, str]:

@@ -26,13 +26,15 @@ import subprocess
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
 from builder.errors import ConfigError, ResolveError
 from builder.fetch import network_reason
-from builder.lockfile import LockedBase
-from builder.pins import BaseImage
+
+if TYPE_CHECKING:  # the lock's and pins' models: built only where a base is resolved (not on a push)
+    from builder.lockfile import LockedBase
+    from builder.pins import BaseImage
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
@@ -344,6 +346,8 @@ def resolve_registry(name: str, spec: BaseImage, spec_hash: str) -> LockedBase:
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise ResolveError(f"{where}: cannot reach {ref.registry} for {spec.ref}: {network_reason(e)}") from None
     _check_pins(where, spec, index_digest, platforms)
+    from builder.lockfile import LockedBase
+
     return LockedBase(spec_hash=spec_hash, ref=spec.ref, index_digest=index_digest, platforms=platforms,
                       source="registry", config_env=env)
 
@@ -419,6 +423,8 @@ def resolve_local(name: str, spec: BaseImage, spec_hash: str) -> LockedBase:
     if spec.digest is not None and index_digest != spec.digest:
         raise ResolveError(f"{where}: the local image {spec.ref} does not carry the pinned digest "
                            f"{spec.digest}")
+    from builder.lockfile import LockedBase
+
     return LockedBase(spec_hash=spec_hash, ref=spec.ref, index_digest=index_digest, platforms=platforms,
                       source="local", config_env=env)
 

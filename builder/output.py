@@ -60,6 +60,14 @@ def status(message: str) -> None:
         _plain(message)
 
 
+def detail(line: str) -> None:
+    """A step's detail under its status line (indented, dim in colour), on stderr."""
+    if color_enabled():
+        console().print(f"  {line}", markup=False, emoji=False, style="dim")
+    else:
+        _plain(f"  {line}")
+
+
 def warn(message: str) -> None:
     if color_enabled():
         console().print(f"warning: {message}", markup=False, emoji=False, style="yellow")

@@ -17,8 +17,9 @@ from typing import Any
 from builder import ASSEMBLY_FORMAT
 from builder.canon import address
 from builder.errors import ConfigError
-from builder.lockfile import Lock, LockedImage, LockedPublishedImage, recipe_files, spec_hash
-from builder.pins import Pins, PublishedImage
+from builder.hashing import recipe_files
+from builder.lockfile import Lock, LockedImage, LockedPublishedImage, check_lock, load_lock, spec_hash
+from builder.pins import Pins, PublishedImage, load_pins
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,31 @@ def _check_zig_target(name: str, platform: str, build_args: dict[str, str]) -> N
     if arch is not None and arch != want:
         raise ConfigError(f"images.{name}.build_args.ZIG_TARGET: {triple} builds for {arch}, but the image "
                           f"platform is {platform}")
+
+
+def load_inputs(pins_path: Path, lock_path: Path, name: str) -> tuple[Pins, Lock, Path]:
+    pins = load_pins(pins_path)
+    if name not in pins.images:
+        have = ", ".join(sorted(pins.images)) or "none"
+        raise ConfigError(f"{pins_path}: images: no image named {name!r} (have: {have})")
+    res = check_lock(pins_path, lock_path, [name])
+    if not res.ok:
+        raise ConfigError(f"{lock_path}: stale for image {name}: {res.problems[0]} (run `builder lock {name}`)")
+    return pins, load_lock(lock_path), pins_path.resolve().parent
+
+
+def plan(pins_path: Path, lock_path: Path, name: str) -> Plan:
+    pins, lock, root = load_inputs(pins_path, lock_path, name)
+    return make_plan(pins, lock, name, root)
+
+
+def files_read(pins: Pins, name: str) -> tuple[str | None, list[str]]:
+    """The files the plan of image ``name`` reads besides the pins and the lock (builder.planmemo):
+    its recipe folder (None for a published image) and the patch files of its sources."""
+    img = pins.images[name]
+    if isinstance(img, PublishedImage):
+        return None, []
+    return img.recipe, [pt.file for s in img.sources for pt in pins.sources[s].patches]
 
 
 def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:

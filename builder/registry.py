@@ -24,16 +24,18 @@ import urllib.error
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from builder import layers, oci
+from builder import oci
 from builder.canon import canonical_json, file_lock
 from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
 from builder.fetch import network_reason
-from builder.hosts import Fleet, fleet_registry_ca
 from builder.imagerecord import ImageRecord, read_record, write_record
 from builder.layers.spooled import MEDIA_CONFIG, MEDIA_LAYER, MEDIA_MANIFEST
+
+if TYPE_CHECKING:
+    from builder.hosts import Fleet
 
 REPO_PREFIX = "builder"
 UPLOAD_BLOCK = 1024 * 1024
@@ -268,7 +270,7 @@ def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: s
                       on_log: Callable[[str], None]) -> tuple[bytes, int, int, dict[str, Any]]:
     """The image's bytes from the engine (spooled: the config and its layers), the missing blobs sent.
     Returns (manifest, blobs sent, bytes sent, the record's size fields)."""
-    from builder import dockerio
+    from builder import dockerio, layers
 
     if not dockerio.image_exists(rec.image_id):
         raise ConfigError(f"images.{rec.name}: image {rec.image_id[:19]} is not in the Docker Engine "
@@ -335,6 +337,8 @@ def fleet_pull_reference(store: Path, fleet_path: Path, fleet: Fleet, rec: Image
 
     ``push``: push it first (what the registry holds is not sent), so the reference is there to pull;
     else the reference recorded by an earlier push, or None when it was never pushed there."""
+    from builder.hosts import fleet_registry_ca  # (the inventory's models: only a fleet's push loads them)
+
     if fleet.fleet.registry is None:
         return None
     target = parse_target(fleet.fleet.registry, f"{fleet_path}: fleet.registry", fleet_registry_ca(fleet_path, fleet))

@@ -15,7 +15,7 @@ from typing import Any
 from builder import __version__, fetch, gitsrc, hf, oci, published
 from builder.canon import address
 from builder.errors import BuilderError, ConfigError
-from builder.hashing import sha256_file
+from builder.hashing import recipe_files, sha256_file
 from builder.lockfile import (
     LOCK_FORMAT,
     Lock,
@@ -26,7 +26,6 @@ from builder.lockfile import (
     LockedPublishedImage,
     LockedToolchain,
     load_previous,
-    recipe_files,
     selected_images,
     spec_hash,
     tracked_inputs,

@@ -13,9 +13,9 @@ import pytest
 
 from builder import provenance, sign
 from builder.errors import VerifyError
-from builder.image import plan as make_plan
 from builder.imagerecord import ImageRecord, tag_for
 from builder.plan import Plan
+from builder.plan import plan as make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 H = "sha256:" + "ab" * 32

@@ -32,13 +32,15 @@ def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, f
 
         target = target_from(push_to, Path(ca) if ca else None, None, c.root / "hosts")
     if plan_only:
-        p = core.plan(c.pins, c.lock, name)
+        from builder.plan import plan
+
+        p = plan(c.pins, c.lock, name)
         _print_plan(core.describe(p), as_json)
         return 0
 
     def log(line: str) -> None:
         if line.strip():
-            output.console().print(f"  {line}", markup=False, style="dim")
+            output.detail(line)
 
     if check_reproducible:
         res = core.check_reproducible(c.pins, c.lock, c.store, name, offline=offline, on_log=log)
@@ -93,7 +95,9 @@ def why(name: str, as_json: bool) -> int:
     from builder import image as core
 
     c = get_ctx()
-    _print_plan(core.describe(core.plan(c.pins, c.lock, name)), as_json)
+    from builder.plan import plan
+
+    _print_plan(core.describe(plan(c.pins, c.lock, name)), as_json)
     return 0
 
 

@@ -13,13 +13,14 @@ def target_from(registry: str | None, ca: Path | None, fleet: str | None, hosts_
     """The registry to push to: ``--registry URL`` (with ``--ca``), or the fleet's ``fleet.registry``."""
     from builder import registry as reg
     from builder.errors import ConfigError
-    from builder.hosts import find_fleet, fleet_registry_ca
 
     if (registry is None) == (fleet is None):
         raise ConfigError("builder push: give --registry URL or --fleet NAME (one of them)")
     if registry is not None:
         return reg.parse_target(registry, "--registry", ca)
     assert fleet is not None
+    from builder.hosts import find_fleet, fleet_registry_ca  # the inventory's models: only for --fleet
+
     path, f = find_fleet(hosts_dir, fleet)
     if f.fleet.registry is None:
         raise ConfigError(f"{path}: fleet.registry: not set (the fleet takes its image from bundles)")
@@ -29,18 +30,21 @@ def target_from(registry: str | None, ca: Path | None, fleet: str | None, hosts_
 def push_image(name: str, target: object, as_json: bool) -> int:
     from builder import output
     from builder import registry as reg
-    from builder.image import plan
     from builder.imagerecord import require_record
+    from builder.planmemo import recall, remember
 
     assert isinstance(target, reg.Target)
     c = get_ctx()
-    p = plan(c.pins, c.lock, name)
-    rec = require_record(c.store, name, p.address)
+    address = recall(c.store, c.pins, c.lock, name)
+    if address is None:  # the full plan: the lock current for NAME, its recipe unchanged
+        from builder.plan import files_read, load_inputs, make_plan
 
-    def log(line: str) -> None:
-        output.console().print(f"  {line}", markup=False, style="dim")
+        pins, lock, root = load_inputs(c.pins, c.lock, name)
+        address = make_plan(pins, lock, name, root).address
+        remember(c.store, c.pins, c.lock, name, address, *files_read(pins, name))
+    rec = require_record(c.store, name, address)
 
-    res, _ = reg.push(c.store, rec, target, on_log=log)
+    res, _ = reg.push(c.store, rec, target, on_log=output.detail)
     if as_json:
         output.data_json(res.as_json())
     else:
