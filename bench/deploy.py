@@ -16,9 +16,9 @@ audits its first release. Every deploy below must end as it should (the benchmar
    stops, switches, starts (workers, then the head), waits for /health and runs the serving audit;
    timed is the deploy alone. Target: <= 1.5x (hosts work in parallel).
 
-The deploys run with `--stop-timeout 2`: the demo engine, PID 1 of its container, ignores SIGTERM, so
-`docker stop` waits the whole timeout (default 30 s) before it kills it; the head is stopped before the
-workers, so with the default a 4-host deploy would spend 30 s more than a 1-host one waiting on it.
+The deploys run with `--stop-timeout 2`, a bound on each stop. start.sh runs the engine under
+`docker run --init`, so it gets `docker stop`'s SIGTERM and stops at once; the bound only matters
+for an engine that ignores SIGTERM.
 
 The test hosts are containers on this machine: their sshd, python3, docker and the demo engine run on
 the operator machine's own cores, which a real fleet runs on its Sparks.
@@ -75,7 +75,7 @@ def run(cfg: Config) -> list[Row]:
 
 
 def _first(j: Any) -> list[str]:
-    # (the demo engine, PID 1 of its container, ignores SIGTERM: docker stop waits --stop-timeout, then kills)
+    # (a short stop timeout bounds a stop whatever the engine does with SIGTERM)
     args = ["--key", str(j.keys / "builder.key"), "--start-timeout", "120", "--stop-timeout", "2",
             "--checks", str(j.root / "checks")]
     rc, rep = j.deploy(*args, "--with-image", "--with-models")

@@ -247,7 +247,7 @@ def j(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Journey]:
 
 
 def _args(j: Journey, *extra: str) -> list[str]:
-    # (the demo engine, PID 1 of its container, ignores SIGTERM: docker stop waits --stop-timeout, then kills)
+    # (a short stop timeout bounds a stop whatever the engine does with SIGTERM)
     return ["--key", str(j.keys / "builder.key"), "--with-image", "--with-models", "--stop-timeout", "2",
             "--start-timeout", "60", "--connect-timeout", "5", *extra]
 
@@ -490,10 +490,16 @@ def test_deploy_killed_while_rolling_back_then_rerun_ends_every_host_on_the_old_
 @pytest.mark.build
 def test_stop_and_start_in_rank_order_only_the_lanes_containers(j: Journey, bystanders: None) -> None:
     good = _good(j)
-    p = j.builder("stop", "--fleet", j.name, "--json", "--stop-timeout", "2")
+    since = j.fleet.exec(0, "date +%s").stdout.strip()
+    # the default stop timeout: the engine gets docker stop's SIGTERM (start.sh runs it under --init)
+    p = j.builder("stop", "--fleet", j.name, "--json")
     rep = json.loads(p.stdout)
     assert rep["result"] == "stopped" and all(r["result"] == "stopped" for r in rep["hosts"].values())
     head, worker = j.fleet.hosts
+    for h in (head, worker):  # 143 = ended by SIGTERM; 137 would be docker's SIGKILL after the timeout
+        died = j.fleet.exec(h, f"docker events --since {since} --until $(date +%s) --filter event=die "
+                               "--filter label=io.builder.lane=demo --format '{{.Actor.Attributes.exitCode}}'")
+        assert died.stdout.split() == ["143"], (h.name, died.stdout)
     lines = p.stderr.splitlines()
     assert lines.index(f"{head.name}: stopped rank 0") < lines.index(f"{worker.name}: stopped rank 1")
     assert not [c for h in j.fleet.hosts for c in dl.lane_containers(j, h)]

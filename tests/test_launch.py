@@ -180,7 +180,7 @@ def test_start_and_stop_run_docker_as_rendered(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     run = [ln for ln in log.read_text().splitlines() if ln.startswith("run ")]
     assert len(run) == 1
-    assert run[0].startswith("run -d --name builder-l-r0 --network host --restart no --label io.builder.lane=l "
+    assert run[0].startswith("run -d --init --name builder-l-r0 --network host --restart no --label io.builder.lane=l "
                              "--label io.builder.rank=0 --label io.builder.bundle-id=" + "b" * 64)
     assert f"-v {models}:{models}:ro" in run[0] and f"-v {rel}/config.json:/etc/builder/config.json:ro" in run[0]
     assert run[0].endswith(f"{IMAGE['image_id']} serve --port 8000 --rank 0")

@@ -62,7 +62,9 @@ extra=()
 if [ "$RDMA" = 1 ] && [ -e /dev/infiniband ]; then
     extra+=(--device /dev/infiniband)
 fi
-docker run -d --name "$NAME" --network host --restart no \
+# --init: the engine is not PID 1, so it gets the SIGTERM that `docker stop` sends (PID 1 ignores
+# signals it has no handler for, and stop would wait its whole timeout before killing the rank)
+docker run -d --init --name "$NAME" --network host --restart no \
     --label "$LABEL_LANE=$LANE" --label "$LABEL_RANK=$RANK" \
     --label "$LABEL_BUNDLE=$bundle_id" \
     --label "$LABEL_FLEET=$FLEET" --label "$LABEL_HOST=$HOST" \
