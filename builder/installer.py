@@ -218,6 +218,14 @@ def fsync_dir(path: str) -> None:
             os.close(fd)
 
 
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _tmp_stem(path: str) -> str:
     """Start of the temp names atomic_write uses beside path (.tmp-builder-NAME.)."""
     return "%sbuilder-%s." % (TMP_PREFIX, os.path.basename(path))
@@ -251,6 +259,39 @@ def human(n: int) -> str:
             return ("%d %s" % (x, unit)) if unit == "B" else ("%.1f %s" % (x, unit))
         x /= 1024
     return "%d B" % n
+
+
+#: bytes written to a file between two starts of its writeback (see Writeback)
+WRITEBACK_STEP = 64 * 1024 * 1024
+
+
+class Writeback:
+    """Starts the disk writing a file's bytes while later ones are still being written, so the fsync
+    at its end waits for the last step only: left alone, Linux holds gigabytes dirty until that fsync,
+    and the disk idles while the bytes are read and hashed. posix_fadvise(DONTNEED) on the bytes
+    written so far starts their writeback without waiting for it (and lets the kernel drop the pages
+    once they are clean: they were hashed on the way in, nothing here reads them again). Where it
+    does not exist, nothing is started early and the fsync does all of it."""
+
+    def __init__(self, fd: int, offset: int = 0) -> None:
+        self.fd = fd
+        self.started = self.at = offset
+
+    def wrote(self, n: int) -> None:
+        self.at += n
+        if self.at - self.started >= WRITEBACK_STEP and hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self.fd, self.started, self.at - self.started, os.POSIX_FADV_DONTNEED)
+            self.started = self.at
+
+
+def write_all(fd: int, chunk: memoryview, wb: Writeback | None = None) -> None:
+    """os.write until the whole chunk is written (a short write writes the rest)."""
+    n = len(chunk)
+    while chunk:
+        chunk = chunk[os.write(fd, chunk) :]
+    if wb is not None:
+        wb.wrote(n)
 
 
 def hash_file(path: str, on_bytes: Callable[[int], None] | None = None) -> tuple[str, int]:
@@ -797,52 +838,73 @@ def docker_root() -> str | None:
     return d or None
 
 
-def load_image(bundle_dir: str, manifest: dict[str, Any], verified: bool = False) -> None:
-    """Stream the archive (reassembled from parts, hash-checked unless ``verified``: receive hashed it
-    as it arrived) into `docker load`; check the loaded ID."""
+def load_image(bundle_dir: str, manifest: dict[str, Any]) -> None:
+    """Stream the archive (reassembled from parts, hash-checked as it goes) into `docker load`;
+    check the loaded ID."""
     img = manifest["image"]
     entry = [f for f in manifest["files"] if f["path"] == img["archive"]][0]
-    exe = shutil.which("docker")
-    if exe is None:
-        raise InstallError("docker: not found on PATH")
-    _say("loading image %s (%s)" % (img["image_id"][:19], human(entry["size"])))
-    outf, errf = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # no pipe to fill up while we write
-    proc = subprocess.Popen([exe, "load"], stdin=subprocess.PIPE, stdout=outf, stderr=errf)
+    load = Load(img, entry["size"])
     failed: BaseException | None = None
     try:
-        assert proc.stdin is not None
-        for chunk in iter_file(bundle_dir, entry, check=not verified):
-            proc.stdin.write(chunk)
-        proc.stdin.close()
+        assert load.proc.stdin is not None
+        for chunk in iter_file(bundle_dir, entry):
+            load.proc.stdin.write(chunk)
+        load.proc.stdin.close()
     except BrokenPipeError:
         pass
     except BaseException as e:  # a hash mismatch: stop docker load before it finishes
         failed = e
         with contextlib.suppress(OSError):
+            load.proc.kill()
+    load.finish(failed)
+
+
+class Load:
+    """One `docker load` running: of a whole archive file already checked (``path``: its stdin is
+    the file, so it runs beside other work), or fed through its stdin pipe (``path`` None)."""
+
+    def __init__(self, img: dict[str, Any], size: int, path: str | None = None) -> None:
+        exe = shutil.which("docker")
+        if exe is None:
+            raise InstallError("docker: not found on PATH")
+        _say("loading image %s (%s)" % (img["image_id"][:19], human(size)))
+        self.img = img
+        self.outf, self.errf = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # no pipe to fill up
+        with open(path, "rb") if path is not None else contextlib.nullcontext() as src:
+            self.proc = subprocess.Popen([exe, "load"], stdin=src if src is not None else subprocess.PIPE,
+                                         stdout=self.outf, stderr=self.errf)
+
+    def finish(self, failed: BaseException | None = None) -> None:
+        """Wait for it and check the loaded image (its ID, and DiffIDs, the manifest's); re-raise
+        ``failed`` (what stopped its feed) once it has ended."""
+        proc = self.proc
+        with contextlib.suppress(OSError):
+            if proc.stdin is not None:
+                proc.stdin.close()
+        try:
+            proc.wait(timeout=3600)
+        except subprocess.TimeoutExpired:
             proc.kill()
-    with contextlib.suppress(OSError):
-        proc.stdin.close()  # type: ignore[union-attr]
-    try:
-        proc.wait(timeout=3600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise InstallError("docker load: no answer within an hour") from None
-    outf.seek(0)
-    errf.seek(0)
-    out, err = outf.read(65536), errf.read(65536)
-    if failed is not None:
-        raise failed
-    if proc.returncode != 0:
-        last = (err.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
-        raise InstallError("docker load: %s" % last)
-    layers = image_present(img["image_id"])
-    if layers is None:
-        raise InstallError(
-            "docker load: the archive did not give image %s (got: %s)"
-            % (img["image_id"], out.decode("utf-8", "replace").strip()[:200])
-        )
-    if layers and layers != img["diff_ids"]:
-        raise InstallError("docker load: image %s has DiffIDs other than the manifest's" % img["image_id"])
+            raise InstallError("docker load: no answer within an hour") from None
+        self.outf.seek(0)
+        self.errf.seek(0)
+        out, err = self.outf.read(65536), self.errf.read(65536)
+        self.outf.close()
+        self.errf.close()
+        img = self.img
+        if failed is not None:
+            raise failed
+        if proc.returncode != 0:
+            last = (err.decode("utf-8", "replace").strip().splitlines() or ["failed"])[-1]
+            raise InstallError("docker load: %s" % last)
+        layers = image_present(img["image_id"])
+        if layers is None:
+            raise InstallError(
+                "docker load: the archive did not give image %s (got: %s)"
+                % (img["image_id"], out.decode("utf-8", "replace").strip()[:200])
+            )
+        if layers and layers != img["diff_ids"]:
+            raise InstallError("docker load: image %s has DiffIDs other than the manifest's" % img["image_id"])
 
 
 def check_thin(img: dict[str, Any]) -> None:
@@ -1364,11 +1426,13 @@ def _write_models(
             os.chmod(tmp, 0o644)
             return
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        with os.fdopen(fd, "wb", buffering=0) as f:
+        try:
+            wb = Writeback(fd)
             for chunk in iter_file(bundle_dir, entry):
-                while chunk:
-                    chunk = chunk[f.write(chunk) :]
-            os.fsync(f.fileno())
+                write_all(fd, chunk, wb)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.chmod(tmp, 0o644)
 
     try:
@@ -1584,14 +1648,18 @@ def inventory(d: str) -> dict[str, list[Any]]:
 #                  read one after another), nothing else
 #   host -> ship   one JSON line: the install's answer (installed, staged or unchanged)
 #
-# Nothing is accepted before the signature and the manifest check out. A model file is received
-# into a temp name beside its final path and the image archive and launch files into
-# ``incoming/<bundle id>/``; a file in parts is written as one file and each part's sha256 is checked
-# at its end. A file whose bytes are not the signed ones is removed and named; nothing is placed,
-# loaded or switched until every wanted file is in and checked. A file received whole is recorded
-# in ``incoming/<bundle id>/.received.json`` (its size, mtime and inode: fast mode's rule), so a
-# ship cut later does not send it again; a cut file is resumed from its last byte (its bytes so far
-# are hashed again, the only second read). The release folder links the launch files received.
+# Nothing is accepted before the signature and the manifest check out. The image archive comes
+# first, then the launch files, then the model files. A model file is received into a temp name
+# beside its final path and the image archive and launch files into ``incoming/<bundle id>/``; a file
+# in parts is written as one file and each part's sha256 is checked at its end. A file whose bytes
+# are not the signed ones is removed and named. Once the archive is in and checked, `docker load`
+# reads it while the model files arrive (a loaded image changes nothing a host runs: the release
+# names it); nothing is placed or switched until every wanted file is in, checked and on disk. A
+# big file received whole is fsynced and recorded in ``incoming/<bundle id>/.received.json`` (its
+# size, mtime and inode: fast mode's rule), so a ship cut later does not send or hash it again; a
+# cut file is resumed from its last byte (its bytes so far are hashed again, the only second read),
+# and the small files are fsynced together once all are in. The release folder links the launch
+# files received.
 
 RECEIVE_MAGIC = b"builder-receive 1\n"
 RECEIPTS = ".received.json"
@@ -1776,8 +1844,15 @@ class _Incoming:
                 self._back_to_mark()
         os.truncate(self.dest, self.offset)
 
+    @property
+    def big(self) -> bool:
+        """A file whose receipt is worth its fsync: a resume would otherwise hash it all again (a
+        smaller one is hashed again in no time, and fsynced with the others once all are in)."""
+        return int(self.entry["size"]) >= WRITEBACK_STEP
+
     def receive(self, inp: Any, on_bytes: Callable[[int], None] | None = None) -> None:
-        """Read the rest of the file from inp into dest, hashing as it arrives; check it whole.
+        """Read the rest of the file from inp into dest, hashing as it arrives; check it whole; a
+        big file is fsynced (its writeback started as it arrives, see Writeback).
 
         The hashing runs on a thread of its own, a chunk behind the reads and writes (hashlib
         releases the GIL), so receiving is bounded by the slower of the two, not their sum. Three
@@ -1788,6 +1863,7 @@ class _Incoming:
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="receive-sha256")
         bufs = [bytearray(READ_SIZE) for _ in range(3)]
         pending: list[Any] = [None, None, None]
+        wb = Writeback(fd, self.offset)
         try:
             os.ftruncate(fd, self.offset)
             os.lseek(fd, self.offset, os.SEEK_SET)
@@ -1802,9 +1878,7 @@ class _Incoming:
                         raise InstallError(
                             "%s: the stream ended at byte %d of %d (ship again to resume)" % (self.path, got, size)
                         )
-                    chunk = view[:n]
-                    while chunk:
-                        chunk = chunk[os.write(fd, chunk) :]
+                    write_all(fd, view[:n], wb)
                     pending[i] = hasher.submit(self._feed, view[:n])
                     got += n
                     i = (i + 1) % 3
@@ -1827,7 +1901,8 @@ class _Incoming:
                 raise InstallError(
                     "%s: sha256 mismatch (the bytes received are not the signed ones; removed)" % self.path
                 )
-            os.fsync(fd)
+            if self.big:
+                os.fsync(fd)
         finally:
             hasher.shutdown(wait=True)
             os.close(fd)
@@ -1900,10 +1975,15 @@ def receive(
         old = _host_record(r, manifest, host)
         current = r.link("current")
         img = manifest["image"]
-        have_layers = image_present(img["image_id"])
+        # the engine's answers (each a docker CLI start and an API call) while the files are checked
+        asked = ThreadPoolExecutor(max_workers=2, thread_name_prefix="docker")
+        layers_q = asked.submit(image_present, img["image_id"])
+        root_q = asked.submit(docker_root) if img["archive"] is not None else None
+        asked.shutdown(wait=False)
         vouch = [old, r.read_record(r.staged_record)]
         placing = [m for m in manifest["models"] if model_ok(m, vouch) is not None]
         release_there = os.path.isdir(r.release(bid)) and release_ok(r.release(bid), manifest, mbytes)
+        have_layers = layers_q.result()
 
         def reply(obj: dict[str, Any]) -> None:
             out.write((json.dumps(obj, sort_keys=True) + "\n").encode("utf-8"))
@@ -1923,7 +2003,13 @@ def receive(
         _check_image_source(img, have_layers)
         files = {f["path"]: f for f in manifest["files"]}
         inc_dir = os.path.join(r.incoming, bid)
-        wanted: list[_Incoming] = []
+        # the image archive first, so that docker load runs while the rest arrives; the model files last
+        load = have_layers is None and img["archive"] is not None
+        archive = _Incoming(files[img["archive"]], os.path.join(inc_dir, img["archive"])) if load else None
+        wanted: list[_Incoming] = [archive] if archive is not None else []
+        if not release_there:
+            wanted += [_Incoming(fe, os.path.join(inc_dir, fe["path"])) for fe in release_files(manifest)]
+        models: list[_Incoming] = []
         for m in placing:
             if m["bundled"] is None:
                 raise InstallError(
@@ -1936,12 +2022,8 @@ def receive(
                     if n.startswith(_tmp_stem(m["path"])) and n != mine:
                         with contextlib.suppress(OSError):
                             os.unlink(os.path.join(d, n))
-            wanted.append(_Incoming(files[m["bundled"]], os.path.join(d, mine)))
-        load = have_layers is None and img["archive"] is not None
-        if load:
-            wanted.append(_Incoming(files[img["archive"]], os.path.join(inc_dir, img["archive"])))
-        if not release_there:
-            wanted += [_Incoming(fe, os.path.join(inc_dir, fe["path"])) for fe in release_files(manifest)]
+            models.append(_Incoming(files[m["bundled"]], os.path.join(d, mine)))
+        wanted += models
         for n in os.listdir(r.incoming) if os.path.isdir(r.incoming) else []:
             if HEX64.match(n) and n != bid:  # another bundle's unfinished receive: its disk back
                 shutil.rmtree(os.path.join(r.incoming, n), ignore_errors=True)
@@ -1954,27 +2036,41 @@ def receive(
             w.resume()
             todo.append(w)
         needs = [(w.dest, w.entry["size"] - w.offset) for w in todo]
-        if load:
-            needs.append((docker_root() or r.root, 2 * files[img["archive"]]["size"]))
+        if load and root_q is not None:
+            needs.append((root_q.result() or r.root, 2 * files[img["archive"]]["size"]))
         check_disk(needs, reserve)
         reply({"want": [[w.path, w.offset] for w in todo]})
         got = 0
-        for w in todo:
-            start = w.offset
-            w.receive(inp)
-            got += w.entry["size"] - start
-            st = os.stat(w.dest)
-            receipts[w.dest] = {"size": st.st_size, "sha256": w.entry["sha256"], "mtime": st.st_mtime_ns,
-                                "inode": st.st_ino}
-            atomic_write(receipts_path, json.dumps(receipts, sort_keys=True).encode("utf-8"))
-        # every wanted byte is in and checked: load, place, stage, switch
-        if load:
-            whole = dict(manifest, files=[{k: v for k, v in f.items() if k != "parts"} for f in manifest["files"]])
-            load_image(inc_dir, whole, verified=True)
+        loading: Load | None = None
+        try:
+            if archive is not None and archive not in todo:  # received whole by an earlier, cut ship
+                loading = Load(img, archive.entry["size"], archive.dest)
+            for w in todo:
+                start = w.offset
+                w.receive(inp)
+                got += w.entry["size"] - start
+                if w.big:  # (fsynced: its receipt may vouch for it)
+                    st = os.stat(w.dest)
+                    receipts[w.dest] = {"size": st.st_size, "sha256": w.entry["sha256"],
+                                        "mtime": st.st_mtime_ns, "inode": st.st_ino}
+                    atomic_write(receipts_path, json.dumps(receipts, sort_keys=True).encode("utf-8"))
+                if w is archive:  # its every byte is in and checked: docker load reads it while the rest arrives
+                    loading = Load(img, w.entry["size"], w.dest)
+            # every wanted byte is in and checked: the small files on disk, then load, place, stage, switch
+            for w in todo:
+                if not w.big:
+                    fsync_file(w.dest)
+        except BaseException:
+            if loading is not None:
+                with contextlib.suppress(InstallError):
+                    loading.finish()
+            raise
+        if loading is not None:
+            loading.finish()
         elif have_layers is None:
             pull_image(manifest)
         for i, m in enumerate(placing):
-            w = wanted[i]  # (wanted starts with the model files, in placing's order)
+            w = models[i]  # (zip's strict= is newer than python 3.8)
             _say("placing model file %s" % m["path"])
             os.chmod(w.dest, 0o644)
             os.replace(w.dest, m["path"])
