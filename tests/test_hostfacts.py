@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -74,6 +75,38 @@ def test_files_stats_hashes_and_lists(tmp_path: Path) -> None:
     (tmp_path / "m" / "link").symlink_to(tmp_path / "m" / "b")
     listed = files.list_roots([str(tmp_path / "m"), str(tmp_path / "none")], lambda: None)
     assert listed == {str(tmp_path / "m"): ["b", "sub/a"], str(tmp_path / "none"): None}
+
+
+def test_files_hashes_in_threads_only_what_is_worth_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few KiB (a release's launch files) are hashed in one thread, without importing
+    concurrent.futures; from THREADS_FROM bytes on, in `jobs` threads, with the same answers."""
+    paths = []
+    for i in range(3):
+        (tmp_path / str(i)).write_bytes(bytes([i]) * (1000 + i))
+        paths.append(str(tmp_path / str(i)))
+    req = hf.dumps({"paths": paths, "hash": True, "jobs": 4})
+    # files.py as the host runs it, then the modules it imported
+    probe = "\n".join([
+        "import sys",
+        "src = sys.argv.pop(1)",
+        "try:",
+        "    exec(compile(src, '<string>', 'exec'), {'__name__': '__main__'})",
+        "except SystemExit:",
+        "    pass",
+        "print('\\nimported:', *sorted(m for m in sys.modules if m.startswith('concurrent')))",
+    ])
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", probe, hf.FILES, req], capture_output=True, text=True,
+                       check=True)
+    answer, imported = r.stdout.split("\nimported:")
+    assert json.loads(answer)[paths[0]]["size"] == 1000 and imported.strip() == ""  # no concurrent.futures
+    threads: list[int] = []
+    real = files.stat_file
+    monkeypatch.setattr(files, "stat_file", lambda *a: threads.append(threading.get_ident()) or real(*a))
+    one = files.stat_files(paths, True, 4, lambda: None)
+    monkeypatch.setattr(files, "THREADS_FROM", 3000)
+    pooled = files.stat_files(paths, True, 4, lambda: None)
+    assert one == pooled and one[paths[2]]["sha256"] == hashlib.sha256(b"\2" * 1002).hexdigest()  # type: ignore[index]
+    assert threads[:3] == [threading.get_ident()] * 3 and threading.get_ident() not in threads[3:]
 
 
 def test_files_hashes_what_an_apply_record_names(tmp_path: Path) -> None:

@@ -112,12 +112,15 @@ def pytest_env() -> dict[str, str]:
 
 
 #: what every host's pytest imports, imported once in the fork server the hosts' processes are
-#: forked from: pytest, testinfra, the builder modules the checks import, and this module (whose
-#: `host_pytest` each process runs)
+#: forked from: pytest, testinfra, the builder modules the checks import, this module (whose
+#: `host_pytest` each process runs), and builder.cli, which the `builder` script imports (each
+#: process runs its program's main script again before its target)
 PRELOAD = (
+    "builder.cli",
     "pytest",
     "testinfra.plugin",
     "builder.hostfacts",
+    "builder.installer",
     "builder.launch",
     "builder.placement",
     "builder.gpu",
@@ -128,6 +131,16 @@ _START = threading.Lock()
 _STARTED: list[bool] = []
 
 
+def main_module() -> list[str]:
+    """multiprocessing runs the program's main again in every process it starts (as __mp_main__):
+    for a main run as ``python -m NAME`` (the deploy's early audit), the module NAME, imported here
+    in the fork server so that each host's process runs it with its imports done. (A script's
+    main, the `builder` command's, imports builder.cli: in PRELOAD.)"""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    return [name] if name and not name.endswith("__main__") else []
+
+
 def start_forkserver() -> None:
     """Start the fork server (once per process) with this audit's own builder first on its import
     path: the server is a new interpreter, which would otherwise import a `builder/` folder in the
@@ -136,7 +149,7 @@ def start_forkserver() -> None:
     with _START:
         if _STARTED:
             return
-        _FORKSERVER.set_forkserver_preload(list(PRELOAD))
+        _FORKSERVER.set_forkserver_preload([*PRELOAD, *main_module()])
         saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "PYTHONSAFEPATH")}
         os.environ.update(PYTHONPATH=pytest_env()["PYTHONPATH"], PYTHONSAFEPATH="1")
         try:

@@ -3,7 +3,8 @@
 argv[1] is a JSON request, one of:
 
 * ``{"paths": [...], "hash": bool, "jobs": int}``: ``{path: {"size", "mtime_ns", "inode"[, "sha256"]}}``,
-  or ``{path: {"error": why}}``; with ``hash``, files are hashed in ``jobs`` threads;
+  or ``{path: {"error": why}}``; with ``hash``, files are hashed in ``jobs`` threads (one thread
+  when they hold less than ``THREADS_FROM`` bytes in all);
 * ``{"roots": [...]}``: ``{root: [every regular file under it, relative, sorted]}``, ``null`` for a
   root that is not a folder;
 * ``{"record": PATH, "under": DIR, "hash": bool, "jobs": int}``: as ``paths``, for ``DIR/<path>`` of
@@ -73,13 +74,29 @@ def stat_file(path: str, want_hash: bool, tick: Callable[[], None]) -> dict[str,
     return out
 
 
+#: the fewest bytes to hash for which threads pay: below it (a release's launch files, a few KiB)
+#: importing concurrent.futures and starting the threads costs more CPU than the hashing they share
+THREADS_FROM = 64 << 20
+
+
+def total_size(paths: list[str]) -> int:
+    """The bytes of the files among `paths` that can be stat'ed."""
+    total = 0
+    for p in paths:
+        try:
+            total += os.stat(p).st_size
+        except OSError:
+            pass
+    return total
+
+
 def stat_files(paths: list[str], want_hash: bool, jobs: int, tick: Callable[[], None]) -> dict[str, object]:
-    if want_hash and len(paths) > 1:
+    if want_hash and jobs > 1 and len(paths) > 1 and total_size(paths) >= THREADS_FROM:
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(max(1, jobs)) as ex:
+        with ThreadPoolExecutor(jobs) as ex:
             return dict(zip(paths, ex.map(lambda p: stat_file(p, True, tick), paths), strict=True))
-    # stat only: no threads, which would cost more to start than the stats
+    # stat only, or little to hash: no threads, which would cost more to start than they save
     return {p: stat_file(p, want_hash, tick) for p in paths}
 
 
