@@ -293,8 +293,14 @@ def _new_release(j: Journey) -> None:
 
 @pytest.fixture
 def bystanders(j: Journey) -> Iterator[None]:
+    """Another lane's container on every host (so a test run alone has them too), checked untouched after."""
+    _good(j)
+    dl.start_bystanders(j)
     yield
-    assert dl.bystanders_running(j) == {h.name: True for h in j.fleet.hosts}, "a deploy touched a bystander"
+    running = dl.bystanders_running(j)
+    assert running == {h.name: True for h in j.fleet.hosts}, ("a deploy touched a bystander", {
+        h.name: j.fleet.exec(h, f"docker inspect -f '{{{{.State}}}}' {dl.BYSTANDER}; docker logs {dl.BYSTANDER}",
+                             check=False).stdout[-600:] for h in j.fleet.hosts if not running[h.name]})
 
 
 @pytest.mark.fleet
