@@ -50,7 +50,7 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
     targets = select_targets(opts.hosts_dir or opts.root / "hosts", opts.names, opts.fleet)
     opts.check_backend()
     # the hosts' pytest processes are forked from it: its imports overlap with loading the lock
-    start_forkserver()
+    start_forkserver(checks_dir)
     inputs = load_lane_inputs(opts, targets)
     expectations = [build_expectations(t, opts, inputs, concerns) for t in targets]
 

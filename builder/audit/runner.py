@@ -125,6 +125,7 @@ PRELOAD = (
     "builder.placement",
     "builder.gpu",
     "builder.audit.runner",
+    "builder.audit.preload",  # (last: the check modules, with the imports above done)
 )
 _FORKSERVER = multiprocessing.get_context("forkserver")
 _START = threading.Lock()
@@ -141,17 +142,19 @@ def main_module() -> list[str]:
     return [name] if name and not name.endswith("__main__") else []
 
 
-def start_forkserver() -> None:
+def start_forkserver(checks_dir: Path | None = None) -> None:
     """Start the fork server (once per process) with this audit's own builder first on its import
     path: the server is a new interpreter, which would otherwise import a `builder/` folder in the
-    working folder first (PYTHONSAFEPATH: no working folder on its path). Called before the hosts'
-    threads start, as it sets the environment the server inherits."""
+    working folder first (PYTHONSAFEPATH: no working folder on its path); and with the check modules
+    of `checks_dir` imported (builder.audit.preload). Called before the hosts' threads start, as it
+    sets the environment the server inherits."""
     with _START:
         if _STARTED:
             return
         _FORKSERVER.set_forkserver_preload([*PRELOAD, *main_module()])
-        saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "PYTHONSAFEPATH")}
-        os.environ.update(PYTHONPATH=pytest_env()["PYTHONPATH"], PYTHONSAFEPATH="1")
+        saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "PYTHONSAFEPATH", "BUILDER_AUDIT_CHECKS")}
+        os.environ.update(PYTHONPATH=pytest_env()["PYTHONPATH"], PYTHONSAFEPATH="1",
+                          BUILDER_AUDIT_CHECKS=str(checks_dir or ""))
         try:
             multiprocessing.forkserver.ensure_running()
             _STARTED.append(True)
@@ -177,13 +180,17 @@ def host_pytest(args: list[str], env: dict[str, str], log: str, cwd: str) -> Non
     os.chdir(cwd)
     import pytest  # (already imported by the fork server: PRELOAD)
 
+    from builder.audit import preload
+
+    preload.forget_unless_current(cwd)  # (a server started by an earlier audit: its checks may differ)
+
     sys.exit(int(pytest.main(args)))
 
 
 def run_pytest(args: list[str], log_path: Path, cwd: Path, timeout: float) -> int | None:
     """Run one host's pytest (see `host_pytest`); its exit status, or None when it ran past `timeout`
     (then its process group is killed)."""
-    start_forkserver()
+    start_forkserver(cwd)
     p = _FORKSERVER.Process(target=host_pytest, args=(args, pytest_env(), str(log_path), str(cwd)), daemon=True)
     p.start()
     p.join(timeout)
