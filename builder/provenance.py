@@ -15,15 +15,17 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from builder import __version__, sign
 from builder.canon import atomic_write, pretty_json
 from builder.errors import VerifyError
 from builder.fetch import scrub_url
-from builder.imagerecord import ImageRecord
 from builder.layers import rfc3339
-from builder.plan import Plan
+
+if TYPE_CHECKING:  # (types only: checking a bundle's documents needs neither)
+    from builder.imagerecord import ImageRecord
+    from builder.plan import Plan
 
 SBOM = "sbom.cdx.json"
 STATEMENT = "provenance.intoto.json"

@@ -473,3 +473,36 @@ def test_a_changed_model_file_in_incoming_is_refused_and_not_placed(dproj: bl.Pr
     assert m["bundled"] in r.stderr
     assert inc.is_dir() and not (root / "current").exists()
     assert not [p for p in (tmp_path / "host" / "models").rglob("*") if p.is_file()]
+
+
+def test_writeback_is_started_behind_the_writes_and_the_bytes_are_whole(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """write_all with a Writeback: every byte lands in the file, and the disk is asked to start
+    writing each WRITEBACK_STEP once it is written (in order, no range twice, none not yet written)."""
+    started: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_DONTNEED
+        started.append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(inst, "WRITEBACK_STEP", 1 << 20)
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    data = random.Random(7).randbytes(5 * (1 << 20) + 12345)
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        wb = inst.Writeback(fd)
+        view = memoryview(data)
+        for at in range(0, len(data), 300_000):
+            inst.write_all(fd, view[at : at + 300_000], wb)
+            assert sum(n for _, n in started) <= at + 300_000
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == data
+    assert started and started[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in zip(started, started[1:], strict=False))
+    assert all(n >= 1 << 20 for _, n in started)
+    assert len(data) - sum(n for _, n in started) < (1 << 20) + 300_000

@@ -7,6 +7,7 @@ without the test fleet; tests/test_ship.py does the same over ssh to the fleet.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -113,6 +114,8 @@ def test_a_cut_ship_resumes_without_resending(lproj: bl.Project) -> None:
     files = {f["path"]: f for f in bl.manifest(bdir)["files"]}
     keep = 150_000  # into the image archive's third part
     want, cut = _cut_receive(p, bdir, keep)
+    # the archive first (docker load reads it while the rest arrives), the model files last
+    assert want[0][0] == "image.tar" and want[-1][0].startswith("models/"), want
     assert cut.returncode == 1 and b"the stream ended at byte" in cut.stderr and b"Traceback" not in cut.stderr
     assert not (_root(p) / "current").exists()
     needed = sum(files[w]["size"] - off for w, off in want)
@@ -141,4 +144,20 @@ def test_a_wrong_byte_is_refused_naming_the_file(lproj: bl.Project) -> None:
     r = _ship(p)
     assert r.returncode == 1 and "start.sh: sha256 mismatch" in r.stderr, r.stderr
     assert not (_root(p) / "current").exists()
+    _rmi(p.image_id)
+
+
+def test_a_host_copy_of_the_installer_that_differs_is_replaced(lproj: bl.Project) -> None:
+    """The installer travels at the head of ship's one command: a host whose kept copy is damaged
+    gets the operator's copy in the same command, checked against its sha256 before it runs."""
+    p = lproj
+    _bundle(p)
+    _rmi(p.image_id)
+    script = inst.assemble()
+    prog = _root(p) / "incoming" / f"installer-{hashlib.sha256(script).hexdigest()[:16]}.py"
+    prog.parent.mkdir(parents=True)
+    prog.write_bytes(script.replace(b"def receive(", b"def receive_(", 1))
+    r = _ship(p)
+    assert r.returncode == 0 and json.loads(r.stdout)["result"] == "installed", r.stderr
+    assert prog.read_bytes() == script
     _rmi(p.image_id)

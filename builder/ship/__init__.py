@@ -10,15 +10,17 @@ however many files are sent; host keys are checked as ssh_config says, never swi
 
 1. the bundle's signature, manifest and file sizes are checked here (its bytes were hashed when
    they were written; the host hashes every byte it receives);
-2. one remote command writes the installer (this machine's trusted copy, sent on stdin) to
-   ``<paths.bundles>/incoming/installer-<sha256>.py`` and runs its ``status``: a bundle already
-   installed (or staged, for ``--stage``) is not sent;
-3. one more, ``installer receive``, gets the signed manifest first, answers which files it lacks and
-   from which byte (what a cut ship left is not sent again), then reads exactly those bytes from
-   the same stdin (sent with sendfile, no per-file command), hashes each as it arrives into the
-   file it ends up in (a model file beside its place, the image archive and launch files in
-   ``incoming/``), refuses a wrong byte naming the file, and installs: load, place, stage (the
-   release links the launch files received), switch, record.
+2. one remote command keeps this machine's trusted installer on the host as
+   ``<paths.bundles>/incoming/installer-<sha256>.py`` (sent at the head of the stream, written only
+   when the host's copy is missing or differs, checked against that sha256 before it runs) and runs
+   its ``receive``: it gets the signed manifest first, says when the bundle is already installed
+   (or staged, for ``--stage``: nothing is sent), else which files it lacks and from which byte (what
+   a cut ship left is not sent again), then reads exactly those bytes from the same stdin (sent
+   with sendfile, no per-file command; the image archive first, so docker load runs while the model
+   files arrive), hashes each as it arrives into the file it ends up in (a model file beside its
+   place, the image archive and launch files in ``incoming/``), refuses a wrong byte naming the
+   file, and installs: load, place, stage (the release links the launch files received), switch,
+   record.
 
 Every ssh call has a timeout (base + size / minimum rate). A host that cannot be reached (ssh exit
 255, or no answer in time) gives UnreachableError (exit 3, one line naming the host); a rerun resumes.

@@ -31,9 +31,8 @@ def key_line(key: bytes) -> str:
     return sign.parse_public_key(key).base64
 
 
-#: the exit status of ship's receive command when the host lacks this installer (it is sent, then
-#: the receive runs again)
-NO_INSTALLER = 199
+#: the exit status of ship's receive command when the installer it wrote does not match its sha256
+BAD_INSTALLER = 199
 
 
 def ship_over_ssh(
@@ -42,8 +41,12 @@ def ship_over_ssh(
     """One remote command over the host's one connection: ``installer receive`` (this machine's
     trusted installer, kept on the host under its sha256 and checked against it before it runs),
     with the bundle streamed on its stdin (only the files and bytes the host says it lacks); it
-    hashes every byte as it arrives and installs, or says the bundle is already there. A host
-    without this installer gets it first (a second command)."""
+    hashes every byte as it arrives and installs, or says the bundle is already there.
+
+    The stream starts with the installer itself (about 100 KiB): the command keeps it as the
+    host's copy when that is missing or differs, and skips it otherwise, so a first ship costs no
+    second command and no round trip more than a later one. ``head -c N`` reads exactly N bytes of
+    a pipe (GNU coreutils and busybox both do), leaving the rest for the installer."""
     script = inst.assemble()
     digest = hashlib.sha256(script).hexdigest()
     hroot = host.paths.bundles
@@ -56,30 +59,21 @@ def ship_over_ssh(
         args.append("--insecure")
     else:
         args += ["--trusted-key-base64", key_line(key)]
-    receive = (
-        f'test "$(sha256sum < {q(prog)} 2>/dev/null | cut -c1-64)" = {digest} || exit {NO_INSTALLER}; '
-        f"exec python3 {q(prog)} " + " ".join(q(a) for a in args)
+    same = f'test "$(sha256sum < {q(prog)} 2>/dev/null | cut -c1-64)" = {digest}'
+    command = (
+        f"umask 022 && mkdir -p {q(hroot + '/incoming')} || exit {BAD_INSTALLER}; "
+        f"if {same}; then head -c {len(script)} > /dev/null; "
+        f"else head -c {len(script)} > {q(prog + '.tmp')} && mv -f {q(prog + '.tmp')} {q(prog)}; fi; "
+        f"{same} || exit {BAD_INSTALLER}; exec python3 {q(prog)} " + " ".join(q(a) for a in args)
     )
-    res = _receive(remote, host, bdir, manifest, receive, opts)
-    if res is not None:
-        return res
-    put = (
-        f"umask 022 && mkdir -p {q(hroot + '/incoming')} && cat > {q(prog + '.tmp')} && "
-        f"mv -f {q(prog + '.tmp')} {q(prog)}"
-    )
-    p = remote.run(put, timeout=opts.timeout, stdin=script, what="send the installer")
-    if p.returncode != 0:
-        raise BuilderError(f"{host.name}: cannot write {prog}: {last_line(p.stderr)}")
-    res = _receive(remote, host, bdir, manifest, receive, opts)
-    if res is None:
-        raise BuilderError(f"{host.name}: {prog} does not match the installer just sent")
-    return res
+    return _receive(remote, host, bdir, manifest, script, command, opts)
 
 
 def _receive(
-    remote: Remote, host: Host, bdir: Path, manifest: dict[str, Any], command: str, opts: ShipOptions
-) -> ShipResult | None:
-    """Run the receive command with the bundle streamed to it; None when the host lacks the installer."""
+    remote: Remote, host: Host, bdir: Path, manifest: dict[str, Any], script: bytes, command: str,
+    opts: ShipOptions,
+) -> ShipResult:
+    """Run the receive command with the installer and the bundle streamed to it."""
     res = ShipResult(host=host.name, fleet=manifest["fleet"], bundle_id=manifest["bundle_id"], result="")
     files = {f["path"]: f for f in manifest["files"]}
     total = sum(f["size"] for f in manifest["files"])
@@ -107,7 +101,7 @@ def _receive(
     broken = False
     try:
         try:
-            proc.stdin.write(inst.RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes)
+            proc.stdin.write(script + inst.RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes)
             proc.stdin.flush()
             line = proc.stdout.readline()
             want = json.loads(line).get("want") if line.strip() else None
@@ -139,8 +133,9 @@ def _receive(
         raise UnreachableError(
             f"{host.name}: no answer within {limit:.0f} s (receive) over {remote.kind} to {host.ssh}"
         )
-    if rc == NO_INSTALLER and not res.sent:
-        return None
+    if rc == BAD_INSTALLER and not res.sent:
+        raise BuilderError(f"{host.name}: cannot keep the installer under {host.paths.bundles}/incoming "
+                           f"(or the copy there does not match the one sent): {last_line(err) or 'no reason given'}")
     if broken and rc == 0:
         rc = 1
     out = installer_answer(remote, rc, tail, err, "receive")
