@@ -261,8 +261,13 @@ def test_batch_runs_shell_and_python_items(tmp_path: Path) -> None:
         ["py", "raises", "raise ValueError('bad fact')", ""],
         ["py", "exits", "import sys; sys.stdout.write('x'); sys.exit(3)", ""],
         ["py", "says", "import sys; sys.stderr.write('why'); sys.exit(1)", ""],
+        ["py", "broken", "def f(:", ""],
+        ["py", "files again", hf.FILES, json.dumps({"paths": [str(a)], "hash": False})],
     ]
     got, _ = batch_run(items, 60)
+    rc, _, err = got["broken"]  # (a source compiled once for its forks; one that does not compile, in each)
+    assert rc == 1 and b"SyntaxError" in err
+    assert "sha256" not in json.loads(got["files again"][1])[str(a)]
     assert got[f"cat {a}"] == (0, b"\xff\x00binary", b"")
     assert got[fail] == (7, b"", b"oops\n")
     rc, out, _ = got["files"]

@@ -32,6 +32,7 @@ import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from types import CodeType
     from typing import Any
 
 
@@ -54,6 +55,7 @@ class Child:
             )
         else:
             self.progress_r, pw = os.pipe()
+            compiled(item[2])  # (once, here: each fork of the same module runs it)
             try:
                 self.proc = Forked(item[2], item[3], pw)
             except OSError:
@@ -181,11 +183,26 @@ class Forked:
         return self.returncode
 
 
+#: each fact module's source compiled once, in this process, before the forks that run it (None:
+#: it does not compile; each fork then compiles it and reports the error as ``python3 -c`` would)
+COMPILED: dict[str, CodeType | None] = {}
+
+
+def compiled(source: str) -> CodeType | None:
+    if source not in COMPILED:
+        try:
+            COMPILED[source] = compile(source, "<string>", "exec")
+        except (SyntaxError, ValueError):
+            COMPILED[source] = None
+    return COMPILED[source]
+
+
 def run_source(source: str) -> int:
     """Run a module's source as __main__ (as ``python3 -c`` does): its exit status; an uncaught
     exception prints its traceback and gives 1."""
     try:
-        exec(compile(source, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+        code = COMPILED.get(source) or compile(source, "<string>", "exec")
+        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
