@@ -30,8 +30,9 @@ def _path(store: Path, pins_path: Path, lock_path: Path, name: str) -> Path:
     return store / "plans" / f"{hashlib.sha256(key.encode()).hexdigest()}.json"
 
 
-def _state(pins_path: Path, lock_path: Path, recipe: str | None, patches: list[str]) -> dict[str, Any]:
-    """The digests of everything the plan of one image reads."""
+def state(pins_path: Path, lock_path: Path, recipe: str | None, patches: list[str]) -> dict[str, Any]:
+    """The digests of everything the plan of one image reads (``recipe``: its recipe folder, None for a
+    published image; ``patches``: the patch files of its sources)."""
     root = pins_path.resolve().parent
     return {
         "format": FORMAT,
@@ -45,12 +46,9 @@ def _state(pins_path: Path, lock_path: Path, recipe: str | None, patches: list[s
     }
 
 
-def remember(store: Path, pins_path: Path, lock_path: Path, name: str, address: str, recipe: str | None,
-             patches: list[str]) -> None:
-    """After a full plan of ``name`` passed: its address, and the digests of what it read (``recipe``:
-    the recipe folder, None for a published image; ``patches``: the patch files of its sources)."""
-    state = _state(pins_path, lock_path, recipe, patches)
-    atomic_write(_path(store, pins_path, lock_path, name), canonical_json({**state, "address": address}))
+def remember(store: Path, pins_path: Path, lock_path: Path, name: str, address: str, seen: dict[str, Any]) -> None:
+    """``name``'s address, planned in full while the files were as ``seen`` (a :func:`state`)."""
+    atomic_write(_path(store, pins_path, lock_path, name), canonical_json({**seen, "address": address}))
 
 
 def recall(store: Path, pins_path: Path, lock_path: Path, name: str) -> str | None:
@@ -63,7 +61,7 @@ def recall(store: Path, pins_path: Path, lock_path: Path, name: str) -> str | No
         recipe, patches = memo.get("recipe"), list(memo.get("patches") or {})
         if not isinstance(address, str) or not (recipe is None or isinstance(recipe, str)):
             return None
-        now = _state(pins_path, lock_path, recipe, patches)
+        now = state(pins_path, lock_path, recipe, patches)
     except (OSError, ValueError, KeyError, AttributeError, ConfigError):
         return None  # no memo, a damaged one, or a file gone: the full plan says why
     return address if now == memo else None

@@ -31,17 +31,15 @@ def push_image(name: str, target: object, as_json: bool) -> int:
     from builder import output
     from builder import registry as reg
     from builder.imagerecord import require_record
-    from builder.planmemo import recall, remember
+    from builder.planmemo import recall
 
     assert isinstance(target, reg.Target)
     c = get_ctx()
     address = recall(c.store, c.pins, c.lock, name)
-    if address is None:  # the full plan: the lock current for NAME, its recipe unchanged
-        from builder.plan import files_read, load_inputs, make_plan
+    if address is None:  # the full plan (the pins' and lock's models): the lock current for NAME
+        from builder.plan import planned_address
 
-        pins, lock, root = load_inputs(c.pins, c.lock, name)
-        address = make_plan(pins, lock, name, root).address
-        remember(c.store, c.pins, c.lock, name, address, *files_read(pins, name))
+        address = planned_address(c.store, c.pins, c.lock, name)
     rec = require_record(c.store, name, address)
 
     res, _ = reg.push(c.store, rec, target, on_log=output.detail)
