@@ -222,3 +222,27 @@ def test_a_record_of_an_older_build_is_pushed_from_the_engine(built: Built, regi
         assert again["already"]
     finally:
         path.write_text(saved)
+
+
+def test_a_push_after_a_recipe_change_is_refused_though_a_plan_was_remembered(
+        built: Built, registry: registrylib.Registry) -> None:
+    """The second push takes the address from the remembered plan; once a recipe file changes the memo
+    misses, the full plan refuses the stale lock and nothing is sent; put back, the memo holds again."""
+    def push(check: bool = True) -> subprocess.CompletedProcess[str]:
+        return built.builder("push", "demo", "--registry", registry.url, "--json", check=check, env=creds(registry))
+
+    for _ in range(2):
+        assert json.loads(push().stdout)["manifest_digest"] == built.record["manifest_digest"]
+    assert list((built.workdir / "store" / "plans").glob("*.json"))
+    dockerfile = built.root / "images" / "demo" / "Dockerfile"
+    saved = dockerfile.read_bytes()
+    mark = len(registry.requests())
+    dockerfile.write_bytes(saved + b"\n# changed\n")
+    try:
+        p = push(check=False)
+        assert p.returncode == 2 and "stale for image demo" in p.stderr and "Dockerfile" in p.stderr, p.stderr
+        assert registry.requests()[mark:] == []  # refused before the registry was asked anything
+    finally:
+        dockerfile.write_bytes(saved)
+    out = json.loads(push().stdout)
+    assert out["already"] is True and out["manifest_digest"] == built.record["manifest_digest"]
