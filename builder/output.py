@@ -136,6 +136,8 @@ def progress_enabled() -> bool:
 #: seconds a job runs before its progress is drawn: a shorter one shows none, and the bars (rich's
 #: import and its refresh thread) cost a job that needs them under 2 % of its time
 PROGRESS_DELAY = 3.0
+#: how often drawn bars are redrawn
+REFRESH_PER_SECOND = 4
 
 
 class _Deferred:
@@ -189,6 +191,9 @@ class _Deferred:
                 *columns,
                 console=console(),
                 transient=True,
+                # rich redraws from a thread of its own; 4 a second (its default is 10) is smooth to
+                # read and takes less of the cores from the job the bars follow
+                refresh_per_second=REFRESH_PER_SECOND,
             )
             for t in self._tasks:
                 self._rich_ids.append(bar.add_task(t["description"], total=t["total"], completed=t["completed"],
