@@ -201,7 +201,7 @@ def _push(cfg: Config, projectlib: Any, registrylib: Any, work: Path, builder: A
             ratio=ratio, target="<= 1", status=judge(ratio, "<= 1"),
             note=f"floor of a Python CLI: python3 starting {med['python']:.3f} s, `builder --version` "
                  f"{med['version']:.3f} s; the rest is the push's imports (the HTTP client, the image record's "
-                 "models), the remembered plan re-hashed (builder.planmemo) and four small requests",
+                 "models), the plan from pins and lock (their models and the staleness check) and four small requests",
             values={"builder_s": med["builder"], "docker_s": med["docker"], "python_start_s": med["python"],
                     "builder_version_s": med["version"]}),
     ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder import ASSEMBLY_FORMAT, planmemo
+from builder import ASSEMBLY_FORMAT
 from builder.canon import address
 from builder.errors import ConfigError
 from builder.hashing import recipe_files
@@ -80,23 +80,6 @@ def load_inputs(pins_path: Path, lock_path: Path, name: str) -> tuple[Pins, Lock
 def plan(pins_path: Path, lock_path: Path, name: str) -> Plan:
     pins, lock, root = load_inputs(pins_path, lock_path, name)
     return make_plan(pins, lock, name, root)
-
-
-def planned_address(store: Path, pins_path: Path, lock_path: Path, name: str) -> str:
-    """Image ``name``'s input address for the current lock by the full plan (a stale lock is refused),
-    remembered for builder.planmemo.recall: the files the plan reads are hashed between two plans that
-    agree, so a file changed while planning is never remembered with an address it did not give."""
-    pins, lock, root = load_inputs(pins_path, lock_path, name)
-    address = make_plan(pins, lock, name, root).address
-    img = pins.images[name]
-    recipe, patches = (None, []) if isinstance(img, PublishedImage) else (
-        img.recipe, [pt.file for s in img.sources for pt in pins.sources[s].patches])
-    seen = planmemo.state(pins_path, lock_path, recipe, patches)
-    pins, lock, root = load_inputs(pins_path, lock_path, name)
-    if make_plan(pins, lock, name, root).address == address and planmemo.state(
-            pins_path, lock_path, recipe, patches) == seen:
-        planmemo.remember(store, pins_path, lock_path, name, address, seen)
-    return address
 
 
 def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -263,18 +262,6 @@ class Store:
                         kept += 1  # a push of it is under way right now
                         continue
                     removed.append(f"locks/{p.name}")
-            # a remembered plan (builder.planmemo) goes with the record of its address
-            for p in sorted((self.root / "plans").glob("*.json")):
-                try:
-                    address = json.loads(p.read_bytes()).get("address")
-                except (OSError, ValueError, AttributeError):
-                    address = None
-                if address in keep_images:
-                    kept += 1
-                    continue
-                if not dry_run:
-                    p.unlink()
-                removed.append(f"plans/{p.name}")
             if self.trees.is_dir():
                 for p in sorted(self.trees.iterdir()):
                     if p.name in keep_trees and not (verify and sha256_tree(p) != p.name):

@@ -31,15 +31,11 @@ def push_image(name: str, target: object, as_json: bool) -> int:
     from builder import output
     from builder import registry as reg
     from builder.imagerecord import require_record
-    from builder.planmemo import recall
+    from builder.plan import plan
 
     assert isinstance(target, reg.Target)
     c = get_ctx()
-    address = recall(c.store, c.pins, c.lock, name)
-    if address is None:  # the full plan (the pins' and lock's models): the lock current for NAME
-        from builder.plan import planned_address
-
-        address = planned_address(c.store, c.pins, c.lock, name)
+    address = plan(c.pins, c.lock, name).address  # a stale lock is refused here, before any request
     rec = require_record(c.store, name, address)
 
     res, _ = reg.push(c.store, rec, target, on_log=output.detail)
