@@ -279,10 +279,15 @@ class Writeback:
 
     def wrote(self, n: int) -> None:
         self.at += n
-        if self.at - self.started >= WRITEBACK_STEP and hasattr(os, "posix_fadvise"):
+        if self.at - self.started >= WRITEBACK_STEP:
+            self.start_rest()
+
+    def start_rest(self) -> None:
+        """Start the writeback of every byte written and not yet started (the end of a file)."""
+        if self.at > self.started and hasattr(os, "posix_fadvise"):
             with contextlib.suppress(OSError):
                 os.posix_fadvise(self.fd, self.started, self.at - self.started, os.POSIX_FADV_DONTNEED)
-            self.started = self.at
+        self.started = self.at
 
 
 def write_all(fd: int, chunk: memoryview, wb: Writeback | None = None) -> None:
@@ -1360,7 +1365,8 @@ def install(
             raise
         for tmp, dest in written:
             os.replace(tmp, dest)
-            fsync_dir(os.path.dirname(dest))
+        for d in sorted({os.path.dirname(dest) for _, dest in written}):
+            fsync_dir(d)
         stage_release(r, bundle_dir, manifest, mbytes, sbytes)
         res = _switch_in(r, manifest, mbytes, stage, current, trusted_key if new_key else None)
         if remove_source:
@@ -1421,8 +1427,6 @@ def _write_models(
             digest, size = hash_file(tmp)
             if (digest, size) != (entry["sha256"], entry["size"]):
                 raise InstallError("%s: sha256 mismatch (changed file)" % entry["path"])
-            with open(tmp, "rb") as f:  # its bytes on disk before it is renamed into place, as a copy's
-                os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
             return
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -1430,13 +1434,19 @@ def _write_models(
             wb = Writeback(fd)
             for chunk in iter_file(bundle_dir, entry):
                 write_all(fd, chunk, wb)
-            os.fsync(fd)
+            wb.start_rest()
         finally:
             os.close(fd)
         os.chmod(tmp, 0o644)
 
     try:
         in_parallel(one, list(range(len(placing))), size=lambda i: int(placing[i]["size"]))
+        # every file's bytes on disk before any is renamed into place, fsynced one after another
+        # once all are written: each fsync waits for a journal commit (on ext4 one that also carries
+        # other writers' data), so fsyncs racing each other from the workers cost a commit apiece,
+        # while these find most of their writeback done and most of the metadata committed already
+        for tmp, _ in written:
+            fsync_file(tmp)
     except BaseException:
         for tmp, _ in written:
             with contextlib.suppress(OSError):
@@ -2074,7 +2084,8 @@ def receive(
             _say("placing model file %s" % m["path"])
             os.chmod(w.dest, 0o644)
             os.replace(w.dest, m["path"])
-            fsync_dir(os.path.dirname(m["path"]))
+        for d in sorted({os.path.dirname(m["path"]) for m in placing}):
+            fsync_dir(d)
         if not release_there:
             stage_release(r, inc_dir, {**manifest, "files": [
                 {k: v for k, v in f.items() if k != "parts"} for f in manifest["files"]]}, mbytes, sbytes,
