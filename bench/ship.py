@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import os
-import pty
 import shutil
 import statistics
 import subprocess
@@ -141,25 +140,13 @@ def _fleet_bundle(cfg: Config, base: Path) -> list[Row]:
 
 def _on_pty(argv: list[str]) -> int:
     """Run argv with stderr on a pseudo-terminal (as a user at a terminal sees it); the bytes drawn there."""
-    master, slave = pty.openpty()
-    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
-    env["TERM"] = "xterm-256color"
-    pr = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=slave, env=env)
-    os.close(slave)
-    drawn = 0
-    while True:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        drawn += len(chunk)
-    pr.wait()
-    os.close(master)
-    if pr.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv[:4])}... on a pty: exit {pr.returncode}")
-    return drawn
+    sys.path.insert(0, str(REPO / "tests"))
+    import ptylib
+
+    rc, _, drawn = ptylib.run_on_pty(argv)
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(argv[:4])}... on a pty: exit {rc}")
+    return len(drawn)
 
 
 def _progress(cfg: Config, p: dict[str, Any]) -> list[Row]:

@@ -4,40 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import pty
-import select
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bundlelib as bl  # noqa: E402
+import ptylib  # noqa: E402
 
 
 def _run_on_pty(argv: list[str], cwd: Path) -> tuple[int, str, str]:
-    """Run argv with stderr on a pseudo-terminal and stdout on a pipe: (exit code, stdout, pty output)."""
-    master, slave = pty.openpty()
-    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TERM")}
-    env["TERM"] = "xterm-256color"
-    p = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, env=env)
-    os.close(slave)
-    seen = b""
-    while True:
-        r, _, _ = select.select([master], [], [], 0.2)
-        if r:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            seen += chunk
-        elif p.poll() is not None:
-            break
-    out = p.stdout.read().decode() if p.stdout else ""
-    p.wait(timeout=60)
-    os.close(master)
-    return p.returncode, out, seen.decode("utf-8", "replace")
+    rc, out, drawn = ptylib.run_on_pty(argv, cwd)
+    return rc, out, drawn.decode("utf-8", "replace")
 
 
 def test_no_bar_off_a_terminal_and_json_stays_one_document(tmp_path: Path) -> None:
