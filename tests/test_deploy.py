@@ -496,14 +496,15 @@ def test_deploy_killed_while_rolling_back_then_rerun_ends_every_host_on_the_old_
 @pytest.mark.build
 def test_stop_and_start_in_rank_order_only_the_lanes_containers(j: Journey, bystanders: None) -> None:
     good = _good(j)
-    since = j.fleet.exec(0, "date +%s").stdout.strip()
+    # nanoseconds: docker events' --until in whole seconds leaves out what died in the current second
+    since = j.fleet.exec(0, "date +%s.%N").stdout.strip()
     # the default stop timeout: the engine gets docker stop's SIGTERM (start.sh runs it under --init)
     p = j.builder("stop", "--fleet", j.name, "--json")
     rep = json.loads(p.stdout)
     assert rep["result"] == "stopped" and all(r["result"] == "stopped" for r in rep["hosts"].values())
     head, worker = j.fleet.hosts
     for h in (head, worker):  # 143 = ended by SIGTERM; 137 would be docker's SIGKILL after the timeout
-        died = j.fleet.exec(h, f"docker events --since {since} --until $(date +%s) --filter event=die "
+        died = j.fleet.exec(h, f"docker events --since {since} --until $(date +%s.%N) --filter event=die "
                                "--filter label=io.builder.lane=demo --format '{{.Actor.Attributes.exitCode}}'")
         assert died.stdout.split() == ["143"], (h.name, died.stdout)
     lines = p.stderr.splitlines()
