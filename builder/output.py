@@ -53,11 +53,10 @@ def _plain(line: str) -> None:
 
 
 def status(message: str) -> None:
-    """A status line for people, on stderr."""
-    if color_enabled():
-        console().print(message, markup=False, emoji=False)
-    else:
-        _plain(message)
+    """A status line for people, on stderr. It has no style, so even in colour it is its plain text:
+    a command that prints only status lines never imports rich. (While bars are drawn, rich's live
+    display has sys.stderr, and prints the line above them.)"""
+    _plain(message)
 
 
 def detail(line: str) -> None:
