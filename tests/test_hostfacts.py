@@ -208,6 +208,12 @@ def test_fabric_facts_and_gid_evaluation(tmp_path: Path) -> None:
     assert hf.iface_of(facts, "192.0.2.11") is None
 
 
+#: a host whose proxy settings name a proxy that does not answer: requests to its own 127.0.0.1 must
+#: not go through it
+NO_PROXY_REACHABLE = {**{k: v for k, v in os.environ.items() if k.lower() != "no_proxy"},
+                      "http_proxy": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+
+
 def test_serve_answers_each_call_or_says_why(tmp_path: Path) -> None:
     import http.server
     import threading
@@ -237,9 +243,14 @@ def test_serve_answers_each_call_or_says_why(tmp_path: Path) -> None:
         base = f"http://127.0.0.1:{srv.server_port}"
         arg = hf.dumps({"base": base, "model": "demo", "timeout": 5})
         r = subprocess.run([sys.executable, "-I", "-S", "-c", hf.SERVE, arg], capture_output=True, text=True,
-                           check=True, timeout=60)
+                           check=True, timeout=60, env=NO_PROXY_REACHABLE)
+        # lane.py's state (deploy, status) asks the same /health
+        req = {"do": "state", "root": str(tmp_path), "lane": "demo", "rank": 0, "health_port": srv.server_port,
+               "label_lane": "io.builder.lane", "label_rank": "io.builder.rank", "label_bundle": "io.builder.bundle-id"}
+        lane_health = lane_run(req, {**NO_PROXY_REACHABLE, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})["health"]
     finally:
         srv.shutdown()
+    assert lane_health == {"status": 200}
     got = json.loads(r.stdout)
     assert got["health"] == {"status": 200, "body": "ok"}
     assert got["models"]["status"] == 404 and "error" in got["models"]

@@ -10,9 +10,8 @@ The request (argv[1], JSON) names what to do:
   answers (a worker: any of its ports on any of the addresses; the head: ``/health``), or its container
   ended, or the bound passed; the container's last log lines say why it ended.
 
-It prints one JSON object. The Docker Engine is asked on its unix socket (HTTP/1.0: one request, the
-answer until the peer closes) when DOCKER_HOST names one, as a docker CLI start per poll costs more;
-any other engine through the docker CLI.
+It prints one JSON object. The Docker Engine is asked through the docker CLI (whatever engine
+DOCKER_HOST names), the rank's /health through urllib.
 """
 
 from __future__ import annotations
@@ -24,34 +23,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
 RELEASE_ID = re.compile(r"^[0-9a-f]{64}$")
-DOCKER_HOST = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-
-
-def http_get(sock: socket.socket, path: str, host: str) -> tuple[int, bytes]:
-    """One GET over a connected socket: (status, body)."""
-    sock.settimeout(30)
-    sock.sendall(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
-    data = b""
-    while True:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    sock.close()
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
-
-
-def engine_get(path: str) -> tuple[int, bytes]:
-    """A GET of the Engine API on DOCKER_HOST's unix socket."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(30)
-    s.connect(DOCKER_HOST[len("unix://"):])
-    return http_get(s, path, "docker")
+#: what the docker CLI says of a name that is no container (its exit status is 1 for any failure)
+NO_SUCH = ("No such object", "No such container")
 
 
 # ----------------------------------------------------------------------------- state
@@ -83,19 +61,6 @@ def applied(root: str) -> dict[str, Any] | None:
 def containers(req: dict[str, Any]) -> list[dict[str, str]]:
     """This lane's containers of this rank, running or not."""
     lane, rank = req["lane"], str(req["rank"])
-    found: list[dict[str, str]] = []
-    if DOCKER_HOST.startswith("unix://"):  # (as `docker ps -a` asks it)
-        filters = json.dumps({"label": [f"{req['label_lane']}={lane}", f"{req['label_rank']}={rank}"]})
-        q = "".join(c if c.isalnum() or c in "-_.~" else f"%{ord(c):02X}" for c in filters)
-        code, body = engine_get("/containers/json?all=1&filters=" + q)
-        if code != 200:
-            raise OSError(f"docker engine answered HTTP {code}")
-        for c in json.loads(body):
-            labels = c.get("Labels") or {}
-            found.append({"id": c["Id"][:12], "name": (c.get("Names") or ["?"])[0].lstrip("/"),
-                          "state": c.get("State", ""), "bundle": labels.get(req["label_bundle"], ""),
-                          "image": c.get("ImageID") or c.get("Image", ""), "status": c.get("Status", "")})
-        return found
     label = '{{.Label "LABEL"}}'.replace
     fmt = "\t".join(["{{.ID}}", "{{.Names}}", "{{.State}}", label("LABEL", req["label_bundle"]),
                      label("LABEL", req["label_rank"]), "{{.Image}}", "{{.Status}}"])
@@ -103,6 +68,7 @@ def containers(req: dict[str, Any]) -> list[dict[str, str]]:
                         "--format", fmt], capture_output=True, text=True, timeout=60)
     if p.returncode != 0:
         raise OSError((p.stderr.strip().splitlines() or ["docker ps failed"])[-1])
+    found: list[dict[str, str]] = []
     for line in p.stdout.splitlines():
         parts = line.split("\t")
         if len(parts) == 7 and parts[4] == rank:
@@ -111,18 +77,27 @@ def containers(req: dict[str, Any]) -> list[dict[str, str]]:
     return found
 
 
+#: urllib without proxies: a host's http_proxy must not carry a request for its own 127.0.0.1
+LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def health_status(port: int, timeout: float) -> dict[str, Any]:
+    """One GET of /health on 127.0.0.1: ``{"status": code}``, or ``{"status": None, "error": why}``."""
+    try:
+        with LOCAL.open(f"http://127.0.0.1:{port}/health", timeout=timeout) as r:
+            return {"status": r.status}
+    except urllib.error.HTTPError as e:
+        return {"status": e.code}
+    except (OSError, ValueError) as e:
+        return {"status": None, "error": str(e)[:200]}
+
+
 def health(port: int, any_container: bool) -> dict[str, Any]:
     """Whether /health answers 200 on 127.0.0.1 (three tries: a busy engine may miss one answer)."""
     got: dict[str, Any] = {}
     for _ in range(3):
-        try:
-            code, _ = http_get(socket.create_connection(("127.0.0.1", port), timeout=5), "/health", "127.0.0.1")
-            got = {"status": code}
-            if code == 200:
-                break
-        except (OSError, ValueError, IndexError) as e:
-            got = {"status": None, "error": str(e)[:200]}
-        if not any_container:
+        got = health_status(port, 5)
+        if got["status"] == 200 or not any_container:
             break
         time.sleep(0.5)
     return got
@@ -152,18 +127,12 @@ def container_state(name: str) -> tuple[str, Any]:
     """(status, exit code) of the container: ``missing`` when there is none, ``unknown`` when the engine
     did not answer."""
     try:
-        if DOCKER_HOST.startswith("unix://"):
-            status, body = engine_get(f"/containers/{name}/json")
-            if status == 404:
-                return "missing", None
-            got = json.loads(body)["State"]
-            return got["Status"], got.get("ExitCode")
-        p = subprocess.run(["docker", "inspect", "-f", "{{.State.Status}} {{.State.ExitCode}}", name],
-                           capture_output=True, text=True, timeout=30)
-    except (OSError, ValueError, KeyError, IndexError, subprocess.TimeoutExpired):
+        p = subprocess.run(["docker", "inspect", "--type", "container", "-f", "{{.State.Status}} {{.State.ExitCode}}",
+                            name], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
         return "unknown", None
     if p.returncode != 0:
-        return "missing", None
+        return ("missing" if any(n in p.stderr for n in NO_SUCH) else "unknown"), None
     st, _, code = p.stdout.strip().partition(" ")
     return st, code
 
@@ -180,11 +149,7 @@ def answers(ports: list[int], addrs: list[str]) -> bool:
 
 
 def healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=3) as r:
-            return bool(r.status == 200)
-    except Exception:  # (any failure to answer is "not yet")
-        return False
+    return bool(health_status(port, 3)["status"] == 200)
 
 
 def logs(name: str) -> str:
