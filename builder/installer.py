@@ -210,12 +210,9 @@ def bundle_id_of(manifest: dict[str, Any]) -> str:
 
 
 def fsync_dir(path: str) -> None:
+    """fsync a folder (its entries); a file system that cannot is let be."""
     with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(path)
 
 
 def fsync_file(path: str) -> None:
