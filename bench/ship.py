@@ -149,6 +149,12 @@ def _on_pty(argv: list[str]) -> int:
     return len(drawn)
 
 
+def _progress_runs(cfg: Config) -> int:
+    """At least 7 runs (not --quick): one run of this copy into a tmpfs varies by 10 to 15 % on this
+    machine, with bars or without, so the median of a few cannot judge a 2 % target."""
+    return cfg.n(5) if cfg.quick else max(cfg.runs, 7)
+
+
 def _progress(cfg: Config, p: dict[str, Any]) -> list[Row]:
     """A long job whose bars are drawn: one host's bundle with its 4 GiB of models written to a tmpfs
     (/dev/shm), another file system than the store, so every model byte is copied and hashed on the
@@ -164,7 +170,7 @@ def _progress(cfg: Config, p: dict[str, Any]) -> list[Row]:
     drawn: list[int] = []
     try:
         t = _times({"pty": lambda: drawn.append(_on_pty(argv)), "json": lambda: (_ok([*argv, "--json"]), None)[1]},
-                   cfg.n(5), reset=lambda: shutil.rmtree(out, ignore_errors=True))
+                   _progress_runs(cfg), reset=lambda: shutil.rmtree(out, ignore_errors=True))
     finally:
         shutil.rmtree(out.parent, ignore_errors=True)
     ratio = t["pty"] / t["json"]
