@@ -270,13 +270,14 @@ class Writeback:
     once they are clean: they were hashed on the way in, nothing here reads them again). Where it
     does not exist, nothing is started early and the fsync does all of it."""
 
-    def __init__(self, fd: int, offset: int = 0) -> None:
+    def __init__(self, fd: int, offset: int = 0, end_only: bool = False) -> None:
         self.fd = fd
+        self.end_only = end_only  # (then only start_rest, at the file's end, starts it)
         self.started = self.at = offset
 
     def wrote(self, n: int) -> None:
         self.at += n
-        if self.at - self.started >= WRITEBACK_STEP:
+        if not self.end_only and self.at - self.started >= WRITEBACK_STEP:
             self.start_rest()
 
     def start_rest(self) -> None:
@@ -1428,16 +1429,15 @@ def _write_models(
             return
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for chunk in iter_file(bundle_dir, entry):
-                write_all(fd, chunk)
             # the file's writeback started once it is all written (while the next one is copied),
             # not every WRITEBACK_STEP as receive does: here the bytes come from the page cache as
             # fast as the cores hash them, and DONTNEED on freshly dirtied steps made the writes
             # themselves cost 2 to 5 times the system time (a copying install 2x slower); the kernel's
             # own writeback (past dirty_background_ratio) keeps the disk busy in between
-            if hasattr(os, "posix_fadvise"):
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            wb = Writeback(fd, end_only=True)
+            for chunk in iter_file(bundle_dir, entry):
+                write_all(fd, chunk, wb)
+            wb.start_rest()
         finally:
             os.close(fd)
         os.chmod(tmp, 0o644)
