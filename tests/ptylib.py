@@ -18,20 +18,25 @@ def run_on_pty(argv: list[str], cwd: Path | None = None) -> tuple[int, str, byte
     env["TERM"] = "xterm-256color"
     p = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, env=env)
     os.close(slave)
-    seen = b""
-    while True:
-        r, _, _ = select.select([master], [], [], 0.2)
-        if r:
+    assert p.stdout is not None
+    # both outputs at once: a child blocked on a full stdout pipe would never close the terminal
+    reading, out, seen = [master, p.stdout.fileno()], b"", b""
+    while reading:
+        ready, _, _ = select.select(reading, [], [], 0.2)
+        for fd in ready:
             try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
+                chunk = os.read(fd, 65536)
+            except OSError:  # (the terminal's end once the child is gone: EIO)
+                chunk = b""
             if not chunk:
-                break
-            seen += chunk
-        elif p.poll() is not None:
+                reading.remove(fd)
+            elif fd == master:
+                seen += chunk
+            else:
+                out += chunk
+        if not ready and p.poll() is not None:
             break
-    out = p.stdout.read().decode() if p.stdout else ""
+    p.stdout.close()
     p.wait(timeout=60)
     os.close(master)
-    return p.returncode, out, seen
+    return p.returncode, out.decode(), seen

@@ -434,6 +434,21 @@ def test_lane_state_reads_links_releases_and_the_apply_record(tmp_path: Path) ->
     assert got["containers"] == [] and str(got["docker"]).startswith("docker: ") and got["health"] is None
 
 
+@pytest.mark.docker
+def test_lane_wait_says_a_container_the_engine_does_not_have_is_gone() -> None:
+    """This machine's real docker CLI and engine: a name that is no container is "missing" (the rank's
+    container is gone), not "unknown" (no answer from the engine)."""
+    import fleetlib
+
+    if not fleetlib.docker_available():
+        pytest.skip("no Docker engine here")
+    name = f"builder-test-no-such-{os.getpid()}"
+    req: dict[str, object] = {"do": "wait", "container": name, "ports": [1], "addrs": ["127.0.0.1"],
+                              "health_port": None, "timeout": 30}
+    got = lane_run(req, dict(os.environ))
+    assert got["ok"] is False and got["why"] == f"container {name} is gone", got
+
+
 def test_lane_wait_is_bounded_when_the_engine_does_not_answer(tmp_path: Path) -> None:
     env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"}
     req = {"do": "wait", "container": "c", "ports": [1], "addrs": ["127.0.0.1"], "health_port": None,
