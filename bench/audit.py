@@ -93,24 +93,34 @@ def run(cfg: Config) -> list[Row]:
 
 def lane_for(n: int) -> tuple[str, str]:
     """(lane name, pins.toml text to add) for n hosts: the shipped demo lane when its tensor_parallel
-    is n, else `demo-tpN`, the demo lane's serve settings with tensor_parallel = N and demo-tiny only."""
+    is n, else `demo-tpN`, the demo lane with tensor_parallel = N and demo-tiny only."""
     shipped = tomllib.loads((REPO / "pins.toml").read_text())["lanes"]["demo"]
     if shipped["serve"].get("tensor_parallel") == n:
         return "demo", ""
     name = f"demo-tp{n}"
-    text = f'[lanes.{name}]\nimage = {json.dumps(shipped["image"])}\nmodels = ["demo-tiny"]\n'
-    return name, text + _table(f"lanes.{name}.serve", dict(shipped["serve"], tensor_parallel=n))
+    lane = dict(shipped, models=["demo-tiny"], serve=dict(shipped["serve"], tensor_parallel=n))
+    lane["mounts"] = [m for m in shipped.get("mounts", []) if m["source"] in ("model:demo-tiny",)]
+    return name, _table(f"lanes.{name}", lane)
+
+
+def _value(v: Any) -> str:
+    """A TOML value: JSON's spelling of strings, numbers and lists; inline tables for dicts."""
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {_value(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    return json.dumps(v)
 
 
 def _table(header: str, values: dict[str, Any]) -> str:
-    """A TOML table of plain values (strings, numbers, booleans, lists of them) and sub-tables."""
+    """A TOML table of plain values (strings, numbers, booleans, lists, inline tables) and sub-tables."""
     text = f"\n[{header}]\n"
     subs = ""
     for k, v in values.items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and k not in ("ready", "options"):
             subs += _table(f"{header}.{k}", v)
         else:
-            text += f"{k} = {json.dumps(v)}\n"
+            text += f"{k} = {_value(v)}\n"
     return text + subs
 
 

@@ -13,10 +13,13 @@ from typing import Annotated, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from builder.errors import ConfigError
+from builder.lanes import Lane
 from builder.loader import read_toml, validate
 from builder.schema import Digest, Name, Platform, Sha256, Strict
 
 PINS_FORMAT = 1
+#: a value no public source gives: pins.toml says so, and `builder lock` names it instead of guessing
+UNKNOWN = "UNKNOWN"
 
 REV_RE = r"^[0-9a-f]{7,40}$"
 #: the kinds of input a lock resolves, in the order it resolves them
@@ -47,11 +50,12 @@ class Patch(Strict):
 
 
 class GitSource(Strict):
-    """An engine (or any) git source: a ref to follow, an optional pinned rev, a patch series."""
+    """An engine (or any) git source: a ref to follow, an optional pinned rev, a patch series.
+    ``rev = "UNKNOWN"`` records a commit nobody has published in full (the lock names it)."""
 
     url: str = Field(min_length=1)
     ref: str = Field(min_length=1, description="branch or tag the rev must be on")
-    rev: Annotated[str, Field(pattern=REV_RE)] | None = None
+    rev: Annotated[str, Field(pattern=REV_RE)] | Literal["UNKNOWN"] | None = None
     patches: list[Patch] = []
     note: str | None = None
 
@@ -133,10 +137,11 @@ class HfModel(Strict):
 
 
 class PlainFile(Strict):
-    """A plain file by URL (https://, file://, or a path inside the project) and its sha256."""
+    """A plain file by URL (https://, file://, or a path inside the project) and its sha256
+    (either may be UNKNOWN while nobody has published it: the lock then names it)."""
 
     url: str = Field(min_length=1)
-    sha256: Sha256
+    sha256: Sha256 | Literal["UNKNOWN"]
     size: int | None = Field(default=None, ge=0)
     note: str | None = None
 
@@ -160,11 +165,12 @@ class ImageRecipe(Strict):
         return v
 
 
-PUBLISHED_RE = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
+PUBLISHED_RE = re.compile(r"^[^@\s]+@(sha256:[0-9a-f]{64}|UNKNOWN)$")
 
 
 class PublishedImage(Strict):
     """A published image run as it is, named by digest (``registry/repo@sha256:...``): nothing is built.
+    ``registry/repo@UNKNOWN`` records a published image whose digest nobody has given (the lock names it).
 
     The lock records its manifest digest, its config digest (the ImageID) and its DiffIDs; `builder
     image` pulls it by digest and checks them. A tag alone is refused: it can move under the lock.
@@ -195,31 +201,26 @@ Image = Annotated[Annotated[ImageRecipe, Tag("image-recipe")] | Annotated[Publis
                   Discriminator(_image_kind)]
 
 
-class Serve(Strict):
-    tensor_parallel: int = Field(ge=1, le=64)
-    context: int = Field(ge=1)
-    streams: int = Field(ge=1)
-    port: int = Field(ge=1, le=65535)
-    served_name: str = Field(min_length=1)
-    rendezvous_port: int = Field(default=29760, ge=1, le=65535)
-    host: str = "0.0.0.0"
-    args: list[str] = []
-    env: dict[str, str] = {}
+class Kit(Strict):
+    """A kernel kit: a folder of files, each listed with its sha256 and size in the kit's MANIFEST
+    (``sha256 bytes origin two-node path`` lines, ``#`` comments), placed on every host and mounted
+    read-only. The files come from ``local`` (a folder, relative to the project or absolute) or from
+    ``source`` (a ``[sources]`` entry) under ``path``; the lock hashes each and checks it against the
+    MANIFEST, whose own sha256 is pinned here once known."""
 
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
-        for k in v:
-            if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", k):
-                raise ValueError(f"not an environment variable name: {k!r}")
-        return v
-
-
-class Lane(Strict):
-    image: Name
-    models: list[Name] = []
-    serve: Serve
+    manifest: str = "MANIFEST"
+    manifest_sha256: Sha256 | None = None
+    local: str | None = None
+    source: Name | None = None
+    path: str = ""
+    expect_files: int | None = Field(default=None, ge=1)
     note: str | None = None
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> Kit:
+        if (self.local is None) == (self.source is None):
+            raise ValueError("want exactly one of local (a folder) or source (a [sources] entry)")
+        return self
 
 
 class Pins(Strict):
@@ -229,6 +230,7 @@ class Pins(Strict):
     bases: dict[Name, BaseImage] = {}
     models: dict[Name, HfModel] = {}
     files: dict[Name, PlainFile] = {}
+    kits: dict[Name, Kit] = {}
     images: dict[Name, Image] = {}
     lanes: dict[Name, Lane] = {}
 
@@ -262,6 +264,12 @@ class Pins(Strict):
             for i, m in enumerate(lane.models):
                 if m not in self.models:
                     raise _Ref(f"lanes.{name}.models[{i}]", m, "models")
+            for n in lane.inputs():
+                if n not in self.kits and n not in self.files:
+                    raise ValueError(f"lanes.{name}: runtime input {n!r} is not defined in [kits] or [files]")
+        for name, kit in self.kits.items():
+            if kit.source is not None and kit.source not in self.sources:
+                raise _Ref(f"kits.{name}.source", kit.source, "sources")
         return self
 
     def recipes(self) -> dict[str, ImageRecipe]:
@@ -282,7 +290,7 @@ class Pins(Strict):
 
     def closure(self, names: list[str]) -> dict[str, set[str]]:
         """The inputs (by kind) that the named lanes, images or inputs need."""
-        out: dict[str, set[str]] = {k: set() for k in INPUT_KINDS}
+        out: dict[str, set[str]] = {k: set() for k in (*INPUT_KINDS, "kits")}
         for n in names:
             kind = self.kind_of(n)
             if kind is None:
@@ -290,6 +298,8 @@ class Pins(Strict):
             if kind == "lanes":
                 lane = self.lanes[n]
                 out["models"].update(lane.models)
+                for i in lane.inputs():
+                    out["kits" if i in self.kits else "files"].add(i)
                 self._image_closure(lane.image, out)
             elif kind == "images":
                 self._image_closure(n, out)

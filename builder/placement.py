@@ -123,3 +123,40 @@ def place_models(pins: Pins, lock: Lock, lane_name: str, host: Host) -> list[Pla
 def host_files(pins: Pins, lock: Lock, lane_name: str, host: Host) -> list[PlacedFile]:
     """This host's model files, sorted by absolute path."""
     return sorted((f for m in place_models(pins, lock, lane_name, host) for f in m.files), key=lambda f: f.path)
+
+
+def input_root(paths: Paths, name: str) -> str:
+    """The folder a runtime input (a kit, or a plain file of ``[files]``) lives in on a host:
+    ``<paths.models>/<name>``."""
+    return f"{paths.models.rstrip('/')}/{name}"
+
+
+def file_name(url: str) -> str:
+    """The name a plain file of ``[files]`` has on a host: the last part of its URL or path."""
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def derived_root(host: Host, lane_name: str, name: str) -> str:
+    """The folder a derivation of the lane fills on this host (its rank's output only)."""
+    return f"{host.paths.bundles.rstrip('/')}/derived/{lane_name}/{name}"
+
+
+def state_root(host: Host, lane_name: str, name: str) -> str:
+    """A writable folder of the lane's own on the host (logs, caches), made by start.sh."""
+    return f"{host.paths.bundles.rstrip('/')}/lanes/{lane_name}/{name}"
+
+
+def mount_path(pins: Pins, lane_name: str, host: Host, mount: Any) -> str:
+    """Where a lane mount's source (builder.lanes.Mount) is on this host."""
+    kind, name = mount.kind, mount.name
+    if kind == "host":
+        return str(name)
+    if kind == "model":
+        return model_root(host.paths, name, pins.models[name].role)
+    if kind == "input":
+        if name in pins.files:
+            return f"{input_root(host.paths, name)}/{file_name(pins.files[name].url)}"
+        return input_root(host.paths, name)
+    if kind == "derived":
+        return derived_root(host, lane_name, name)
+    return state_root(host, lane_name, name)

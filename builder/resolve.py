@@ -14,7 +14,7 @@ from typing import Any
 
 from builder import __version__, fetch, gitsrc, hf, oci, published
 from builder.canon import address
-from builder.errors import BuilderError, ConfigError
+from builder.errors import BuilderError, ConfigError, ResolveError
 from builder.hashing import recipe_files, sha256_file
 from builder.lockfile import (
     LOCK_FORMAT,
@@ -33,6 +33,7 @@ from builder.lockfile import (
 )
 from builder.pins import (
     INPUT_KINDS,
+    UNKNOWN,
     CudaToolchain,
     Pins,
     WheelToolchain,
@@ -65,6 +66,10 @@ class ResolveReport:
 def _resolve_one(kind: str, name: str, spec: Any, root: Path, cache: Path, opts: ResolveOptions,
                  previous: Any) -> Any:
     """Call the resolver for one input; resolvers raise BuilderError with a one-line reason."""
+    unknown = unknown_fields(spec)
+    if unknown:
+        raise ResolveError(f"{kind}.{name}: {', '.join(unknown)} UNKNOWN (nobody has published it"
+                           + (f": {spec.note}" if getattr(spec, "note", None) else "") + "); pin it once known")
     if kind == "sources":
         locked = gitsrc.resolve(name, spec, root=root, cache=cache / "git", offline=opts.offline,
                                 previous=previous, update=name in opts.update)
@@ -85,6 +90,13 @@ def _resolve_one(kind: str, name: str, spec: Any, root: Path, cache: Path, opts:
     if kind == "toolchains":
         return lock_toolchain(spec)
     raise AssertionError(kind)
+
+
+def unknown_fields(spec: Any) -> list[str]:
+    """The fields of a pin that say UNKNOWN: a value no public source gives, which the lock names
+    instead of guessing."""
+    return [k for k, v in spec.model_dump().items()
+            if isinstance(v, str) and (v == UNKNOWN or v.endswith("@" + UNKNOWN))]
 
 
 def lock_toolchain(spec: ZigToolchain | CudaToolchain | WheelToolchain) -> LockedToolchain:
@@ -184,6 +196,10 @@ def _published(pins: Pins, previous: Lock | None, opts: ResolveOptions,
             out[name] = prev_pub
             if name in wanted:
                 report.kept.append(f"images.{name}")
+            continue
+        if name in wanted and unknown_fields(spec):
+            report.failed[f"images.{name}"] = (f"images.{name}: published digest UNKNOWN"
+                                               + (f" ({spec.note})" if spec.note else "") + "; pin it once known")
             continue
         if name not in wanted:
             if prev_pub is not None:

@@ -79,7 +79,11 @@ def test_rank_runs_the_release(host: Any, expect: dict[str, Any]) -> None:
     env = dict(e.split("=", 1) for e in config.get("Env") or [] if "=" in e)
     bad = [f"{k}={v!r} (found {env.get(k)!r})" for k, v in launch["env"].items() if env.get(k) != v]
     assert not bad, f"{name} environment: expected {shown(bad, 2)}"
-    if launch["args"]:
+    if launch.get("entrypoint"):
+        assert (config.get("Entrypoint") or []) == launch["entrypoint"], (
+            f"{name} entrypoint: expected {launch['entrypoint']}, found {config.get('Entrypoint')}"
+        )
+    if launch["args"] or launch.get("entrypoint"):
         assert (config.get("Cmd") or []) == launch["args"], (
             f"{name} arguments: expected {launch['args']}, found {config.get('Cmd')}"
         )

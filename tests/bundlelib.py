@@ -59,8 +59,17 @@ context = 4096
 streams = {streams}
 port = {port}
 served_name = "demo"
+
+[lanes.demo.env]
+DEMO_FLAG = "1"
+
+[lanes.demo.roles.head]
 args = ["httpd", "-f", "-p", "{{port}}", "-h", "/www"]
-env = {{ DEMO_FLAG = "1" }}
+ready = {{ health = "/health" }}
+
+[lanes.demo.roles.worker]
+args = ["httpd", "-f", "-p", "{{port}}", "-h", "/www"]
+ready = {{ running = true }}
 """
 
 MODEL_FILES = {

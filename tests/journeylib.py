@@ -132,21 +132,23 @@ class Journey:
             assert r.returncode == 0, f"{h.name}: stop.sh exit {r.returncode}: {r.stderr[-1500:]}"
 
     def set_serve(self, lane: str = "demo", relock: bool = True, **values: Any) -> None:
-        """Change keys of `[lanes.LANE.serve]` in the copy's pins.toml (TOML values: `args=[...]`,
-        `context=8192`), then `builder lock --offline LANE`: a new release of the lane."""
+        """Change keys of `[lanes.LANE.serve]` in the copy's pins.toml (TOML values: `context=8192`;
+        `args=[...]` sets what every rank runs, in `[lanes.LANE.roles.head]` and `.worker`), then
+        `builder lock --offline LANE`: a new release of the lane."""
         path = self.root / "pins.toml"
         lines = path.read_text().split("\n")
-        head = f"[lanes.{lane}.serve]"
-        start = lines.index(head) + 1
-        end = next((i for i in range(start, len(lines)) if lines[i].startswith("[")), len(lines))
         for key, value in values.items():
             text = json.dumps(value) if not isinstance(value, bool) else str(value).lower()
-            at = [i for i in range(start, end) if lines[i].split("=", 1)[0].strip() == key]
-            if at:
-                lines[at[0]] = f"{key} = {text}"
-            else:
-                lines.insert(end, f"{key} = {text}")
-                end += 1
+            tables = [f"[lanes.{lane}.roles.head]", f"[lanes.{lane}.roles.worker]"] if key == "args" else [
+                f"[lanes.{lane}.serve]"]
+            for head in tables:
+                start = lines.index(head) + 1
+                end = next((i for i in range(start, len(lines)) if lines[i].startswith("[")), len(lines))
+                at = [i for i in range(start, end) if lines[i].split("=", 1)[0].strip() == key]
+                if at:
+                    lines[at[0]] = f"{key} = {text}"
+                else:
+                    lines.insert(end, f"{key} = {text}")
         path.write_text("\n".join(lines))
         if relock:
             self.builder("lock", "--offline", lane)

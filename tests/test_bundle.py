@@ -83,7 +83,7 @@ def test_manifest_content(proj: Project) -> None:
     assert m["image"]["image_id"] == proj.image_id and m["image"]["diff_ids"] == proj.diff_ids
     assert len(m["lock_hash"]) == 64 and len(m["image"]["input_address"]) == 64
     paths = {f["path"]: f for f in m["files"]}
-    assert set(paths) == {"config.json", "install.py", "rank.env", "start.sh", "stop.sh"}
+    assert set(paths) == {"config.json", "install.py", "lane.py", "rank.env", "start.sh", "stop.sh"}
     assert paths["start.sh"]["mode"] == "0755" and paths["rank.env"]["mode"] == "0644"
     for rel, f in paths.items():
         st = (d / rel).stat()

@@ -451,7 +451,6 @@ def test_lane_wait_says_a_container_the_engine_does_not_have_is_gone() -> None:
 
 def test_lane_wait_is_bounded_when_the_engine_does_not_answer(tmp_path: Path) -> None:
     env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"}
-    req = {"do": "wait", "container": "c", "ports": [1], "addrs": ["127.0.0.1"], "health_port": None,
-           "timeout": 0.5}
+    req = {"do": "wait", "container": "c", "ready": {"kind": "port", "port": 1}, "timeout": 0.5}
     got = lane_run(req, env)
-    assert got["ok"] is False and "ports 1 did not answer within 0.5 s (container unknown)" in str(got["why"])
+    assert got["ok"] is False and "port 1 did not answer within 0.5 s (container unknown)" in str(got["why"])

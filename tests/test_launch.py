@@ -1,24 +1,28 @@
-"""Launch files per rank: env, config, start/stop scripts (pure rendering)."""
+"""Launch files per rank: env, config, start/stop scripts (pure rendering), and the start order."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from builder.errors import ConfigError
 from builder.hosts import Fleet
-from builder.launch import ModelMount, host_address, rank_env, render_args, render_launch
+from builder.launch import host_address, rank_command, render_launch
+from builder.launch.order import start_groups, stop_groups
 from builder.loader import validate
-from builder.pins import Lane
+from builder.pins import Pins
 
 IMAGE = {"name": "tiny", "input_address": "1" * 64, "image_id": "sha256:" + "2" * 64, "diff_ids": []}
 
 
-def fleet(n: int = 2, **head_fabric: object) -> Fleet:
+def fleet(n: int = 2, gpu: bool = False, **head_fabric: object) -> Fleet:
     hosts = []
     for r in range(n):
         h: dict[str, object] = {
@@ -32,6 +36,7 @@ def fleet(n: int = 2, **head_fabric: object) -> Fleet:
                 "interfaces": ["enp1s0f0np0"],
                 "gid_index": 3 if r else "auto",
             },
+            "expect": {"gpu_count": 1 if gpu else 0},
         }
         if r == 0 and head_fabric:
             h["fabric"] = head_fabric
@@ -39,45 +44,109 @@ def fleet(n: int = 2, **head_fabric: object) -> Fleet:
     return validate(Fleet, {"fleet": {"name": "f", "lane": "l"}, "hosts": hosts}, "test")
 
 
-def lane(**serve: object) -> Lane:
-    s = {
-        "tensor_parallel": 2,
-        "context": 8192,
-        "streams": 4,
-        "port": 8000,
-        "served_name": "m",
-        "rendezvous_port": 29760,
-        "args": ["serve", "--port", "{port}", "--rank", "{rank}"],
-        **serve,
+def pins(tp: int = 2, **lane: Any) -> Pins:
+    """Pins with one model `m` and lane `l` (its keys overridden by `lane`)."""
+    spec: dict[str, Any] = {
+        "image": "tiny",
+        "models": ["m"],
+        "serve": {"tensor_parallel": tp, "context": 8192, "streams": 4, "port": 8000, "served_name": "m",
+                  "rendezvous_port": 29760},
+        "env": {"NCCL_IB_HCA": "{rdma_devices}", "NCCL_IB_GID_INDEX": "{gid_index}", "X_FLAG": "1"},
+        "mounts": [{"source": "model:m", "target": "/model"}, {"source": "state:logs", "target": "/logs",
+                                                               "writable": True}],
+        "roles": {
+            "head": {"args": ["serve", "--port", "{port}", "--rank", "{rank}"], "ready": {"health": "/health"},
+                     "env": {"TF_TP_MASTER": "{master_addr}"}},
+            "worker": {"entrypoint": ["/engine/follow", "--x"], "args": ["{rank}", "{world_size}", "{master_addr}"],
+                       "ready": {"port": "{rendezvous_port}"}},
+        },
+        **lane,
     }
-    return validate(Lane, {"image": "tiny", "serve": s}, "test")
+    return validate(Pins, {"format": 1, "images": {"tiny": {"recipe": "images/tiny"}},
+                           "models": {"m": {"repo": "o/m", "revision": "main"}}, "lanes": {"l": spec}}, "test")
 
 
-def test_rank_env_worker_and_head() -> None:
+def test_each_role_runs_its_own_command() -> None:
+    f, p = fleet(), pins()
+    h = rank_command(p, f, f.host("s0"), "l", "IMG")
+    w = rank_command(p, f, f.host("s1"), "l", "IMG")
+    assert h.entrypoint is None and h.args == ["serve", "--port", "8000", "--rank", "0"]
+    assert h.argv[-6:] == ["IMG", "serve", "--port", "8000", "--rank", "0"]
+    assert w.entrypoint == ["/engine/follow"] and w.args == ["--x", "1", "2", "192.0.2.10"]
+    i = w.argv.index("--entrypoint")
+    assert w.argv[i:] == ["--entrypoint", "/engine/follow", "IMG", "--x", "1", "2", "192.0.2.10"]
+    assert h.ready == {"kind": "health", "port": 8000, "path": "/health"}
+    assert w.ready == {"kind": "port", "port": 29760}
+
+
+def test_env_layers_placeholders_and_empty_values() -> None:
+    f, p = fleet(), pins()
+    w = rank_command(p, f, f.host("s1"), "l", "IMG").env
+    assert w["NCCL_IB_HCA"] == "rocep1s0f0,roceP2p1s0f0" and w["NCCL_IB_GID_INDEX"] == "3"
+    assert w["X_FLAG"] == "1" and "TF_TP_MASTER" not in w  # the head's env is the head's
+    assert w["BUILDER_RANK"] == "1" and w["BUILDER_ROLE"] == "worker"
+    h = rank_command(p, f, f.host("s0"), "l", "IMG").env
+    assert h["TF_TP_MASTER"] == "192.0.2.10"
+    assert "NCCL_IB_GID_INDEX" not in h  # gid_index = "auto" renders empty: left to discovery
+
+
+def test_rank_entry_wins_over_its_role() -> None:
+    f = fleet(3)
+    p = pins(tp=3, ranks={"2": {"args": ["special"], "env": {"ONLY_TWO": "1"}}})
+    two = rank_command(p, f, f.host("s2"), "l", "IMG")
+    one = rank_command(p, f, f.host("s1"), "l", "IMG")
+    assert two.args == ["--x", "special"] and two.env["ONLY_TWO"] == "1" and two.ready["kind"] == "port"
+    assert "ONLY_TWO" not in one.env
+
+
+def test_lane_env_may_not_override_builders() -> None:
     f = fleet()
-    w = rank_env(f, f.host("s1"), "l", lane(env={"X_FLAG": "1"}))
-    assert w["WORLD_SIZE"] == "2" and w["RANK"] == "1"
-    assert w["MASTER_ADDR"] == w["TF_TP_MASTER"] == "192.0.2.10"
-    assert w["MASTER_PORT"] == w["TF_TP_PORT"] == "29760" and w["TF_TP_WORLD"] == "2"
-    assert w["NCCL_IB_HCA"] == w["TF_RDMA_DEVICES"] == "rocep1s0f0,roceP2p1s0f0"
-    assert w["NCCL_SOCKET_IFNAME"] == "enp1s0f0np0"
-    assert w["NCCL_IB_GID_INDEX"] == "3"
-    assert w["X_FLAG"] == "1"
-    h = rank_env(f, f.host("s0"), "l", lane())
-    assert h["RANK"] == "0" and "NCCL_IB_GID_INDEX" not in h  # auto: left to discovery
+    with pytest.raises(ConfigError, match="env.BUILDER_RANK"):
+        rank_command(pins(env={"BUILDER_RANK": "5"}), f, f.host("s1"), "l", "IMG")
 
 
-def test_lane_env_may_not_override_rank_settings() -> None:
+def test_bad_placeholder_is_named() -> None:
     f = fleet()
-    with pytest.raises(ConfigError, match="serve.env.RANK"):
-        rank_env(f, f.host("s1"), "l", lane(env={"RANK": "5"}))
+    bad = pins(roles={"head": {"args": ["{nope}"], "ready": {"health": "/health"}}})
+    with pytest.raises(ConfigError, match=r"lanes.l.args\[0\]: bad placeholder"):
+        rank_command(bad, f, f.host("s0"), "l", "IMG")
 
 
-def test_args_placeholders() -> None:
-    f = fleet()
-    assert render_args(f, f.host("s1"), "l", lane()) == ["serve", "--port", "8000", "--rank", "1"]
-    with pytest.raises(ConfigError, match="serve.args"):
-        render_args(f, f.host("s1"), "l", lane(args=["{nope}"]))
+def test_mounts_by_placement_and_options_by_host() -> None:
+    p = pins(options={"gpus": "all", "ipc": "host", "ulimits": {"memlock": "-1"}, "cap_add": ["IPC_LOCK"],
+                      "devices": [{"path": "/dev/infiniband", "when": "rdma"}]})
+    g = fleet(gpu=True)
+    argv = rank_command(p, g, g.host("s0"), "l", "IMG").argv
+    assert "-v" in argv and "/srv/models/m:/model:ro" in argv and "/var/lib/builder/lanes/l/logs:/logs" in argv
+    for flag in (["--gpus", "all"], ["--ipc", "host"], ["--ulimit", "memlock=-1"], ["--cap-add", "IPC_LOCK"],
+                 ["--device", "/dev/infiniband"]):
+        i = argv.index(flag[0])
+        assert argv[i:i + 2] == flag
+    t = fleet(gpu=False)  # a host that expects no GPU (the test fleet): no GPU options, RDMA devices still
+    argv = rank_command(p, t, t.host("s0"), "l", "IMG").argv
+    assert "--gpus" not in argv and "--cap-add" not in argv and "/dev/infiniband" in argv
+
+
+@pytest.mark.parametrize(("lane", "where"), [
+    ({"options": {"privileged": True}}, "options.privileged: unknown key"),
+    ({"options": {"ulimits": {"bogus": "1"}}}, "unknown ulimit 'bogus'"),
+    ({"mounts": [{"source": "model:other", "target": "/x"}]}, "model 'other' is not in this lane's models"),
+    ({"mounts": [{"source": "nfs:x", "target": "/x"}]}, "want model:NAME"),
+    ({"mounts": [{"source": "model:m", "target": "relative"}]}, "want an absolute path in the container"),
+    ({"roles": {"head": {"ready": {"health": "/h", "running": True}}}}, "exactly one of"),
+    ({"start": "random"}, "start"),
+])
+def test_bad_lane_keys_are_named(lane: dict[str, Any], where: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(where)):
+        pins(**lane)
+
+
+def test_start_order_is_the_lanes() -> None:
+    f = fleet(4)
+    assert [[h.name for h in g] for g in start_groups(f, pins(tp=4).lanes["l"])] == [["s3", "s2", "s1"], ["s0"]]
+    first = pins(tp=4, start="head-first").lanes["l"]
+    assert [[h.name for h in g] for g in start_groups(f, first)] == [["s0"], ["s3", "s2", "s1"]]
+    assert [[h.name for h in g] for g in stop_groups(f)] == [["s0"], ["s1", "s2", "s3"]]
 
 
 def test_head_address_falls_back_to_rail_then_ssh_ip() -> None:
@@ -113,52 +182,30 @@ def test_head_address_falls_back_to_rail_then_ssh_ip() -> None:
 
 
 def test_scripts_render_deterministically_and_parse(tmp_path: Path) -> None:
-    f = fleet(3)
-    mounts = [ModelMount("m", "/srv/models/m")]
-    a = render_launch(f, f.host("s0"), "l", lane(tensor_parallel=3), IMAGE, [], mounts)
-    b = render_launch(f, f.host("s0"), "l", lane(tensor_parallel=3), IMAGE, [], mounts)
-    assert a == b
-    assert a["start.sh"][1] == "0755" and a["rank.env"][1] == "0644"
+    f, p = fleet(3), pins(tp=3)
+    a = render_launch(p, f, f.host("s0"), "l", IMAGE, [])
+    assert a == render_launch(p, f, f.host("s0"), "l", IMAGE, [])
+    assert a["start.sh"][1] == "0755" and a["rank.env"][1] == "0644" and a["lane.py"][1] == "0644"
     start = a["start.sh"][0].decode()
-    assert "--network host" in start and IMAGE["image_id"] in start
-    assert "io.builder.lane" in start and "io.builder.rank" in start and "io.builder.bundle-id" in start
-    assert "--env-file" in start and "MODEL_DIRS=(/srv/models/m)" in start and '"$dir:$dir:ro"' in start
-    assert "s1=192.0.2.11 s2=192.0.2.12" in start  # the head waits for every worker
+    assert "--network host" in start and IMAGE["image_id"] in start and "ORDER=workers-first" in start
+    assert "io.builder.bundle-id={bundle_id}" in start and "--env-file /var/lib/builder/current/rank.env" in start
+    assert "NEED=(/srv/models/m)" in start and "MAKE=(/var/lib/builder/lanes/l/logs)" in start
     cfg = json.loads(a["config.json"][0])
     assert cfg["rank"] == 0 and cfg["world_size"] == 3 and cfg["serve"]["port"] == 8000
+    assert cfg["args"] == ["serve", "--port", "8000", "--rank", "0"] and cfg["ready"]["kind"] == "health"
     for name in ("start.sh", "stop.sh"):
-        p = tmp_path / name
-        p.write_bytes(a[name][0])
-        assert subprocess.run(["bash", "-n", str(p)]).returncode == 0
+        path = tmp_path / name
+        path.write_bytes(a[name][0])
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
         if shutil.which("shellcheck"):
-            assert subprocess.run(["shellcheck", "-S", "error", str(p)]).returncode == 0
-    w = render_launch(f, f.host("s2"), "l", lane(tensor_parallel=3), IMAGE, [], [])["start.sh"][0].decode()
+            assert subprocess.run(["shellcheck", "-S", "error", str(path)]).returncode == 0
+    w = render_launch(p, f, f.host("s2"), "l", IMAGE, [])["start.sh"][0].decode()
     assert "ROLE=worker" in w and "an old head is still" in w
 
 
-def test_gpu_flags_follow_expectations() -> None:
-    f = validate(
-        Fleet,
-        {
-            "fleet": {"name": "f", "lane": "l"},
-            "hosts": [
-                {"name": "a", "ssh": "spark@192.0.2.5", "rank": 0, "role": "head", "expect": {"gpu_count": 1}}
-            ],
-        },
-        "t",
-    )
-    s = render_launch(f, f.host("a"), "l", lane(tensor_parallel=1), IMAGE, [], [])["start.sh"][0].decode()
-    assert "--gpus all" in s
-
-
-def test_start_and_stop_run_docker_as_rendered(tmp_path: Path) -> None:
-    """The scripts run (a `docker` on PATH that records its calls): start.sh of a head with no workers
-    runs the container with the rank's labels, mounts, options and args; stop.sh stops this rank's."""
-    f = fleet(1)
-    models = tmp_path / "models m"
-    models.mkdir()
-    files = render_launch(f, f.host("s0"), "l", lane(tensor_parallel=1), IMAGE, [],
-                          [ModelMount("m", str(models))])
+def _release(tmp_path: Path, files: dict[str, tuple[bytes, str]]) -> tuple[Path, Path, dict[str, str]]:
+    """The launch files in a folder, and a `docker` on PATH that records its calls: ps finds nothing,
+    the image is loaded, no old container, the started one runs."""
     rel = tmp_path / "release"
     rel.mkdir()
     for name, (data, _) in files.items():
@@ -168,25 +215,67 @@ def test_start_and_stop_run_docker_as_rendered(tmp_path: Path) -> None:
     bin_dir.mkdir()
     log = tmp_path / "docker.log"
     docker = bin_dir / "docker"
-    # ps: nothing runs; image inspect: loaded; container inspect: no old container; the rest: recorded
     docker.write_text(
         "#!/bin/sh\n"
         f'printf "%s\\n" "$*" >> "{log}"\n'
-        'case "$1 $2" in "ps "*) exit 0;; "image inspect") exit 0;; "container inspect") exit 1;; esac\n'
+        'case "$1 $2" in "ps "*) exit 0;; "image inspect") exit 0;; "container inspect") exit 1;;\n'
+        '  "inspect --type") echo "running 0";; esac\n'
     )
     docker.chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "BUILDER_START_TIMEOUT": "5"}
-    p = subprocess.run(["bash", str(rel / "start.sh")], capture_output=True, text=True, env=env, timeout=60)
-    assert p.returncode == 0, p.stderr
+    return rel, log, {"PATH": f"{bin_dir}:/usr/bin:/bin", "BUILDER_START_TIMEOUT": "20"}
+
+
+def local_fleet(tmp_path: Path) -> tuple[Fleet, Path, Path]:
+    """A 2-host fleet whose model and bundle folders are under tmp_path (model m present)."""
+    models, state = tmp_path / "models", tmp_path / "state"
+    (models / "m").mkdir(parents=True)
+    f = fleet(2)
+    f = validate(Fleet, {**f.model_dump(mode="json"), "hosts": [
+        {**h.model_dump(mode="json"), "paths": {"models": str(models), "bundles": str(state)}} for h in f.hosts]}, "t")
+    return f, models, state
+
+
+def test_start_and_stop_run_docker_as_rendered(tmp_path: Path) -> None:
+    """start.sh runs exactly the rendered argv (the bundle id filled in), makes the lane's state folders,
+    refuses a missing mounted input, and waits for the rank's readiness; stop.sh stops this rank's."""
+    f, models, state = local_fleet(tmp_path)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    p = pins(serve={"tensor_parallel": 2, "context": 1, "streams": 1, "port": 8000, "served_name": "m",
+                    "rendezvous_port": port})
+    files = render_launch(p, f, f.host("s1"), "l", IMAGE, [])
+    rel, log, env = _release(tmp_path, files)
+    cmd = rank_command(p, f, f.host("s1"), "l", IMAGE["image_id"])
+    try:
+        pr = subprocess.run(["bash", str(rel / "start.sh")], capture_output=True, text=True, env=env, timeout=60)
+    finally:
+        listener.close()
+    assert pr.returncode == 0, pr.stderr
     run = [ln for ln in log.read_text().splitlines() if ln.startswith("run ")]
-    assert len(run) == 1
-    assert run[0].startswith("run -d --init --name builder-l-r0 --network host --restart no --label io.builder.lane=l "
-                             "--label io.builder.rank=0 --label io.builder.bundle-id=" + "b" * 64)
-    assert f"-v {models}:{models}:ro" in run[0] and f"-v {rel}/config.json:/etc/builder/config.json:ro" in run[0]
-    assert run[0].endswith(f"{IMAGE['image_id']} serve --port 8000 --rank 0")
-    assert "started builder-l-r0" in p.stderr
-    models.rmdir()
-    p = subprocess.run(["bash", str(rel / "start.sh")], capture_output=True, text=True, env=env, timeout=60)
-    assert p.returncode == 1 and f"model folder {models} is missing" in p.stderr
-    p = subprocess.run(["bash", str(rel / "stop.sh")], capture_output=True, text=True, env=env, timeout=60)
-    assert p.returncode == 0 and "nothing of lane l rank 0 is running" in p.stderr
+    want = " ".join(cmd.argv[1:]).replace("{bundle_id}", "b" * 64)
+    assert run == [want]
+    assert (state / "lanes" / "l" / "logs").is_dir()
+    assert "is ready" in pr.stderr
+    (models / "m").rmdir()
+    pr = subprocess.run(["bash", str(rel / "start.sh")], capture_output=True, text=True, env=env, timeout=60)
+    assert pr.returncode == 1 and f"{models}/m is missing" in pr.stderr
+    pr = subprocess.run(["bash", str(rel / "stop.sh")], capture_output=True, text=True, env=env, timeout=60)
+    assert pr.returncode == 0 and "nothing of lane l rank 1 is running" in pr.stderr
+
+
+def test_start_fails_when_the_rank_never_gets_ready(tmp_path: Path) -> None:
+    f, _, _ = local_fleet(tmp_path)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # a port nothing listens on (bound, never listening)
+    port = closed.getsockname()[1]
+    p = pins(serve={"tensor_parallel": 2, "context": 1, "streams": 1, "port": 8000, "served_name": "m",
+                    "rendezvous_port": port})
+    rel, _, env = _release(tmp_path, render_launch(p, f, f.host("s1"), "l", IMAGE, []))
+    env["BUILDER_START_TIMEOUT"] = "2"
+    try:
+        pr = subprocess.run(["bash", str(rel / "start.sh")], capture_output=True, text=True, env=env, timeout=60)
+    finally:
+        closed.close()
+    assert pr.returncode == 1 and f"port {port} did not answer within 2 s" in pr.stderr

@@ -15,9 +15,9 @@ from builder.audit.options import AuditOptions
 from builder.errors import ConfigError
 from builder.hosts import Fleet, FleetHost, Host, check_against_pins
 from builder.imagerecord import read_record
-from builder.launch import container_name, rank_env, render_args
+from builder.launch import rank_command
 from builder.lockfile import Lock, load_lock
-from builder.pins import Lane, Pins, load_pins
+from builder.pins import Pins, load_pins
 from builder.placement import place_models
 from builder.plan import make_plan
 
@@ -97,15 +97,16 @@ def image_expectation(opts: AuditOptions, inputs: LaneInputs, lane_name: str) ->
     }, ""
 
 
-def launch_expectation(fleet: Fleet, host: Host, lane_name: str, lane: Lane) -> tuple[dict[str, Any] | None, str]:
+def launch_expectation(
+    pins: Pins, fleet: Fleet, host: Host, lane_name: str, image_id: str | None
+) -> tuple[dict[str, Any] | None, str]:
     """How start.sh runs this rank (builder.launch, from the pins and inventory): the container's
-    name, its environment and its arguments."""
+    name, its environment, its entrypoint and its command."""
     try:
-        env = rank_env(fleet, host, lane_name, lane)
-        args = render_args(fleet, host, lane_name, lane)
+        cmd = rank_command(pins, fleet, host, lane_name, image_id or "(image)")
     except ConfigError as e:
         return None, str(e)
-    return {"container": container_name(lane_name, host.rank), "env": env, "args": args}, ""
+    return {"container": cmd.name, "env": cmd.env, "entrypoint": cmd.entrypoint, "args": cmd.args}, ""
 
 
 def build_expectations(t: FleetHost, opts: AuditOptions, inputs: LaneInputs, concerns: list[str]) -> dict[str, Any]:
@@ -151,7 +152,7 @@ def build_expectations(t: FleetHost, opts: AuditOptions, inputs: LaneInputs, con
         lane = inputs.pins.lanes[lane_name]
         exp["serve"] = lane.serve.model_dump(mode="json")
         exp["serve_reason"] = ""
-        exp["launch"], exp["launch_reason"] = launch_expectation(f, h, lane_name, lane)
+        exp["launch"], exp["launch_reason"] = launch_expectation(inputs.pins, f, h, lane_name, None)
         if inputs.lock is not None:
             models = [m.to_json() for m in place_models(inputs.pins, inputs.lock, lane_name, h)]
             exp["models"] = models

@@ -24,7 +24,7 @@ from builder.canon import canonical_json, file_lock, fsync_dir, pretty_json
 from builder.errors import ConfigError
 from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
 from builder.imagerecord import ImageRecord, require_record
-from builder.launch import ModelMount, render_launch
+from builder.launch import render_launch
 from builder.lockfile import Lock, load_lock, spec_hash
 from builder.models.fetch import in_store
 from builder.models.store import ModelStore, Wanted
@@ -129,15 +129,9 @@ def rank_launch(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> 
         "image_id": rec.image_id,
         "diff_ids": list(rec.diff_ids),
     }
-    mounts = sorted({(m["model"], m["path"].rsplit("/" + m["file"], 1)[0]) for m in models})
     files = render_launch(
-        fleet,
-        host,
-        lane_name,
-        lane,
-        image,
+        ctx.pins, fleet, host, lane_name, image,
         [{"model": m["model"], "path": m["path"], "size": m["size"], "sha256": m["sha256"]} for m in models],
-        [ModelMount(model=a, path=b) for a, b in mounts],
     )
     identity = {
         "builder": __version__,

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "gc": ("builder.cli.image", "gc", "Remove store entries no lock refers to."),
     "keygen": ("builder.cli.bundle", "keygen", "Make an Ed25519 (minisign-compatible) signing key pair."),
     "push": ("builder.cli.push", "push", "Push a built image to a registry by digest (only the blobs it lacks)."),
+    "launch": ("builder.cli.launch", "launch", "Show what each rank will run: its docker run, env and start order."),
     "bundle": ("builder.cli.bundle", "bundle", "Render a signed per-host launch bundle."),
     "verify": ("builder.cli.bundle", "verify", "Verify a bundle folder against its signature and hashes."),
     "ship": ("builder.cli.ship", "ship", "Copy a bundle to a host (or a folder) and install it."),
@@ -36,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "audit": ("builder.cli.audit", "audit", "Check that hosts match the pins (testinfra)."),
     "deploy": ("builder.cli.deploy", "deploy", "Move a fleet to the lock, gated by the audit; roll back on failure."),
     "status": ("builder.cli.deploy", "status", "Which bundle, lock and image each host runs; which ranks are up."),
-    "start": ("builder.cli.deploy", "start", "Start a fleet's installed release: the workers, then the head."),
+    "start": ("builder.cli.deploy", "start", "Start a fleet's installed release in the lane's start order."),
     "stop": ("builder.cli.deploy", "stop", "Stop a fleet's lane: the head, then the workers."),
 }
 

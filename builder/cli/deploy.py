@@ -48,8 +48,8 @@ _fleet_options = together(
 #: the options of the commands that start ranks and audit them
 _run_options = together(
     click.option(
-        "--start-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
-        help="Seconds each rank may take to answer after its start (the head: /health).",
+        "--start-timeout", type=click.FloatRange(min=1), default=None,
+        help="Seconds each rank may take to be ready after its start (default: the lane's start_timeout).",
     ),
     _stop_timeout_option("each container of the running release"),
     mode_option("The audits' mode (full hashes every model file on the hosts)."),
@@ -112,7 +112,7 @@ def _print(rep: Any, as_json: bool) -> int:
 )
 @insecure_option
 def deploy(
-    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float,
+    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float | None,
     stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool, key: Path | None, with_image: bool,
     with_models: bool, part_size: str, parallel: int, insecure: bool,
 ) -> int:
@@ -128,7 +128,7 @@ def deploy(
     opts = _options(
         fleet=fleet, checks_dir=checks_dir, key=key, with_image=with_image, with_models=with_models,
         part_size=part_size, dry_run=dry_run, parallel=parallel, connect_timeout=connect_timeout,
-        timeout=timeout, start_timeout=start_timeout, stop_timeout=stop_timeout, audit_mode=mode,
+        timeout=timeout, start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout, audit_mode=mode,
         ssh_persist=ssh_persist, insecure=insecure,
     )
     return _print(core.deploy(opts, _say), as_json)
@@ -138,7 +138,7 @@ def deploy(
 @_fleet_options
 @_run_options
 def start(
-    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float,
+    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float | None,
     stop_timeout: int, mode: str, checks_dir: Path | None,
 ) -> int:
     """Start fleet NAME's installed release: the preflight audit first (it refuses while another GPU
@@ -148,7 +148,7 @@ def start(
 
     opts = _options(
         fleet=fleet, checks_dir=checks_dir, connect_timeout=connect_timeout, timeout=timeout,
-        start_timeout=start_timeout, stop_timeout=stop_timeout, audit_mode=mode, ssh_persist=ssh_persist,
+        start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout, audit_mode=mode, ssh_persist=ssh_persist,
     )
     return _print(core.start(opts, _say), as_json)
 

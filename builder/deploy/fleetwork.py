@@ -42,7 +42,7 @@ class DeployOptions:
     parallel: int = 4  # hosts staged at once
     connect_timeout: int = 10
     timeout: float = 60.0  # base seconds of each remote call
-    start_timeout: float = 600.0  # each rank's start, and the head's /health
+    start_timeout: float = 0.0  # each rank's start, and the head's health (0: the lane's start_timeout)
     stop_timeout: int = 30
     audit_mode: str = "fast"
     ssh_persist: float = 0.0  # seconds each host's connection is kept after the command (0: closed)
@@ -163,15 +163,17 @@ class Fleetwork:
     # ------------------------------------------------------------------ stop and start, in rank order
 
     def stop_all(self, only: set[str] | None = None) -> dict[str, str]:
-        """Stop the lane's containers: the head first, then the workers (of `only`, when given).
-        host -> why not (empty: all stopped)."""
+        """Stop the lane's containers in the lane's stop order (builder.launch.order: the head first,
+        then the workers), of `only` when given. host -> why not (empty: all stopped)."""
+        from builder.launch.order import stop_groups
+
         failed: dict[str, str] = {}
 
         def stop(h: Host) -> None:
             st = self.states.get(h.name)
             self.op(h).stop(self.lane_name, bool(st and st.current), self.opts.stop_timeout)
 
-        for group in ([self.head], self.workers):
+        for group in stop_groups(self.fleet):
             group = [h for h in group if only is None or h.name in only]
             for h, _, err in each(group, stop, len(group)):
                 if err is not None:
@@ -181,39 +183,30 @@ class Fleetwork:
         return failed
 
     def start_all(self) -> None:
-        """Start the installed release: the workers, wait until each answers, then the head, and wait
-        for its /health. BuilderError naming the first rank that did not come up."""
-        from builder.launch import container_name, host_address
+        """Start the installed release in the lane's start order (builder.launch.order): each group's
+        start.sh at once, each returning once its rank is ready by the lane's rule; then wait for the
+        head's health. BuilderError naming the first rank that did not come up."""
+        from builder.launch import container_name
+        from builder.launch.order import start_groups
 
         s = self.lane.serve
-        t = self.opts.start_timeout
+        t = self.opts.start_timeout or float(self.lane.start_timeout)
 
-        def start_worker(h: Host) -> None:
-            o = self.op(h)
-            o.start(t)
-            ok, reason = o.wait(
-                container_name(self.lane_name, h.rank),
-                ports=[s.port, s.rendezvous_port],
-                addrs=[host_address(self.fleet, h), "127.0.0.1"],
-                health_port=None,
-                timeout=t,
-            )
-            if not ok:
-                raise BuilderError(f"{h.name}: rank {h.rank}: {reason}")
-            self.say(f"{h.name}: rank {h.rank} is up")
+        def start(h: Host) -> None:
+            self.op(h).start(t)
+            self.say(f"{h.name}: rank {h.rank} ({h.role}) is up")
 
-        for h, _, err in each(self.workers, start_worker, len(self.workers)):
-            if err is not None:
-                raise BuilderError(explain(err) if str(err).startswith(h.name) else f"{h.name}: {explain(err)}")
-        o = self.op(self.head)
-        o.start(t)
-        ok, reason = o.wait(
-            container_name(self.lane_name, self.head.rank), ports=[s.port], addrs=["127.0.0.1"],
-            health_port=s.port, timeout=t,
+        for group in start_groups(self.fleet, self.lane):
+            for h, _, err in each(group, start, len(group)):
+                if err is not None:
+                    raise BuilderError(explain(err) if str(err).startswith(h.name) else f"{h.name}: {explain(err)}")
+        ok, reason = self.op(self.head).wait(
+            container_name(self.lane_name, self.head.rank),
+            ready={"kind": "health", "port": s.port, "path": self.lane.health}, timeout=t,
         )
         if not ok:
             raise BuilderError(f"{self.head.name}: rank 0 (head): {reason}")
-        self.say(f"{self.head.name}: rank 0 is up and /health answers on port {s.port}")
+        self.say(f"{self.head.name}: the lane is ready: {self.lane.health} answers on port {s.port}")
 
     # ------------------------------------------------------------------ audits
 

@@ -181,12 +181,9 @@ class HostOps:
         cmd = f"BUILDER_START_TIMEOUT={int(start_timeout)} {shlex.quote(self.root + '/current/start.sh')}"
         self._shell(cmd, timeout=self.timeout + start_timeout, what="start.sh")
 
-    def wait(
-        self, container: str, *, ports: list[int], addrs: list[str], health_port: int | None, timeout: float
-    ) -> tuple[bool, str]:
-        """(True, "") once this rank answers; else (False, why) within the bound."""
-        req = {"do": "wait", "container": container, "ports": ports, "addrs": addrs, "health_port": health_port,
-               "timeout": timeout}
+    def wait(self, container: str, *, ready: dict[str, Any], timeout: float) -> tuple[bool, str]:
+        """(True, "") once this rank meets `ready` (builder.launch.rank.ready_spec); else (False, why)."""
+        req = {"do": "wait", "container": container, "ready": ready, "timeout": timeout}
         out = self._lane(req, timeout=timeout + self.timeout, what="wait")
         if out.get("ok"):
             return True, ""

@@ -9,6 +9,7 @@ from builder.deploy import journal as J
 from builder.deploy.deployment import Deployment
 from builder.deploy.fleetwork import problems, short
 from builder.deploy.report import DeployReport
+from builder.launch.order import start_groups
 
 
 def describe_earlier(d: Deployment, j: J.Journal) -> str:
@@ -67,14 +68,15 @@ def plan(d: Deployment, stale: dict[str, str]) -> DeployReport:
         rep.steps = ["audit --phase all"]
         return rep
     heads, workers = w.head.name, ", ".join(h.name for h in w.workers) or "no workers"
+    order = ", then ".join(" and ".join(h.name for h in g) for g in start_groups(w.fleet, w.lane))
     rep.steps = [
         f"bundle: {', '.join(stale) + ' made again' if stale else 'every bundle is current'}",
         f"stage on every host, {w.limit()} at once (ship with install --stage; current is not touched)",
         "gate: the preflight audit of the staged release on every host (no host switches unless all pass)",
         f"stop the running release: the head {heads} first, then {workers}",
         "switch every host to its new release",
-        f"start {workers}, then the head {heads}; wait for /health on port {s.port} "
-        f"(at most {d.opts.start_timeout:g} s a rank)",
+        f"start in the lane's order ({order}), each until it is ready; wait for {w.lane.health} on port "
+        f"{s.port} (at most {d.opts.start_timeout or w.lane.start_timeout:g} s a rank)",
         "serving audit of the fleet",
         "on any failure after the first switch: stop, switch every host back to what it ran, start that "
         "in order and audit it",

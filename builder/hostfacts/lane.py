@@ -6,11 +6,12 @@ The request (argv[1], JSON) names what to do:
   the installer's links (``current``, ``previous``, ``staged``), the releases present, the apply record's
   bundle, lock and image, this lane's containers of this rank (by the labels start.sh gives them, so
   nothing else is looked at) and, with a ``health_port``, whether ``/health`` answers on 127.0.0.1;
-* ``{"do": "wait", "container", "ports", "addrs", "health_port", "timeout"}``: wait until this rank
-  answers (a worker: any of its ports on any of the addresses; the head: ``/health``), or its container
-  ended, or the bound passed; the container's last log lines say why it ended.
+* ``{"do": "wait", "container", "ready", "timeout"}``: wait until this rank meets its readiness
+  (``ready``, as builder.launch.rank renders it: its health path, a port, a log line, or running), or
+  its container ended, or the bound passed; the container's last log lines say why it ended.
 
-It prints one JSON object. The Docker Engine is asked through the docker CLI (whatever engine
+It prints one JSON object. start.sh, which ships this module in the bundle as lane.py, calls it with
+plain arguments instead (see `cli`). The Docker Engine is asked through the docker CLI (whatever engine
 DOCKER_HOST names), the rank's /health through urllib.
 """
 
@@ -81,10 +82,10 @@ def containers(req: dict[str, Any]) -> list[dict[str, str]]:
 LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def health_status(port: int, timeout: float) -> dict[str, Any]:
-    """One GET of /health on 127.0.0.1: ``{"status": code}``, or ``{"status": None, "error": why}``."""
+def health_status(port: int, timeout: float, path: str = "/health") -> dict[str, Any]:
+    """One GET of `path` on 127.0.0.1: ``{"status": code}``, or ``{"status": None, "error": why}``."""
     try:
-        with LOCAL.open(f"http://127.0.0.1:{port}/health", timeout=timeout) as r:
+        with LOCAL.open(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
             return {"status": r.status}
     except urllib.error.HTTPError as e:
         return {"status": e.code}
@@ -148,10 +149,6 @@ def answers(ports: list[int], addrs: list[str]) -> bool:
     return False
 
 
-def healthy(port: int) -> bool:
-    return bool(health_status(port, 3)["status"] == 200)
-
-
 def logs(name: str) -> str:
     try:
         p = subprocess.run(["docker", "logs", "--tail", "5", name], capture_output=True, text=True, timeout=30)
@@ -160,26 +157,93 @@ def logs(name: str) -> str:
         return ""
 
 
+def log_matches(name: str, pattern: str) -> bool:
+    try:
+        p = subprocess.run(["docker", "logs", name], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return re.search(pattern, p.stdout + p.stderr, re.MULTILINE) is not None
+
+
+#: a rank whose readiness is its container running must have run this long without exiting
+SETTLE_SECONDS = 3.0
+
+
+def ready_now(name: str, ready: dict[str, Any], running_since: float) -> bool:
+    """Whether a running container meets its rank's readiness (builder.launch.rank.ready_spec)."""
+    kind = ready["kind"]
+    if kind == "health":
+        return bool(health_status(int(ready["port"]), 3, str(ready.get("path") or "/health"))["status"] == 200)
+    if kind == "port":
+        return answers([int(ready["port"])], ["127.0.0.1"])
+    if kind == "log":
+        return log_matches(name, str(ready["pattern"]))
+    return time.monotonic() - running_since >= SETTLE_SECONDS
+
+
+def describe(ready: dict[str, Any]) -> str:
+    kind = ready["kind"]
+    if kind == "health":
+        return f"{ready.get('path') or '/health'} on port {ready['port']}"
+    if kind == "port":
+        return f"port {ready['port']}"
+    if kind == "log":
+        return f"a log line matching {ready['pattern']!r}"
+    return "a running container"
+
+
 def wait(req: dict[str, Any]) -> dict[str, Any]:
+    """Wait until the container meets ``ready``, or it ended, or the bound passed."""
     start = time.monotonic()
-    deadline = start + req["timeout"]
+    deadline = start + float(req["timeout"])
     name = req["container"]
+    ready = req["ready"]
+    since: float | None = None
     while True:
         st, code = container_state(name)
         if st in ("exited", "dead", "missing"):
             why = f"container {name} " + ("is gone" if st == "missing" else f"exited (code {code})")
             return {"ok": False, "why": why, "log": logs(name)}
-        if st == "running" and (healthy(req["health_port"]) if req.get("health_port")
-                                else answers(req["ports"], req["addrs"])):
-            return {"ok": True, "seconds": round(time.monotonic() - start, 3)}
+        if st == "running":
+            since = since if since is not None else time.monotonic()
+            if ready_now(name, ready, since):
+                return {"ok": True, "seconds": round(time.monotonic() - start, 3)}
+        else:
+            since = None
         if time.monotonic() > deadline:
-            what = "/health" if req.get("health_port") else "ports " + ",".join(map(str, req["ports"]))
-            return {"ok": False, "why": f"{what} did not answer within {req['timeout']:g} s (container {st})",
-                    "log": logs(name)}
+            return {"ok": False, "why": f"{describe(ready)} did not answer within {float(req['timeout']):g} s "
+                    f"(container {st})", "log": logs(name)}
         time.sleep(0.3)
 
 
+def bundle_id(manifest: str) -> str:
+    with open(manifest, "rb") as f:
+        return str(json.load(f)["bundle_id"])
+
+
+def cli(argv: list[str]) -> int:
+    """start.sh's calls: ``bundle-id MANIFEST``; ``answers ADDR PORT...`` (exit 0 when any port
+    accepts a connection); ``wait NAME READY_JSON TIMEOUT`` (exit 0 once ready, else 1 saying why)."""
+    cmd, args = argv[1], argv[2:]
+    if cmd == "bundle-id":
+        print(bundle_id(args[0]))
+        return 0
+    if cmd == "answers":
+        return 0 if answers([int(p) for p in args[1:]], [args[0]]) else 1
+    if cmd == "wait":
+        out = wait({"container": args[0], "ready": json.loads(args[1]), "timeout": float(args[2])})
+        if out["ok"]:
+            return 0
+        log = out.get("log") or ""
+        sys.stderr.write(f"{out['why']}" + (f"; its log: {log}" if log else "") + "\n")
+        return 1
+    sys.stderr.write(f"lane.py: unknown command {cmd!r}\n")
+    return 2
+
+
 def main(argv: list[str]) -> int:
+    if not argv[1].startswith("{"):
+        return cli(argv)
     req = json.loads(argv[1])
     sys.stdout.write(json.dumps(state(req) if req["do"] == "state" else wait(req)))
     return 0

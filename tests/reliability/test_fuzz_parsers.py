@@ -305,7 +305,8 @@ context = 4096
 streams = 1
 port = 8000
 served_name = "m"
-env = { A_B = "1" }
+[lanes.demo.env]
+A_B = "1"
 """
     % (b"a" * 64, b"b" * 64)
 )

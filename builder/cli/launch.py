@@ -1,0 +1,53 @@
+"""`builder launch`: thin command over builder.launch.preview."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import click
+
+from builder.cli import get_ctx
+from builder.cli.options import fleet_option, hosts_dir_option, json_option
+
+
+@click.command()
+@click.argument("host", required=False)
+@fleet_option("Every host of this fleet, in rank order.", default=None)
+@click.option("--lane", "lane", metavar="NAME", default=None, help="This lane instead of the fleet's own.")
+@json_option("Print the launch as JSON on stdout.")
+@hosts_dir_option
+def launch(host: str | None, fleet: str | None, lane: str | None, as_json: bool, hosts_dir: Path | None) -> int:
+    """Show what each rank will run, without building, shipping or contacting anything.
+
+    For HOST (or fleet/host), or every host of --fleet: the `docker run` exactly as start.sh runs it,
+    the container's environment, its mounts and readiness, and the lane's start order.
+    """
+    from builder import output
+    from builder.errors import ConfigError
+    from builder.launch.preview import LaunchOptions
+    from builder.launch.preview import launch as core
+
+    if (host is None) == (fleet is None):
+        raise ConfigError("builder launch: name a HOST or --fleet NAME (one of them)")
+    c = get_ctx()
+    out = core(LaunchOptions(root=c.root, pins=c.pins, lock=c.lock, store=c.store,
+                             hosts_dir=hosts_dir or c.root / "hosts", fleet=fleet, host=host, lane=lane))
+    if as_json:
+        output.data_json(out)
+        return 0
+    img = out["image"]
+    output.data(f"# fleet {out['fleet']}, lane {out['lane']}: image {img['name']} ({img['state']}) {img['ref']}")
+    output.data(f"# start order ({out['start']}): {' -> '.join(out['start_order'])}; the lane is ready when "
+                f"{out['health']['path']} answers on port {out['health']['port']} "
+                f"(at most {out['start_timeout']} s a rank)")
+    for h in out["hosts"]:
+        output.data(f"\n# {h['host']}: rank {h['rank']} ({h['role']}), ready: {h['ready']}")
+        for k, v in h["env"].items():
+            output.data(f"#   {k}={v}")
+        output.data(shlex.join(h["argv"]))
+    for why in out["unresolved"]:
+        output.data(f"# unresolved: {why}")
+    for what in out["unknown"]:
+        output.data(f"# UNKNOWN: {what}")
+    return 0

@@ -1,0 +1,260 @@
+"""The lane schema: what each rank of a lane runs, and in which order the ranks start.
+
+A lane is an image, its models and runtime inputs, the serve settings every rank shares
+(``[lanes.X.serve]``), and what each rank runs:
+
+- ``[lanes.X]`` ``env``, ``mounts`` and ``options``: for every rank;
+- ``[lanes.X.roles.head]`` and ``[lanes.X.roles.worker]``: the command (``entrypoint`` and ``args``),
+  more ``env`` and ``mounts``, and ``ready``: how that rank is known to be up;
+- ``[lanes.X.ranks.N]``: the same keys for rank N alone, over its role's;
+- ``start``: ``workers-first`` (each worker up, then the head) or ``head-first`` (the head up, then the
+  workers: an engine whose rank 0 listens first); the lane is ready when the head's ``health`` answers
+  on the serve port; ``start_timeout`` bounds each rank's start.
+
+Strings in ``entrypoint``, ``args`` and ``env`` may use the placeholders of `PLACEHOLDERS`; an env entry
+that renders empty is left out (a host without RDMA devices gets no ``NCCL_IB_HCA``). Mount sources
+are ``model:NAME`` (a lane model's folder), ``input:NAME`` (a runtime kit or file of ``[kits]``/``[files]``),
+``derived:NAME`` (a derivation's per-rank output folder), ``state:NAME`` (a folder of the lane's own on
+the host, for logs and caches) or an absolute host path. Where each lives on a host is
+`builder.placement.mount_path`'s answer; what ``docker run`` a rank gets is `builder.launch`'s.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from builder.schema import Name, Strict
+
+#: what a lane's strings may name, substituted per rank by builder.launch
+PLACEHOLDERS = (
+    "host", "port", "served_name", "context", "streams", "tensor_parallel", "rank", "world_size",
+    "master_addr", "rendezvous_port", "lane", "address", "rdma_devices", "interfaces", "interface", "gid_index",
+)
+ENV_NAME_RE = re.compile(r"[A-Z_][A-Z0-9_]*")
+MOUNT_KINDS = ("model", "input", "derived", "state")
+START_ORDERS = ("workers-first", "head-first")
+
+
+class Serve(Strict):
+    """The settings every rank of the lane shares (and the API the head serves)."""
+
+    tensor_parallel: int = Field(ge=1, le=64)
+    context: int = Field(ge=1)
+    streams: int = Field(ge=1)
+    port: int = Field(ge=1, le=65535)
+    served_name: str = Field(min_length=1)
+    rendezvous_port: int = Field(default=29760, ge=1, le=65535)
+    host: str = "0.0.0.0"
+
+
+class Mount(Strict):
+    """One bind mount: ``source`` (see the module) at ``target`` in the container, read-only unless
+    ``writable``."""
+
+    source: str = Field(min_length=1)
+    target: str = Field(min_length=2)
+    writable: bool = False
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        if v.startswith("/"):
+            if ".." in v.split("/") or "," in v or ":" in v:
+                raise ValueError(f"host path {v!r}: want an absolute path without '..', ',' or ':'")
+            return v
+        kind, _, name = v.partition(":")
+        if kind not in MOUNT_KINDS or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", name):
+            raise ValueError(f"{v!r}: want model:NAME, input:NAME, derived:NAME, state:NAME or an absolute host path")
+        return v
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, v: str) -> str:
+        if not v.startswith("/") or ".." in v.split("/") or "," in v or ":" in v:
+            raise ValueError(f"{v!r}: want an absolute path in the container without '..', ',' or ':'")
+        return v
+
+    @property
+    def kind(self) -> str:
+        return "host" if self.source.startswith("/") else self.source.partition(":")[0]
+
+    @property
+    def name(self) -> str:
+        return self.source if self.source.startswith("/") else self.source.partition(":")[2]
+
+
+class Device(Strict):
+    path: str = Field(pattern=r"^/dev/[A-Za-z0-9_./-]+$")
+    #: only on hosts whose inventory lists RDMA devices (``fabric.rdma_devices``)
+    when: Literal["always", "rdma"] = "always"
+
+
+class Options(Strict):
+    """The container options builder knows; any other key is refused. None: leave docker's default.
+    They apply on hosts that expect GPUs with the NVIDIA runtime; a host that expects none (the test
+    fleet's) runs the rank without them (but with the RDMA devices its inventory lists)."""
+
+    gpus: str | None = Field(default=None, pattern=r"^(all|\d+|device=[0-9,]+)$")
+    ipc: Literal["host", "private", "shareable"] | None = None
+    shm_size: str | None = Field(default=None, pattern=r"^\d+[bkmg]?$")
+    ulimits: dict[str, str] = {}
+    cap_add: list[str] = []
+    devices: list[Device] = []
+
+    @field_validator("ulimits")
+    @classmethod
+    def _ulimits(cls, v: dict[str, str]) -> dict[str, str]:
+        known = {"memlock", "stack", "nofile", "nproc", "core"}
+        for k, val in v.items():
+            if k not in known:
+                raise ValueError(f"unknown ulimit {k!r} (known: {', '.join(sorted(known))})")
+            if not re.fullmatch(r"-?\d+(:-?\d+)?", val):
+                raise ValueError(f"ulimit {k}: {val!r} is not N or SOFT:HARD")
+        return v
+
+    @field_validator("cap_add")
+    @classmethod
+    def _caps(cls, v: list[str]) -> list[str]:
+        for c in v:
+            if not re.fullmatch(r"[A-Z_]+", c):
+                raise ValueError(f"not a capability name: {c!r}")
+        return v
+
+
+class Ready(Strict):
+    """How a rank is known to be up after its container starts: exactly one of
+    ``health`` (an HTTP path answering 200 on the serve port), ``port`` (a TCP port it listens on, a
+    number or a placeholder such as "{rendezvous_port}"), ``log`` (a regular expression its log
+    matches) or ``running = true`` (its container is running after a short settle)."""
+
+    health: str | None = Field(default=None, pattern=r"^/[A-Za-z0-9_./-]*$")
+    port: int | str | None = None
+    log: str | None = Field(default=None, min_length=1)
+    running: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Ready:
+        given = [k for k in ("health", "port", "log", "running") if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("want exactly one of health, port, log or running = true")
+        if self.log is not None:
+            try:
+                re.compile(self.log)
+            except re.error as e:
+                raise ValueError(f"log: not a regular expression: {e}") from None
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("health", "port", "log", "running") if getattr(self, k) not in (None, False))
+
+
+class Run(Strict):
+    """What one role or rank runs: its command, env, mounts and readiness (each optional here; the
+    rank's own entry wins over its role's, env and mounts add up)."""
+
+    entrypoint: list[str] | None = None
+    args: list[str] | None = None
+    env: dict[str, str] = {}
+    mounts: list[Mount] = []
+    ready: Ready | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_env_names(v)
+
+
+def check_env_names(v: dict[str, str]) -> dict[str, str]:
+    for k in v:
+        if not ENV_NAME_RE.fullmatch(k):
+            raise ValueError(f"not an environment variable name: {k!r}")
+    return v
+
+
+class Roles(Strict):
+    """What the head and the workers run; by default the image's own command, the head ready once
+    the lane's health answers, a worker once its container runs."""
+
+    head: Run = Run(ready=Ready(health="/health"))
+    worker: Run | None = Run(ready=Ready(running=True))
+
+
+class Derivation(Strict):
+    """A per-rank input made on each host by a command in the lane's image over pinned inputs (its
+    output folder is mounted with ``derived:NAME``)."""
+
+    command: list[str] = Field(min_length=1)
+    inputs: list[str] = []
+    note: str | None = None
+
+
+class Lane(Strict):
+    image: Name
+    models: list[Name] = []
+    serve: Serve
+    env: dict[str, str] = {}
+    mounts: list[Mount] = []
+    options: Options = Options()
+    roles: Roles = Roles()
+    ranks: dict[str, Run] = {}
+    start: Literal["workers-first", "head-first"] = "workers-first"
+    start_timeout: int = Field(default=600, ge=1, le=7200)
+    health: str = Field(default="/health", pattern=r"^/[A-Za-z0-9_./-]*$")
+    derivations: dict[Name, Derivation] = {}
+    #: what the recipe does not say (shown by `builder launch`; never filled in with a guess)
+    unknown: list[str] = []
+    note: str | None = None
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        return check_env_names(v)
+
+    @field_validator("ranks")
+    @classmethod
+    def _ranks(cls, v: dict[str, Run]) -> dict[str, Run]:
+        for k in v:
+            if not k.isdigit() or int(k) > 63:
+                raise ValueError(f"ranks.{k}: want a rank number (0 to 63)")
+        return v
+
+    @model_validator(mode="after")
+    def _whole(self) -> Lane:
+        for where, run in self.runs():
+            if where.startswith("roles.") and run.ready is None:
+                raise ValueError(f"{where}.ready: missing (how is this rank known to be up?)")
+            for i, m in enumerate(run.mounts):
+                if m.kind == "model" and m.name not in self.models:
+                    raise ValueError(f"{where}.mounts[{i}].source: model {m.name!r} is not in this lane's models")
+                if m.kind == "derived" and m.name not in self.derivations:
+                    raise ValueError(f"{where}.mounts[{i}].source: no derivation {m.name!r} in this lane")
+        for i, m in enumerate(self.mounts):
+            if m.kind == "model" and m.name not in self.models:
+                raise ValueError(f"mounts[{i}].source: model {m.name!r} is not in this lane's models")
+            if m.kind == "derived" and m.name not in self.derivations:
+                raise ValueError(f"mounts[{i}].source: no derivation {m.name!r} in this lane")
+        return self
+
+    def runs(self) -> list[tuple[str, Run]]:
+        out = [("roles.head", self.roles.head)]
+        if self.roles.worker is not None:
+            out.append(("roles.worker", self.roles.worker))
+        out += [(f"ranks.{k}", r) for k, r in sorted(self.ranks.items(), key=lambda kv: int(kv[0]))]
+        return out
+
+    def inputs(self) -> list[str]:
+        """The runtime inputs (``input:NAME``) any rank mounts, in order of first mention."""
+        seen: list[str] = []
+        mounts = [*self.mounts, *(m for _, r in self.runs() for m in r.mounts)]
+        for m in mounts:
+            if m.kind == "input" and m.name not in seen:
+                seen.append(m.name)
+        for d in self.derivations.values():
+            for n in d.inputs:
+                if n not in seen and n not in self.models:
+                    seen.append(n)
+        return seen
