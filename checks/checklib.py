@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from builder.hostfacts import BATCH, FABRIC, FILES, batch_groups, batches, dumps, parse_batch
+from builder.hostfacts import BATCH, FABRIC, FILES, MEMORY, batch_groups, batches, dumps, parse_batch
 from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
 
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
@@ -124,7 +124,7 @@ def docker_objects_command(expect: dict[str, Any]) -> Cmd:
 
 
 #: the concerns whose checks look at this rank's containers
-CONTAINER_CONCERNS = {"runtime", "serving", "gpu"}
+CONTAINER_CONCERNS = {"runtime", "serving", "gpu", "memory"}
 
 
 @dataclass
@@ -165,6 +165,12 @@ def docker_objects(host: Any, expect: dict[str, Any]) -> DockerObjects:
 def container_pids(container_id: str) -> Cmd:
     """The host PIDs of a container's processes (`docker top`)."""
     return ("docker top %s -eo pid", container_id)
+
+
+def memory_facts() -> Cmd:
+    """Who holds the host's memory (hostfacts.memory): each running container's memory from its
+    cgroup (v1 or v2) and its processes, and the biggest processes outside containers."""
+    return python(MEMORY, dumps({"processes": 5}))
 
 
 def free_disk(path: str) -> Cmd:
@@ -252,6 +258,14 @@ def planned(expect: dict[str, Any]) -> list[Cmd]:
         cmds += gpu_commands()
     if "memory" in concerns:
         cmds.append(MEMINFO)
+        if want.get("min_free_memory_gib"):
+            # who holds the memory, the lane's own container and (a GPU whose memory is the host's)
+            # the GPU's processes: what the check credits and names when MemAvailable falls short
+            cmds.append(memory_facts())
+            if want.get("docker"):
+                cmds.append(cat(expect["applied_path"]))
+            if want.get("gpu_count"):
+                cmds += gpu_commands()
     if "fabric" in concerns and want.get("rdma"):
         cmds.append(python(FABRIC, "/sys"))
     if "storage" in concerns:
@@ -265,7 +279,7 @@ def planned(expect: dict[str, Any]) -> list[Cmd]:
         cmds.append(docker_info())
     if "runtime" in concerns and expect["host"]["role"] == "head":
         cmds.append(LISTENERS)
-    return cmds
+    return list(dict.fromkeys(cmds))  # (each once: several concerns may need the same command)
 
 
 def prefetch(host: Any, expect: dict[str, Any]) -> None:

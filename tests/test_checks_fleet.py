@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -318,3 +319,102 @@ def test_the_lanes_own_engine_on_the_gpu_is_not_another_compute_process(env: dic
         fleet.exec(h, "rm -f /etc/fake-nvidia-smi/apps")
         j.stop()
 
+
+
+# ----------------------------------------------------------------------------- memory held by the lane
+
+#: what each memory holder below holds (shm written into its own /dev/shm, charged to its cgroup)
+HOLD_MIB = 1536
+
+
+def _hold_memory(fleet: fleetlib.Fleet, h: fleetlib.Host, image: str, name: str, labels: list[str],
+                 mib: int = HOLD_MIB) -> str:
+    """A container on `h` that writes `mib` MiB into its /dev/shm and sleeps: its ID, once it holds them."""
+    cid = fleet.exec(h, [
+        "docker", "run", "-d", "--name", name, "--network", "none", "--shm-size", f"{mib + 64}m", *labels, image,
+        "sh", "-c", f"busybox head -c {mib << 20} /dev/zero > /dev/shm/hold && busybox touch /dev/shm/held && "
+        "exec busybox sleep 3600",
+    ]).stdout.strip()
+    for _ in range(600):
+        held = fleet.exec(h, ["docker", "exec", name, "busybox", "test", "-e", "/dev/shm/held"], check=False)
+        if held.returncode == 0:
+            return cid
+        time.sleep(0.1)
+    raise AssertionError(f"{name} did not write its {mib} MiB")
+
+
+def _mem_available_gib(fleet: fleetlib.Fleet, h: fleetlib.Host) -> float:
+    line = fleet.exec(h, "grep MemAvailable: /proc/meminfo").stdout.split()
+    return int(line[1]) / (1 << 20)
+
+
+def _set_min_free_memory(j: Journey, last_host_gib: float | None) -> None:
+    """min_free_memory_gib of the fleet's last host (GPU_EXPECT's 0.05 when None)."""
+    path = j.root / "hosts" / "test.toml"
+    text = path.read_text()
+    head, _, tail = text.rpartition("min_free_memory_gib = ")
+    value = tail.split(",", 1)
+    path.write_text(f"{head}min_free_memory_gib = {0.05 if last_host_gib is None else round(last_host_gib, 3)},"
+                    f"{value[1]}")
+
+
+def _memory_result(env: dict[str, Any]) -> tuple[str, str]:
+    rc, data, err = audit(env, "--only", "memory")
+    c = data["hosts"]["spark-test-2"]["checks"]["memory::available"]
+    assert data["hosts"]["spark-test-1"]["checks"]["memory::available"]["status"] == "pass", err
+    return c["status"], c["message"]
+
+
+def test_the_memory_the_lanes_own_container_holds_counts_as_available(
+    env: dict[str, Any], tmp_path: Path
+) -> None:
+    """A serving rank's container holds memory that stopping the rank frees: with min_free_memory_gib
+    above MemAvailable but below MemAvailable and what the lane's own container (labelled with the
+    installed bundle) holds, the check passes; the same memory held by another container fails, named
+    with what it holds. On a GPU whose memory is the host's (FAKE nvidia-smi reporting no memory of its
+    own, as a DGX Spark's GB10 does), the lane's GPU processes' memory counts too."""
+    from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
+
+    j: Journey = env["j"]
+    fleet = env["fleet"]
+    h = fleet.hosts[1]  # rank 1, a worker
+    bundle = json.loads(fleet.exec(h, f"cat {PATHS['bundles']}/state/applied.json").stdout)["bundle_id"]
+    image = "builder-test-tiny:1"
+    fleetlib.tiny_image(image)
+    fleet.docker_load(h, fleetlib.save_image(image, tmp_path / "tiny.tar"))
+    lane = ["--label", f"{LABEL_LANE}=demo", "--label", f"{LABEL_RANK}=1", "--label", f"{LABEL_BUNDLE}={bundle}"]
+    query = auditlib.capture_sections()["query csv header"].splitlines()
+    names = query[0].split(", ")
+    try:
+        _hold_memory(fleet, h, image, "builder-demo-r1", lane)
+        # MemAvailable falls short by a third of what the lane's own container holds: passes with it
+        _set_min_free_memory(j, _mem_available_gib(fleet, h) + HOLD_MIB / 3 / 1024)
+        status, msg = _memory_result(env)
+        assert status == "pass", msg
+        # the same memory held by a container that is not the lane's: fails, naming it
+        fleet.exec(h, "docker rm -f builder-demo-r1 >/dev/null")
+        _hold_memory(fleet, h, image, "hog", [])
+        _set_min_free_memory(j, _mem_available_gib(fleet, h) + HOLD_MIB / 3 / 1024)
+        status, msg = _memory_result(env)
+        assert status == "fail", msg
+        assert msg.startswith("MemAvailable: expected >= ") and "held by the lane" not in msg, msg
+        others = msg.split("; other containers: ", 1)[1]
+        assert others.startswith("hog 1.5 GiB"), msg
+        # a GPU whose memory is the host's: the lane's engine holds it on the GPU, its cgroup little
+        fleet.exec(h, "docker rm -f hog >/dev/null")
+        _hold_memory(fleet, h, image, "builder-demo-r1", lane, mib=16)
+        pid = fleet.exec(h, "docker inspect -f '{{.State.Pid}}' builder-demo-r1").stdout.strip()
+        fleet.exec(h, f"echo '{pid}, demo-engine, {HOLD_MIB}' > /etc/fake-nvidia-smi/apps")
+        _set_min_free_memory(j, _mem_available_gib(fleet, h) + HOLD_MIB / 3 / 1024)
+        status, msg = _memory_result(env)  # an H200: its memory is its own, the engine's is not the host's
+        assert status == "fail" and "held by the lane's own container builder-demo-r1" in msg, msg
+        row = [("[N/A]" if n.startswith("memory.") else v) for n, v in zip(names, query[1].split(", "), strict=True)]
+        fleet.exec(h, ["sh", "-c", "cat > /etc/fake-nvidia-smi/query"],
+                   input=(query[0] + "\n" + ", ".join(row) + "\n").encode())
+        status, msg = _memory_result(env)
+        assert status == "pass", msg
+    finally:
+        _set_min_free_memory(j, None)
+        fleet.exec(h, "rm -f /etc/fake-nvidia-smi/apps /etc/fake-nvidia-smi/query; "
+                      "docker rm -f builder-demo-r1 hog >/dev/null 2>&1; docker rmi builder-test-tiny:1 >/dev/null",
+                   check=False)

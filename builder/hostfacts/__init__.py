@@ -10,6 +10,7 @@ tests import and call them directly too.
 * ``files``: stat or hash model files, list model and Engram folders;
 * ``fabric``: RDMA devices and network interfaces in sysfs;
 * ``serve``: the lane's API (/health, /v1/models, a one-token completion);
+* ``memory``: who holds the host's memory (each running container's cgroup, the biggest processes);
 * ``lane``: the lane's releases and containers on the host, and the wait for its rank to answer
   (builder.deploy.hoststate; sent over stdin as ``python3 - REQUEST``).
 
@@ -41,6 +42,7 @@ BATCH = source("batch")
 FILES = source("files")
 FABRIC = source("fabric")
 SERVE = source("serve")
+MEMORY = source("memory")
 
 # ----------------------------------------------------------------------------- the batch
 
@@ -117,6 +119,62 @@ def parse_meminfo(text: str) -> dict[str, int]:
 
 def gib(kib: int) -> float:
     return kib / (1024 * 1024)
+
+
+#: holders of less than this (bytes) are not named in a memory check's message
+MEMORY_SHOWN_MIN = 64 << 20
+
+
+def memory_holders(
+    facts: dict[str, Any], own: set[str], gpu_apps: Iterable[tuple[int, str, int]] = ()
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]], list[tuple[str, int]]]:
+    """Who holds the host's memory, from memory.py's answer: (the lane's own containers, the other
+    containers, the processes outside containers), each a list of (name, bytes), biggest first.
+
+    `own` holds the IDs of the lane's own containers. `gpu_apps` is (pid, name, bytes) of each
+    compute process of a GPU whose memory is the host's own (unified memory, as on a DGX Spark: the
+    driver's allocations are in no cgroup and MemAvailable does not count them); each one's memory
+    goes to the container that runs it, or to the process."""
+    containers = facts.get("containers") or {}
+    by_pid = {pid: cid for cid, c in containers.items() for pid in c.get("pids") or []}
+    held = {cid: int(c.get("held") or 0) for cid, c in containers.items()}
+    procs = {p["pid"]: (f"pid {p['pid']} {p['name']}", int(p["held"])) for p in facts.get("processes") or []}
+    for pid, name, size in gpu_apps:
+        if pid in by_pid:
+            held[by_pid[pid]] += size
+        else:
+            label, n = procs.get(pid, (f"pid {pid} {name}", 0))
+            procs[pid] = (label, n + size)
+
+    def order(items: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+        return sorted(items, key=lambda x: (-x[1], x[0]))
+
+    mine = order((str(containers[c].get("name")), n) for c, n in held.items() if c in own)
+    other = order((str(containers[c].get("name")), n) for c, n in held.items() if c not in own)
+    return mine, other, order(procs.values())
+
+
+def memory_shortfall(
+    available_kib: int, want_gib: float, own: list[tuple[str, int]], containers: list[tuple[str, int]],
+    processes: list[tuple[str, int]], note: str = "",
+) -> str:
+    """"" when MemAvailable and what the lane's own containers hold (freed when the rank stops)
+    reach `want_gib`; else the check's message, naming the biggest other holders."""
+    credit = sum(n for _, n in own)
+    found = gib(available_kib)
+    if found + credit / (1 << 30) >= want_gib:
+        return ""
+    names = ", ".join(name for name, _ in own)
+    word = "container" if len(own) == 1 else "containers"
+    held = f" (with {credit / (1 << 30):.1f} GiB held by the lane's own {word} {names})" if own else ""
+    msg = f"MemAvailable: expected >= {want_gib:g} GiB{held}, found {found:.1f} GiB"
+    if note:
+        msg += f" ({note})"
+    for what, items in (("other containers", containers), ("other processes", processes)):
+        big = [f"{name} {n / (1 << 30):.1f} GiB" for name, n in items if n >= MEMORY_SHOWN_MIN]
+        if big:
+            msg += f"; {what}: {shown(big)}"
+    return msg
 
 
 def shown(items: Iterable[str], limit: int = 3) -> str:
