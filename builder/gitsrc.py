@@ -6,6 +6,12 @@ seen). A relative url is a path relative to the project root (the demo engine sh
 bundle file; git clones and fetches from bundle files like from any remote). ``--offline``
 never contacts a network remote (the mirror must be cached) but still reads local ones.
 
+A ref is a branch or tag name (``main``, ``v0.6.0``: ``refs/heads/`` then ``refs/tags/``) or a
+full ref name (``refs/pull/56214/head``). The mirror holds every ref the remote advertises, so
+a commit whose branch was force-pushed and deleted can still be pinned through a ref that keeps
+it (GitHub keeps a merged pull request's head as ``refs/pull/N/head``); the pin's ``note`` keeps
+the original branch name for the record.
+
 Rules (see ``resolve``): a pinned rev that is no longer on its ref, or (without a pinned
 rev) a previously locked commit that is no longer an ancestor of the ref's new head, is
 never moved silently: resolution fails with one line saying so, unless ``--update NAME``
@@ -146,9 +152,14 @@ def _rev_parse(mirror: Path, expr: str) -> str | None:
     return out if p.returncode == 0 and HEX40.match(out) else None
 
 
+def is_full_ref(ref: str) -> bool:
+    """A full ref name (``refs/...``), taken as it is; anything else is a branch or tag name."""
+    return ref.startswith("refs/")
+
+
 def ref_head(mirror: Path, ref: str) -> str | None:
-    """The commit a branch or tag (or full ref name) points at, or None."""
-    candidates = [ref] if ref.startswith("refs/") else [f"refs/heads/{ref}", f"refs/tags/{ref}"]
+    """The commit a branch or tag (or full ref name, e.g. ``refs/pull/N/head``) points at, or None."""
+    candidates = [ref] if is_full_ref(ref) else [f"refs/heads/{ref}", f"refs/tags/{ref}"]
     for c in candidates:
         sha = _rev_parse(mirror, c)
         if sha:
@@ -286,15 +297,32 @@ def export_tree(mirror: Path, commit: str, dest: Path) -> None:
 
 
 def _refuse(name: str, what: str, commit: str, ref: str, head: str, advice: str) -> ResolveError:
+    moved = "the ref" if is_full_ref(ref) and not ref.startswith("refs/heads/") else "the branch"
     return ResolveError(
         f"sources.{name}: {what} {commit[:12]} is no longer on ref {ref} (ref now at {head[:12]}): "
-        f"the branch was force-pushed or rewritten; refusing to move it; {advice}")
+        f"{moved} was force-pushed or rewritten; refusing to move it; {advice}")
+
+
+def _ref_not_found(name: str, spec: GitSource, mirror: Path, shown: str, offline: bool) -> ResolveError:
+    """One line for a ref the remote does not have, with what to do when the pinned rev is still there."""
+    where = "in the cache" if offline else f"in {shown}"
+    msg = f"sources.{name}: ref {spec.ref} not found {where}"
+    if re.fullmatch(r"pull/\d+/head", spec.ref):
+        return ResolveError(f"{msg}; a pull request's head is the full ref refs/{spec.ref}")
+    if spec.rev and len(expand_rev(mirror, spec.rev)) == 1:
+        return ResolveError(
+            f"{msg}, but rev {spec.rev} is still there: the branch was deleted or renamed; pin a ref that "
+            "holds the commit (a merged pull request keeps refs/pull/N/head) and keep the branch name in note")
+    return ResolveError(msg)
 
 
 def resolve(name: str, spec: GitSource, *, root: Path, cache: Path, offline: bool,
             previous: LockedSource | None, update: bool) -> LockedSource:
     """Resolve one git source to a LockedSource (patches empty; builder.resolve fills them and spec_hash).
 
+    - ``ref``: a branch or tag name, or a full ref name such as ``refs/pull/N/head`` (the ref
+      that keeps a commit whose branch was deleted); a missing ref is one line, which says so
+      when the pinned rev is still in the repository.
     - ``rev`` pinned: it is expanded to the full commit (error if missing or ambiguous) and
       must be an ancestor of the ref's head; if not, ResolveError (never moved silently).
     - no ``rev``: the commit is the ref's head; if a previous lock entry (same url and ref)
@@ -307,8 +335,7 @@ def resolve(name: str, spec: GitSource, *, root: Path, cache: Path, offline: boo
     mirror = ensure_mirror(url, cache, offline=offline, name=name, shown=shown)
     head = ref_head(mirror, spec.ref)
     if head is None:
-        where = "in the cache" if offline else f"in {shown}"
-        raise ResolveError(f"sources.{name}: ref {spec.ref} not found {where}")
+        raise _ref_not_found(name, spec, mirror, shown, offline)
     if spec.rev:
         found = expand_rev(mirror, spec.rev)
         if not found:

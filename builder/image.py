@@ -24,6 +24,7 @@ from typing import Any
 from builder import ASSEMBLY_FORMAT, __version__, gitsrc, layers, provenance
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.fetch import scrub_url
+from builder.hashing import recipe_files
 from builder.imagerecord import ImageRecord, read_record, tag_for, write_record
 from builder.lockfile import Lock
 from builder.pins import ImageRecipe, Pins
@@ -98,6 +99,55 @@ def up_to_date(store_root: Path, p: Plan, labels: dict[str, str]) -> ImageRecord
 # ---------------------------------------------------------------------------------------
 # the build context
 
+#: the file assembly writes beside the recipe's own, for the build to read if it wants
+CLOSURE_FILE = ".builder-closure.json"
+
+
+def source_dir(index: int, name: str) -> str:
+    """Where an image's source goes in its build context: the first at ``src/``, each other at ``src-<name>/``.
+
+    The tree is the source's commit as locked, its patch series applied in order.
+    """
+    return "src" if index == 0 else f"src-{name}"
+
+
+def toolchain_dir(kind: str, name: str) -> str | None:
+    """Where a toolchain goes in the build context: a wheel's ``ziglang/`` folder at ``zig/``; any other
+    download as its file under ``toolchains/<name>/``; a CUDA toolchain is not laid out (it is the base's)."""
+    if kind == "cuda":
+        return None
+    return "zig" if kind == "wheel" else f"toolchains/{name}"
+
+
+def context_layout(pins: Pins, name: str, root: Path) -> dict[str, str]:
+    """What ``assemble_context`` lays out for image ``name``, from the pins and the recipe folder alone
+    (no lock, no store, no network).
+
+    Path (relative, ``/``) to kind: ``file``; ``tree`` (a source tree, the locked commit's content, which
+    only the lock can name); ``dir`` (a folder assembly fills: a toolchain, ``files/``). The recipe
+    folder's own files are listed as files (and their folders as ``dir``).
+    """
+    img = _recipe(pins, name)
+    out: dict[str, str] = {}
+    for rel in recipe_files(root, img.recipe):
+        parts = Path(rel).relative_to(img.recipe).parts
+        for k in range(1, len(parts)):
+            out.setdefault("/".join(parts[:k]), "dir")
+        out["/".join(parts)] = "file"
+    for i, sname in enumerate(img.sources):
+        out[source_dir(i, sname)] = "tree"
+    for tname in img.toolchains:
+        where = toolchain_dir(pins.toolchains[tname].kind, tname)
+        if where is not None:
+            out.setdefault(where.split("/", 1)[0], "dir")
+            out[where] = "dir"
+    if img.files:
+        out["files"] = "dir"
+        for fname in img.files:
+            out[f"files/{fname}"] = "file"
+    out[CLOSURE_FILE] = "file"
+    return out
+
 
 def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, dest: Path, *,
                      offline: bool, build_platform: str, on_log: Callable[[str], None]) -> dict[str, str]:
@@ -119,7 +169,7 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
 
         tree = store.put_tree(ls.tree_sha256, export, what)
         store.verified_tree(ls.tree_sha256, what)
-        target = dest / ("src" if i == 0 else f"src-{sname}")
+        target = dest / source_dir(i, sname)
         shutil.copytree(tree, target, symlinks=True)
         for mode_fix in target.rglob("*"):
             if mode_fix.is_dir() and not mode_fix.is_symlink():
@@ -142,14 +192,16 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
         art = lt.platforms.get(build_platform) or lt.platforms.get(img.platform)
         if art is None:
             raise ConfigError(f"{what}: no artifact for {build_platform} in the lock")
+        where = toolchain_dir(lt.kind, tname)
+        assert where is not None
         if lt.kind == "wheel":
             blob = store.fetch_wheel(lt.package or tname, lt.version or "", art.filename or "", art.sha256, what,
                                      _wheelhouses(root), offline)
-            extract_wheel_folder(blob, "ziglang/", dest / "zig",
-                                 skip=[x.removeprefix("zig/") for x in ignored if x.startswith("zig/")])
+            extract_wheel_folder(blob, "ziglang/", dest / where,
+                                 skip=[x.removeprefix(f"{where}/") for x in ignored if x.startswith(f"{where}/")])
         else:
             blob = store.fetch_url(art.url, art.sha256, what, root=root, offline=offline, filename=art.filename)
-            tdir = dest / "toolchains" / tname
+            tdir = dest / where
             tdir.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(blob, tdir / (art.filename or "toolchain.tar.xz"))
     for fname in img.files:
@@ -163,7 +215,7 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
         if _has_tag(name_only):
             name_only = name_only.rsplit(":", 1)[0]
         buildargs["BASE"] = f"{name_only}@{base['manifest_digest']}"
-    (dest / ".builder-closure.json").write_text(json.dumps(p.closure, sort_keys=True, indent=1))
+    (dest / CLOSURE_FILE).write_text(json.dumps(p.closure, sort_keys=True, indent=1))
     return buildargs
 
 

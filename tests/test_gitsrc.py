@@ -306,3 +306,110 @@ def test_relative_bundle_file_and_tags(up: Upstream, tmp_path: Path) -> None:
         update=False,
     )
     assert again == got
+
+
+# --------------------------------------------------------------------------- a commit kept only by a pull ref
+
+
+class DeletedBranch:
+    """The dsv41-feat story in small: branch ``feat`` at ``pinned`` is opened as pull request 7 (GitHub keeps
+    its head as ``refs/pull/7/head``), then force-pushed to ``rewritten``, merged into main and deleted. The
+    pull ref still holds ``pinned``; no branch does."""
+
+    def __init__(self, up: Upstream) -> None:
+        self.base = run_git("rev-parse", "HEAD", cwd=up.work)
+        run_git("checkout", "-q", "-b", "feat", cwd=up.work)
+        self.pinned = up.commit({"src/feature.zig": "pub const v = 1;\n"}, "feature")
+        up.push("feat")
+        run_git("push", "-q", "origin", "HEAD:refs/pull/7/head", cwd=up.work)
+        self.up = up
+
+    def force_push_merge_delete(self) -> None:
+        up = self.up
+        (up.work / "src" / "feature.zig").write_text("pub const v = 2;\n")
+        up.t += 60
+        run_git("commit", "-q", "-a", "--amend", "-m", "feature, rewritten", cwd=up.work, t=up.t)
+        self.rewritten = run_git("rev-parse", "HEAD", cwd=up.work)
+        up.push("feat", force=True)  # the force-push: pinned leaves the branch
+        up.push("main")  # the merge (a fast-forward of main)
+        run_git("push", "-q", "origin", ":refs/heads/feat", cwd=up.work)  # the branch is deleted
+        refs = run_git("for-each-ref", "--format=%(refname) %(objectname)", cwd=up.bare)
+        assert f"refs/pull/7/head {self.pinned}" in refs.splitlines() and "refs/heads/feat" not in refs
+
+
+@pytest.fixture
+def story(up: Upstream) -> DeletedBranch:
+    return DeletedBranch(up)
+
+
+def test_commit_of_a_deleted_branch_locks_through_its_pull_ref(story: DeletedBranch, tmp_path: Path) -> None:
+    up = story.up
+    before = res(GitSource(url=up.url, ref="feat", rev=story.pinned), tmp_path)  # the mirror knew the branch
+    assert before.commit == story.pinned
+    story.force_push_merge_delete()
+    # the branch is gone from the remote (the mirror's fetch prunes it): one line, saying what to do
+    with pytest.raises(ResolveError) as ei:
+        res(GitSource(url=up.url, ref="feat", rev=story.pinned), tmp_path)
+    msg = str(ei.value)
+    assert msg == (
+        f"sources.engine: ref feat not found in {up.url}, but rev {story.pinned} is still there: the branch was "
+        "deleted or renamed; pin a ref that holds the commit (a merged pull request keeps refs/pull/N/head) and "
+        "keep the branch name in note"
+    )
+    # the pull request's ref keeps the commit: the lock resolves through it, short rev expanded
+    spec = GitSource(url=up.url, ref="refs/pull/7/head", rev=story.pinned[:8],
+                     note="branch feat, force-pushed, merged as #7 and deleted")
+    got = res(spec, tmp_path)
+    assert got.commit == story.pinned and got.ref_head == story.pinned and got.on_ref
+    assert got.ref == "refs/pull/7/head" and got.rev == story.pinned[:8]
+    assert got.tree_sha256 == before.tree_sha256  # the same tree as when the branch still held it
+    dest = tmp_path / "export"
+    gitsrc.export_tree(gitsrc.mirror_path(tmp_path / "cache", up.url), got.commit, dest)
+    assert (dest / "src" / "feature.zig").read_text() == "pub const v = 1;\n"
+    assert sha256_tree(dest) == got.tree_sha256
+    # unpinned, the pull ref's head is the commit
+    assert res(GitSource(url=up.url, ref="refs/pull/7/head"), tmp_path).commit == story.pinned
+
+
+def test_rev_not_on_the_pull_ref_is_refused(story: DeletedBranch, tmp_path: Path) -> None:
+    story.force_push_merge_delete()
+    # the force-pushed commit is in the repository (main holds it) but not on the pull ref
+    with pytest.raises(ResolveError) as ei:
+        res(GitSource(url=story.up.url, ref="refs/pull/7/head", rev=story.rewritten), tmp_path)
+    msg = str(ei.value)
+    assert msg == (
+        f"sources.engine: pinned commit {story.rewritten[:12]} is no longer on ref refs/pull/7/head (ref now at "
+        f"{story.pinned[:12]}): the ref was force-pushed or rewritten; refusing to move it; re-pin rev after review"
+    )
+    assert "\n" not in msg
+    # a pull ref written without refs/ is a missing branch: the message names the full ref
+    with pytest.raises(ResolveError, match=r"^sources\.engine: ref pull/7/head not found in file://.*; a pull "
+                       r"request's head is the full ref refs/pull/7/head$"):
+        res(GitSource(url=story.up.url, ref="pull/7/head", rev=story.pinned), tmp_path)
+
+
+def test_builder_lock_records_the_pull_ref(story: DeletedBranch, tmp_path: Path) -> None:
+    from builder import resolve
+    from builder.lockfile import load_lock
+
+    story.force_push_merge_delete()
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "pins.toml").write_text(
+        "format = 1\n\n[sources.engine]\n"
+        f'url = "{story.up.url}"\nref = "refs/pull/7/head"\nrev = "{story.pinned}"\n'
+        'note = "branch feat: force-pushed, merged as #7 and deleted; the pull ref keeps the commit"\n'
+    )
+    report = resolve.resolve(proj / "pins.toml", proj / "pins.lock",
+                             resolve.ResolveOptions(cache=tmp_path / "store"))
+    assert report.failed == {} and report.resolved == ["sources.engine"] and report.written
+    entry = load_lock(proj / "pins.lock").sources["engine"]
+    assert (entry.ref, entry.commit, entry.ref_head, entry.on_ref) == (
+        "refs/pull/7/head", story.pinned, story.pinned, True)
+    # a pinned rev that is not on the named ref is refused by the lock too, and nothing is written for it
+    (proj / "pins.toml").write_text((proj / "pins.toml").read_text().replace(story.pinned, story.rewritten))
+    report = resolve.resolve(proj / "pins.toml", proj / "pins.lock",
+                             resolve.ResolveOptions(cache=tmp_path / "store"))
+    assert list(report.failed) == ["sources.engine"]
+    assert "is no longer on ref refs/pull/7/head" in report.failed["sources.engine"]
+    assert load_lock(proj / "pins.lock").sources["engine"].commit == story.pinned  # the last complete entry stays
