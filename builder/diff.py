@@ -1,4 +1,4 @@
-"""What moved between two locks: commits, patches, model files, digests, files, toolchains.
+"""What moved between two locks: commits, patches, model files, digests, files, kits, toolchains.
 
 A lock is named by a path, or by ``REV:path`` for a git revision of the lock file
 (``git show REV:./path``, the path taken relative to the current folder).
@@ -19,6 +19,7 @@ from builder.lockfile import (
     LockedBase,
     LockedFile,
     LockedImage,
+    LockedKit,
     LockedLane,
     LockedModel,
     LockedPublishedImage,
@@ -29,7 +30,7 @@ from builder.pins import INPUT_KINDS
 
 KIND_ORDER = (*INPUT_KINDS, "images", "lanes")
 KIND_WORD = {"sources": "source", "toolchains": "toolchain", "bases": "base", "models": "model",
-             "files": "file", "images": "image", "lanes": "lane"}
+             "files": "file", "kits": "kit", "images": "image", "lanes": "lane"}
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,26 @@ def _model(old: LockedModel, new: LockedModel) -> list[str]:
     return out + _moved("source", old.source, new.source)
 
 
+def _files_moved(what: str, old: list[Any], new: list[Any]) -> list[str]:
+    a = {f.path: f for f in old}
+    b = {f.path: f for f in new}
+    changed = sorted(p for p in a.keys() & b.keys() if (a[p].sha256, a[p].size) != (b[p].sha256, b[p].size))
+    added, removed = sorted(b.keys() - a.keys()), sorted(a.keys() - b.keys())
+    if not (changed or added or removed):
+        return []
+    parts = [f"{len(n)} {w}" for n, w in ((changed, "changed"), (added, "added"), (removed, "removed")) if n]
+    named = (changed + added + removed)[:3]
+    more = len(changed) + len(added) + len(removed) - len(named)
+    return [f"{what} changed: {', '.join(parts)} ({', '.join(named)}{f' +{more} more' if more else ''})"]
+
+
+def _kit(old: LockedKit, new: LockedKit) -> list[str]:
+    out = _moved("origin", old.origin, new.origin) + _moved("source", old.source, new.source)
+    out += _moved("commit", old.commit, new.commit, short=True) + _moved("path", old.path, new.path)
+    out += _moved("MANIFEST sha256", old.manifest.sha256, new.manifest.sha256, short=True)
+    return out + _files_moved("kit files", old.files, new.files)
+
+
 def _file(old: LockedFile, new: LockedFile) -> list[str]:
     return _moved("url", old.url, new.url) + _moved("sha256", old.sha256, new.sha256, short=True)
 
@@ -201,7 +222,7 @@ def _lane(old: LockedLane, new: LockedLane) -> list[str]:
 
 
 COMPARE: dict[str, Any] = {"sources": _source, "toolchains": _toolchain, "bases": _base, "models": _model,
-                           "files": _file, "images": _image, "lanes": _lane}
+                           "files": _file, "kits": _kit, "images": _image, "lanes": _lane}
 
 
 def diff_locks(old: Lock, new: Lock) -> list[Change]:

@@ -184,12 +184,29 @@ class Roles(Strict):
 
 
 class Derivation(Strict):
-    """A per-rank input made on each host by a command in the lane's image over pinned inputs (its
-    output folder is mounted with ``derived:NAME``)."""
+    """A per-rank input made on each host by ``command`` in the lane's image over pinned inputs
+    (``mounts``: ``model:`` or ``input:`` sources, read-only), writing into ``output`` (the folder the
+    lane mounts with ``derived:NAME``). Its folder on the host is addressed by its inputs
+    (builder.launch.derive): made once, and again only when an input, the image, the rank or the command
+    changes."""
 
     command: list[str] = Field(min_length=1)
-    inputs: list[str] = []
+    output: str = Field(min_length=2)
+    mounts: list[Mount] = []
     note: str | None = None
+
+    @field_validator("output")
+    @classmethod
+    def _output(cls, v: str) -> str:
+        return Mount._target(v)
+
+    @field_validator("mounts")
+    @classmethod
+    def _inputs_only(cls, v: list[Mount]) -> list[Mount]:
+        for i, m in enumerate(v):
+            if m.kind not in ("model", "input") or m.writable:
+                raise ValueError(f"mounts[{i}]: a derivation reads model:NAME or input:NAME sources, read-only")
+        return v
 
 
 class Lane(Strict):
@@ -232,6 +249,11 @@ class Lane(Strict):
                     raise ValueError(f"{where}.mounts[{i}].source: model {m.name!r} is not in this lane's models")
                 if m.kind == "derived" and m.name not in self.derivations:
                     raise ValueError(f"{where}.mounts[{i}].source: no derivation {m.name!r} in this lane")
+        for dname, d in self.derivations.items():
+            for i, m in enumerate(d.mounts):
+                if m.kind == "model" and m.name not in self.models:
+                    raise ValueError(f"derivations.{dname}.mounts[{i}].source: model {m.name!r} is not in this "
+                                     "lane's models")
         for i, m in enumerate(self.mounts):
             if m.kind == "model" and m.name not in self.models:
                 raise ValueError(f"mounts[{i}].source: model {m.name!r} is not in this lane's models")
@@ -254,7 +276,7 @@ class Lane(Strict):
             if m.kind == "input" and m.name not in seen:
                 seen.append(m.name)
         for d in self.derivations.values():
-            for n in d.inputs:
-                if n not in seen and n not in self.models:
-                    seen.append(n)
+            for m in d.mounts:
+                if m.kind == "input" and m.name not in seen:
+                    seen.append(m.name)
         return seen

@@ -94,6 +94,25 @@ class LockedFile(Strict):
     verified: bool
 
 
+class LockedKit(Strict):
+    """A kernel kit (builder.kits): its MANIFEST and every file it lists, each hashed and checked
+    against it; from a local folder, or from a git source's tree at a commit under ``path``."""
+
+    spec_hash: Sha256
+    origin: Literal["local", "git"]
+    source: str | None = None  # the [sources] entry (origin git)
+    commit: Hex40 | None = None  # that source's locked commit
+    path: str = ""  # the kit's folder in the tree
+    manifest: LockedModelFile  # the MANIFEST itself (its path in the kit, size and sha256)
+    files: list[LockedModelFile]  # every file the MANIFEST lists
+    total_size: int = Field(ge=0)
+
+    @property
+    def version(self) -> str:
+        """What names this kit's content: the MANIFEST's sha256 (it lists every file's)."""
+        return self.manifest.sha256
+
+
 class LockedImage(Strict):
     spec_hash: Sha256
     recipe: str
@@ -131,6 +150,7 @@ class Lock(Strict):
     bases: dict[str, LockedBase] = {}
     models: dict[str, LockedModel] = {}
     files: dict[str, LockedFile] = {}
+    kits: dict[str, LockedKit] = {}
     images: dict[str, LockedImage | LockedPublishedImage] = {}
     lanes: dict[str, LockedLane] = {}
     seal: Sha256 | None = None
@@ -138,7 +158,8 @@ class Lock(Strict):
     model_config = ConfigDict(populate_by_name=True)  # read by its alias "_generated", built by name
 
     def body(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True, exclude={"seal"})
+        # a lock without kits keeps the bytes (and lock hash) it had before kits were an input kind
+        return self.model_dump(mode="json", by_alias=True, exclude={"seal"} | (set() if self.kits else {"kits"}))
 
     def lock_hash(self) -> str:
         """Identity of this lock's resolved content (what images and bundles record)."""
@@ -240,6 +261,11 @@ def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None)
                 problems.append(f"{kind}.{name}: not in the lock")
             elif entry.spec_hash != spec_hash(specs[name]):
                 problems.append(f"{kind}.{name}: pins changed since the lock was written")
+            elif kind == "kits" and entry.origin == "git":
+                src = lock.sources.get(entry.source or "")
+                if src is not None and src.commit != entry.commit:
+                    problems.append(f"kits.{name}: locked from {entry.source} at {str(entry.commit)[:12]}, "
+                                    f"which the lock now has at {src.commit[:12]}")
             elif kind == "sources":
                 for i, p in enumerate(entry.patches):
                     path = root / p.file

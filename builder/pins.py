@@ -22,8 +22,8 @@ PINS_FORMAT = 1
 UNKNOWN = "UNKNOWN"
 
 REV_RE = r"^[0-9a-f]{7,40}$"
-#: the kinds of input a lock resolves, in the order it resolves them
-INPUT_KINDS = ("sources", "toolchains", "bases", "models", "files")
+#: the kinds of input a lock resolves, in the order it resolves them (a kit after the source it comes from)
+INPUT_KINDS = ("sources", "toolchains", "bases", "models", "files", "kits")
 #: every section of pins.toml that names things (and of the lock, which has an entry per name)
 SECTIONS = (*INPUT_KINDS, "images", "lanes")
 
@@ -205,21 +205,35 @@ class Kit(Strict):
     """A kernel kit: a folder of files, each listed with its sha256 and size in the kit's MANIFEST
     (``sha256 bytes origin two-node path`` lines, ``#`` comments), placed on every host and mounted
     read-only. The files come from ``local`` (a folder, relative to the project or absolute) or from
-    ``source`` (a ``[sources]`` entry) under ``path``; the lock hashes each and checks it against the
-    MANIFEST, whose own sha256 is pinned here once known."""
+    ``source`` (a ``[sources]`` entry, at its locked commit) under ``path``; the lock hashes each and
+    checks it against the MANIFEST, whose own sha256 is pinned here once known. The folder holds the
+    MANIFEST and the files it lists, nothing else but what ``ignore`` (globs, e.g. the kit's own
+    ``README.md`` and ``verify_kit.sh``) leaves out. builder.kits locks it."""
 
     manifest: str = "MANIFEST"
     manifest_sha256: Sha256 | None = None
     local: str | None = None
     source: Name | None = None
     path: str = ""
+    ignore: list[str] = []
     expect_files: int | None = Field(default=None, ge=1)
     note: str | None = None
+
+    @field_validator("manifest", "path")
+    @classmethod
+    def _inside(cls, v: str) -> str:
+        if v.startswith("/") or ".." in v.split("/") or "\\" in v:
+            raise ValueError("must be a path inside the kit's folder or tree (relative, no '..')")
+        return v.strip("/")
 
     @model_validator(mode="after")
     def _one_origin(self) -> Kit:
         if (self.local is None) == (self.source is None):
             raise ValueError("want exactly one of local (a folder) or source (a [sources] entry)")
+        if self.local is not None and self.path:
+            raise ValueError("path is the kit's folder in its source's tree: give it with source, not local")
+        if not self.manifest:
+            raise ValueError("manifest: empty")
         return self
 
 
@@ -290,7 +304,7 @@ class Pins(Strict):
 
     def closure(self, names: list[str]) -> dict[str, set[str]]:
         """The inputs (by kind) that the named lanes, images or inputs need."""
-        out: dict[str, set[str]] = {k: set() for k in (*INPUT_KINDS, "kits")}
+        out: dict[str, set[str]] = {k: set() for k in INPUT_KINDS}
         for n in names:
             kind = self.kind_of(n)
             if kind is None:
@@ -305,6 +319,10 @@ class Pins(Strict):
                 self._image_closure(n, out)
             else:
                 out[kind].add(n)
+        for k in out["kits"]:  # a kit from a git source needs that source locked first
+            src = self.kits[k].source
+            if src is not None:
+                out["sources"].add(src)
         return out
 
     def _image_closure(self, name: str, out: dict[str, set[str]]) -> None:

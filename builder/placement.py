@@ -1,4 +1,4 @@
-"""Where each locked model file of a lane lives on a host of a given rank: the one placement rule.
+"""Where each locked file of a lane lives on a host of a given rank: the one placement rule.
 
 A lane's model files are placed by role: ``role = "engram"`` under the host's ``paths.engram``, every
 other role under ``paths.models``, each model in a folder of its own name, each file at its locked
@@ -6,6 +6,13 @@ relative path: ``<root by role>/<model name>/<file>``. A file whose name carries
 (``r<k>of<n>`` or ``rank<k>of<n>``, any case, after a non-alphanumeric character or at the start)
 belongs to rank k of n only: n must equal the lane's ``tensor_parallel`` and k must be below it; a
 file without a tag goes to every rank.
+
+The lane's runtime inputs (what its mounts name ``input:NAME``) are placed the same way, on every
+rank, in a folder of their own under ``paths.models`` (`input_root`): a kit's MANIFEST and every file
+it lists at ``<paths.models>/<kit>/<path>`` (role ``kit``), a plain file of ``[files]`` at
+``<paths.models>/<name>/<file_name(url)>`` (role ``file``): the paths `mount_path` gives the mounts.
+`place_models` yields them after the models, so what ships, installs and is audited for a model
+file is what ships, installs and is audited for them.
 
 The bundle (what it ships and records in the manifest), the installer's apply record (from the
 manifest), the audit's expectations and the checks all ask this module; nothing re-derives it.
@@ -40,10 +47,10 @@ def model_root(paths: Paths, model_name: str, role: str) -> str:
 
 @dataclass(frozen=True)
 class PlacedFile:
-    """One locked model file as one host holds it."""
+    """One locked file (of a model, a kit or a runtime plain file) as one host holds it."""
 
-    model: str
-    role: str
+    model: str  # the model's, kit's or file's name
+    role: str  # the model's role, or "kit" or "file"
     file: str  # the path relative to the model's root (the lock's path)
     path: str  # absolute on the host
     size: int
@@ -55,7 +62,8 @@ class PlacedFile:
 
 @dataclass(frozen=True)
 class PlacedModel:
-    """One lane model on one host: its root folder, this rank's files, and how many the lock lists."""
+    """One lane model (or runtime input) on one host: its root folder, this rank's files, and how many
+    the lock lists."""
 
     name: str
     role: str
@@ -93,8 +101,9 @@ def owns(path: str, rank: int, tensor_parallel: int, where: str) -> bool:
 
 
 def place_models(pins: Pins, lock: Lock, lane_name: str, host: Host) -> list[PlacedModel]:
-    """Every model of the lane as this host must hold it (its rank's files only), in the lane's order.
-    ConfigError when a model is not locked, its pin changed since the lock, or a rank tag is wrong."""
+    """Every model of the lane as this host must hold it (its rank's files only), in the lane's order,
+    then every runtime input of the lane (`place_input`). ConfigError when one is not locked, its pin
+    changed since the lock, a rank tag is wrong, or two share a folder."""
     lane = pins.lanes[lane_name]
     tp = lane.serve.tensor_parallel
     out: list[PlacedModel] = []
@@ -117,11 +126,47 @@ def place_models(pins: Pins, lock: Lock, lane_name: str, host: Host) -> list[Pla
                 expect_files=spec.expect_files,
             )
         )
+    out += [place_input(pins, lock, lane_name, name, host.paths) for name in lane.inputs()]
+    roots: dict[str, str] = {}
+    for m in out:
+        if m.root in roots:
+            raise ConfigError(f"lanes.{lane_name}: {roots[m.root]} and {m.name} would share the folder {m.root}; "
+                              "rename one")
+        roots[m.root] = m.name
     return out
 
 
+def place_input(pins: Pins, lock: Lock, lane_name: str, name: str, paths: Paths) -> PlacedModel:
+    """A runtime input of the lane on a host: a kit (its MANIFEST and every file it lists) or a plain
+    file, under `input_root`; the same on every rank."""
+    root = input_root(paths, name)
+    if name in pins.kits:
+        kit = pins.kits[name]
+        lk = lock.kits.get(name)
+        if lk is None:
+            raise ConfigError(f"kits.{name}: not in the lock (run `builder lock {lane_name}`)")
+        if lk.spec_hash != spec_hash(kit):
+            raise ConfigError(f"kits.{name}: changed since the lock (run `builder lock {lane_name}`)")
+        files = tuple(
+            PlacedFile(model=name, role="kit", file=f.path, path=f"{root}/{_safe_rel(f.path, f'lock: kits.{name}')}",
+                       size=f.size, sha256=f.sha256)
+            for f in sorted([lk.manifest, *lk.files], key=lambda f: f.path)
+        )
+        return PlacedModel(name=name, role="kit", root=root, files=files, locked_files=len(lk.files),
+                           expect_files=kit.expect_files)
+    spec = pins.files[name]
+    lf = lock.files.get(name)
+    if lf is None:
+        raise ConfigError(f"files.{name}: not in the lock (run `builder lock {lane_name}`)")
+    if lf.spec_hash != spec_hash(spec) or lf.size is None:
+        raise ConfigError(f"files.{name}: changed since the lock (run `builder lock {lane_name}`)")
+    fn = _safe_rel(file_name(spec.url), f"files.{name}.url")
+    placed = PlacedFile(model=name, role="file", file=fn, path=f"{root}/{fn}", size=lf.size, sha256=lf.sha256)
+    return PlacedModel(name=name, role="file", root=root, files=(placed,), locked_files=1, expect_files=None)
+
+
 def host_files(pins: Pins, lock: Lock, lane_name: str, host: Host) -> list[PlacedFile]:
-    """This host's model files, sorted by absolute path."""
+    """This host's model files and runtime input files, sorted by absolute path."""
     return sorted((f for m in place_models(pins, lock, lane_name, host) for f in m.files), key=lambda f: f.path)
 
 

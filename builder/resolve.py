@@ -1,6 +1,7 @@
 """`builder lock`: resolve the pins into the lock, one resolver per kind of input.
 
-Sources go to `gitsrc`, models to `hf`, bases to `oci`, plain files to `fetch`; toolchains are
+Sources go to `gitsrc`, models to `hf`, bases to `oci`, plain files to `fetch`, kernel kits to
+`kits` (after the sources, whose locked commit a kit from a git tree is read at); toolchains are
 fixed-output (their pins carry the hashes). Entries whose pin did not change are kept without
 network; the lock is written through `lockfile.write_lock` (rendered by a pure function), and on
 any failure the previous entries of the inputs that failed stay as they were.
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder import __version__, fetch, gitsrc, hf, oci, published
+from builder import __version__, fetch, gitsrc, hf, kits, oci, published
 from builder.canon import address
 from builder.errors import BuilderError, ConfigError, ResolveError
 from builder.hashing import recipe_files, sha256_file
@@ -64,8 +65,9 @@ class ResolveReport:
 
 
 def _resolve_one(kind: str, name: str, spec: Any, root: Path, cache: Path, opts: ResolveOptions,
-                 previous: Any) -> Any:
-    """Call the resolver for one input; resolvers raise BuilderError with a one-line reason."""
+                 previous: Any, pins: Pins, new: dict[str, dict[str, Any]]) -> Any:
+    """Call the resolver for one input; resolvers raise BuilderError with a one-line reason.
+    ``new``: the entries resolved so far (a kit from a git source reads that source's)."""
     unknown = unknown_fields(spec)
     if unknown:
         raise ResolveError(f"{kind}.{name}: {', '.join(unknown)} UNKNOWN (nobody has published it"
@@ -89,6 +91,14 @@ def _resolve_one(kind: str, name: str, spec: Any, root: Path, cache: Path, opts:
         return fetch.resolve_file(name, spec, root=root, offline=opts.offline, spec_hash=spec_hash(spec))
     if kind == "toolchains":
         return lock_toolchain(spec)
+    if kind == "kits":
+        src = new["sources"].get(spec.source) if spec.source else None
+        if src is not None and src.spec_hash != spec_hash(pins.sources[spec.source]):
+            src = None  # the source's last entry, kept for a pin it no longer matches
+        return kits.resolve(name, spec, root=root, cache=cache / "git", offline=opts.offline,
+                            spec_hash=spec_hash(spec), source=src,
+                            source_spec=pins.sources.get(spec.source) if spec.source else None,
+                            progress=opts.on_hash)
     raise AssertionError(kind)
 
 
@@ -145,11 +155,17 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
         for name in sorted(selected[kind]):
             prev = new[kind].get(name)
             prev_any = getattr(previous, kind).get(name) if previous is not None else None
-            if prev is not None and name not in opts.update and _still_valid(kind, prev, root):
+            if prev is not None and name not in opts.update and _still_valid(kind, prev, root, new):
                 report.kept.append(f"{kind}.{name}")
                 continue
+            if kind == "kits" and specs[name].source and f"sources.{specs[name].source}" in report.failed:
+                report.failed[f"{kind}.{name}"] = (f"{kind}.{name}: its source sources.{specs[name].source} "
+                                                   "did not resolve")
+                if prev_any is not None and name not in new[kind]:
+                    new[kind][name] = prev_any
+                continue
             try:
-                entry = _resolve_one(kind, name, specs[name], root, cache, opts, prev_any)
+                entry = _resolve_one(kind, name, specs[name], root, cache, opts, prev_any, pins, new)
             except ConfigError:
                 raise
             except BuilderError as e:
@@ -221,7 +237,10 @@ def _published(pins: Pins, previous: Lock | None, opts: ResolveOptions,
     return out
 
 
-def _still_valid(kind: str, entry: Any, root: Path) -> bool:
+def _still_valid(kind: str, entry: Any, root: Path, new: dict[str, dict[str, Any]]) -> bool:
+    if kind == "kits" and entry.origin == "git":
+        src = new["sources"].get(entry.source)  # read at the commit the lock now has for its source
+        return src is not None and src.commit == entry.commit
     if kind == "sources":
         for p in entry.patches:
             path = root / p.file
@@ -241,4 +260,7 @@ def _identity(kind: str, entry: Any) -> str:
         return str(entry.index_digest or sorted(entry.platforms.values()))
     if kind == "files":
         return str(entry.sha256)
+    if kind == "kits":
+        return f"{entry.manifest.sha256[:12]} ({len(entry.files)} files" + (
+            f", {entry.source} at {entry.commit[:12]})" if entry.commit else ")")
     return address(entry.model_dump(mode="json"))[:16]

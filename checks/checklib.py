@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from builder.hostfacts import BATCH, FABRIC, FILES, MEMORY, batch_groups, batches, dumps, parse_batch
+from builder.hostfacts import BATCH, DERIVE, FABRIC, FILES, MEMORY, batch_groups, batches, dumps, parse_batch
 from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
 
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
@@ -173,6 +173,11 @@ def memory_facts() -> Cmd:
     return python(MEMORY, dumps({"processes": 5}))
 
 
+def derived_command(expect: dict[str, Any]) -> Cmd:
+    """This rank's derivations against their records (builder.hostfacts.derive; full mode hashes)."""
+    return python(DERIVE, dumps({"plan": expect["derivations"], "mode": expect.get("mode") or "fast"}))
+
+
 def free_disk(path: str) -> Cmd:
     # the nearest existing folder above the path holds the filesystem it will use
     return ('p=%s; while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname "$p"); done; df -Pk "$p" | tail -n 1', path)
@@ -254,6 +259,8 @@ def planned(expect: dict[str, Any]) -> list[Cmd]:
         cmds += model_files_commands(expect)
     if concerns & {"models", "engram"}:
         cmds.append(listing_command(listing_roots(expect)))
+    if "engram" in concerns and expect.get("derivations"):
+        cmds.append(derived_command(expect))
     if "gpu" in concerns and want.get("gpu_count"):
         cmds += gpu_commands()
     if "memory" in concerns:

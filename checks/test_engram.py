@@ -1,13 +1,17 @@
 """Engram and per-rank inputs: the Engram folder holds this rank's own `r<k>of<n>` files, n equal to the
 lane's tensor-parallel size, and no other rank's files. Each placed file's presence, size and content
-are the models checks' (builder.placement puts the lane's Engram files under paths.engram)."""
+are the models checks' (builder.placement puts the lane's Engram files under paths.engram).
+
+The lane's derivations (rank caches, token map, packed Engram: builder.launch.derive), each in its folder
+addressed by its inputs: made for this address, every file of its record present with its size (full
+mode: its sha256), nothing added, no other rank's file."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from checklib import listing, or_skip, read_applied
+from checklib import derived_command, json_output, listing, or_skip, read_applied, run
 
 from builder.hostfacts import shown
 from builder.placement import rank_tag
@@ -65,3 +69,16 @@ def test_no_other_rank_files(engram: dict[str, Any]) -> None:
     k = engram["rank"]
     other = sorted(f for f, t in engram["tagged"].items() if t[0] != k)
     assert not other, f"{engram['root']}: expected only rank {k}'s files, found other ranks': {shown(other)}"
+
+
+@pytest.fixture(scope="module")
+def derived(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
+    plan = or_skip(expect.get("derivations"), expect.get("derivations_reason") or "the lane has no derivations")
+    if not plan.get("derivations"):
+        pytest.skip("the lane has no derivations")
+    return json_output(run(host, *derived_command(expect)))  # type: ignore[no-any-return]
+
+
+def test_derivations_match_their_records(derived: dict[str, Any]) -> None:
+    bad = [p for problems in derived.values() for p in problems]
+    assert not bad, f"{len(bad)} derivation problem(s): expected each made and unchanged, found {shown(bad)}"

@@ -1,5 +1,9 @@
 """Models: every file the lock lists is on the host with its size; sha256 (full) or stat (fast); count.
 
+"Model files" are every file builder.placement gives this rank: the lane's models', and its runtime
+inputs' (each file of a kit with its MANIFEST, each mounted plain file such as a chat template or an
+overlay), each in its own folder; drift in any of them is named by its path here.
+
 Full mode hashes on the host, many files at once (one remote python3 per batch, a thread per
 file). Fast mode compares size, mtime and inode with what the install recorded in the apply
 record, and only the size with the lock; a file rewritten in place with the same size and

@@ -121,9 +121,25 @@ class Journey:
         for h in self.workers_then_head:
             self.builder("ship", self.host_ref(h))
 
+    def start_order(self) -> list[fleetlib.Host]:
+        """The hosts in the lane's start order, as `builder launch` shows it."""
+        order = json.loads(self.builder("launch", "--fleet", self.name, "--json").stdout)["start_order"]
+        by = {h.name: h for h in self.fleet.hosts}
+        return [by[n] for n in order]
+
+    def derive(self) -> None:
+        """Each host's derivations of its installed release, as an operator makes them by hand."""
+        cur = f"{PATHS['bundles']}/current"
+        for h in self.fleet.hosts:
+            r = self.fleet.ssh(h, f"if [ -f {cur}/derive.json ]; then python3 {cur}/derive.py make {cur}/derive.json; "
+                                  "fi", timeout=600)
+            assert r.returncode == 0, f"{h.name}: derive.py exit {r.returncode}: {r.stdout[-800:]} {r.stderr[-800:]}"
+
     def start(self) -> None:
-        for h in self.workers_then_head:
-            r = self.fleet.ssh(h, f"{PATHS['bundles']}/current/start.sh", timeout=180)
+        """start.sh on each host in the lane's start order (each returns once its rank is ready)."""
+        self.derive()
+        for h in self.start_order():
+            r = self.fleet.ssh(h, f"{PATHS['bundles']}/current/start.sh", timeout=600)
             assert r.returncode == 0, f"{h.name}: start.sh exit {r.returncode}: {r.stderr[-1500:]}"
 
     def stop(self) -> None:
@@ -153,6 +169,24 @@ class Journey:
         if relock:
             self.builder("lock", "--offline", lane)
 
+    def set_lane(self, lane: str = "demo", relock: bool = True, **values: Any) -> None:
+        """Change top-level keys of `[lanes.LANE]` (`start="head-first"`), then relock the lane."""
+        path = self.root / "pins.toml"
+        lines = path.read_text().split("\n")
+        start = lines.index(f"[lanes.{lane}]") + 1
+        end = next((i for i in range(start, len(lines)) if lines[i].startswith("[")), len(lines))
+        for key, value in values.items():
+            text = json.dumps(value)
+            at = [i for i in range(start, end) if lines[i].split("=", 1)[0].strip() == key]
+            if at:
+                lines[at[0]] = f"{key} = {text}"
+            else:
+                lines.insert(start, f"{key} = {text}")
+                end += 1
+        path.write_text("\n".join(lines))
+        if relock:
+            self.builder("lock", "--offline", lane)
+
     def deploy(self, *args: str, env: dict[str, str] | None = None, timeout: float = 900) -> tuple[int, dict[str, Any]]:
         """`builder deploy --fleet NAME --json ARGS`: (exit code, its JSON report)."""
         p = self.builder("deploy", "--fleet", self.name, "--json", *args, check=False, env=env, timeout=timeout)
@@ -177,17 +211,21 @@ def failing(report: dict[str, Any]) -> set[tuple[str, str]]:
 def journey(
     workdir: Path, n: int, *, lane: str = "demo", name: str = "journey", store: Path | None = None,
     expect: str = EXPECT, prepare: Callable[[fleetlib.Fleet, fleetlib.Host], None] | None = None,
-    pins_extra: str = "", bundle: bool = True, ship: bool = True,
+    pins_extra: str = "", bundle: bool = True, ship: bool = True, image: str = "demo",
+    before_lock: Callable[[Path], None] | None = None,
 ) -> Iterator[Journey]:
     """n test hosts with the lane installed by the CLI from the shipped pins (not started).
     ``pins_extra`` is appended to the copy's pins.toml before the lock (e.g. a lane of another size).
     ``bundle=False`` stops after `builder keygen` (no bundle, nothing installed: `builder deploy` makes
-    the bundles); ``ship=False`` after `builder bundle` (nothing installed)."""
+    the bundles); ``ship=False`` after `builder bundle` (nothing installed). ``before_lock`` changes the
+    copy (its root) before the lock; ``image`` is the lane's image `builder image` builds."""
     workdir.mkdir(parents=True, exist_ok=True)
     root = project_copy(workdir / "project")
     if pins_extra:
         with open(root / "pins.toml", "a") as f:
             f.write("\n" + pins_extra)
+    if before_lock is not None:
+        before_lock(root)
     keys = workdir / "keys"
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("BUILDER_", "HF_", "SSH_AUTH"))
@@ -215,7 +253,7 @@ def journey(
         j = Journey(root=root, fleet=fleet, name=name, env=env, keys=keys)
         j.builder("lock", "--offline", lane)
         j.builder("fetch", lane, "--offline")
-        j.builder("image", "demo", "--offline")
+        j.builder("image", image, "--offline")
         j.builder("keygen", "--out", str(keys))
         if bundle:
             j.builder("bundle", "--fleet", name, "--with-image", "--with-models", "--key", str(keys / "builder.key"))

@@ -273,6 +273,7 @@ def _deployed(j: Journey) -> dict[str, str]:
 
 def _good(j: Journey) -> dict[str, str]:
     """The fleet on a known good release, serving (whatever an earlier test left)."""
+    j.set_lane(start="workers-first", relock=False)
     j.set_serve(args=ARGS)
     for h in j.fleet.hosts:
         j.fleet.exec(h, f"rm -f {APPS}")
@@ -525,3 +526,27 @@ def test_stop_and_start_in_rank_order_only_the_lanes_containers(j: Journey, byst
     p = j.builder("start", "--fleet", j.name, "--json", "--stop-timeout", "2")
     assert json.loads(p.stdout)["result"] == "started", p.stderr
     dl.assert_on(j, good)
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_a_head_first_lane_starts_rank_0_first_and_waits_for_its_readiness(j: Journey, bystanders: None) -> None:
+    """The lane's order, not a fixed one: with `start = "head-first"` (TensorFold's Python engine) the
+    head starts and is ready (its /health) before any worker starts; stop is still the head first."""
+    _good(j)
+    j.set_lane(start="head-first")
+    _deployed(j)
+    p = j.builder("stop", "--fleet", j.name, "--json")
+    assert json.loads(p.stdout)["result"] == "stopped", p.stderr
+    p = j.builder("start", "--fleet", j.name, "--json")
+    assert json.loads(p.stdout)["result"] == "started", p.stderr
+    head, worker = j.fleet.hosts
+    up = [ln.split(":")[0] for ln in p.stderr.splitlines() if re.match(r"^spark-\S+: rank \d+ is up", ln)]
+    assert up == [head.name, worker.name], p.stderr
+    fmt = "{{.State.StartedAt}}"
+    started = {h.name: j.fleet.exec(h, f"docker inspect -f '{fmt}' builder-demo-r{h.rank}").stdout.strip()
+               for h in j.fleet.hosts}
+    assert started[head.name] < started[worker.name], started  # (RFC 3339 in UTC: ordered as text)
+    out = j.builder("launch", "--fleet", j.name, "--json")
+    assert json.loads(out.stdout)["start_order"] == [head.name, worker.name]

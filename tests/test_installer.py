@@ -152,6 +152,7 @@ def test_install_rerun_upgrade_rollback(dproj: bl.Project, tmp_path: Path) -> No
     assert {f["path"] for f in rec["files"]} == {
         "config.json",
         "install.py",
+        "lane.py",
         "rank.env",
         "start.sh",
         "stop.sh",

@@ -5,12 +5,16 @@ The steps are the README's quick tour (tests/journeylib.py): `builder lock --off
 `builder image demo`, `builder keygen`, `builder bundle --fleet F --with-image --with-models`,
 `builder ship` to each host (workers first), `current/start.sh` (workers first), `builder audit`.
 No fake installer, no hand-written lock, no stand-in image: the real image is built from the shipped
-pins, shipped in the real bundle and installed by the real installer.
+pins, shipped in the real bundle and installed by the real installer. The copy's pins add to the demo
+lane what the seed lanes mount besides their models (the shipped demo lane has none): a kernel kit (a
+folder and its MANIFEST), the shipped chat template and an overlay file, mounted on every rank; their
+drift is named like a model file's.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import sys
 from collections.abc import Iterator
@@ -28,13 +32,49 @@ pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
 MODEL = f"{PATHS['models']}/demo-tiny/model-00001-of-00002.safetensors"
 ENGRAM = f"{PATHS['engram']}/demo-engram"
 RANK_ENV = f"{PATHS['bundles']}/current/rank.env"
+KIT = f"{PATHS['models']}/demo-kit"
+KIT_FILES = {
+    "aot/aot.json": b'{"kernels": ["00ab"]}\n',
+    "cubins/linear.cubin": bytes(range(256)) * 16,
+    "rope.json": b'{"theta": 10000}\n',
+}
+TEMPLATE = f"{PATHS['models']}/demo-chat-template/demo-chat-template.jinja"
+OVERLAY = f"{PATHS['models']}/demo-overlay/engram.py"
+#: where each rank's container sees them
+MOUNTS = {KIT: "/kit", TEMPLATE: "/templates/chat_template.jinja", OVERLAY: "/overlay/engram.py"}
+
+
+def runtime_inputs(workdir: Path) -> str:
+    """A kit (a folder and its MANIFEST, in the shape of bertholomus-tp4's) and an overlay file in the
+    workdir, and the pins that mount them and the shipped chat template on every rank."""
+    kit = workdir / "demo-kit"
+    lines = []
+    for rel, data in KIT_FILES.items():
+        (kit / rel).parent.mkdir(parents=True, exist_ok=True)
+        (kit / rel).write_bytes(data)
+        lines.append(f"{hashlib.sha256(data).hexdigest()} {len(data):>10}  git   -    {rel}")
+    (kit / "MANIFEST").write_text("# the demo kit\n# Columns: sha256, bytes, origin, two-node, path.\n"
+                                  + "\n".join(lines) + "\n")
+    overlay = b"# mounted over the engine's engram.py (an overlay file, as vLLM's boot-10 files)\nENGRAM = 1\n"
+    (workdir / "engram.py").write_bytes(overlay)
+    mounts = "[" + ", ".join(
+        f'{{ source = "input:{n}", target = "{MOUNTS[p]}" }}'
+        for n, p in (("demo-kit", KIT), ("demo-chat-template", TEMPLATE), ("demo-overlay", OVERLAY))
+    ) + "]"
+    return (
+        f'[kits.demo-kit]\nlocal = "{kit}"\nexpect_files = {len(KIT_FILES)}\n\n'
+        f'[files.demo-overlay]\nurl = "file://{workdir / "engram.py"}"\n'
+        f'sha256 = "{hashlib.sha256(overlay).hexdigest()}"\n\n'
+        f"[lanes.demo.ranks.0]\nmounts = {mounts}\n\n[lanes.demo.ranks.1]\nmounts = {mounts}\n"
+    )
 
 
 @pytest.fixture(scope="module")
 def j(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Journey]:
     if not fleetlib.docker_available():
         pytest.fail("Docker Engine not reachable: the journey needs it")
-    with journey(tmp_path_factory.mktemp("journey"), 2) as jj:
+    work = tmp_path_factory.mktemp("journey")
+    with journey(work, 2, pins_extra=runtime_inputs(work)) as jj:
         yield jj
 
 
@@ -122,6 +162,18 @@ def test_each_rank_holds_its_own_engram_files_only(j: Journey) -> None:
         assert j.fleet.exec(h, f"ls {PATHS['models']}/demo-tiny | wc -l").stdout.strip() == "4"
 
 
+def test_runtime_inputs_are_placed_and_mounted_on_every_rank(up: Journey) -> None:
+    j = up
+    for rank, h in enumerate(j.fleet.hosts):
+        names = j.fleet.exec(h, f"cd {KIT} && find . -type f | sort").stdout.split()
+        assert names == sorted(f"./{p}" for p in [*KIT_FILES, "MANIFEST"]), (h.name, names)
+        sums = j.fleet.exec(h, f"sha256sum {TEMPLATE}").stdout.split()[0]
+        assert sums == hashlib.sha256((j.root / "files/demo-chat-template.jinja").read_bytes()).hexdigest()
+        mounts = json.loads(j.fleet.exec(h, f"docker inspect -f '{{{{json .Mounts}}}}' builder-demo-r{rank}").stdout)
+        seen = {m["Source"]: (m["Destination"], m["RW"]) for m in mounts}
+        assert {p: seen.get(p) for p in MOUNTS} == {p: (t, False) for p, t in MOUNTS.items()}, (h.name, seen)
+
+
 def test_serving_audit_passes_fast_and_full(up: Journey) -> None:
     j = up
     for mode in ("fast", "full"):
@@ -161,6 +213,54 @@ def test_touched_model_file_fails_fast_mode(up: Journey) -> None:
         assert MODEL in _msg(report, head, "models::content") and "modified" in _msg(report, head, "models::content")
     finally:
         _edit(j, head, op="set_mtime", path=MODEL, mtime_ns=orig["mtime_ns"])
+    _ok(*j.audit("--phase", "all"))
+
+
+def test_changed_kit_file_fails_full_mode_on_its_host(up: Journey) -> None:
+    j = up
+    worker = j.fleet.hosts[1]
+    path = f"{KIT}/cubins/linear.cubin"
+    orig = _edit(j, worker, op="read", path=path)
+    data = bytearray(base64.b64decode(orig["data"]))
+    data[100] ^= 0xFF
+    _edit(j, worker, op="write_in_place", path=path, data=base64.b64encode(data).decode())
+    try:
+        _ok(*j.audit("--phase", "all"))  # fast mode: size, mtime and inode unchanged
+        report = _drift(j, worker, {"models::content"}, "--mode", "full")
+        assert path in _msg(report, worker, "models::content")
+    finally:
+        _edit(j, worker, op="write_in_place", path=path, data=orig["data"], mtime_ns=orig["mtime_ns"])
+    _ok(*j.audit("--phase", "all", "--mode", "full"))
+
+
+def test_changed_chat_template_fails_on_its_host(up: Journey) -> None:
+    j = up
+    head = j.fleet.hosts[0]
+    orig = _edit(j, head, op="read", path=TEMPLATE)
+    data = base64.b64decode(orig["data"]).replace(b"assistant", b"ASSISTANT")
+    assert len(data) == len(base64.b64decode(orig["data"])) and data != base64.b64decode(orig["data"])
+    _edit(j, head, op="replace", path=TEMPLATE, data=base64.b64encode(data).decode())
+    try:
+        report = _drift(j, head, {"models::content"})
+        assert TEMPLATE in _msg(report, head, "models::content") and "modified" in _msg(report, head, "models::content")
+        report = _drift(j, head, {"models::content"}, "--mode", "full")
+        assert TEMPLATE in _msg(report, head, "models::content")
+    finally:
+        _edit(j, head, op="write_in_place", path=TEMPLATE, data=orig["data"], mtime_ns=orig["mtime_ns"])
+    _ok(*j.audit("--phase", "all"))
+
+
+def test_changed_overlay_file_fails_on_its_host(up: Journey) -> None:
+    j = up
+    worker = j.fleet.hosts[1]
+    orig = _edit(j, worker, op="read", path=OVERLAY)
+    _edit(j, worker, op="replace", path=OVERLAY, data=base64.b64encode(b"ENGRAM = 0  # edited by hand\n").decode())
+    try:
+        report = _drift(j, worker, {"models::sizes"})
+        assert OVERLAY in _msg(report, worker, "models::sizes")
+    finally:
+        _edit(j, worker, op="replace", path=OVERLAY, data=orig["data"])
+        _edit(j, worker, op="set_mtime", path=OVERLAY, mtime_ns=orig["mtime_ns"])
     _ok(*j.audit("--phase", "all"))
 
 
@@ -214,9 +314,11 @@ def test_a_rank_running_another_image(up: Journey) -> None:
     # another image: the worker's own container committed (same files, another ImageID)
     other = j.fleet.exec(worker, "docker commit builder-demo-r1 other/demo:1").stdout.strip()
     j.stop()
-    # the same release started from another image: a copy of the release with IMAGE changed
+    # the same release started from another image: a copy of the release with its image changed (the
+    # IMAGE setting and the rendered docker run that names it)
     j.fleet.exec(worker, f"rm -rf /tmp/other && cp -r $(readlink -f {cur}) /tmp/other && "
-                         f"sed -i 's|^IMAGE=.*|IMAGE={other}|' /tmp/other/start.sh && chown -R spark /tmp/other")
+                         "img=$(sed -n 's/^IMAGE=//p' /tmp/other/start.sh) && "
+                         f"sed -i \"s|$img|{other}|g\" /tmp/other/start.sh && chown -R spark /tmp/other")
     assert j.fleet.ssh(worker, "/tmp/other/start.sh", timeout=120).returncode == 0
     assert j.fleet.ssh(head, f"{cur}/start.sh", timeout=180).returncode == 0
     try:

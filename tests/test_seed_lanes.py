@@ -124,7 +124,10 @@ def test_tp4_container(tp4: dict[str, Any], r: int) -> None:
     assert m["/model"] == ("/srv/models/dsv41-1017-exl3-3-5bpw", False)
     assert m["/kit"] == ("/srv/models/tp4-kit", False)
     assert m["/engram"] == ("/nvme/engram/dsv41-1017-engram", False)
-    assert m["/cache"][1] is True and "/derived/tensorfold-tp4/rank-cache" in m["/cache"][0]
+    # the rank cache: the derivation's folder, addressed by its inputs (not locked here: named so)
+    assert m["/cache"] == ("/var/lib/builder/derived/rank-cache-(unlocked)", True)
+    (d,) = h["derivations"]
+    assert d["path"] == m["/cache"][0] and d["argv"][-6:-2] == ["/cache/rank-cache", str(r), "4", "--parity"]
     assert m["/logs"][1] is True
     assert "/engine" not in m  # builder bakes the engine into the image at /engine instead
 
@@ -186,7 +189,10 @@ def test_python_engine_starts_rank_0_first() -> None:
         # seed 002: TF_DSV41_BIAS_VL=/model on both ranks; §6: the JIT caches persisted
         assert h["env"]["TF_DSV41_BIAS_VL"] == "/model" and h["env"]["MASTER_PORT"] == "29551"
         assert h["env"]["TENSORFOLD_NO_UPDATE_CHECK"] == "1" and h["env"]["HF_HUB_OFFLINE"] == "1"
-        assert "/derived/tensorfold-python-tp2/engram-packed" in mounts(h)["/engram"][0]
+        assert mounts(h)["/engram"][0] == "/var/lib/builder/derived/engram-packed-(unlocked)"
+        # §10.5: each rank packs its own engram-l1/l14-r{rank}of2.bin from shards 47 and 48
+        (d,) = h["derivations"]
+        assert d["argv"][-4:] == ["--rank", str(h["rank"]), "--tp", "2"]
     assert any("cluster.py" in u for u in out["unknown"])
 
 

@@ -16,6 +16,7 @@ from builder.errors import ConfigError
 from builder.hosts import Fleet, FleetHost, Host, check_against_pins
 from builder.imagerecord import read_record
 from builder.launch import rank_command
+from builder.launch.derive import derivation_runs, render_plan
 from builder.lockfile import Lock, load_lock
 from builder.pins import Pins, load_pins
 from builder.placement import place_models
@@ -39,7 +40,8 @@ class LaneInputs:
 
 def load_lane_inputs(opts: AuditOptions, targets: list[FleetHost]) -> LaneInputs:
     """Load the pins and lock and check every target's fleet against them: its lane exists (in the
-    lock too), the lock has the lane's models, its ssh_config is a file. ConfigError otherwise."""
+    lock too), the lock has the lane's models and runtime inputs (kits, plain files), its ssh_config
+    is a file. ConfigError otherwise."""
     inputs = LaneInputs()
     if opts.pins.exists():
         inputs.pins = load_pins(opts.pins)
@@ -62,10 +64,12 @@ def load_lane_inputs(opts: AuditOptions, targets: list[FleetHost]) -> LaneInputs
             check_against_pins(t.path, t.fleet, set(inputs.pins.lanes), lock_lanes)
             if inputs.lock is not None:
                 lane = inputs.pins.lanes[t.fleet.fleet.lane]
-                for m in lane.models:
-                    if m not in inputs.lock.models:
+                needed = [("models", m) for m in lane.models] + [
+                    ("kits" if i in inputs.pins.kits else "files", i) for i in lane.inputs()]
+                for kind, m in needed:
+                    if m not in getattr(inputs.lock, kind):
                         raise ConfigError(
-                            f"{opts.lock}: models.{m}: lane {t.fleet.fleet.lane!r} needs it but the "
+                            f"{opts.lock}: {kind}.{m}: lane {t.fleet.fleet.lane!r} needs it but the "
                             f"lock has no entry (run `builder lock`)"
                         )
         t.ssh_config()
@@ -109,6 +113,25 @@ def launch_expectation(
     return {"container": cmd.name, "env": cmd.env, "entrypoint": cmd.entrypoint, "args": cmd.args}, ""
 
 
+def derivation_expectation(
+    opts: AuditOptions, inputs: LaneInputs, fleet: Fleet, host: Host, lane_name: str
+) -> tuple[dict[str, Any] | None, str]:
+    """This rank's derivations (builder.launch.derive): each folder and the address it must be made
+    for, from the lock and the image's input address (what the bundle's derive.json says too)."""
+    assert inputs.pins is not None
+    lane = inputs.pins.lanes[lane_name]
+    if not lane.derivations:
+        return None, f"lane {lane_name!r} has no derivations"
+    if inputs.lock is None:
+        return None, inputs.lock_reason
+    try:
+        plan = make_plan(inputs.pins, inputs.lock, lane.image, opts.root)
+        runs = derivation_runs(inputs.pins, inputs.lock, fleet, host, lane_name, "(image)", plan.address)
+    except ConfigError as e:
+        return None, str(e)
+    return render_plan(runs, host.rank, len(fleet.hosts)), ""
+
+
 def build_expectations(t: FleetHost, opts: AuditOptions, inputs: LaneInputs, concerns: list[str]) -> dict[str, Any]:
     """The expectations file of one host (checks/conftest.py reads it)."""
     h, f = t.host, t.fleet
@@ -147,6 +170,8 @@ def build_expectations(t: FleetHost, opts: AuditOptions, inputs: LaneInputs, con
         "image_reason": "",
         "models": None,
         "models_reason": inputs.lock_reason or inputs.pins_reason,
+        "derivations": None,
+        "derivations_reason": inputs.lock_reason or inputs.pins_reason,
     }
     if inputs.pins is not None:
         lane = inputs.pins.lanes[lane_name]
@@ -157,6 +182,7 @@ def build_expectations(t: FleetHost, opts: AuditOptions, inputs: LaneInputs, con
             models = [m.to_json() for m in place_models(inputs.pins, inputs.lock, lane_name, h)]
             exp["models"] = models
             exp["models_reason"] = "" if models else f"lane {lane_name!r} has no models"
+        exp["derivations"], exp["derivations_reason"] = derivation_expectation(opts, inputs, f, h, lane_name)
     if "image" in concerns or "release" in concerns:
         exp["image"], exp["image_reason"] = image_expectation(opts, inputs, lane_name)
     return exp

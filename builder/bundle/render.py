@@ -1,4 +1,5 @@
-"""Rendering one host's bundle: its rank's launch files, installer, image archive and model files,
+"""Rendering one host's bundle: its rank's launch files, installer, image archive and model files (and
+runtime input files: a kit's, a mounted plain file; builder.placement places them as model files),
 the manifest (the bundle id is the sha256 of its canonical body) and its signature; then the folder
 is moved into place whole."""
 
@@ -26,10 +27,10 @@ from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
 from builder.imagerecord import ImageRecord, require_record
 from builder.launch import render_launch
 from builder.lockfile import Lock, load_lock, spec_hash
-from builder.models.fetch import in_store
-from builder.models.store import ModelStore, Wanted
+from builder.models.fetch import in_store, wanted_for
+from builder.models.store import ModelStore
 from builder.pins import Pins, load_pins
-from builder.placement import host_files
+from builder.placement import PlacedFile, host_files
 from builder.plan import make_plan
 
 DEFAULT_PART_SIZE = 256 * 1024 * 1024
@@ -84,6 +85,8 @@ class RankLaunch:
     image: dict[str, Any]
     models: list[dict[str, Any]]
     files: dict[str, tuple[bytes, str]]
+    #: the placed files behind ``models``, by absolute path (which model, kit or plain file each is)
+    placed: dict[str, PlacedFile] | None = None
 
 
 def parse_size(text: str) -> int:
@@ -108,12 +111,13 @@ def load_bundle_inputs(pins_path: Path, lock_path: Path, store: Path) -> BundleI
 
 
 def rank_models(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> list[dict[str, Any]]:
-    """The model files this rank needs (builder.placement): {model, file, path (absolute on the host),
-    size, sha256}, sorted by path."""
-    return [
-        {"model": f.model, "file": f.file, "path": f.path, "size": f.size, "sha256": f.sha256}
-        for f in host_files(ctx.pins, ctx.lock, lane_name, host)
-    ]
+    """The model files this rank needs, and its runtime inputs' files (builder.placement): {model,
+    file, path (absolute on the host), size, sha256}, sorted by path."""
+    return [_entry(f) for f in host_files(ctx.pins, ctx.lock, lane_name, host)]
+
+
+def _entry(f: PlacedFile) -> dict[str, Any]:
+    return {"model": f.model, "file": f.file, "path": f.path, "size": f.size, "sha256": f.sha256}
 
 
 def rank_launch(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> RankLaunch:
@@ -122,7 +126,8 @@ def rank_launch(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> 
     lane = ctx.pins.lanes[lane_name]
     plan = make_plan(ctx.pins, ctx.lock, lane.image, ctx.root)
     rec = require_record(ctx.store, lane.image, plan.address)
-    models = rank_models(ctx, fleet, host, lane_name)
+    placed = host_files(ctx.pins, ctx.lock, lane_name, host)
+    models = [_entry(f) for f in placed]
     image = {
         "name": lane.image,
         "input_address": rec.input_address,
@@ -132,6 +137,7 @@ def rank_launch(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> 
     files = render_launch(
         ctx.pins, fleet, host, lane_name, image,
         [{"model": m["model"], "path": m["path"], "size": m["size"], "sha256": m["sha256"]} for m in models],
+        lock=ctx.lock,
     )
     identity = {
         "builder": __version__,
@@ -144,7 +150,8 @@ def rank_launch(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> 
         "lock_hash": ctx.lock.lock_hash(),
         "paths": {"bundles": host.paths.bundles, "models": host.paths.models, "engram": host.paths.engram},
     }
-    return RankLaunch(identity=identity, record=rec, image=image, models=models, files=files)
+    return RankLaunch(identity=identity, record=rec, image=image, models=models, files=files,
+                      placed={f.path: f for f in placed})
 
 
 # --------------------------------------------------------------------------- making bundles
@@ -188,6 +195,7 @@ def render_bundle(
     lane_name = check_lane(ctx, fleet_path, fleet)
     launch = rank_launch(ctx, fleet, host, lane_name)
     rec, image, models = launch.record, launch.image, launch.models
+    placed_files = launch.placed or {}
     secret = sign.load_secret_key(signing_key_path(opts.key))  # fail early (exit 2), before any write
     on_bytes = None
     if opts.progress is not None:
@@ -233,9 +241,8 @@ def render_bundle(
                 if opts.with_models:
                     # The store's object, linked whole (never in parts: a part would be a second copy
                     # of the bytes); ship resumes a model file by offset instead.
-                    wanted = Wanted(model=m["model"], commit=ctx.lock.models[m["model"]].commit,
-                                    path=m["file"], size=m["size"], sha256=m["sha256"])
-                    in_store(ctx.pins, ctx.root, store, wanted)
+                    wanted = wanted_for(ctx.lock, placed_files[m["path"]])
+                    in_store(ctx.pins, ctx.root, store, wanted, ctx.lock)
                     bundled = f"models/{m['model']}/{m['file']}"
                     how = store.place(wanted, tmp / bundled)
                     if how == "linked":

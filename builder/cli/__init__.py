@@ -23,7 +23,7 @@ from builder.cli.options import file_option, folder_option
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "lock": ("builder.cli.lock", "lock", "Resolve every input of pins.toml to an immutable id in the lock."),
     "diff": ("builder.cli.diff", "diff", "Show what moved between two locks."),
-    "fetch": ("builder.cli.fetch", "fetch", "Download the locked model files into the store, each verified."),
+    "fetch": ("builder.cli.fetch", "fetch", "Put the locked model, kit and runtime files into the store, verified."),
     "image": ("builder.cli.image", "image", "Build (or plan) a content-addressed, reproducible image."),
     "why": ("builder.cli.image", "why", "Print an image's closure and input address."),
     "gc": ("builder.cli.image", "gc", "Remove store entries no lock refers to."),

@@ -116,9 +116,9 @@ def deploy(
     stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool, key: Path | None, with_image: bool,
     with_models: bool, part_size: str, parallel: int, insecure: bool,
 ) -> int:
-    """Move fleet NAME to the lock: bundle, stage everywhere, audit (the gate), stop the head then the
-    workers, switch, start the workers then the head, wait for the API, audit it serving; on any failure
-    after the first switch, roll every host back and start and audit that.
+    """Move fleet NAME to the lock: bundle, stage everywhere, make the derivations, audit (the gate),
+    stop the head then the workers, switch, start in the lane's order, wait for the API, audit it
+    serving; on any failure after the first switch, roll every host back and start and audit that.
 
     Exit 0 deployed (or nothing to do and the audit passes), 1 refused, rolled back or failed,
     2 configuration error (nothing changed), 3 a host could not be reached.
@@ -141,9 +141,10 @@ def start(
     fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float | None,
     stop_timeout: int, mode: str, checks_dir: Path | None,
 ) -> int:
-    """Start fleet NAME's installed release: the preflight audit first (it refuses while another GPU
-    workload runs), then the workers, then the head; wait for the API; the serving audit. A fleet partly
-    up is stopped first (the head, then the workers)."""
+    """Start fleet NAME's installed release: its derivations made where missing, the preflight audit
+    (it refuses while another GPU workload runs), then the ranks in the lane's order, each until ready;
+    wait for the API; the serving audit. A fleet partly up is stopped first (the head, then the
+    workers)."""
     from builder.deploy import startstop as core
 
     opts = _options(

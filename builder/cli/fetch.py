@@ -15,7 +15,8 @@ from builder.cli import get_ctx
               "builder's back is named and fetched again).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def fetch(names: tuple[str, ...], offline: bool, jobs: int, verify: bool, as_json: bool) -> int:
-    """Put the locked model files of the named lanes or models (default: every lane's) into the store."""
+    """Put the locked files hosts get (model files, kit files, runtime plain files) of the named lanes,
+    models, kits or files (default: every lane's) into the store."""
     from builder import output
     from builder.lockfile import load_lock
     from builder.models import fetch as core
@@ -39,7 +40,7 @@ def fetch(names: tuple[str, ...], offline: bool, jobs: int, verify: bool, as_jso
     for _, why in rep.repaired:
         output.warn(why)
     for w in rep.missing:
-        output.error(f"models.{w.model}: {w.path}: not in the store and --offline was given")
+        output.error(f"{w.where}: not in the store and --offline was given")
     for _, why in rep.failed:
         output.error(why)
     output.status(

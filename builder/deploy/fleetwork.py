@@ -194,7 +194,7 @@ class Fleetwork:
 
         def start(h: Host) -> None:
             self.op(h).start(t)
-            self.say(f"{h.name}: rank {h.rank} ({h.role}) is up")
+            self.say(f"{h.name}: rank {h.rank} is up ({h.role})")
 
         for group in start_groups(self.fleet, self.lane):
             for h, _, err in each(group, start, len(group)):

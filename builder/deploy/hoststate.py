@@ -152,6 +152,26 @@ class HostOps:
             inst.assemble(), [*args, "--root", self.root], timeout=timeout or self.timeout + 120, what=what
         )
 
+    def derive(self, release: str, timeout: float) -> dict[str, Any] | None:
+        """Make this rank's derivations of the ``staged`` or ``current`` release (its derive.py and
+        derive.json; None when the lane has none): {"ok", "derivations": [{name, result, …}]}."""
+        rel = f"{self.root}/{release}"
+        cmd = (f"if [ -f {shlex.quote(rel + '/derive.json')} ]; then python3 {shlex.quote(rel + '/derive.py')} make "
+               f"{shlex.quote(rel + '/derive.json')}; else echo none; fi")
+        p = self.remote.run(cmd, timeout=timeout + self.timeout, what="derive")
+        text = p.stdout.decode("utf-8", "replace").strip()
+        if text == "none":
+            return None
+        try:
+            out = json.loads(text.splitlines()[-1])
+        except (ValueError, IndexError):
+            err = [ln for ln in p.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
+            why = err[-1] if err else f"exit status {p.returncode}"
+            raise BuilderError(f"{self.host.name}: derive: {why}") from None
+        if not isinstance(out, dict):
+            raise BuilderError(f"{self.host.name}: derive: unexpected answer")
+        return out
+
     def stage_installed(self, bundle_id: str) -> dict[str, Any]:
         return self.installer(["stage", "--release", bundle_id], "stage")
 

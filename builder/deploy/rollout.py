@@ -9,14 +9,17 @@ A deploy, in order (each step bounded; hosts in parallel where the order allows 
    audits (``--phase all``) and exits with the audit's code;
 5. stage everywhere (ship with ``install --stage``: copy, verify, load the image, place the model
    files, stage the release; ``current`` is not touched), at most ``parallel`` hosts at once;
-6. the gate: the preflight audit of the staged release on every host (image, release, models, Engram,
+6. the derivations of the staged release on every host (builder.deploy.derivations: each rank's
+   per-rank inputs, made in the lane's image where its address does not hold them yet; a failure
+   stops the deploy, nothing switched);
+7. the gate: the preflight audit of the staged release on every host (image, release, models, Engram,
    GPU, memory, fabric, storage, runtime; another GPU workload than the lane's own fails it). If any
    host failed to stage, drifts or cannot be reached, no host is switched (exit 1, or 3);
-7. from here on the journal (builder.deploy.journal) records the old and new release of every host;
+8. from here on the journal (builder.deploy.journal) records the old and new release of every host;
    stop the running release: the head first, then the workers (only the lane's containers);
-8. switch every host (``installer switch``); start the workers, wait until each answers, then the
-   head, and wait for its ``/health`` (``start_timeout``); the serving audit of the fleet;
-9. any failure in 7-8 rolls back: stop what started (head first), switch every host whose release
+9. switch every host (``installer switch``); start the ranks in the lane's order (builder.launch.order),
+   each until it is ready, and wait for the head's health (``start_timeout``); the serving audit;
+10. any failure in 8-9 rolls back: stop what started (head first), switch every host whose release
    moved back to what it ran before, start that in order, wait for it and audit it (against the pins
    and lock it was deployed from, kept by the deploy that put it there). The exit code is 1 and the
    report says, per host, what happened and which side it ends on.
@@ -33,6 +36,7 @@ import time
 
 from builder.deploy import journal as J
 from builder.deploy.deployment import Deployment
+from builder.deploy.derivations import make_all
 from builder.deploy.early import EarlyAudit
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.fleetwork import (
@@ -128,6 +132,12 @@ def run(d: Deployment) -> DeployReport:
     J.snapshot(opts.store, rep.target_lock or "", opts.pins, opts.lock, opts.root, recipe)
     if not stage(d):
         return d.refuse("staging failed; no host was switched", unreachable=rep.unreachable)
+    failed = make_all(w, "staged")
+    if failed:
+        for name, why in failed.items():
+            d.out(name).result, d.out(name).message = "failed", why
+        return d.refuse("making the derivations failed; no host was switched: "
+                        + "; ".join(f"{n}: {why}" for n, why in failed.items()))
     gate = w.audit("preflight", release="staged")
     rep.audit = gate.to_json()
     if gate.exit_code != 0:

@@ -1,12 +1,14 @@
 """`builder start` and `builder stop`: a fleet's installed release, in rank order, under the fleet lock.
 
-Start: the preflight audit first; a fleet partly up is stopped first (a new worker never joins an old
-head); the workers, then the head; wait for the API; the serving audit. Stop: the head first, then the
+Start: the derivations the installed release lacks, then the preflight audit; a fleet partly up is
+stopped first (a new worker never joins an old head); the ranks in the lane's order, each until it is
+ready; wait for the API; the serving audit. Stop: the head first, then the
 workers; only the lane's containers.
 """
 
 from __future__ import annotations
 
+from builder.deploy.derivations import make_all
 from builder.deploy.fleetwork import DeployOptions, Fleetwork, Say, explain, fleet_command, problems
 from builder.deploy.report import DeployReport
 
@@ -40,6 +42,14 @@ def _start(w: Fleetwork, rep: DeployReport) -> None:
         for h in w.hosts:
             rep.host(h.name).result = "unchanged"
     else:
+        failed = make_all(w, "current")
+        if failed:
+            for name, why in failed.items():
+                rep.host(name).result, rep.host(name).message = "failed", why
+            rep.result = "refused"
+            rep.reason = "making the derivations failed; nothing was started: " + "; ".join(
+                f"{n}: {why}" for n, why in failed.items())
+            return
         if not _audit(w, rep, "preflight", "refused", "the preflight audit failed; nothing was started"):
             return
         if any(w.states[h.name].containers for h in w.hosts):

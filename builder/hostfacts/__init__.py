@@ -43,6 +43,7 @@ FILES = source("files")
 FABRIC = source("fabric")
 SERVE = source("serve")
 MEMORY = source("memory")
+DERIVE = source("derive")
 
 # ----------------------------------------------------------------------------- the batch
 

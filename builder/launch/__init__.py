@@ -14,6 +14,8 @@ prints too); in which order ranks start is `builder.launch.order`'s.
   the lane's rule, bounded by ``BUILDER_START_TIMEOUT`` (default: the lane's ``start_timeout``).
 - ``stop.sh``: stops and removes this lane's container for this rank (stop the head first).
 - ``lane.py``: `builder.hostfacts.lane`, the host-side module start.sh asks (readiness, the bundle id).
+- ``derive.json`` and ``derive.py`` (a lane with derivations): this rank's derivations, their folders
+  addressed by their inputs, and `builder.hostfacts.derive`, which makes and checks them on the host.
 
 Each script is the rank's settings (shell variables and bash arrays, rendered here) above a body that
 is the same for every rank: ``start.sh`` and ``stop.sh`` beside this module, real shell files (package
@@ -43,6 +45,7 @@ from builder.launch.rank import (
     host_address,
     rank_command,
 )
+from builder.lockfile import Lock
 from builder.pins import Pins
 
 __all__ = [
@@ -96,11 +99,10 @@ def script_body(name: str) -> str:
 
 
 @cache
-def lane_module() -> bytes:
-    """builder.hostfacts.lane's source: the host-side module start.sh asks."""
-    from builder.hostfacts import lane
-
-    return Path(lane.__file__).read_bytes()
+def module_source(name: str) -> bytes:
+    """A builder.hostfacts module's source (``lane``: what start.sh asks; ``derive``: a rank's
+    derivations), shipped in the bundle as a file."""
+    return (Path(__file__).resolve().parent.parent / "hostfacts" / f"{name}.py").read_bytes()
 
 
 def render_script(name: str, about: str, settings: dict[str, str], arrays: dict[str, list[str]]) -> bytes:
@@ -158,13 +160,23 @@ def stop_lane_command(lane_name: str, rank: int, timeout: int = 30) -> str:
 
 def render_launch(
     pins: Pins, fleet: Fleet, host: Host, lane_name: str, image: dict[str, Any], models: list[dict[str, Any]],
+    lock: Lock | None = None,
 ) -> dict[str, tuple[bytes, str]]:
-    """path -> (bytes, mode) of this rank's launch files; ``image`` names the built image by its ImageID."""
-    cmd = rank_command(pins, fleet, host, lane_name, image["image_id"])
+    """path -> (bytes, mode) of this rank's launch files; ``image`` names the built image by its ImageID
+    (and its input address, which addresses the lane's derivations)."""
+    from builder.launch.derive import derivation_runs, derived_paths, render_plan
+
+    runs = derivation_runs(pins, lock, fleet, host, lane_name, image["image_id"], image.get("input_address"))
+    cmd = rank_command(pins, fleet, host, lane_name, image["image_id"], derived_paths(runs))
+    extra: dict[str, tuple[bytes, str]] = {}
+    if runs:
+        extra = {"derive.json": (pretty_json(render_plan(runs, host.rank, len(fleet.hosts))), MODE_FILE),
+                 "derive.py": (module_source("derive"), MODE_FILE)}
     return {
+        **extra,
         "rank.env": (render_env_file(cmd.env), MODE_FILE),
         "config.json": (render_config(fleet, host, lane_name, pins, cmd, image, models), MODE_FILE),
         "start.sh": (render_start(pins, fleet, host, lane_name, cmd), MODE_EXEC),
         "stop.sh": (render_stop(host, lane_name), MODE_EXEC),
-        "lane.py": (lane_module(), MODE_FILE),
+        "lane.py": (module_source("lane"), MODE_FILE),
     }

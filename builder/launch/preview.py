@@ -16,6 +16,7 @@ from typing import Any
 from builder.errors import ConfigError
 from builder.hosts import Fleet, Host, find_fleet, find_host
 from builder.imagerecord import read_record, tag_for
+from builder.launch.derive import derivation_runs, derived_paths
 from builder.launch.order import start_order
 from builder.launch.rank import rank_command
 from builder.lockfile import Lock, load_lock
@@ -89,8 +90,10 @@ def launch(opts: LaunchOptions) -> dict[str, Any]:
                     unresolved.append(f"{kind}.{n}: not in the lock")
     out_hosts = []
     for h in hosts:
-        cmd = rank_command(pins, fleet, h, lane_name, image["ref"])
-        out_hosts.append({"host": h.name, "rank": h.rank, "role": h.role, **cmd.to_json()})
+        runs = derivation_runs(pins, lock, fleet, h, lane_name, image["ref"], image.get("input_address"))
+        cmd = rank_command(pins, fleet, h, lane_name, image["ref"], derived_paths(runs))
+        out_hosts.append({"host": h.name, "rank": h.rank, "role": h.role, **cmd.to_json(),
+                          "derivations": [r.to_json() for r in runs]})
     shown = {h.name for h in hosts}
     return {
         "fleet": fleet.fleet.name,

@@ -145,10 +145,11 @@ class RankCommand:
 
 
 def rank_command(
-    pins: Pins, fleet: Fleet, host: Host, lane_name: str, image: str
+    pins: Pins, fleet: Fleet, host: Host, lane_name: str, image: str, derived: dict[str, str] | None = None
 ) -> RankCommand:
     """This rank's ``docker run``, from the lane, inventory and placement; ``image`` is the ImageID
-    (or, before a build, the image's tag by its input address)."""
+    (or, before a build, the image's tag by its input address); ``derived``: each derivation's folder
+    on this host (builder.launch.derive), for the ``derived:NAME`` mounts."""
     lane = pins.lanes[lane_name]
     where = f"lanes.{lane_name}"
     run = merged_run(lane, host)
@@ -178,7 +179,11 @@ def rank_command(
         if m.target in targets:
             raise ConfigError(f"{where}: rank {host.rank} mounts two things at {m.target}")
         targets.add(m.target)
-        mounts.append((mount_path(pins, lane_name, host, m), m.target, m.writable, m.kind))
+        if m.kind == "derived":
+            src = (derived or {}).get(m.name) or f"{host.paths.bundles.rstrip('/')}/derived/{m.name}-(unlocked)"
+        else:
+            src = mount_path(pins, lane_name, host, m)
+        mounts.append((src, m.target, m.writable, m.kind))
     opts = container_options(lane, host)
     ready = ready_spec(run.ready, subs, f"{where}: rank {host.rank}.ready")
     name = container_name(lane_name, host.rank)

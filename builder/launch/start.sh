@@ -37,5 +37,5 @@ if docker container inspect "$NAME" >/dev/null 2>&1; then
 fi
 "${RUN[@]//"$BUNDLE_ID_TOKEN"/$bundle_id}" >/dev/null || die "docker run failed"
 echo "start.sh: started $NAME (bundle ${bundle_id:0:16}, rank $RANK of $WORLD_SIZE); waiting until it is ready" >&2
-python3 "$here/lane.py" wait "$NAME" "$READY" "$TIMEOUT" || die "rank $RANK is not ready"
+why=$(python3 "$here/lane.py" wait "$NAME" "$READY" "$TIMEOUT" 2>&1) || die "rank $RANK is not ready: $why"
 echo "start.sh: $NAME is ready" >&2

@@ -1,28 +1,37 @@
-"""`builder fetch`: the locked model files into the model store, each verified, each byte fetched once.
+"""`builder fetch`: the locked files hosts get into the model store, each verified, each byte fetched once.
+
+What hosts get (builder.placement): the lanes' model files, and their runtime inputs, each file of a
+kit (``[kits]``) and each plain file a lane mounts (``[files]``), all by sha256 in one store.
 
 For every selected locked file: an object already in the store with the locked size is kept (its
-view linked); else a local copy (the pin's `local` folder, or the Hugging Face cache) is imported
-after hashing (a hard link on the same file system); else, unless offline, the file is downloaded
-from the Hub at the locked commit (`HF_ENDPOINT`, `HF_TOKEN`), hashed while it arrives. A download
-that is cut resumes from its partial file with an HTTP Range request (the partial bytes are hashed
-again first, so no byte is trusted unread); a file whose bytes are not the locked ones is removed
-and named. The token is sent only as the Authorization header and never printed.
+view linked); else a local copy (a model's `local` folder or the Hugging Face cache, a kit's `local`
+folder, a plain file's project path or ``file://`` URL) is imported after hashing (a hard link on the
+same file system); else a kit's file is written from its git source's tree at the locked commit (the
+mirror `builder lock` keeps; offline too); else, unless offline, a model file is downloaded from the
+Hub at the locked commit (`HF_ENDPOINT`, `HF_TOKEN`) and a plain file from its URL, hashed while it
+arrives. A Hub download that is cut resumes from its partial file with an HTTP Range request (the
+partial bytes are hashed again first, so no byte is trusted unread); a file whose bytes are not the
+locked ones is removed and named. The token is sent only as the Authorization header and never printed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from builder import fetch as plain
+from builder import kits
 from builder.errors import BuilderError, ConfigError, ResolveError, VerifyError
 from builder.lockfile import Lock
 from builder.models.store import ModelStore, Wanted
 from builder.pins import Pins
+from builder.placement import PlacedFile, file_name
 
 CHUNK = 4 * 1024 * 1024
 TIMEOUT = 60.0
@@ -55,31 +64,77 @@ class FetchReport:
         }
 
 
+def wanted_for(lock: Lock, f: PlacedFile) -> Wanted:
+    """The store's entry for a placed file (builder.placement): a model's, a kit's or a plain file's."""
+    if f.role == "kit":
+        return Wanted(model=f.model, commit=lock.kits[f.model].version, path=f.file, size=f.size,
+                      sha256=f.sha256, kind="kits")
+    if f.role == "file":
+        return Wanted(model=f.model, commit=f.sha256, path=f.file, size=f.size, sha256=f.sha256, kind="files")
+    return Wanted(model=f.model, commit=lock.models[f.model].commit, path=f.file, size=f.size, sha256=f.sha256)
+
+
+def _kit_files(lock: Lock, name: str) -> list[Wanted]:
+    lk = lock.kits.get(name)
+    if lk is None:
+        raise ConfigError(f"kits.{name}: not in the lock (run `builder lock {name}`)")
+    return [Wanted(model=name, commit=lk.version, path=f.path, size=f.size, sha256=f.sha256, kind="kits")
+            for f in [lk.manifest, *lk.files]]
+
+
+def _plain_file(pins: Pins, lock: Lock, name: str) -> list[Wanted]:
+    lf = lock.files.get(name)
+    if lf is None or lf.size is None:
+        raise ConfigError(f"files.{name}: not in the lock (run `builder lock {name}`)")
+    return [Wanted(model=name, commit=lf.sha256, path=file_name(pins.files[name].url), size=lf.size,
+                   sha256=lf.sha256, kind="files")]
+
+
 def select(pins: Pins, lock: Lock, names: list[str]) -> list[Wanted]:
-    """The locked files of the named lanes or models (none named: every locked model of every lane)."""
-    models: list[str] = []
+    """The locked files of the named lanes (their models and runtime inputs), models, kits or plain
+    files (none named: those of every locked lane)."""
+    chosen: dict[str, list[str]] = {"models": [], "kits": [], "files": []}
     if not names:
         names = sorted(n for n in pins.lanes if n in lock.lanes)
     for n in names:
         if n in pins.lanes:
-            models += pins.lanes[n].models
+            chosen["models"] += pins.lanes[n].models
+            for i in pins.lanes[n].inputs():
+                chosen["kits" if i in pins.kits else "files"].append(i)
         elif n in pins.models:
-            models.append(n)
+            chosen["models"].append(n)
+        elif n in pins.kits:
+            chosen["kits"].append(n)
+        elif n in pins.files:
+            chosen["files"].append(n)
         else:
-            raise ConfigError(f"fetch: {n!r} is neither a lane nor a model of the pins")
+            raise ConfigError(f"fetch: {n!r} is not a lane, model, kit or file of the pins")
     out: list[Wanted] = []
-    for m in dict.fromkeys(models):
+    for m in dict.fromkeys(chosen["models"]):
         lm = lock.models.get(m)
         if lm is None:
             raise ConfigError(f"models.{m}: not in the lock (run `builder lock {m}`)")
         out += [Wanted(model=m, commit=lm.commit, path=f.path, size=f.size, sha256=f.sha256) for f in lm.files]
+    for k in dict.fromkeys(chosen["kits"]):
+        out += _kit_files(lock, k)
+    for n in dict.fromkeys(chosen["files"]):
+        out += _plain_file(pins, lock, n)
     return out
 
 
 def local_copy(pins: Pins, root: Path, w: Wanted) -> Path | None:
-    """A local file said to be this one (the pin's `local` folder, or the HF cache), if any."""
+    """A local file said to be this one (a model's `local` folder or the HF cache, a kit's `local`
+    folder, a plain file's project path or file:// URL), if any."""
     from builder.hf import repo_folder_name
 
+    if w.kind == "kits":
+        return kits.local_file(pins.kits[w.model], root, w.path)
+    if w.kind == "files":
+        url = pins.files[w.model].url
+        if plain.is_remote(url):
+            return None
+        p = plain.local_path(url, root, where=f"files.{w.model}.url")
+        return p if p.is_file() else None
     spec = pins.models[w.model]
     cands: list[Path] = []
     if spec.local:
@@ -93,19 +148,49 @@ def local_copy(pins: Pins, root: Path, w: Wanted) -> Path | None:
     return next((c for c in cands if c.is_file()), None)
 
 
-def in_store(pins: Pins, root: Path, store: ModelStore, w: Wanted) -> Path:
+def from_tree(pins: Pins, lock: Lock, root: Path, store: ModelStore, w: Wanted, *, offline: bool) -> bool:
+    """A file of a kit from a git source: written from the source's tree at the kit's locked commit
+    into the store (verified). False for any other file (it has no tree)."""
+    spec = pins.kits.get(w.model) if w.kind == "kits" else None
+    if spec is None or spec.source is None:
+        return False
+    lk = lock.kits.get(w.model)
+    if lk is None or lk.commit is None:
+        raise ConfigError(f"{w.where}: the lock has no commit for this kit (run `builder lock {w.model}`)")
+    tmp = store.root / "tmp" / f"{w.sha256}.{os.getpid()}.{secrets.token_hex(4)}"
+    digest, size = kits.export_file(w.model, spec, pins.sources[spec.source], lk.commit, w.path, tmp, root=root,
+                                    cache=store.root.parent / "git", offline=offline)
+    store.commit_object(tmp, w, digest, size)
+    return True
+
+
+def in_store(pins: Pins, root: Path, store: ModelStore, w: Wanted, lock: Lock | None = None) -> Path:
     """The store's object for a locked file, importing a local copy first when the store lacks it
-    (what `builder fetch --offline` would do for it); its bytes checked (ModelStore.checked).
-    ConfigError naming the model and file when neither the store nor a local copy has it."""
+    (what `builder fetch --offline` would do for it: a kit's file from its git mirror too, given the
+    lock); its bytes checked (ModelStore.checked). ConfigError naming the file when neither the
+    store nor a local copy has it."""
     if not store.has(w):
         src = local_copy(pins, root, w)
-        if src is None:
+        if src is not None:
+            store.import_file(src, w)
+        elif lock is None or not from_tree(pins, lock, root, store, w, offline=True):
             raise ConfigError(
                 f"{w.where}: not in the model store ({store.root}) and no local copy; run "
                 f"`builder fetch {w.model}`, or bundle without --with-models"
             )
-        store.import_file(src, w)
     return store.checked(w)
+
+
+def download_url(store: ModelStore, url: str, root: Path, w: Wanted) -> None:
+    """A plain file from its URL into the store, verified as it arrives (builder.fetch.download)."""
+    tmp = store.root / "tmp" / f"{w.sha256}.{os.getpid()}.{secrets.token_hex(4)}"
+    try:
+        n = plain.download(url, tmp, w.sha256, root=root, size=w.size)
+    except VerifyError as e:
+        raise VerifyError(f"{w.where}: {e}") from None
+    except ResolveError as e:
+        raise ResolveError(f"{w.where}: {e}") from None
+    store.commit_object(tmp, w, w.sha256, n)
 
 
 def download(store: ModelStore, repo: str, w: Wanted, on_bytes: OnBytes | None = None) -> None:
@@ -198,9 +283,21 @@ def fetch(
                 report.imported.append(w)
                 if on_bytes:
                     on_bytes(w, w.size)
+            elif from_tree(pins, lock, root, store, w, offline=offline):
+                report.imported.append(w)
+                if on_bytes:
+                    on_bytes(w, w.size)
+            elif w.kind == "kits":  # a local kit's folder is the only place its files come from
+                report.failed.append((w, f"{w.where}: not in the store, and not in the kit's folder "
+                                         f"{kits.folder(pins.kits[w.model], root)}"))
             elif offline:
                 report.missing.append(w)
                 return
+            elif w.kind == "files":
+                download_url(store, pins.files[w.model].url, root, w)
+                report.downloaded.append(w)
+                if on_bytes:
+                    on_bytes(w, w.size)
             else:
                 download(store, pins.models[w.model].repo, w, on_bytes)
                 report.downloaded.append(w)

@@ -1,8 +1,13 @@
 """The model store: one verified copy of each model file, by sha256, and a view per model and revision.
 
+It holds every file a host gets by the placement rule: model files, and the lane's runtime inputs
+(a kit's files, a plain file of ``[files]``), each by its sha256 as a model file is.
+
     <store>/models/objects/<sha256>                 the bytes, read-only; written only once verified
     <store>/models/views/<model>/<commit>/<path>    hard links to the objects (what bundles and
                                                     launch files read)
+    <store>/models/views/<kind>/<name>/<version>/<path>   the same for a kit (version: its MANIFEST's
+                                                    sha256) or a plain file (version: its sha256)
     <store>/models/partial/<sha256>.part            a download in progress (never taken as whole)
     <store>/models/tmp/                             imports being verified before their rename
     <store>/models/stamps/<sha256>.json             size, mtime (ns) and inode of the object when it
@@ -45,17 +50,20 @@ FICLONE = 0x40049409
 
 @dataclass(frozen=True)
 class Wanted:
-    """One locked model file: which model and revision it belongs to, and what its bytes must be."""
+    """One locked file a host gets: which model (or kit, or plain file: ``kind``) and revision it
+    belongs to, and what its bytes must be. ``commit`` names the revision: a model's commit, a kit's
+    version (builder.lockfile.LockedKit.version), a plain file's sha256."""
 
     model: str
     commit: str
     path: str
     size: int
     sha256: str
+    kind: str = "models"  # "models", "kits" or "files": the pins' section
 
     @property
     def where(self) -> str:
-        return f"models.{self.model}: {self.path}"
+        return f"{self.kind}.{self.model}: {self.path}"
 
 
 class ModelStore:
@@ -70,11 +78,12 @@ class ModelStore:
     def partial_path(self, sha256: str) -> Path:
         return self.root / "partial" / f"{sha256}.part"
 
-    def view_dir(self, model: str, commit: str) -> Path:
-        return self.root / "views" / model / commit
+    def view_dir(self, model: str, commit: str, kind: str = "models") -> Path:
+        base = self.root / "views" if kind == "models" else self.root / "views" / kind
+        return base / model / commit
 
     def view_path(self, w: Wanted) -> Path:
-        return self.view_dir(w.model, w.commit) / w.path
+        return self.view_dir(w.model, w.commit, w.kind) / w.path
 
     def _ensure(self) -> None:
         for d in ("objects", "partial", "tmp", "views", "stamps"):

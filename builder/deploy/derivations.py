@@ -1,0 +1,39 @@
+"""A fleet's derivations: each host makes its rank's (builder.hostfacts.derive, from the release's
+derive.py and derive.json) at once, for the ``staged`` release in a deploy (before any switch, so a
+failure changes nothing) or the ``current`` one (`builder derive`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from builder.deploy.fleetwork import each, explain
+
+if TYPE_CHECKING:
+    from builder.deploy.fleetwork import Fleetwork
+    from builder.hosts import Host
+
+#: the most seconds a rank's derivations may take (seed 000's rank cache: about 6 minutes on a Spark)
+DERIVE_TIMEOUT = 3600.0
+
+
+def make_all(w: Fleetwork, release: str) -> dict[str, str]:
+    """Make every host's derivations of `release`; host -> why it failed (empty: all made or held)."""
+
+    def one(h: Host) -> Any:
+        w.say(f"{h.name}: derivations of rank {h.rank}: making what its address does not hold yet")
+        return w.op(h).derive(release, DERIVE_TIMEOUT)
+
+    failed: dict[str, str] = {}
+    for h, out, err in each(w.hosts, one, w.limit()):
+        if err is not None:
+            failed[h.name] = explain(err)
+        elif out is None:
+            continue
+        else:
+            for d in out.get("derivations") or []:
+                if d.get("result") == "failed":
+                    failed[h.name] = f"derivation {d.get('name')}: {d.get('why')}"
+                else:
+                    secs = f" in {d['seconds']:g} s" if "seconds" in d else ""
+                    w.say(f"{h.name}: derivation {d.get('name')}: {d.get('result')} ({d.get('files')} file(s)){secs}")
+    return failed

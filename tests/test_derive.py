@@ -1,0 +1,182 @@
+"""Derivations: the address (builder.launch.derive) and the host side that makes and checks them
+(builder.hostfacts.derive), run as the bundle's derive.py is, on real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from builder.hosts import Fleet
+from builder.launch.derive import derivation_runs
+from builder.loader import validate
+from builder.lockfile import Lock
+from builder.pins import Pins
+
+DERIVE = Path(__file__).resolve().parents[1] / "builder" / "hostfacts" / "derive.py"
+
+
+def plan(tmp_path: Path, script: str, rank: int = 1, world: int = 2, address: str = "a" * 64) -> Path:
+    """A derive.json whose one derivation runs `sh -c script` with {out} as $1."""
+    p = tmp_path / "derive.json"
+    p.write_text(json.dumps({"format": 1, "rank": rank, "world_size": world, "derivations": [{
+        "name": "cache", "address": address, "path": str(tmp_path / "derived" / f"cache-{address[:16]}"),
+        "output": "/cache", "argv": ["sh", "-c", script, "sh", "{out}"]}]}))
+    return p
+
+
+def derive(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(DERIVE), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def folder(p: Path) -> Path:
+    return Path(json.loads(p.read_text())["derivations"][0]["path"])
+
+
+def test_made_once_then_held(tmp_path: Path) -> None:
+    count = tmp_path / "runs"
+    p = plan(tmp_path, f'echo run >> {count}; mkdir -p "$1/rank-cache"; printf abc > "$1/rank-cache/rank1of2-x.bin"; '
+                       'printf map > "$1/token_map.json"')
+    r = derive("make", str(p))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["derivations"][0]["result"] == "made" and out["derivations"][0]["files"] == 2
+    assert "made 2 file(s)" in r.stderr
+    rec = json.loads((folder(p) / ".builder-derived.json").read_text())
+    assert rec["address"] == "a" * 64 and [f["path"] for f in rec["files"]] == ["rank-cache/rank1of2-x.bin",
+                                                                              "token_map.json"]
+    assert rec["files"][0]["sha256"] == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    r = derive("make", str(p))
+    assert json.loads(r.stdout)["derivations"][0]["result"] == "held"
+    assert count.read_text().count("run") == 1  # not made again while the address holds
+    assert derive("check", str(p), "full").returncode == 0
+
+
+def test_a_failure_leaves_nothing(tmp_path: Path) -> None:
+    p = plan(tmp_path, 'printf half > "$1/partial.bin"; echo "set TF_DS_KIT" >&2; exit 3')
+    r = derive("make", str(p))
+    assert r.returncode == 1
+    res = json.loads(r.stdout)["derivations"][0]
+    assert res["result"] == "failed" and "exit 3" in res["why"] and "set TF_DS_KIT" in res["why"]
+    assert not folder(p).exists() and list((tmp_path / "derived").iterdir()) == []
+
+
+def test_killed_half_way_leaves_nothing_under_its_address_and_is_made_again(tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    p = plan(tmp_path, f'printf x > "$1/rank1of2-a.bin"; touch {started}; sleep 60')
+    proc = subprocess.Popen([sys.executable, str(DERIVE), "make", str(p)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not started.exists():
+        assert time.monotonic() < deadline, "the derivation never started"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not folder(p).exists()
+    assert [x.name for x in (tmp_path / "derived").iterdir()][0].startswith(folder(p).name + ".tmp-")
+    p2 = plan(tmp_path, 'printf y > "$1/rank1of2-a.bin"')
+    r = derive("make", str(p2))
+    assert r.returncode == 0 and json.loads(r.stdout)["derivations"][0]["result"] == "made"
+    assert [x.name for x in (tmp_path / "derived").iterdir()] == [folder(p).name]  # the leftover is gone
+    assert (folder(p) / "rank1of2-a.bin").read_text() == "y"
+
+
+def check(p: Path, mode: str = "fast") -> list[str]:
+    r = subprocess.run([sys.executable, "-c", DERIVE.read_text(), json.dumps({"plan": json.loads(p.read_text()),
+                                                                              "mode": mode})],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return list(json.loads(r.stdout)["cache"])
+
+
+def test_drift_is_named(tmp_path: Path) -> None:
+    p = plan(tmp_path, 'printf abcdef > "$1/rank1of2-a.bin"; printf m > "$1/map.json"')
+    assert derive("make", str(p)).returncode == 0
+    f = folder(p)
+    assert check(p) == [] and check(p, "full") == []
+    (f / "rank1of2-a.bin").write_bytes(b"abc")  # truncated
+    assert check(p) == [f"{f}/rank1of2-a.bin: expected 6 bytes, found 3"]
+    (f / "rank1of2-a.bin").write_bytes(b"abcdeX")  # same size, other bytes: only full mode sees it
+    assert check(p) == [] and check(p, "full") == [f"{f}/rank1of2-a.bin: content differs from the record (sha256)"]
+    (f / "rank1of2-a.bin").write_bytes(b"abcdef")
+    (f / "rank0of2-a.bin").write_bytes(b"abcdef")  # another rank's file
+    (f / "extra.txt").write_bytes(b"x")
+    (f / "map.json").unlink()
+    assert check(p) == [f"{f}/extra.txt: not in the derivation's record",
+                        f"{f}/rank0of2-a.bin: another rank's file (this host is rank 1 of 2)",
+                        f"{f}/map.json: missing"]
+    other = plan(tmp_path, "true", address="b" * 64)
+    assert check(other) == [f"{folder(other)}: not made (no .builder-derived.json; run `builder derive` or deploy)"]
+
+
+def _pins_fleet(command: list[str]) -> tuple[Pins, Fleet, Lock]:
+    pins = validate(Pins, {"format": 1, "images": {"tiny": {"recipe": "images/tiny"}},
+                           "models": {"m": {"repo": "o/m", "revision": "main"}},
+                           "lanes": {"l": {"image": "tiny", "models": ["m"], "serve": {
+                               "tensor_parallel": 2, "context": 1, "streams": 1, "port": 8000, "served_name": "m"},
+                               "mounts": [{"source": "derived:cache", "target": "/cache"}],
+                               "derivations": {"cache": {"command": command, "output": "/cache", "mounts": [
+                                   {"source": "model:m", "target": "/model"}]}}}}}, "t")
+    fleet = validate(Fleet, {"fleet": {"name": "f", "lane": "l"}, "hosts": [
+        {"name": f"s{r}", "ssh": f"s{r}", "rank": r, "role": "head" if r == 0 else "worker",
+         "address": f"192.0.2.{r + 1}"} for r in range(2)]}, "t")
+    from builder.lockfile import spec_hash
+
+    def files(sha: str) -> list[dict[str, Any]]:
+        return [{"path": "config.json", "size": 2, "sha256": sha * 64},
+                {"path": "w-r0of2.bin", "size": 1, "sha256": "1" * 64},
+                {"path": "w-r1of2.bin", "size": 1, "sha256": "2" * 64}]
+
+    lock = validate(Lock, {
+        "format": 1, "builder": "t", "inputs_hash": "0" * 64, "inputs": {},
+        "models": {"m": {"spec_hash": spec_hash(pins.models["m"]), "repo": "o/m", "revision": "main",
+                         "commit": "c" * 40, "source": "local", "files": files("3"), "total_size": 4}},
+        "images": {}, "lanes": {}}, "t")
+    return pins, fleet, lock
+
+
+def test_the_address_follows_the_inputs_the_rank_and_the_command() -> None:
+    pins, fleet, lock = _pins_fleet(["/engine/make", "/model", "{rank}"])
+    r0, r1 = (derivation_runs(pins, lock, fleet, fleet.host(f"s{r}"), "l", "IMG", "f" * 64)[0] for r in (0, 1))
+    assert r0.address and r1.address and r0.address != r1.address
+    assert r0.path == f"/var/lib/builder/derived/cache-{r0.address[:16]}"
+    assert r0.argv[-5:] == ["--entrypoint", "/engine/make", "IMG", "/model", "0"]
+    assert r0.argv[r0.argv.index("/srv/models/m:/model:ro") - 1] == "-v"
+    assert r0.argv[r0.argv.index("{out}:/cache") - 1] == "-v" and "--network" in r0.argv
+    again = derivation_runs(pins, lock, fleet, fleet.host("s0"), "l", "IMG", "f" * 64)[0]
+    assert again.address == r0.address  # the same inputs: the same folder
+    other_image = derivation_runs(pins, lock, fleet, fleet.host("s0"), "l", "IMG", "e" * 64)[0]
+    assert other_image.address != r0.address
+    p2, _, _ = _pins_fleet(["/engine/make", "/model", "{rank}", "--more"])
+    assert derivation_runs(p2, lock, fleet, fleet.host("s0"), "l", "IMG", "f" * 64)[0].address != r0.address
+    unlocked = derivation_runs(pins, None, fleet, fleet.host("s0"), "l", "IMG", None)[0]
+    assert unlocked.address is None and unlocked.path.endswith("cache-(unlocked)")
+
+
+@pytest.mark.parametrize("bad", [{"output": "relative"}, {"mounts": [{"source": "state:x", "target": "/x"}]}])
+def test_bad_derivations_are_refused(bad: dict[str, Any]) -> None:
+    from builder.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        validate(Pins, {"format": 1, "images": {"tiny": {"recipe": "images/tiny"}}, "lanes": {"l": {
+            "image": "tiny", "serve": {"tensor_parallel": 1, "context": 1, "streams": 1, "port": 1,
+                                       "served_name": "m"},
+            "derivations": {"d": {"command": ["x"], "output": "/o", **bad}}}}}, "t")
+
+
+def test_a_drifted_folder_is_made_again(tmp_path: Path) -> None:
+    count = tmp_path / "runs"
+    p = plan(tmp_path, f'echo run >> {count}; printf abcdef > "$1/rank1of2-a.bin"')
+    assert derive("make", str(p)).returncode == 0
+    (folder(p) / "rank1of2-a.bin").write_bytes(b"abc")
+    r = derive("make", str(p))
+    assert r.returncode == 0 and json.loads(r.stdout)["derivations"][0]["result"] == "made"
+    assert "expected 6 bytes, found 3: making it again" in r.stderr
+    assert (folder(p) / "rank1of2-a.bin").read_bytes() == b"abcdef" and count.read_text().count("run") == 2
