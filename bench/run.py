@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, str] = {
     "fetch": "bench.fetch",  # (h) builder fetch (verified) vs hf download from the fake Hub
     "ship": "bench.ship",  # (i) fleet bundles linked from the store, ship vs scp -r, installer, progress
     "registry": "bench.registry",  # (j) top-layer update: registry and thin bundle vs archive; push vs docker push
+    "derive": "bench.derive",  # (k) a held derivation vs its check; bytes read when held and when made
 }
 
 
