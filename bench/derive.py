@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.common import MiB, Config, Row, judge, median_interleaved, secs
+from bench.common import Config, MiB, Row, judge, median_interleaved, secs
 
 NAME = "derive"
 
