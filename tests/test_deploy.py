@@ -545,8 +545,8 @@ def test_a_head_first_lane_starts_rank_0_first_and_waits_for_its_readiness(j: Jo
     up = [ln.split(":")[0] for ln in p.stderr.splitlines() if re.match(r"^spark-\S+: rank \d+ is up", ln)]
     assert up == [head.name, worker.name], p.stderr
     fmt = "{{.State.StartedAt}}"
-    started = {h.name: j.fleet.exec(h, f"docker inspect -f '{fmt}' builder-demo-r{h.rank}").stdout.strip()
-               for h in j.fleet.hosts}
+    started = {h.name: j.fleet.exec(h, f"docker inspect -f '{fmt}' builder-demo-r{rank}").stdout.strip()
+               for rank, h in enumerate(j.fleet.hosts)}
     assert started[head.name] < started[worker.name], started  # (RFC 3339 in UTC: ordered as text)
     out = j.builder("launch", "--fleet", j.name, "--json")
     assert json.loads(out.stdout)["start_order"] == [head.name, worker.name]
