@@ -89,14 +89,19 @@ def make_one(d: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     for stale in os.listdir(parent):  # what a killed run left: never under the address itself
         if stale.startswith(base + ".tmp-"):
             shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-    if os.path.lexists(path):  # a folder without its record is not a derivation: made again
-        shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):  # a folder without its record, or one that drifted: made again
+        try:
+            shutil.rmtree(path)
+        except OSError as e:
+            return {"name": d["name"], "result": "failed", "why": f"cannot remove {path} to make it again: {e}"}
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(tmp)
     if "--name" in d["argv"]:  # a killed run's container, still there under the same name
         name = d["argv"][d["argv"].index("--name") + 1]
         subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=120)
     argv = [a.replace("{out}", tmp) for a in d["argv"]]
+    if argv[:2] == ["docker", "run"]:  # its files are the host user's, as if the command ran here
+        argv[2:2] = ["--user", f"{os.getuid()}:{os.getgid()}"]
     sys.stderr.write(f"derive: {d['name']}: making {base} (rank {rank} of {world})\n")
     sys.stderr.flush()
     try:

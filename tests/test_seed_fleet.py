@@ -1,0 +1,242 @@
+"""Every shipped seed lane runs the journey and deploy on the test fleet, with the simulator engine.
+
+Two substitutions only, made in the test project's copy of pins.toml (`substitute`):
+- the lane's image is built from `images/sim` (the simulator engine: the seed engines' command lines,
+  required variables, refusals and rendezvous direction) instead of its GB10 recipe;
+- its models (and kit, and runtime files whose bytes nobody has published) are small snapshots with
+  the same file names, in local folders instead of the Hub.
+Everything else is the shipped lane: what each rank runs, its env, mounts, start order, readiness and
+derivations. The vLLM lane runs on 2 hosts (tensor_parallel = 2) to keep the fleet small.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import re
+import sys
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fleetlib  # noqa: E402
+from journeylib import Journey, failing, journey  # noqa: E402
+
+pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build, pytest.mark.slow]
+
+# lane -> (hosts, image name in pins, serve keys to change for the test fleet)
+LANES: dict[str, tuple[int, str, dict[str, Any]]] = {
+    "tensorfold-tp4": (4, "tensorfold", {}),
+    "tensorfold-tp2": (2, "tensorfold-tp2", {}),
+    "vllm-native": (2, "vllm", {"tensor_parallel": 2}),
+    "tensorfold-python-tp2": (2, "tensorfold-python", {}),
+}
+SIM_IMAGE = """recipe = "images/sim"
+sources = ["sim-engine"]
+toolchains = ["zig-wheel"]
+platform = "linux/amd64"
+build_args = { ZIG_TARGET = "x86_64-linux-musl" }
+"""
+
+
+def replace_table(text: str, header: str, body: str) -> str:
+    """`[header]` and its keys replaced by `body` (the table must exist)."""
+    lines = text.split("\n")
+    start = lines.index(f"[{header}]")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("[")), len(lines))
+    return "\n".join([*lines[: start + 1], body.rstrip("\n"), "", *lines[end:]])
+
+
+def snapshot(folder: Path, names: list[str], seed: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        (folder / n).parent.mkdir(parents=True, exist_ok=True)
+        data = hashlib.sha256(f"{seed}/{n}".encode()).digest() * 64
+        if n.endswith(".json"):
+            data = json.dumps({"name": n, "seed": seed}).encode() + b"\n"
+        (folder / n).write_bytes(data)
+
+
+def model_files(include: list[str]) -> list[str]:
+    """Small stand-ins with the same names as the real repo's (the pins' include globs)."""
+    names = ["config.json", "tokenizer.json", "model.safetensors.index.json", "tokenizer_config.json",
+             "model-00001-of-00048.safetensors", "model-00047-of-00048.safetensors",
+             "model-00048-of-00048.safetensors"]
+    if not include:
+        return ["config.json", "tokenizer.json", "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors"]
+    return [n for n in names if any(fnmatch.fnmatch(n, g) for g in include)]
+
+
+def substitute(root: Path, lane: str, image: str, work: Path) -> None:
+    """The two substitutions (see the module), in the copy's pins.toml."""
+    path = root / "pins.toml"
+    text = path.read_text()
+    pins = tomllib.loads(text)
+    spec = pins["lanes"][lane]
+    text = replace_table(text, f"images.{image}", SIM_IMAGE)
+    for m in spec["models"]:
+        model = pins["models"][m]
+        folder = work / "snapshots" / m
+        snapshot(folder, model_files(model.get("include", [])), m)
+        body = (f'repo = "{model["repo"]}"\nrevision = "{hashlib.sha1(m.encode()).hexdigest()}"\n'
+                f'local = "{folder}"\n' + (f'role = "{model["role"]}"\n' if "role" in model else "")
+                + (f"include = {json.dumps(model['include'])}\n" if "include" in model else ""))
+        text = replace_table(text, f"models.{m}", body)
+    mounted = [m["source"].split(":", 1)[1] for m in
+               [*spec.get("mounts", []), *(x for r in spec.get("roles", {}).values() for x in r.get("mounts", []))]
+               if m["source"].startswith("input:")]
+    for name in mounted:
+        if name in pins.get("kits", {}):
+            folder = work / "kits" / name
+            files = ["aot/aot.json", "cubins/experts.cubin", "engram.json", "vision/gate_bias_vl.safetensors"]
+            snapshot(folder, files, name)
+            lines = [f"{hashlib.sha256((folder / f).read_bytes()).hexdigest()} {(folder / f).stat().st_size} git - {f}"
+                     for f in files]
+            (folder / "MANIFEST").write_text("# simulator kit\n" + "\n".join(lines) + "\n")
+            text = replace_table(text, f"kits.{name}", f'local = "{folder}"\nmanifest = "MANIFEST"\n')
+        elif pins["files"][name]["sha256"] == "UNKNOWN":
+            f = work / "files" / name / Path(pins["files"][name]["url"]).name
+            if f.name == "UNKNOWN":
+                f = f.with_name("chat_template.jinja")
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(f"# stand-in for {name}\n")
+            text = replace_table(text, f"files.{name}",
+                                 f'url = "{f.as_uri()}"\nsha256 = "{hashlib.sha256(f.read_bytes()).hexdigest()}"\n')
+    path.write_text(text)
+
+
+def set_serve_keys(root: Path, lane: str, values: dict[str, Any]) -> None:
+    path = root / "pins.toml"
+    lines = path.read_text().split("\n")
+    start = lines.index(f"[lanes.{lane}.serve]") + 1
+    for k, v in values.items():
+        i = next(i for i in range(start, len(lines)) if lines[i].split("=", 1)[0].strip() == k)
+        lines[i] = f"{k} = {json.dumps(v)}"
+    path.write_text("\n".join(lines))
+
+
+def head_args(root: Path, lane: str, extra: list[str]) -> None:
+    """Append arguments to the head's args (a flag the engine refuses: a start that fails)."""
+    path = root / "pins.toml"
+    lines = path.read_text().split("\n")
+    start = lines.index(f"[lanes.{lane}.roles.head]") + 1
+    i = next(i for i in range(start, len(lines)) if lines[i].startswith("args = "))
+    args = json.loads(lines[i].split("=", 1)[1])
+    lines[i] = f"args = {json.dumps([*args, *extra])}"
+    path.write_text("\n".join(lines))
+
+
+@pytest.fixture(scope="module", params=list(LANES))
+def seed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Journey]:
+    """A test fleet of the lane's size with nothing installed; the lane locked, fetched and built."""
+    lane = request.param
+    n, image, serve = LANES[lane]
+    if not fleetlib.docker_available():
+        pytest.fail("Docker Engine not reachable: the seed-lane fleet tests need it")
+    work = tmp_path_factory.mktemp(lane)
+
+    def prepare_pins(root: Path) -> None:
+        substitute(root, lane, image, work)
+        if serve:
+            set_serve_keys(root, lane, serve)
+
+    with journey(work, n, lane=lane, name="seed", bundle=False, image=image, before_lock=prepare_pins) as j:
+        yield j
+
+
+def _deploy(j: Journey) -> tuple[int, dict[str, Any]]:
+    return j.deploy("--key", str(j.keys / "builder.key"), "--with-image", "--with-models", "--stop-timeout", "2",
+                    "--start-timeout", "60", "--connect-timeout", "5")
+
+
+def test_first_deploy_in_the_lanes_order_then_audits_pass(seed: Journey) -> None:
+    j = seed
+    launch = json.loads(j.builder("launch", "--fleet", j.name, "--json").stdout)
+    rc, rep = _deploy(j)
+    assert rc == 0 and rep["result"] == "deployed", (rep.get("reason"), j.last_stderr[-3000:])
+    up = [ln.split(":")[0] for ln in j.last_stderr.splitlines() if re.match(r"^spark-\S+: rank \d+ is up", ln)]
+    # the lane's order by group: the workers (at once, each dialling the head) then the head, or the
+    # head (its store listening) then the workers
+    order, head = launch["start_order"], launch["hosts"][0]["host"]
+    if launch["start"] == "workers-first":
+        assert up[-1] == head and sorted(up[:-1]) == sorted(order[:-1]), (up, order)
+    else:
+        assert up[0] == head and sorted(up[1:]) == sorted(order[1:]), (up, order)
+    if launch["derivations"]:
+        assert re.search(r"derivation \S+: made", j.last_stderr), j.last_stderr[-3000:]
+    for mode in ("fast", "full"):
+        rc, report = j.audit("--phase", "all", "--mode", mode)
+        assert rc == 0, (mode, failing(report))
+    # every rank runs exactly what `builder launch` showed (the bundle id and ImageID filled in)
+    launch = json.loads(j.builder("launch", "--fleet", j.name, "--json").stdout)
+    for h, want in zip(j.fleet.hosts, launch["hosts"], strict=True):
+        got = json.loads(j.fleet.exec(h, f"docker inspect {want['container']}").stdout)[0]["Config"]
+        argv = want["argv"]
+        after = argv[argv.index(launch["image"]["ref"]) + 1:]
+        assert (got.get("Cmd") or []) == after, (h.name, got.get("Cmd"), after)
+        env = dict(e.split("=", 1) for e in got["Env"])
+        assert {k: env.get(k) for k in want["env"]} == want["env"], h.name
+
+
+def test_drift_of_a_derivation_is_named_on_its_host(seed: Journey) -> None:
+    j = seed
+    launch = json.loads(j.builder("launch", "--fleet", j.name, "--json").stdout)
+    if not launch["derivations"]:
+        pytest.skip(f"lane {launch['lane']} has no derivations")
+    hosts = launch["hosts"]
+    a, b = hosts[-1], hosts[-2]  # two ranks: b's file put into a's folder, then a's file truncated
+    ha, hb = (next(h for h in j.fleet.hosts if h.name == x["host"]) for x in (a, b))
+    path_a, path_b = a["derivations"][0]["path"], b["derivations"][0]["path"]
+    files_b = j.fleet.exec(hb, f"cd {path_b} && find . -type f -name '*of*' ! -name '.builder*'").stdout.split()
+    assert files_b, f"{hb.name}: no per-rank file in {path_b}"
+    data = j.fleet.exec(hb, f"base64 -w0 {path_b}/{files_b[0]}").stdout
+    j.fleet.exec(ha, ["sh", "-c", f"base64 -d > {path_a}/{Path(files_b[0]).name}"], input=data.encode())
+    rc, report = j.audit("--phase", "preflight")
+    assert rc == 1
+    bad = {(h, c) for h, c in failing(report)}
+    assert bad == {(ha.name, "engram::derivations_match_their_records")}, bad
+    msg = json.dumps(report["hosts"][ha.name])
+    assert "another rank's file" in msg and Path(files_b[0]).name in msg
+    j.fleet.exec(ha, f"rm {path_a}/{Path(files_b[0]).name}")
+    own = j.fleet.exec(ha, f"cd {path_a} && find . -type f ! -name '.builder*' | head -1").stdout.strip()
+    j.fleet.exec(ha, f"truncate -s 1 {path_a}/{own}")
+    rc, report = j.audit("--phase", "preflight")
+    assert rc == 1 and failing(report) == {(ha.name, "engram::derivations_match_their_records")}
+    assert "found 1" in json.dumps(report["hosts"][ha.name])
+    # the operator's repair: make it again (derive.py remakes a folder that differs from its record)
+    cur = "/var/lib/builder/current"
+    r = j.fleet.ssh(ha, f"python3 {cur}/derive.py make {cur}/derive.json", timeout=300)
+    assert r.returncode == 0 and "making it again" in r.stderr, r.stderr
+    rc, report = j.audit("--phase", "all", "--mode", "full")
+    assert rc == 0, failing(report)
+
+
+def test_a_changed_serve_setting_deploys_and_holds_the_derivations(seed: Journey) -> None:
+    j = seed
+    lane = json.loads(j.builder("launch", "--fleet", j.name, "--json").stdout)["lane"]
+    j.set_serve(lane=lane, streams=3)
+    rc, rep = _deploy(j)
+    assert rc == 0 and rep["result"] == "deployed", (rep.get("reason"), j.last_stderr[-3000:])
+    assert not re.search(r"derivation \S+: made", j.last_stderr), "a derivation whose address held was made again"
+    rc, report = j.audit("--phase", "all")
+    assert rc == 0, failing(report)
+
+
+def test_a_start_the_engine_refuses_rolls_the_fleet_back(seed: Journey) -> None:
+    j = seed
+    lane = json.loads(j.builder("launch", "--fleet", j.name, "--json").stdout)["lane"]
+    before = {h.name: j.fleet.exec(h, "readlink /var/lib/builder/current").stdout.strip() for h in j.fleet.hosts}
+    head_args(j.root, lane, ["--no-such-flag"])
+    j.builder("lock", "--offline", lane)
+    rc, rep = _deploy(j)
+    assert rc == 1 and rep["result"] == "rolled-back", (rep.get("reason"), j.last_stderr[-3000:])
+    assert "--no-such-flag" in rep["reason"] or "unrecognized" in rep["reason"] or "unknown argument" in rep["reason"]
+    after = {h.name: j.fleet.exec(h, "readlink /var/lib/builder/current").stdout.strip() for h in j.fleet.hosts}
+    assert after == before
+    assert rep["rollback_audit"] and rep["rollback_audit"]["exit"] == 0, rep["reason"]
