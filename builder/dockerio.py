@@ -74,6 +74,65 @@ from docker.errors import DockerException, ImageNotFound, NotFound  # noqa: E402
 from requests.exceptions import RequestException  # noqa: E402
 
 
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """The exception, what it was raised from, and the exceptions among its arguments (requests and
+    urllib3 carry the socket's error in their args), depth first, each once."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [a for a in e.args if isinstance(a, BaseException)]
+        todo += [c for c in (e.__context__, e.__cause__) if c is not None]
+
+
+def _socket_path(docker_host: str) -> str:
+    """The unix socket a DOCKER_HOST names (the SDK's default when unset); "" for other transports."""
+    if not docker_host:
+        return docker.constants.DEFAULT_UNIX_SOCKET.removeprefix("http+unix://")
+    if docker_host.startswith("unix://"):
+        return docker_host.removeprefix("unix://")
+    return ""
+
+
+def _ssh_hint(docker_host: str) -> str:
+    from urllib.parse import urlsplit
+
+    u = urlsplit(docker_host)
+    target = f"{u.username}@{u.hostname}" if u.username else str(u.hostname)
+    return f"ssh {'-p ' + str(u.port) + ' ' if u.port else ''}{target} docker version"
+
+
+def engine_problem(docker_host: str, exc: BaseException) -> str:
+    """One plain line for an engine that does not answer: where builder looked (DOCKER_HOST, or the
+    local socket when it is unset), what went wrong, and what to do; never the SDK's nested tuples."""
+    sock = _socket_path(docker_host)
+    where = f"{docker_host} (DOCKER_HOST)" if docker_host else f"{sock} (the local socket; DOCKER_HOST is not set)"
+    causes = list(_causes(exc))
+    text = " ".join(str(e) for e in causes)
+    if docker_host.startswith("ssh://"):
+        if "paramiko" in text:
+            why = "the Docker SDK's ssh:// transport needs paramiko (a dependency of builder: reinstall builder)"
+        else:
+            why = f"ssh reached no Docker engine there (see ssh's message; check that `{_ssh_hint(docker_host)}` works)"
+    elif any(isinstance(e, FileNotFoundError) for e in causes) and sock:
+        why = "no such socket: start the Docker engine, or set DOCKER_HOST to one that runs"
+    elif any(isinstance(e, PermissionError) for e in causes) and sock:
+        why = "permission denied: join the docker group, or set DOCKER_HOST to an engine you may use"
+    elif any(isinstance(e, ConnectionRefusedError) for e in causes) or "Connection refused" in text:
+        why = "connection refused: the engine is not running there, or listens elsewhere"
+    elif any(isinstance(e, TimeoutError) for e in causes) or "timed out" in text.lower():
+        why = "no answer in time"
+    elif "Name or service not known" in text or "nodename nor servname" in text:
+        why = "unknown host name"
+    else:
+        why = _one_line(exc)
+    return f"no Docker engine: {where}: {why}"
+
+
 def client() -> DockerClient:
     """A connected client for the engine the environment names; BuilderError if none answers."""
     key = os.environ.get("DOCKER_HOST", "")
@@ -81,13 +140,12 @@ def client() -> DockerClient:
         cached = _clients.get(key)
         if cached is not None:
             return cached
-        where = key or "the local socket"
         try:
             # ssh:// through the system ssh, so the user's ssh_config and known_hosts apply
             c = docker.from_env(timeout=READ_TIMEOUT, use_ssh_client=True)
             c.ping()
-        except (DockerException, OSError) as exc:
-            raise BuilderError(f"no Docker engine: {where}: {_one_line(exc)}") from None
+        except (DockerException, RequestException, OSError) as exc:
+            raise BuilderError(engine_problem(key, exc)) from None
         _clients[key] = c
         return c
 

@@ -323,8 +323,11 @@ def ansible_hostvars(t: FleetHost) -> dict[str, Any]:
             v["ansible_user"] = user
         if port is not None:
             v["ansible_port"] = port
-        cfg = t.ssh_config()
-        if cfg:
+        # the path, whether or not the file is there yet: an inventory describes the fleet, as `builder
+        # hosts` lists it (the test fleet's ssh_config is written when its hosts start); ssh reads it
+        # when Ansible connects, and names it then if it is missing
+        if t.fleet.fleet.ssh_config:
+            cfg = fleet_relative(t.path, t.fleet.fleet.ssh_config)
             v["ansible_ssh_common_args"] = f"-F {shlex.quote(str(cfg))}"
     v["rank"] = h.rank
     v["role"] = h.role

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,20 +52,145 @@ def _real_loc(loc: tuple[Any, ...], obj: Any) -> tuple[Any, ...]:
 _TAGS = {"zig", "cuda", "wheel", "int", "str", "literal['auto']", "image-recipe", "image-published"}
 
 
-def validation_message(path: Path | str, err: ValidationError, obj: Any = None) -> str:
-    """First error as 'FILE: KEY: what is wrong' (plus a count of the others)."""
+def _strip(tp: Any) -> Any:
+    while typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    return tp
+
+
+def _literal_tags(tp: Any) -> set[str]:
+    """The values of a union member's ``Literal`` fields (its discriminator, e.g. ``kind = "zig"``) and its
+    class name: the names pydantic puts in an error's location for the member the input chose."""
+    inner = _strip(tp)
+    out: set[str] = set()
+    if isinstance(inner, type) and issubclass(inner, BaseModel):
+        out.add(inner.__name__)
+        for f in inner.model_fields.values():
+            if typing.get_origin(_strip(f.annotation)) is typing.Literal:
+                out |= {str(v) for v in typing.get_args(_strip(f.annotation))}
+    return out
+
+
+def _tag(tp: Any) -> set[str]:
+    """A union member's ``Tag`` (a callable discriminator's name for it)."""
+    if typing.get_origin(tp) is not typing.Annotated:
+        return set()
+    return {str(m.tag) for m in typing.get_args(tp)[1:] if hasattr(m, "tag")}
+
+
+def _step(tps: list[Any], part: Any) -> list[Any]:
+    """The types found one location part further down from each of ``tps`` (a union gives several)."""
+    out: list[Any] = []
+    for tp in tps:
+        inner = _strip(tp)
+        origin = typing.get_origin(inner)
+        if origin in (typing.Union, types.UnionType):
+            members = [m for m in typing.get_args(inner) if m is not type(None)]
+            if isinstance(part, str) and any(part in _tag(m) for m in members):
+                # a callable discriminator guessed the member from the keys present, a misspelt one
+                # among them: every member's keys are candidates
+                out += members
+                continue
+            chosen = [m for m in members if isinstance(part, str) and part in _literal_tags(m)]
+            out += chosen if chosen else _step(members, part)
+        elif isinstance(inner, type) and issubclass(inner, BaseModel):
+            for name, f in inner.model_fields.items():
+                if part in (name, f.alias):
+                    out.append(f.annotation)
+        elif origin is dict and len(typing.get_args(inner)) == 2:
+            out.append(typing.get_args(inner)[1])
+        elif origin in (list, set, frozenset, tuple) and isinstance(part, int) and typing.get_args(inner):
+            out.append(typing.get_args(inner)[0])
+    return out
+
+
+def known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
+    """The keys the schema knows at ``loc`` (pydantic's location of a table: keys, indexes and the tags it
+    adds); empty where it is not a table of known keys."""
+    tps: list[Any] = [model]
+    for part in loc:
+        if isinstance(part, str) and part.startswith("function-"):
+            continue
+        nxt = _step(tps, part)
+        if not nxt and isinstance(part, str):
+            continue  # a tag this walk does not know: stay where it is
+        tps = nxt
+    keys: set[str] = set()
+    for tp in tps:
+        inner = _strip(tp)
+        members = typing.get_args(inner) if typing.get_origin(inner) in (typing.Union, types.UnionType) else (inner,)
+        for m in members:
+            m = _strip(m)
+            if isinstance(m, type) and issubclass(m, BaseModel):
+                keys |= {f.alias or name for name, f in m.model_fields.items()}
+    return keys
+
+
+def _suggestion(unknown: Any, candidates: set[str], missing: set[str]) -> str:
+    """`` (did you mean `KEY`?)`` with the closest candidate (difflib's ratio, at least 0.6; between equally
+    close ones, a key reported missing beside it, then the first by name), or ""."""
+    if not isinstance(unknown, str) or not candidates:
+        return ""
+    best: tuple[float, bool, str] | None = None
+    for spelling in dict.fromkeys([unknown, unknown.lower().replace("-", "_")]):
+        for c in sorted(candidates):
+            m = difflib.SequenceMatcher(None, spelling, c)
+            if m.real_quick_ratio() < 0.6 or m.quick_ratio() < 0.6:
+                continue
+            score = m.ratio()
+            if score >= 0.6:
+                # (rank: the score, then a missing key, then the name first in order)
+                if best is None or (score, c in missing) > best[:2]:
+                    best = (score, c in missing, c)
+    return f" (did you mean `{best[2]}`?)" if best else ""
+
+
+def validation_message(path: Path | str, err: ValidationError, obj: Any = None,
+                       model: type[BaseModel] | None = None) -> str:
+    """First error as 'FILE: KEY: what is wrong' (plus a count of the others). An unknown key comes before
+    any other error (a misspelt key is also a "missing" one) and is named with the closest key the schema
+    knows there (``model``), or that another error says is missing beside it."""
     errors = err.errors(include_url=False)
-    e = errors[0]
-    loc = _real_loc(tuple(e["loc"]), obj) if obj is not None else tuple(
-        x for x in e["loc"] if not (isinstance(x, str) and x.startswith("function-")))
+    unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+    e = unknown[0] if unknown else errors[0]
+    raw_loc = tuple(e["loc"])
+    if e["type"] == "union_tag_not_found" and model is not None:
+        # a table whose discriminator (`kind`) is misspelt: pydantic names no key; the one no member
+        # of the union knows is the one to name
+        here = _at(obj, _real_loc(raw_loc, obj)) if obj is not None else None
+        known = known_keys(model, raw_loc)
+        strays = sorted(k for k in here if isinstance(k, str) and k not in known) if isinstance(here, dict) else []
+        if known and strays:
+            e = {**e, "type": "extra_forbidden", "loc": (*raw_loc, strays[0])}
+            raw_loc = tuple(e["loc"])
+    loc = _real_loc(raw_loc, obj) if obj is not None else tuple(
+        x for x in raw_loc if not (isinstance(x, str) and x.startswith("function-")))
     # pydantic puts the tag of a discriminated union in the path; drop it for readability
     msg = e["msg"]
     if e["type"] == "extra_forbidden":
-        msg = "unknown key"
+        parent = raw_loc[:-1]
+        missing = {str(x["loc"][-1]) for x in errors
+                   if x["type"] == "missing" and x["loc"] and tuple(x["loc"])[:-1] == parent}
+        candidates = (known_keys(model, parent) if model is not None else set()) | missing
+        present = _at(obj, loc[:-1])
+        if isinstance(present, dict):
+            candidates -= {k for k in present if isinstance(k, str)}  # a key already there is no suggestion
+        msg = "unknown key" + _suggestion(loc[-1] if loc else None, candidates, missing)
     elif e["type"] == "missing":
         msg = "missing required key"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{path}: {key_path(loc)}: {msg}{more}"
+
+
+def _at(obj: Any, loc: tuple[Any, ...]) -> Any:
+    for part in loc:
+        if isinstance(obj, dict) and part in obj:
+            obj = obj[part]
+        elif isinstance(obj, list) and isinstance(part, int) and 0 <= part < len(obj):
+            obj = obj[part]
+        else:
+            return None
+    return obj
 
 
 def _read_bytes(path: Path) -> bytes:
@@ -96,7 +224,7 @@ def validate(model: type[M], obj: Any, source: Path | str) -> M:
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        raise ConfigError(validation_message(source, e, obj)) from None
+        raise ConfigError(validation_message(source, e, obj, model)) from None
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply") from None
 

@@ -391,3 +391,26 @@ def verify_with_openssl(
         return mv.verify_with_openssl(data_or_path, minisig_text, public_key_text, openssl=openssl)
     except mv.MinisignError as e:
         raise VerifyError(f"{source}: {e}" if source else str(e)) from None
+
+
+# ---------------------------------------------------------------- raw Ed25519 (DSSE envelopes)
+
+
+def sign_raw(message: bytes, secret_key: SecretKey) -> bytes:
+    """The plain Ed25519 signature of ``message`` with the key (no hashing first, no comment): what a
+    DSSE envelope carries over its pre-authentication encoding."""
+    return _ed25519().from_private_bytes(secret_key.seed).sign(message)
+
+
+def verify_raw(message: bytes, signature: bytes, key: PublicKey, *, source: str | None = None) -> None:
+    """Check a plain Ed25519 signature of ``message``; one-line VerifyError when it does not match."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    where = f"{source}: " if source else ""
+    try:
+        Ed25519PublicKey.from_public_bytes(key.key).verify(signature, message)
+    except ValueError:
+        raise VerifyError(f"{where}public key: not a valid Ed25519 key") from None
+    except InvalidSignature:
+        raise VerifyError(f"{where}signature verification failed: the payload does not match its signature") from None

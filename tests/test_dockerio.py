@@ -22,8 +22,63 @@ def test_no_engine_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/nothing.sock")
     with pytest.raises(BuilderError) as exc:
         dockerio.client()
-    assert str(exc.value).startswith("no Docker engine: unix://")
-    assert "\n" not in str(exc.value)
+    # one plain line naming DOCKER_HOST and what to do, not the SDK's ('Connection aborted.', ...) tuple
+    assert str(exc.value) == (f"no Docker engine: unix://{tmp_path}/nothing.sock (DOCKER_HOST): no such socket: "
+                              "start the Docker engine, or set DOCKER_HOST to one that runs")
+
+
+def test_no_engine_on_tcp_says_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("DOCKER_HOST", f"tcp://127.0.0.1:{port}")
+    with pytest.raises(BuilderError) as exc:
+        dockerio.client()
+    assert str(exc.value) == (f"no Docker engine: tcp://127.0.0.1:{port} (DOCKER_HOST): connection refused: "
+                              "the engine is not running there, or listens elsewhere")
+
+
+def _sdk_error(inner: BaseException) -> BaseException:
+    """An error shaped as the SDK raises it: DockerException from requests' ConnectionError, carrying
+    urllib3's ProtocolError('Connection aborted.', OSError)."""
+    from docker.errors import DockerException
+    from requests.exceptions import ConnectionError as RequestsConnectionError
+    from urllib3.exceptions import ProtocolError
+
+    req = RequestsConnectionError(ProtocolError("Connection aborted.", inner))
+    try:
+        try:
+            raise req
+        except RequestsConnectionError as e:
+            raise DockerException(f"Error while fetching server API version: {e}") from e
+    except DockerException as e:
+        return e
+
+
+@pytest.mark.parametrize(("host", "inner", "want"), [
+    ("", FileNotFoundError(2, "No such file or directory"),
+     "no Docker engine: /var/run/docker.sock (the local socket; DOCKER_HOST is not set): no such socket: "
+     "start the Docker engine, or set DOCKER_HOST to one that runs"),
+    ("", PermissionError(13, "Permission denied"),
+     "no Docker engine: /var/run/docker.sock (the local socket; DOCKER_HOST is not set): permission denied: "
+     "join the docker group, or set DOCKER_HOST to an engine you may use"),
+    ("ssh://op@spark-head", BrokenPipeError(32, "Broken pipe"),
+     "no Docker engine: ssh://op@spark-head (DOCKER_HOST): ssh reached no Docker engine there (see ssh's "
+     "message; check that `ssh op@spark-head docker version` works)"),
+])
+def test_engine_problems_are_plain(host: str, inner: BaseException, want: str) -> None:
+    assert dockerio.engine_problem(host, _sdk_error(inner)) == want
+
+
+def test_a_missing_paramiko_is_named() -> None:
+    from docker.errors import DockerException
+
+    msg = dockerio.engine_problem("ssh://op@spark-head:2222", DockerException(
+        "Install paramiko package to enable ssh:// support"))
+    assert msg == ("no Docker engine: ssh://op@spark-head:2222 (DOCKER_HOST): the Docker SDK's ssh:// transport "
+                   "needs paramiko (a dependency of builder: reinstall builder)")
 
 
 def test_build_refuses_missing_dockerfile(tmp_path: Path) -> None:

@@ -3,7 +3,10 @@ accepted, what is refused, and how a refusal reaches the user (exit 2, one line 
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +149,31 @@ def test_every_file_a_fleet_names_is_taken_from_the_fleet_files_folder(
     (hosts / "keys" / "ca.pem").unlink()
     with pytest.raises(ConfigError, match=rf"^{path}: fleet\.registry_ca: no such file: "):
         fleet_registry_ca(path, fleet)
+
+
+def test_hosts_and_its_ansible_inventory_agree_on_a_fleet_whose_ssh_config_is_not_there_yet(
+    tmp_path: Path,
+) -> None:
+    """The shipped test fleet names an ssh_config that exists only while its hosts run: `builder hosts`
+    lists it, and `builder hosts --ansible` over every fleet writes it too (the path, for ssh to read when
+    Ansible connects), rather than exit 2 over the missing file."""
+    r = _cli(ROOT, "hosts", "--json")
+    assert r.returncode == 0, r.stderr
+    listed = {(x["fleet"], x["name"]) for x in json.loads(r.stdout)}
+    assert ("test-fleet", "spark-test-1") in listed
+    inv = tmp_path / "inv.yml"
+    r = _cli(ROOT, "hosts", "--ansible", str(inv))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    text = inv.read_text()
+    written = {(g, h) for g, h in re.findall(r"^    (\S+):\n|^        (\S+):$", text, re.M)}
+    assert {h for _, h in written if h} == {name for _, name in listed}
+    cfg = (ROOT / "hosts" / "test-fleet.toml").parent / "../.cache/test-fleet/ssh_config"
+    assert f'ansible_ssh_common_args: "-F {cfg.resolve()}"' in text
+    ini = tmp_path / "inv.ini"
+    assert _cli(ROOT, "hosts", "--fleet", "test-fleet", "--ansible", str(ini)).returncode == 0
+    assert f"ansible_ssh_common_args='-F {cfg.resolve()}'" in ini.read_text()
+    if shutil.which("ansible-inventory"):
+        p = subprocess.run(["ansible-inventory", "-i", str(inv), "--list"], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible")})
+        assert p.returncode == 0, p.stderr
+        assert set(json.loads(p.stdout)["_meta"]["hostvars"]) == {name for _, name in listed}

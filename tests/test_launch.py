@@ -173,12 +173,32 @@ def test_head_address_falls_back_to_rail_then_ssh_ip() -> None:
         Fleet,
         {
             "fleet": {"name": "f", "lane": "l"},
-            "hosts": [{"name": "a", "ssh": "a-alias", "rank": 0, "role": "head"}],
+            "hosts": [{"name": "a", "ssh": "a-alias", "rank": 0, "role": "head"},
+                      {"name": "b", "ssh": "b-alias", "rank": 1, "role": "worker", "address": "192.0.2.9"}],
         },
         "t",
     )
-    with pytest.raises(ConfigError, match="no address"):
+    with pytest.raises(ConfigError, match="fleet f: host a: no address for the other ranks"):
         host_address(g, g.host("a"))
+
+
+def test_a_one_host_fleet_needs_no_address() -> None:
+    """tensor_parallel = 1 on one host: no other rank needs its address, so none is asked for; the rank
+    (--network host) reaches itself on the loopback. An address given is still used."""
+    one = {"fleet": {"name": "f", "lane": "l"},
+           "hosts": [{"name": "a", "ssh": "a-alias", "rank": 0, "role": "head", "expect": {"gpu_count": 0}}]}
+    f = validate(Fleet, one, "t")
+    assert host_address(f, f.host("a")) == "127.0.0.1"
+    p = pins(tp=1)
+    files = render_launch(p, f, f.host("a"), "l", IMAGE, [])
+    cfg = json.loads(files["config.json"][0])
+    assert cfg["master_addr"] == "127.0.0.1" and cfg["world_size"] == 1
+    assert "MASTER_ADDR=127.0.0.1" in files["start.sh"][0].decode()
+    cmd = rank_command(p, f, f.host("a"), "l", IMAGE["image_id"])
+    assert cmd.env["TF_TP_MASTER"] == "127.0.0.1"
+    one["hosts"][0]["address"] = "192.0.2.5"  # type: ignore[index]
+    g = validate(Fleet, one, "t")
+    assert host_address(g, g.host("a")) == "192.0.2.5"
 
 
 def test_scripts_render_deterministically_and_parse(tmp_path: Path) -> None:

@@ -31,8 +31,14 @@ BUNDLE_ID = "{bundle_id}"
 OWN_ENV = ("BUILDER_LANE", "BUILDER_FLEET", "BUILDER_HOST", "BUILDER_ROLE", "BUILDER_RANK", "BUILDER_CONFIG")
 
 
+#: the address of a one-host fleet's only rank: there are no other ranks to reach it, and every rank runs
+#: with --network host, so its own rendezvous and the head's API are on the host's loopback
+LOOPBACK = "127.0.0.1"
+
+
 def host_address(fleet: Fleet, host: Host) -> str:
-    """The address other ranks use: ``address``, else the first rail, else the ssh target if it is an IP."""
+    """The address other ranks use: ``address``, else the first rail, else the ssh target if it is an IP;
+    in a one-host fleet, where there are no other ranks, the loopback."""
     if host.address:
         return host.address
     if host.fabric.rails:
@@ -42,6 +48,8 @@ def host_address(fleet: Fleet, host: Host) -> str:
     if m:
         with contextlib.suppress(ValueError):
             return str(ipaddress.ip_address(m.group(1)))
+    if len(fleet.hosts) == 1:
+        return LOOPBACK
     raise ConfigError(
         f"fleet {fleet.fleet.name}: host {host.name}: no address for the other ranks "
         "(set address, or fabric.rails)"

@@ -11,8 +11,10 @@ nvidia-smi output is fuzzed in tests/test_gpu.py.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import math
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -258,10 +260,25 @@ def fuzz_toml_file(
     try:
         obj = load(path)
     except BuilderError as e:
-        rlib.assert_one_line(e)
+        assert_unknown_key_form(rlib.assert_one_line(e), path)
     else:
         check(obj)
     assert rlib.listing(path.parent) == before
+
+
+# FILE: KEY: unknown key [(did you mean `KEY`?)] [(and N more)]
+_UNKNOWN = re.compile(r"^(?P<file>.+?): (?P<key>.+): unknown key(?: \(did you mean `(?P<hint>[^`]+)`\?\))?"
+                      r"(?: \(and \d+ more\))?$")
+
+
+def assert_unknown_key_form(msg: str, path: Path) -> re.Match[str] | None:
+    """A message about an unknown key names the file first, then the key, then at most one suggestion."""
+    if ": unknown key" not in msg:
+        return None
+    m = _UNKNOWN.match(msg)
+    assert m is not None and m["file"] == str(path), msg
+    assert "missing required key" not in msg, msg
+    return m
 
 
 # --------------------------------------------------------------------------- seeds
@@ -439,6 +456,98 @@ def test_fleet_parser(tmp_path: Path, data: st.DataObject) -> None:
     fuzz_toml_file(tmp_path / "fleet.toml", data, FLEET_SEEDS, load_fleet, check)
 
 
+# --------------------------------------------------------------------------- a misspelt key
+
+
+def _schema_keys(doc: Any, model: Any) -> list[tuple[tuple[Any, ...], str]]:
+    """(parent path, key) for every key of doc that the schema knows (not a name the user chose)."""
+    from builder.loader import known_keys
+
+    return [(path[:-1], path[-1]) for path in _paths(doc)
+            if path and isinstance(path[-1], str) and path[-1] in known_keys(model, path[:-1])]
+
+
+def _typo(data: st.DataObject, key: str) -> str:
+    """One edit of key: a letter dropped, added, replaced, or two swapped."""
+    op = data.draw(st.sampled_from(["drop", "add", "replace", "swap"]), label="typo")
+    i = data.draw(st.integers(0, len(key) - 1), label="at")
+    letter = data.draw(st.sampled_from("abcdefghijklmnopqrstuvwxyz_"), label="letter")
+    if op == "drop" and len(key) > 1:
+        return key[:i] + key[i + 1:]
+    if op == "add":
+        return key[:i] + letter + key[i:]
+    if op == "swap" and i + 1 < len(key):
+        return key[:i] + key[i + 1] + key[i] + key[i + 2:]
+    return key[:i] + letter + key[i + 1:]
+
+
+def check_misspelt_key(data: st.DataObject, seed: bytes, model: Any, load: Callable[[Path], Any], path: Path
+                       ) -> None:
+    """A valid document with one schema key misspelt: the error is one line naming the file and the
+    misspelt key (before any "missing" message), with the closest known key as its suggestion."""
+    from builder.loader import known_keys
+
+    doc = _toml_load(seed)
+    parent, key = data.draw(st.sampled_from(_schema_keys(doc, model)), label="key")
+    known = known_keys(model, parent)
+    typo = _typo(data, key)
+    table = _get(doc, parent)
+    if typo in known or typo in table:
+        return  # (another real key: not a misspelling)
+    table[typo] = table.pop(key)
+    path.write_bytes(to_toml(doc))
+    before = rlib.listing(path.parent)
+    with pytest.raises(BuilderError) as e:
+        load(path)
+    msg = rlib.assert_one_line(e.value)
+    m = assert_unknown_key_form(msg, path)
+    assert m is not None, msg
+    assert m["key"].endswith(typo) or m["key"].endswith(json.dumps(typo)), msg
+    want = difflib.SequenceMatcher(None, typo, key).ratio()
+    candidates = known - set(table)
+    best = max(difflib.SequenceMatcher(None, typo, c).ratio() for c in candidates | {key})
+    if want >= 0.6:
+        assert m["hint"] is not None, msg
+        got = difflib.SequenceMatcher(None, typo, m["hint"]).ratio()
+        assert m["hint"] in candidates | {key} and got == best >= want, msg
+    elif best < 0.6:
+        assert m["hint"] is None, msg
+    assert rlib.listing(path.parent) == before
+
+
+@FUZZ
+@given(data=st.data())
+def test_pins_misspelt_key(tmp_path: Path, data: st.DataObject) -> None:
+    from builder.pins import Pins, load_pins
+
+    check_misspelt_key(data, data.draw(st.sampled_from(PINS_SEEDS)), Pins, load_pins, tmp_path / "pins.toml")
+
+
+@FUZZ
+@given(data=st.data())
+def test_fleet_misspelt_key(tmp_path: Path, data: st.DataObject) -> None:
+    from builder.hosts import Fleet, load_fleet
+
+    check_misspelt_key(data, data.draw(st.sampled_from(FLEET_SEEDS)), Fleet, load_fleet, tmp_path / "fleet.toml")
+
+
+def test_the_issues_misspelling_is_named_with_its_fix(tmp_path: Path) -> None:
+    """The example of issue 25: `tensor_paralel` in a lane's serve table, through the real CLI."""
+    text = PINS_SEEDS[0].decode()
+    assert "\ntensor_parallel = " in text
+    (tmp_path / "pins.toml").write_text(text.replace("\ntensor_parallel = ", "\ntensor_paralel = ", 1))
+    for name in ("engine-src", "images", "files", "models", "patches"):
+        src = rlib.REPO / name
+        if src.exists():
+            (tmp_path / name).symlink_to(src)
+    p = rlib.run_builder("--pins", str(tmp_path / "pins.toml"), "lock", "--check", cwd=tmp_path)
+    rlib.assert_clean_cli(p, allowed=(2,))
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert lines == [f"error: {tmp_path / 'pins.toml'}: lanes.demo.serve.tensor_paralel: unknown key "
+                     "(did you mean `tensor_parallel`?) (and 1 more)"], p.stderr
+
+
 # --------------------------------------------------------------------------- bundle manifests
 
 
@@ -605,6 +714,35 @@ def test_cli_hosts_on_fuzzed_inventories(tmp_path: Path, data: st.DataObject) ->
     before = rlib.snapshot(work)
     p = rlib.run_builder("--pins", str(work / "pins.toml"), "hosts", "--json", cwd=work)
     rlib.assert_clean_cli(p)
+    assert rlib.snapshot(work) == before
+
+
+@CLI_FUZZ
+@given(data=st.data())
+def test_cli_hosts_on_a_misspelt_inventory_key(tmp_path: Path, data: st.DataObject) -> None:
+    """`builder hosts`: exit 2, one `error:` line naming the file and the misspelt key, no traceback."""
+    from builder.hosts import Fleet
+    from builder.loader import known_keys
+
+    work = tmp_path / "proj"
+    (work / "hosts").mkdir(parents=True, exist_ok=True)
+    (work / "pins.toml").write_bytes(PINS_SEEDS[0])
+    doc = _toml_load(data.draw(st.sampled_from(FLEET_SEEDS)))
+    parent, key = data.draw(st.sampled_from(_schema_keys(doc, Fleet)))
+    typo = _typo(data, key)
+    table = _get(doc, parent)
+    if typo in known_keys(Fleet, parent) or typo in table:
+        return
+    table[typo] = table.pop(key)
+    f = work / "hosts" / "f.toml"
+    f.write_bytes(to_toml(doc))
+    before = rlib.snapshot(work)
+    p = rlib.run_builder("--pins", str(work / "pins.toml"), "hosts", "--json", cwd=work)
+    rlib.assert_clean_cli(p, allowed=(2,))
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    m = assert_unknown_key_form(lines[0][len("error: "):], f)
+    assert m is not None and typo in m["key"], p.stderr
     assert rlib.snapshot(work) == before
 
 
