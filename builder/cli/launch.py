@@ -46,6 +46,9 @@ def launch(host: str | None, fleet: str | None, lane: str | None, as_json: bool,
         for k, v in h["env"].items():
             output.data(f"#   {k}={v}")
         output.data(shlex.join(h["argv"]))
+        for d in h.get("derivations") or []:
+            output.data(f"#   derivation {d['name']} (made before start, into {d['path']}): "
+                        + shlex.join(d["argv"]))
     for why in out["unresolved"]:
         output.data(f"# unresolved: {why}")
     for what in out["unknown"]:
