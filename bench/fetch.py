@@ -1,6 +1,9 @@
 """(h) `builder fetch` from the FAKE Hub on loopback against `hf download` (huggingface_hub's own CLI):
-the same files, the same server, in the same process run. builder verifies every byte's sha256 as it
-arrives; `hf download` does not hash what it writes, so the ratio is what verification costs (or saves)."""
+the same files, the same server, in the same process run. builder downloads through huggingface_hub
+(`hf_hub_download` into the HF cache), then reads each file once more to check its sha256 against the
+lock and hard-links it into its store; `hf download` does not hash what it writes, so the ratio is what
+that verification costs. Each builder run starts from an empty HF cache (its own HF_HOME, removed with
+its store): a run never finds the files an earlier run downloaded."""
 
 from __future__ import annotations
 
@@ -44,7 +47,8 @@ def run(cfg: Config) -> list[Row]:
                 shutil.rmtree(out, ignore_errors=True)
                 t = time.perf_counter()
                 if tool == "builder":
-                    run_cmd([*py, "--store", str(out), "fetch", "m", "--jobs", "8"], env=env)
+                    run_cmd([*py, "--store", str(out), "fetch", "m", "--jobs", "8"],
+                            env={**env, "HF_HOME": str(out / "hf-home")})
                 else:
                     run_cmd(["hf", "download", "bench/model", "--revision", commit, "--local-dir", str(out),
                          "--max-workers", "8"], env=env)

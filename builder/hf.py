@@ -8,8 +8,8 @@ Two ways, one result (`LockedModel`):
   the token never appears in a message or in the lock.
 - files on disk (``local`` set, or offline): a plain snapshot folder (needs a 40-hex revision
   in the pin), an HF cache repo folder ``models--org--name`` (``refs/<revision>`` and
-  ``snapshots/<commit>/``), a hub cache folder holding it, or the standard HF cache
-  (HF_HUB_CACHE / HF_HOME). Every selected file is hashed for real, several at a time.
+  ``snapshots/<commit>/``), a hub cache folder holding it, or the standard HF cache (``hub_cache``:
+  the folder huggingface_hub itself uses). Every selected file is hashed for real, several at a time.
 
 A snapshot on disk can hold fewer files than the repo (a partial download); pin
 ``expect_files`` (e.g. the shard count) to catch that.
@@ -53,13 +53,44 @@ def repo_folder_name(repo: str) -> str:
     return "models--" + repo.replace("/", "--")
 
 
+def hub_cache() -> Path:
+    """The HF cache, as huggingface_hub itself computes it (``huggingface_hub.constants.HF_HUB_CACHE``:
+    HF_HUB_CACHE, else HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else
+    ~/.cache/huggingface/hub; read once, when huggingface_hub is first imported). The one place builder
+    asks: `builder lock --offline` looks here, `builder fetch` imports from and downloads into it."""
+    from huggingface_hub import constants  # (the constants alone: about 2 ms, not the library)
+
+    return Path(constants.HF_HUB_CACHE).expanduser()
+
+
 def hub_cache_dirs() -> list[Path]:
-    """The standard HF cache (HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return [Path(os.environ["HF_HUB_CACHE"]).expanduser()]
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface")
-    return [Path(home).expanduser() / "hub"]
+    """The HF caches an offline lock looks in: the standard one (hub_cache)."""
+    return [hub_cache()]
+
+
+def cached_file(repo: str, commit: str, path: str, cache: Path | None = None) -> Path | None:
+    """The HF cache's copy of a repo's file at a commit (``snapshots/<commit>/<path>``, a link to its
+    blob), if it is there and names a file."""
+    p = (cache or hub_cache()) / repo_folder_name(repo) / "snapshots" / commit / path
+    return p if p.is_file() else None
+
+
+def forget_cached(repo: str, commit: str, path: str, cache: Path | None = None) -> list[Path]:
+    """Remove the HF cache's copy of a file whose bytes are not the locked ones: its snapshot entry and
+    the blob it names (only inside the repo's own folder). Returns what was removed."""
+    folder = (cache or hub_cache()) / repo_folder_name(repo)
+    pointer = folder / "snapshots" / commit / path
+    removed: list[Path] = []
+    blob, blobs = Path(os.path.realpath(pointer)), Path(os.path.realpath(folder / "blobs"))
+    for p in (pointer, blob):
+        inside = p == pointer or blobs in p.parents
+        if inside and (p.is_symlink() or p.exists()):
+            try:
+                p.unlink()
+                removed.append(p)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 # ---------------------------------------------------------------------------------------
@@ -257,4 +288,5 @@ def resolve(name: str, spec: HfModel, *, root: Path, cache: Path, offline: bool,
 
 
 __all__ = ["resolve", "resolve_local", "resolve_hub", "lock_from_folder", "find_snapshot", "hash_files",
-           "list_files", "scrub", "hub_cache_dirs", "select_files", "repo_folder_name"]
+           "list_files", "scrub", "hub_cache", "hub_cache_dirs", "cached_file", "forget_cached", "select_files",
+           "repo_folder_name"]

@@ -4,8 +4,10 @@ Online this speaks the OCI distribution API over HTTP(S) with urllib: ``GET
 /v2/<repo>/manifests/<tag>`` with the Accept headers for OCI index, Docker manifest list,
 OCI manifest and Docker v2 manifest; the body's sha256 is checked against
 Docker-Content-Digest; the bearer-token flow (WWW-Authenticate) works for real registries;
-basic credentials come from BUILDER_REGISTRY_USER / BUILDER_REGISTRY_PASSWORD and are never
-printed. Plain ``http://`` is used only for loopback registries (127.0.0.1:PORT, localhost).
+basic credentials come from BUILDER_REGISTRY_USER / BUILDER_REGISTRY_PASSWORD, else from the docker
+client's config through the docker SDK (credHelpers, credsStore, auths), asked only once a registry
+wants them; they are never written or printed. Plain ``http://`` is used only for loopback
+registries (127.0.0.1:PORT, localhost).
 
 Offline, a local image in the Docker engine is used (``source = "local"``). For such an
 entry ``platforms`` holds the local ImageID (the config digest, the image's identity in the
@@ -121,27 +123,35 @@ def platform_matches(want: str, os_: str, arch: str, variant: str | None) -> boo
 
 
 def docker_config_credentials(registry: str) -> tuple[str, str] | None:
-    """(user, password) for ``registry`` from the docker client's config (``$DOCKER_CONFIG/config.json``,
-    else ``~/.docker/config.json``): its ``auths`` entry, as ``docker login`` writes it. Credential
-    helpers (``credsStore``) are not run: their secrets stay with them."""
-    folder = os.environ.get("DOCKER_CONFIG") or os.path.join(os.path.expanduser("~"), ".docker")
+    """(user, password) for ``registry`` as the docker client would find them, read through the docker
+    SDK's own config and credential-store support (``docker.auth``): the config file
+    (``$DOCKER_CONFIG/config.json``, else ``~/.docker/config.json``); the credential helper its
+    ``credHelpers`` names for the registry, else its ``credsStore`` (``docker-credential-NAME get``, the
+    helper protocol: where nvcr.io's and cloud registries' tokens live), else its ``auths`` entry, as
+    ``docker login`` writes it. None when it has none. The secret is kept in memory only: never
+    written or printed. ResolveError naming the helper when it fails."""
+    import warnings
+
+    from docker import auth, errors
+
+    where = f"registry {registry}"
     try:
-        with open(os.path.join(folder, "config.json"), "rb") as f:
-            doc = json.loads(f.read(1024 * 1024))
-    except (OSError, ValueError):
+        with warnings.catch_warnings():  # (a helper not on PATH: the SDK warns, then fails to run it)
+            warnings.simplefilter("ignore")
+            found = auth.load_config().resolve_authconfig(registry)
+    except errors.DockerException as e:
+        why = " ".join(str(e).split())  # (what the helper said about itself: no secret is in it)
+        raise ResolveError(f"{where}: the docker config's credential helper failed: {why[:200]}") from None
+    if not found:
         return None
-    auths = doc.get("auths") if isinstance(doc, dict) else None
-    if not isinstance(auths, dict):
+    if found.get("IdentityToken"):
+        raise ResolveError(f"{where}: the docker config gives an identity token (an OAuth refresh token), which "
+                           "builder does not send; set BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD")
+    user = found.get("Username") or found.get("username")
+    password = found.get("Password") or found.get("password")
+    if not isinstance(user, str) or not isinstance(password, str) or not user:
         return None
-    for key in (registry, f"https://{registry}", f"http://{registry}", f"https://{registry}/v2/"):
-        entry = auths.get(key)
-        if isinstance(entry, dict) and isinstance(entry.get("auth"), str):
-            try:
-                user, sep, password = base64.b64decode(entry["auth"]).decode("utf-8").partition(":")
-            except (ValueError, UnicodeDecodeError):
-                return None
-            return (user, password) if sep else None
-    return None
+    return user, password
 
 
 class Registry:
@@ -153,10 +163,9 @@ class Registry:
         self.push = push
         self.user = os.environ.get("BUILDER_REGISTRY_USER")
         self.password = os.environ.get("BUILDER_REGISTRY_PASSWORD")
-        if self.user is None or self.password is None:
-            creds = docker_config_credentials(ref.registry)
-            if creds is not None:
-                self.user, self.password = creds
+        #: whether the docker config was asked yet: only once a registry wants credentials (a helper runs
+        #: a program, and the docker SDK takes a quarter of a second to load)
+        self._asked_docker = self.user is not None and self.password is not None
         # redirects (to blob stores) are followed; the Authorization header is "unredirected"
         handlers: list[urllib.request.BaseHandler] = []
         if ca_file is not None:
@@ -168,6 +177,11 @@ class Registry:
         self.opener = urllib.request.build_opener(*handlers)
 
     def _basic(self) -> str | None:
+        if not self._asked_docker:
+            self._asked_docker = True
+            creds = docker_config_credentials(self.ref.registry)
+            if creds is not None:
+                self.user, self.password = creds
         if self.user is None or self.password is None:
             return None
         return "Basic " + base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
@@ -242,7 +256,7 @@ class Registry:
             basic = self._basic()
             if basic is None:
                 raise ResolveError(f"{self._where()}: the registry wants credentials "
-                                   "(set BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD)")
+                                   "(set BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD, or `docker login`)")
             self.auth = basic
             return
         if scheme.lower() != "bearer" or "realm" not in fields:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -139,6 +140,79 @@ PROGRESS_DELAY = 3.0
 REFRESH_PER_SECOND = 4
 
 
+def fit(text: str, width: int) -> str:
+    """A label (``verb name [+k]``: ``get tiny/model-00001-of-00004.safetensors +3``) cut to ``width``
+    columns keeping what tells the work apart: the verb, how many more run beside it, and of the name
+    its last part (the file, not its folder), cut in its middle when still too long (its start, where a
+    shard's number is, and its end)."""
+    if len(text) <= width:
+        return text
+    verb, sep, rest = text.partition(" ")
+    if not sep or len(verb) + 6 > width:
+        verb, sep, rest = "", "", text
+    more = re.search(r" \+\d+$", rest)
+    suffix = more.group(0) if more else ""
+    name = rest[: len(rest) - len(suffix)]
+    room = width - len(verb) - len(sep) - len(suffix)
+    if room < 4:
+        return (verb + sep + name)[: width - 1] + "\u2026"
+    if len(name) > room and len(name.rsplit("/", 1)[-1]) < room:  # the file's name whole, what room is left
+        name = "\u2026" + name[len(name) - room + 1:]
+    elif len(name) > room:
+        name = name.rsplit("/", 1)[-1]
+    if len(name) > room:
+        keep = room - 1
+        name = name[: keep - keep // 3] + "\u2026" + name[len(name) - keep // 3:]
+    return verb + sep + name + suffix
+
+
+#: the columns of the bytes a drawn bar shows after its label and bar: done/total, rate, time left
+#: (rich's widest renderings: "999.9/999.9 MB", "999.9 MB/s", "0:00:00"), one space between columns
+BYTES_COLUMNS = (14, 10, 7)
+ITEMS_COLUMNS = (7,)
+
+
+def _columns(unit: str, width: int) -> tuple[Any, ...]:
+    """rich columns that keep one bar on one line of a terminal ``width`` columns wide (at 80: a label
+    of 30 columns, a bar of 14, then bytes, rate and time left)."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        ProgressColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.table import Column
+    from rich.text import Text
+
+    class Label(ProgressColumn):
+        def __init__(self, cols: int) -> None:
+            super().__init__(table_column=Column(width=cols, no_wrap=True, overflow="crop"))
+            self.cols = cols
+
+        def render(self, task: Any) -> Text:
+            return Text(fit(str(task.description), self.cols))
+
+    def fixed(cols: int) -> Column:
+        return Column(width=cols, no_wrap=True, justify="right", overflow="crop")
+
+    usable = max(40, min(width, 240) - 1)  # (the last column left free: no terminal wraps there)
+    tail = BYTES_COLUMNS if unit == "bytes" else ITEMS_COLUMNS
+    room = usable - sum(tail) - len(tail) - 2  # a space before each tail column, and around the bar
+    bar = max(10, min(40, room // 3))
+    label = max(8, room - bar)
+    after: tuple[Any, ...] = (
+        (DownloadColumn(table_column=fixed(BYTES_COLUMNS[0])),
+         TransferSpeedColumn(table_column=fixed(BYTES_COLUMNS[1])),
+         TimeRemainingColumn(table_column=fixed(BYTES_COLUMNS[2])))
+        if unit == "bytes"
+        # a job counted in items (hosts) has no byte rate to show, only how long each one has run
+        else (TimeElapsedColumn(table_column=fixed(ITEMS_COLUMNS[0])),)
+    )
+    return (Label(label), BarColumn(bar_width=bar), *after)
+
+
 class _Deferred:
     """progress() on a terminal: tasks are kept here and drawn by a rich Progress only once the job
     has run PROGRESS_DELAY seconds (then every call is passed on to it)."""
@@ -165,29 +239,13 @@ class _Deferred:
                 self._rich.stop()
 
     def _start(self) -> None:
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
-        # a job counted in items (hosts) has no byte rate to show, only how long each one has run
-        columns: tuple[Any, ...] = (
-            (DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-            if self._unit == "bytes"
-            else (TimeElapsedColumn(),)
-        )
         with self._lock:
             if self._closed:
                 return
+            from rich.progress import Progress
+
             bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                *columns,
+                *_columns(self._unit, console().width),
                 console=console(),
                 transient=True,
                 # rich redraws from a thread of its own; 4 a second (its default is 10) is smooth to
@@ -254,3 +312,44 @@ def byte_counter(bar: Any, description: str, total: int) -> Callable[[int], None
         bar.advance(task, n)
 
     return advance
+
+
+class InFlight:
+    """One task of a bar whose label names the work in flight, not the work done: the oldest job still
+    running, and how many more run beside it (``get tiny/model.safetensors +3``); ``idle`` while none
+    runs. Advanced by bytes, from any thread."""
+
+    def __init__(self, bar: Any, idle: str, total: int | None) -> None:
+        self._bar = bar
+        self._idle = idle
+        self._task = bar.add_task(idle, total=total)
+        self._lock = threading.Lock()
+        self._jobs: dict[int, str] = {}
+        self._next = 0
+
+    def _label(self) -> str:
+        if not self._jobs:
+            return self._idle
+        first = next(iter(self._jobs.values()))
+        more = len(self._jobs) - 1
+        return first + (f" +{more}" if more else "")
+
+    def start(self, label: str) -> int:
+        """A job begins; returns its key for finish()."""
+        with self._lock:
+            key = self._next
+            self._next += 1
+            self._jobs[key] = label
+            text = self._label()
+        self._bar.update(self._task, description=text)
+        return key
+
+    def finish(self, key: int) -> None:
+        with self._lock:
+            self._jobs.pop(key, None)
+            text = self._label()
+        self._bar.update(self._task, description=text)
+
+    def advance(self, n: int) -> None:
+        if n:
+            self._bar.advance(self._task, n)

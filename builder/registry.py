@@ -5,11 +5,14 @@ digest is its DiffID and the manifest digest is a function of the image), not wh
 would make of it: the same image gives the same manifest digest from any machine. Before anything is
 sent, the manifest and every blob are asked for with HEAD; what the registry holds is not sent, and an
 image the registry holds whole costs one HEAD (plus the check below). The engine is asked for the
-image's bytes (`docker save`) only when a blob is missing. After the push the registry's answer is
-checked: the manifest by digest, its config's DiffIDs against the record. The reference pushed
+image's bytes (`docker save`) only when a blob is missing. A blob is sent in chunks (PATCH with
+Content-Range); a chunk the link drops is followed by a look at where the upload stands, and the blob
+goes on from there (or, where the registry dropped the upload, starts again). After the push the
+registry's answer is checked: the manifest by digest, its config's DiffIDs against the record. The reference pushed
 (``host:port/builder/NAME@sha256:...``) is recorded in the image record; credentials
-(BUILDER_REGISTRY_USER / BUILDER_REGISTRY_PASSWORD, or the docker config's ``auths``) are sent only
-to the registry and never written or printed.
+(BUILDER_REGISTRY_USER / BUILDER_REGISTRY_PASSWORD, else the docker client's config through the docker
+SDK: its credential helpers, ``credHelpers`` and ``credsStore``, and its ``auths``) are sent only to the
+registry and never written or printed.
 """
 
 from __future__ import annotations
@@ -38,7 +41,14 @@ if TYPE_CHECKING:
     from builder.hosts import Fleet
 
 REPO_PREFIX = "builder"
+#: bytes read from a blob at a time while a chunk is sent
 UPLOAD_BLOCK = 1024 * 1024
+#: bytes one PATCH carries (a registry's OCI-Chunk-Min-Length can ask for more): a chunk the link drops
+#: midway costs at most this much where the registry keeps the chunks before it
+CHUNK = 64 * 1024 * 1024
+#: tries in a row that bring an upload no byte further, and the wait before the first (doubled each time)
+RETRIES = 5
+RETRY_WAIT = 0.5
 
 
 @dataclass(frozen=True)
@@ -154,22 +164,104 @@ class _Client:
             return False
         raise BuilderError(f"{self.where}: HEAD {kind}/{digest[:19]}: HTTP {status}")
 
-    def upload(self, digest: str, size: int, open_body: Callable[[], Any]) -> None:
+    def _start_upload(self) -> tuple[str, int]:
+        """POST a new upload: (its location, the chunk size the registry asks at least)."""
         status, body, headers = self.reg.send("blobs/uploads/", method="POST", data=b"",
                                               headers={"Content-Length": "0"})
         if status != 202 or "location" not in headers:
             raise BuilderError(f"{self.where}: starting an upload: HTTP {status} {_short(body)}")
-        location = headers["location"]
-        sep = "&" if "?" in location else "?"
-        with open_body() as f:
-            def rewind() -> None:
-                f.seek(0)
+        least = headers.get("oci-chunk-min-length", "")
+        return headers["location"], int(least) if least.isdigit() else 0
 
-            status, body, _ = self.reg.send(f"{location}{sep}digest={digest}", method="PUT", data=f, rewind=rewind,
-                                            headers={"Content-Type": "application/octet-stream",
-                                                     "Content-Length": str(size)})
-        if status != 201:
-            raise BuilderError(f"{self.where}: uploading {digest[:19]}: HTTP {status} {_short(body)}")
+    def _upload_state(self, location: str) -> tuple[str, int] | None:
+        """Where an upload stands (GET on its location: 204 with its ``Range``): (its location now, the
+        bytes it holds). None when the registry no longer has it (404, or 400: distribution cancels an
+        upload that holds more bytes than its last answer said, as a chunk cut midway leaves it)."""
+        status, body, headers = self.reg.send(location, method="GET")
+        if status in (200, 204):
+            return headers.get("location", location), _received(headers.get("range"))
+        if status in (400, 404):
+            return None
+        if status >= 500 or status in (408, 429):  # (the registry's trouble, not the upload's: ask again)
+            raise ConnectionError(f"HTTP {status}")
+        raise BuilderError(f"{self.where}: asking an upload's state: HTTP {status} {_short(body)}")
+
+    def upload(self, digest: str, size: int, open_body: Callable[[], Any],
+               on_bytes: Callable[[int], None] | None = None) -> None:
+        """Send one blob in chunks (POST, then PATCH with ``Content-Range`` per chunk, then PUT with its
+        digest). A chunk cut midway (a dropped link, a refused connection, a 5xx) is followed by a
+        look at where the upload stands (GET on its location) and the blob goes on from the byte the
+        registry holds; where the registry has dropped the upload (distribution does, for a chunk cut
+        midway) a new one starts from the blob's first byte. RETRIES tries in a row that bring nothing
+        further, then BuilderError; ``on_bytes``: told each number of bytes sent (negative when the
+        registry kept fewer than were sent)."""
+        import time
+
+        told = [0]  # the bytes on_bytes was told so far
+
+        def tell(n: int) -> None:
+            told[0] += n
+            if on_bytes is not None and n:
+                on_bytes(n)
+
+        def back_to(off: int) -> None:  # progress back to what the registry holds
+            tell(off - told[0])
+
+        link_errors = (OSError, http.client.HTTPException)
+        with open_body() as f:
+            location, least = self._start_upload()
+            chunk = max(CHUNK, least)
+            off, tries, starts = 0, 0, 1  # off: the bytes the registry has acknowledged
+            while True:
+                done = off >= size
+                status: int | None = None
+                try:
+                    if done:  # the last request: no bytes, the digest
+                        sep = "&" if "?" in location else "?"
+                        status, body, headers = self.reg.send(f"{location}{sep}digest={digest}", method="PUT",
+                                                              data=b"", headers={"Content-Length": "0"})
+                        if status == 201:
+                            return
+                    else:
+                        n = min(chunk, size - off)
+                        status, body, headers = self.reg.send(
+                            location, method="PATCH", data=_Piece(f, off, n, tell),
+                            headers={"Content-Type": "application/octet-stream",
+                                     "Content-Range": f"{off}-{off + n - 1}", "Content-Length": str(n)})
+                        if status == 202 and "location" in headers:
+                            got = _received(headers.get("range"))
+                            location, off, tries = headers["location"], got if got > off else off + n, 0
+                            back_to(off)
+                            continue
+                    if 400 <= status < 500 and status not in (400, 404, 408, 416, 429):
+                        raise BuilderError(f"{self.where}: uploading {digest[:19]}: HTTP {status} {_short(body)}")
+                except _Piece.Spent as e:
+                    raise BuilderError(f"{self.where}: uploading {digest[:19]}: {e}") from None
+                except link_errors:
+                    pass  # the link dropped mid-request
+                back_to(off)
+                # where does the upload stand? (asked until the registry answers, a few times)
+                while True:
+                    tries += 1
+                    if tries > RETRIES or starts > RETRIES:
+                        raise BuilderError(
+                            f"{self.where}: uploading {digest[:19]}: no progress after {RETRIES} tries, at byte "
+                            f"{off} of {size} (last answer: "
+                            f"{'none, the link dropped' if status is None else f'HTTP {status}'})")
+                    time.sleep(min(RETRY_WAIT * 2 ** (tries - 1), 8.0))
+                    try:
+                        if done and self.has("blobs", digest):  # the PUT was taken; its answer was lost
+                            return
+                        state = self._upload_state(location)
+                        if state is None:  # the registry dropped the upload: a new one, from the first byte
+                            (location, least), starts = self._start_upload(), starts + 1
+                            chunk, off = max(CHUNK, least), 0
+                        else:
+                            location, off = state
+                        break
+                    except link_errors:
+                        continue  # still no link
+                back_to(off)
 
     def put_manifest(self, reference: str, raw: bytes) -> None:
         status, body, headers = self.reg.send(f"manifests/{reference}", method="PUT", data=raw,
@@ -185,6 +277,40 @@ class _Client:
 def _short(body: bytes) -> str:
     text = " ".join(body.decode("utf-8", "replace").split())
     return text[:160]
+
+
+def _received(rng: str | None) -> int:
+    """The bytes an upload holds from its ``Range: 0-<last>`` (distribution says ``0-0`` for none)."""
+    m = re.fullmatch(r"\s*(?:bytes=)?0-(\d+)\s*", rng or "")
+    last = int(m.group(1)) if m else -1
+    return last + 1 if last > 0 else 0
+
+
+class _Piece:
+    """One chunk of a blob as a request body: ``n`` bytes from ``off`` of ``f``, read as it is sent, in
+    blocks of UPLOAD_BLOCK; iterated again from its start (a retry after a 401), it sends them again.
+    ``tell`` is told each block handed to the connection (less what an earlier pass told)."""
+
+    class Spent(OSError):
+        """The file ended before the chunk did (it changed under the push)."""
+
+    def __init__(self, f: Any, off: int, n: int, tell: Callable[[int], None]) -> None:
+        self.f, self.off, self.n, self.tell = f, off, n, tell
+        self.told = 0
+
+    def __iter__(self) -> Any:
+        self.tell(-self.told)  # (again: count from the start)
+        self.told = 0
+        self.f.seek(self.off)
+        left = self.n
+        while left:
+            block = self.f.read(min(UPLOAD_BLOCK, left))
+            if not block:
+                raise _Piece.Spent(f"the blob ended {left} bytes early")
+            left -= len(block)
+            self.told += len(block)
+            self.tell(len(block))
+            yield block
 
 
 def verify_pushed(client: _Client, rec: ImageRecord, manifest_digest: str) -> None:
@@ -205,13 +331,20 @@ def verify_pushed(client: _Client, rec: ImageRecord, manifest_digest: str) -> No
                           f"than the image record's")
 
 
+#: a push's progress: called once the blobs to send are known, with a label and their bytes; returns the
+#: callback then told each number of bytes sent
+PushProgress = Callable[[str, int], Callable[[int], None]]
+
+
 def push(store: Path, rec: ImageRecord, target: Target, *,
-         on_log: Callable[[str], None] = lambda s: None) -> tuple[PushResult, ImageRecord]:
-    return push_image(store, rec, target, on_log=on_log)
+         on_log: Callable[[str], None] = lambda s: None,
+         progress: PushProgress | None = None) -> tuple[PushResult, ImageRecord]:
+    return push_image(store, rec, target, on_log=on_log, progress=progress)
 
 
 def push_image(store: Path, rec: ImageRecord, target: Target, *,
-               on_log: Callable[[str], None] = lambda s: None) -> tuple[PushResult, ImageRecord]:
+               on_log: Callable[[str], None] = lambda s: None,
+               progress: PushProgress | None = None) -> tuple[PushResult, ImageRecord]:
     """Push the recorded image; return what was sent and the updated record (also written).
 
     One push of an image at a time (a lock beside its record): the bundles of a fleet are made at once,
@@ -221,7 +354,7 @@ def push_image(store: Path, rec: ImageRecord, target: Target, *,
     try:
         with file_lock(store / "locks" / f"push-{rec.input_address}.lock"):
             rec = read_record(store, rec.input_address) or rec
-            res, rec = _push(store, rec, target, client, on_log)
+            res, rec = _push(store, rec, target, client, on_log, progress)
     except urllib.error.HTTPError as e:
         raise BuilderError(f"{client.where}: HTTP {e.code} for {repository}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
@@ -230,7 +363,7 @@ def push_image(store: Path, rec: ImageRecord, target: Target, *,
 
 
 def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
-          on_log: Callable[[str], None]) -> tuple[PushResult, ImageRecord]:
+          on_log: Callable[[str], None], progress: PushProgress | None = None) -> tuple[PushResult, ImageRecord]:
     manifest = manifest_of(rec)
     sizes: dict[str, Any] = {}
     sent_blobs = sent_bytes = held = 0
@@ -244,7 +377,7 @@ def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
         missing = [d for d in dict.fromkeys(blobs) if not client.has("blobs", d)]
         held = len(dict.fromkeys(blobs)) - len(missing)
         if missing or manifest is None:
-            manifest, n, size, sizes = _send_from_engine(store, rec, client, set(missing), on_log)
+            manifest, n, size, sizes = _send_from_engine(store, rec, client, set(missing), on_log, progress)
             sent_blobs, sent_bytes = n, size
         client.put_manifest(_sha(manifest), manifest)
         sent_bytes += len(manifest)
@@ -267,7 +400,8 @@ def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
 
 
 def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: set[str],
-                      on_log: Callable[[str], None]) -> tuple[bytes, int, int, dict[str, Any]]:
+                      on_log: Callable[[str], None],
+                      progress: PushProgress | None = None) -> tuple[bytes, int, int, dict[str, Any]]:
     """The image's bytes from the engine (spooled: the config and its layers), the missing blobs sent.
     Returns (manifest, blobs sent, bytes sent, the record's size fields)."""
     from builder import dockerio, layers
@@ -288,17 +422,20 @@ def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: s
         if rec.manifest_digest and image.manifest_digest != rec.manifest_digest:
             raise VerifyError(f"images.{rec.name}: manifest {image.manifest_digest[:19]} is not the recorded "
                               f"{rec.manifest_digest[:19]}")
+        unsent = {layer.diff_id: layer.size for layer in image.layers if layer.diff_id in missing}
+        total = sum(unsent.values()) + (len(image.config) if rec.image_id in missing else 0)
+        on_bytes = progress(f"push {rec.name}", total) if progress is not None else None
         if rec.image_id in missing:
             on_log(f"sending config {rec.image_id[:19]} ({len(image.config)} bytes)")
             config = image.config
-            client.upload(rec.image_id, len(config), lambda: _BytesBody(config))
+            client.upload(rec.image_id, len(config), lambda: _BytesBody(config), on_bytes)
             sent, size = sent + 1, size + len(config)
         done: set[str] = set()
         for layer in image.layers:
             if layer.diff_id not in missing or layer.diff_id in done:
                 continue
             on_log(f"sending layer {layer.diff_id[:19]} ({layer.size} bytes)")
-            client.upload(layer.diff_id, layer.size, lambda p=layer.path: open(p, "rb"))  # type: ignore[misc]
+            client.upload(layer.diff_id, layer.size, lambda p=layer.path: open(p, "rb"), on_bytes)  # type: ignore[misc]
             done.add(layer.diff_id)
             sent, size = sent + 1, size + layer.size
     return manifest, sent, size, sizes

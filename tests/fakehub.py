@@ -1,30 +1,41 @@
 """A FAKE Hugging Face Hub for tests: a small real HTTP server on 127.0.0.1.
 
-It implements only what huggingface_hub (2.x) calls for `HfApi.model_info(files_metadata=True)`
-and `hf_hub_download`:
+It implements only what huggingface_hub (2.x) calls for `HfApi.model_info(files_metadata=True)`,
+`hf_hub_download` and `hf download`:
+
+- ``GET /api/agent-harnesses`` (public) -> the registry huggingface_hub reads once a day
 
 - ``GET /api/models/{org}/{name}/revision/{rev}?blobs=True`` -> ``{"id", "sha", "siblings": [
   {"rfilename", "size", "blobId", "lfs": {"size", "sha256", "pointerSize"}}]}``
 - ``GET /api/models/{org}/{name}/tree/{rev}?recursive=true`` -> the files (``hf download`` lists them)
-- ``HEAD|GET /{org}/{name}/resolve/{rev}/{path}`` with ``X-Repo-Commit``, ``ETag``,
-  ``Content-Length`` and, for LFS files, ``X-Linked-Etag`` / ``X-Linked-Size``; ``Range: bytes=N-``
-  answers 206 with ``Content-Range`` (416 past the end), as the Hub's CDN does. ``cut_after`` drops
-  the connection after that many bytes of a file, to test resuming.
+- ``HEAD|GET /{org}/{name}/resolve/{rev}/{path}`` with ``X-Repo-Commit`` and ``ETag`` (the git blob
+  id). A small (non-LFS) file is answered there: ``Content-Length`` and its bytes. An LFS file is
+  answered as the Hub does: ``302 Found`` to a signed URL on its CDN (another origin: a second server
+  on another port), with ``X-Linked-Etag`` (the file's sha256) and ``X-Linked-Size`` on the redirect.
+- the CDN: ``HEAD|GET /lfs/{sha256}?X-Amz-Expires=…&X-Amz-Signature=…`` serves the bytes; as a signed
+  URL does, it refuses (400) a request that also carries an ``Authorization`` header, and (403) one
+  whose signature is not the one the redirect gave.
+
+Both answer ``Range: bytes=N-`` with 206 and ``Content-Range`` (416 past the end), as the Hub's CDN
+does. ``cut_after`` drops the connection after that many bytes of a file, to test resuming.
 
 Unknown repos and revisions answer 404 with the ``X-Error-Code`` the real Hub sends. With
-``token`` set, requests without ``Authorization: Bearer <token>`` get 401. Every request's
-method, path and Authorization header are recorded in ``requests``.
+``token`` set, Hub requests without ``Authorization: Bearer <token>`` get 401. Every request's
+method, path, Authorization and Range headers, and which server it reached (``hub`` or ``cdn``), are
+recorded in ``requests``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 
 @dataclass
@@ -41,6 +52,7 @@ class Seen:
     path: str
     authorization: str | None
     range: str | None = None
+    server: str = "hub"
 
 
 class FakeHub:
@@ -53,7 +65,10 @@ class FakeHub:
         self.cuts = 0
         self._blob_ids: dict[tuple[str, str], str] = {}
         self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._cdn: ThreadingHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+        self._key = hashlib.sha256(str(id(self)).encode()).digest()  # the CDN's signing key
+        self._lfs: dict[str, bytes] = {}  # what the CDN serves, by sha256
 
     # -- content ---------------------------------------------------------------------
 
@@ -87,32 +102,45 @@ class FakeHub:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
+    @property
+    def cdn_url(self) -> str:
+        assert self._cdn is not None
+        host, port = self._cdn.server_address[:2]
+        return f"http://{host}:{port}"
+
     def start(self) -> FakeHub:
         hub = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+        def handler(serve: Any) -> type[BaseHTTPRequestHandler]:
+            class Handler(BaseHTTPRequestHandler):
+                protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: Any) -> None:  # quiet
-                pass
+                def log_message(self, format: str, *args: Any) -> None:  # quiet
+                    pass
 
-            def do_GET(self) -> None:
-                hub._handle(self, head=False)
+                def do_GET(self) -> None:
+                    serve(self, head=False)
 
-            def do_HEAD(self) -> None:
-                hub._handle(self, head=True)
+                def do_HEAD(self) -> None:
+                    serve(self, head=True)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
+            return Handler
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler(hub._handle))
+        self._cdn = ThreadingHTTPServer(("127.0.0.1", 0), handler(hub._handle_cdn))
+        for srv in (self._server, self._cdn):
+            srv.daemon_threads = True
+            t = threading.Thread(target=srv.serve_forever, daemon=True)
+            t.start()
+            self._threads.append(t)
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        for srv in (self._server, self._cdn):
+            if srv is not None:
+                srv.shutdown()
+                srv.server_close()
+        self._server = self._cdn = None
 
     def __enter__(self) -> FakeHub:
         return self.start()
@@ -138,8 +166,6 @@ class FakeHub:
             h.wfile.write(body[: self.cut_after])
             h.wfile.flush()
             h.close_connection = True
-            import socket
-
             h.connection.shutdown(socket.SHUT_RDWR)
             return
         h.wfile.write(body)
@@ -157,6 +183,10 @@ class FakeHub:
         path = unquote(urlsplit(h.path).path)
         auth = h.headers.get("Authorization")
         self.requests.append(Seen(h.command, path, auth, h.headers.get("Range")))
+        if path == "/api/agent-harnesses":  # public: the registry huggingface_hub reads for its user agent
+            body = json.dumps({"standardEnvVars": ["AI_AGENT", "AGENT"], "harnesses": {}}).encode()
+            self._send(h, 200, body, {"Content-Type": "application/json"}, head)
+            return
         if self.token is not None and auth != f"Bearer {self.token}":
             self._error(h, 401, None, "Invalid credentials in Authorization header", head)
             return
@@ -239,16 +269,23 @@ class FakeHub:
             return
         data = r.files[rel]
         blob = self._blob_id(r, rel)
-        headers = {
-            "X-Repo-Commit": r.commit,
-            "ETag": f'"{blob}"',
-            "Content-Type": "application/octet-stream",
-            "Accept-Ranges": "bytes",
-        }
-        if rel in r.lfs:
+        headers = {"X-Repo-Commit": r.commit, "ETag": f'"{blob}"'}
+        if rel in r.lfs:  # the Hub's answer for an LFS file: its metadata, and a signed URL on the CDN
             sha = hashlib.sha256(data).hexdigest()
-            headers["X-Linked-Etag"] = f'"{sha}"'
-            headers["X-Linked-Size"] = str(len(data))
+            self._lfs[sha] = data
+            signed = f"{self.cdn_url}/lfs/{sha}?X-Amz-Expires=3600&X-Amz-Signature={self._sign(sha)}"
+            headers.update({"X-Linked-Etag": f'"{sha}"', "X-Linked-Size": str(len(data)), "Location": signed,
+                            "Content-Type": "text/plain; charset=utf-8"})
+            self._send(h, 302, b"Found. Redirecting", headers, head)
+            return
+        self._ranged(h, data, headers, head)
+
+    def _sign(self, sha: str) -> str:
+        return hmac.new(self._key, sha.encode(), hashlib.sha256).hexdigest()
+
+    def _ranged(self, h: BaseHTTPRequestHandler, data: bytes, headers: dict[str, str], head: bool) -> None:
+        """The bytes of a file, or of its tail from ``Range: bytes=N-`` (206; 416 past the end)."""
+        headers = {**headers, "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
         rng = h.headers.get("Range", "")
         if rng.startswith("bytes=") and rng.endswith("-") and rng[6:-1].isdigit():
             start = int(rng[6:-1])
@@ -259,3 +296,19 @@ class FakeHub:
             self._send(h, 206, data[start:], headers, head)
             return
         self._send(h, 200, data, headers, head)
+
+    def _handle_cdn(self, h: BaseHTTPRequestHandler, *, head: bool) -> None:
+        """The CDN behind the Hub's redirects: a signed URL is the credential, and the only one."""
+        url = urlsplit(h.path)
+        auth = h.headers.get("Authorization")
+        self.requests.append(Seen(h.command, url.path, auth, h.headers.get("Range"), server="cdn"))
+        parts = url.path.strip("/").split("/")
+        sig = (parse_qs(url.query).get("X-Amz-Signature") or [""])[0]
+        if auth is not None:
+            self._error(h, 400, None, "Only one auth mechanism allowed", head)
+        elif len(parts) != 2 or parts[0] != "lfs" or parts[1] not in self._lfs:
+            self._error(h, 404, None, "NoSuchKey", head)
+        elif not hmac.compare_digest(sig, self._sign(parts[1])):
+            self._error(h, 403, None, "SignatureDoesNotMatch", head)
+        else:
+            self._ranged(h, self._lfs[parts[1]], {"ETag": f'"{parts[1]}"'}, head)

@@ -3,18 +3,26 @@ tests and the progress benchmark)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
+import re
 import select
+import struct
 import subprocess
+import termios
 from pathlib import Path
 
 
-def run_on_pty(argv: list[str], cwd: Path | None = None) -> tuple[int, str, bytes]:
+def run_on_pty(argv: list[str], cwd: Path | None = None, *, columns: int | None = None,
+               env: dict[str, str] | None = None) -> tuple[int, str, bytes]:
     """Run argv with stderr on a pseudo-terminal and stdout on a pipe: (exit code, stdout, the bytes
-    drawn on the terminal)."""
+    drawn on the terminal). ``columns``: the terminal's width (its size as a terminal reports it);
+    ``env``: the environment (default: this process's)."""
     master, slave = pty.openpty()
-    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "TERM")}
+    if columns is not None:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k not in ("NO_COLOR", "TERM", "COLUMNS")}
     env["TERM"] = "xterm-256color"
     p = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL, env=env)
     os.close(slave)
@@ -40,3 +48,10 @@ def run_on_pty(argv: list[str], cwd: Path | None = None) -> tuple[int, str, byte
     p.wait(timeout=60)
     os.close(master)
     return p.returncode, out.decode(), seen
+
+
+def screen_lines(drawn: bytes) -> list[str]:
+    """Every line the terminal was given, as text: escape sequences out, split at each carriage return
+    and line feed (what one redraw of a bar writes is one of them)."""
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07", "", drawn.decode("utf-8", "replace"))
+    return [ln for ln in re.split(r"[\r\n]", text) if ln.strip()]

@@ -214,16 +214,35 @@ def test_hf_cache_layout_by_ref_and_by_commit(tmp_path: Path) -> None:
 
 
 def test_offline_uses_the_standard_hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants as hc
+
     commit = "ef" * 20
     make_hf_cache(tmp_path / "std", "org/model", commit, FILES)
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "std"))
+    # (huggingface_hub reads HF_HUB_CACHE, HF_HOME and XDG_CACHE_HOME once, at import: builder asks it)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "std"))
     got = resolve(HfModel(repo="org/model", revision="main"), tmp_path, offline=True)
     assert got.commit == commit and got.source == "local" and len(got.files) == len(FILES)
-    monkeypatch.delenv("HF_HUB_CACHE")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "home" / "hub"))
     with pytest.raises(ResolveError) as ei:
         resolve(HfModel(repo="org/model", revision="main"), tmp_path, offline=True)
     assert str(ei.value) == "models.m: not in the cache and --offline was given (org/model@main)"
+
+
+@pytest.mark.parametrize(("env", "want"), [
+    ({"HF_HUB_CACHE": "{t}/c", "HF_HOME": "{t}/h", "XDG_CACHE_HOME": "{t}/x"}, "{t}/c"),
+    ({"HF_HOME": "{t}/h", "XDG_CACHE_HOME": "{t}/x"}, "{t}/h/hub"),
+    ({"XDG_CACHE_HOME": "{t}/x"}, "{t}/x/huggingface/hub"),
+    ({}, "{t}/home/.cache/huggingface/hub"),
+])
+def test_the_hf_cache_is_the_one_huggingface_hub_computes(tmp_path: Path, env: dict[str, str], want: str) -> None:
+    """One place (builder.hf.hub_cache) and huggingface_hub's own answer, whatever says where it is."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "XDG_", "HUGGINGFACE_"))}
+    base.update({k: v.format(t=tmp_path) for k, v in env.items()}, HOME=str(tmp_path / "home"))
+    code = ("import huggingface_hub.constants as c\nfrom builder import hf\n"
+            "print(hf.hub_cache()); print(c.HF_HUB_CACHE); print(hf.hub_cache_dirs()[0])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [want.format(t=tmp_path)] * 3
 
 
 def test_vanished_files_are_named(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -48,15 +49,23 @@ def proj(tmp_path: Path, hub: FakeHub) -> Path:
     return p
 
 
-def cli(proj: Path, hub: FakeHub | None, *args: str) -> subprocess.CompletedProcess[str]:
+def cli(proj: Path, hub: FakeHub | None, *args: str, token: str | None = TOKEN,
+        env_extra: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "BUILDER_"))}
     env.update(BUILDER_STORE=str(proj / "store"), HF_HOME=str(proj / "hf-home"), NO_COLOR="1")
     if hub is not None:
-        env.update(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN)
+        env["HF_ENDPOINT"] = hub.url
+    if token is not None:
+        env["HF_TOKEN"] = token
+    for k, v in (env_extra or {}).items():  # (None: not set)
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     r = subprocess.run([sys.executable, "-m", "builder", "--pins", str(proj / "pins.toml"), *args],
                        capture_output=True, text=True, env=env, timeout=120)
     assert TOKEN not in r.stdout + r.stderr
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and "Warning" not in r.stderr
     return r
 
 
@@ -66,11 +75,23 @@ def wanted(proj: Path, path: str) -> Wanted:
     return Wanted(model="tiny", commit=lock["commit"], path=path, size=f["size"], sha256=f["sha256"])
 
 
-def resolves(hub: FakeHub) -> list[str]:
-    return [r.path for r in hub.requests if r.method == "GET" and "/resolve/" in r.path]
+def hf_snapshot(proj: Path, path: str) -> Path:
+    """Where huggingface_hub keeps a file of the locked commit (HF_HOME=proj/hf-home)."""
+    return proj / "hf-home" / "hub" / "models--org--tiny" / "snapshots" / wanted(proj, path).commit / path
 
 
-def test_fetch_stores_each_file_once_verified_and_a_second_fetch_sends_nothing(proj: Path, hub: FakeHub) -> None:
+def gets(hub: FakeHub, server: str) -> list[str]:
+    return [r.path for r in hub.requests if r.method == "GET" and r.server == server]
+
+
+def never_written(root: Path, secret: str) -> None:
+    for p in root.rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            assert secret.encode() not in p.read_bytes(), p
+
+
+def test_fetch_downloads_through_huggingface_hub_into_its_cache_and_links_the_store(
+        proj: Path, hub: FakeHub) -> None:
     hub.requests.clear()
     r = cli(proj, hub, "fetch", "tiny", "--json")
     assert r.returncode == 0, r.stderr
@@ -80,29 +101,81 @@ def test_fetch_stores_each_file_once_verified_and_a_second_fetch_sends_nothing(p
         w = wanted(proj, p)
         assert store.object_path(w.sha256).read_bytes() == data
         assert os.path.samefile(store.view_path(w), store.object_path(w.sha256))
-    assert sorted(resolves(hub)) == sorted(f"/org/tiny/resolve/{wanted(proj, p).commit}/{p}" for p in FILES)
+        # one copy of the bytes: the HF cache's blob is the store's object (a hard link)
+        assert hf_snapshot(proj, p).is_symlink() and os.path.samefile(hf_snapshot(proj, p), store.object_path(w.sha256))
+    commit = wanted(proj, "config.json").commit
+    # huggingface_hub's protocol: HEAD on resolve/ at the locked commit, with the token; the small file
+    # from the Hub, the LFS files from the CDN the Hub redirects to, without the token
+    hub.requests[:] = [x for x in hub.requests if x.path != "/api/agent-harnesses"]
+    heads = sorted(x.path for x in hub.requests if x.method == "HEAD")
+    assert heads == sorted(f"/org/tiny/resolve/{commit}/{p}" for p in FILES)
+    assert all(x.authorization == f"Bearer {TOKEN}" for x in hub.requests if x.server == "hub")
+    assert gets(hub, "hub") == [f"/org/tiny/resolve/{commit}/config.json"]
+    lfs = [wanted(proj, p).sha256 for p in ("model.safetensors", "engram-r1of2.bin")]
+    assert sorted(gets(hub, "cdn")) == sorted(f"/lfs/{sha}" for sha in lfs)
+    assert all(x.authorization is None for x in hub.requests if x.server == "cdn")
+    never_written(proj, TOKEN)
     hub.requests.clear()
     r = cli(proj, hub, "fetch", "--json", "tiny")
     assert r.returncode == 0 and len(json.loads(r.stdout)["present"]) == 3
-    assert resolves(hub) == []
+    assert hub.requests == []
 
 
-def test_a_cut_download_resumes_where_it_stopped(proj: Path, hub: FakeHub) -> None:
-    hub.cut_after = 30_000
-    r = cli(proj, hub, "fetch", "tiny", "--jobs", "1")
-    assert r.returncode == 1 and "model.safetensors" in r.stderr and hub.cuts >= 1
-    w = wanted(proj, "model.safetensors")
-    store = ModelStore(proj / "store")
-    assert not store.object_path(w.sha256).exists()  # a partial file is never taken as whole
-    assert 0 < store.partial_path(w.sha256).stat().st_size < len(BIG)
-    hub.cut_after = None
+def test_what_builder_fetched_is_what_hf_cache_ls_and_scan_cache_dir_see(proj: Path, hub: FakeHub) -> None:
+    from huggingface_hub import scan_cache_dir
+
+    assert cli(proj, hub, "fetch", "tiny").returncode == 0
+    info = scan_cache_dir(proj / "hf-home" / "hub")
+    assert info.warnings == []
+    [repo] = info.repos
+    assert repo.repo_id == "org/tiny" and repo.repo_type == "model"
+    [rev] = repo.revisions
+    assert rev.commit_hash == wanted(proj, "config.json").commit
+    assert sorted(f.file_name for f in rev.files) == sorted(FILES)
+    assert rev.size_on_disk == sum(len(d) for d in FILES.values())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env["HF_HOME"] = str(proj / "hf-home")
+    if shutil.which("hf") is None:
+        pytest.skip("huggingface_hub's `hf` CLI is not on PATH")
+    ls = subprocess.run(["hf", "cache", "ls"], capture_output=True, text=True, env=env, timeout=120)
+    assert ls.returncode == 0 and "org/tiny" in ls.stdout, ls.stdout + ls.stderr
+
+
+def test_a_connection_cut_mid_file_resumes_from_what_was_written(tmp_path: Path, hub: FakeHub) -> None:
+    """huggingface_hub writes a download in chunks of DOWNLOAD_CHUNK_SIZE (10 MiB) and, when the link
+    drops, asks for the rest from the last byte it wrote (an HTTP Range request), up to five times in a
+    row without progress: a 25 MiB file whose every answer is cut after 12 MiB arrives in three."""
+    from huggingface_hub.constants import DOWNLOAD_CHUNK_SIZE as CHUNK
+
+    data = os.urandom(1 << 20) * 25
+    hub.add_repo("org/big", {"w.safetensors": data}, lfs={"w.safetensors"})
+    proj = tmp_path / "big"
+    proj.mkdir()
+    (proj / "pins.toml").write_text('format = 1\n\n[models.big]\nrepo = "org/big"\nrevision = "main"\n')
+    assert cli(proj, hub, "lock", "big").returncode == 0
+    hub.cut_after = 12 << 20
     hub.requests.clear()
-    r = cli(proj, hub, "fetch", "tiny")
+    r = cli(proj, hub, "fetch", "big")
     assert r.returncode == 0, r.stderr
-    got = [x for x in hub.requests if x.path.endswith("/model.safetensors") and x.method == "GET"]
-    assert got and got[0].range is not None and got[0].range.startswith("bytes=") and got[0].range != "bytes=0-"
-    assert store.object_path(w.sha256).read_bytes() == BIG
-    assert not store.partial_path(w.sha256).exists()
+    sha = hashlib.sha256(data).hexdigest()
+    got = [x.range for x in hub.requests if x.server == "cdn" and x.path == f"/lfs/{sha}"]
+    assert got == [None, f"bytes={CHUNK}-", f"bytes={2 * CHUNK}-"] and hub.cuts == 2  # never from zero again
+    obj = ModelStore(proj / "store").object_path(sha)
+    assert hashlib.sha256(obj.read_bytes()).hexdigest() == sha
+    assert not list((proj / "hf-home" / "hub").rglob("*.incomplete"))
+
+
+def test_a_link_that_brings_nothing_fails_naming_each_file_and_leaves_nothing(proj: Path, hub: FakeHub) -> None:
+    hub.cut_after = 0  # every answer of a file is cut before its first byte
+    r = cli(proj, hub, "fetch", "tiny", "--jobs", "3")
+    assert r.returncode == 1
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert sorted(e.split(":")[2].strip() for e in errors) == sorted(FILES), r.stderr
+    assert all(e.startswith("error: models.tiny: ") for e in errors)
+    objects = proj / "store" / "models" / "objects"
+    assert not objects.exists() or not list(objects.iterdir())
+    blobs = proj / "hf-home" / "hub" / "models--org--tiny" / "blobs"
+    assert not blobs.exists() or not list(blobs.iterdir())  # huggingface_hub removed its partial files
 
 
 def test_bytes_that_are_not_the_locked_ones_are_removed_and_named(proj: Path, hub: FakeHub) -> None:
@@ -115,14 +188,60 @@ def test_bytes_that_are_not_the_locked_ones_are_removed_and_named(proj: Path, hu
     w = wanted(proj, "model.safetensors")
     assert not store.object_path(w.sha256).exists() and not store.partial_path(w.sha256).exists()
     assert not list((store.root / "objects").glob(f"{w.sha256}*"))
+    # gone from the HF cache too: huggingface_hub would hand the same bytes back next time
+    snap = hf_snapshot(proj, "model.safetensors")
+    assert not snap.exists() and not snap.is_symlink()
+    blobs = snap.parents[2] / "blobs"
+    assert all(p.read_bytes() != BIG[:-1] + b"\x00" for p in blobs.iterdir())
+    hub.repos["org/tiny"].files["model.safetensors"] = BIG  # the Hub fixed: the next fetch takes it
+    assert cli(proj, hub, "fetch", "tiny").returncode == 0
+    assert store.object_path(w.sha256).read_bytes() == BIG
 
 
 def test_a_revision_gone_from_the_hub_and_a_missing_token(proj: Path, hub: FakeHub) -> None:
     hub.add_repo("org/tiny", {"other.bin": b"x"})  # main moved on; the locked commit is gone
     r = cli(proj, hub, "fetch", "tiny")
-    assert r.returncode == 1 and "models.tiny: config.json" in r.stderr and "404" in r.stderr
-    r = cli(proj, None, "fetch", "tiny")  # no HF_ENDPOINT, no token: nothing reachable here
-    assert r.returncode == 1 and r.stderr.count("models.tiny:") >= 3
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert r.returncode == 1 and len(errors) == 3 and all("HTTP 404 from the Hub" in e for e in errors), r.stderr
+    assert any(e.startswith("error: models.tiny: config.json: org/tiny@") for e in errors)
+    r = cli(proj, hub, "fetch", "tiny", token=None)  # the Hub wants a token, and none is given
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert r.returncode == 1 and len(errors) == 3 and all("HTTP 401 from the Hub" in e for e in errors), r.stderr
+
+
+def test_hf_hub_offline_downloads_nothing_and_says_so(proj: Path, hub: FakeHub) -> None:
+    hub.requests.clear()
+    r = cli(proj, hub, "fetch", "tiny", env_extra={"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and r.stderr.count("HF_HUB_OFFLINE is set") == 3, r.stderr
+    assert hub.requests == []
+
+
+def test_the_hf_cache_is_where_huggingface_hub_puts_it_with_xdg_cache_home(proj: Path, hub: FakeHub) -> None:
+    """XDG_CACHE_HOME without HF_HOME: huggingface_hub caches under $XDG_CACHE_HOME/huggingface/hub, and
+    builder (fetch --offline, lock --offline) looks there, not in ~/.cache."""
+    xdg = proj / "xdg"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "XDG_"))}
+    env.update(XDG_CACHE_HOME=str(xdg), HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN)
+    w = wanted(proj, "model.safetensors")
+    code = ("import sys\nfrom huggingface_hub import hf_hub_download\n"
+            "print(hf_hub_download('org/tiny', 'model.safetensors', revision=sys.argv[1]))\n")
+    got = subprocess.run([sys.executable, "-c", code, w.commit], capture_output=True, text=True, env=env, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert Path(got.stdout.strip()).is_relative_to(xdg / "huggingface" / "hub")
+    hub.requests.clear()
+    base: dict[str, str | None] = {"HF_HOME": None, "XDG_CACHE_HOME": str(xdg)}
+    r = cli(proj, None, "fetch", "tiny", "--offline", "--json", token=None, env_extra=base)
+    assert r.returncode == 1  # the two files huggingface_hub did not download are missing
+    rep = json.loads(r.stdout)
+    assert rep["imported"] == ["tiny/model.safetensors"], r.stderr
+    assert sorted(rep["missing"]) == ["tiny/config.json", "tiny/engram-r1of2.bin"]
+    assert hub.requests == []
+    assert os.path.samefile(ModelStore(proj / "store").object_path(w.sha256), got.stdout.strip())
+    # `builder lock --offline` asks the same one place (builder.hf.hub_cache)
+    env.pop("HF_ENDPOINT")
+    code = "from builder import hf\nprint(hf.hub_cache_dirs()[0])\n"
+    dirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert dirs.stdout.strip() == str(xdg / "huggingface" / "hub"), dirs.stderr
 
 
 def test_offline_lists_what_is_missing(proj: Path, hub: FakeHub) -> None:
@@ -194,29 +313,62 @@ def test_a_symlinked_snapshot_is_imported_as_the_file_it_names(tmp_path: Path) -
     assert store.place(w, dest) == "linked" and not dest.is_symlink() and os.path.samefile(dest, blob)
 
 
-@pytest.fixture
-def small_store(proj: Path) -> Iterator[Path]:
-    """The model store on a 64 KiB tmpfs: the 100 KiB LFS file fills it mid-download (a real ENOSPC)."""
-    store = proj / "store"
-    models = store / "models"
-    models.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(models)], capture_output=True)
+@pytest.fixture(params=["store", "hf-cache"])
+def small_disk(request: pytest.FixtureRequest, proj: Path) -> Iterator[Path]:
+    """The model store, or the HF cache huggingface_hub downloads into, on a 64 KiB tmpfs: the 100 KiB
+    LFS file fills it (a real ENOSPC), while being downloaded or while copied into the store."""
+    folder = proj / "store" / "models" if request.param == "store" else proj / "hf-home" / "hub"
+    folder.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
     try:
-        yield store
+        yield folder
     finally:
-        subprocess.run(["umount", "-l", str(models)], check=False)
+        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
-def test_a_disk_that_fills_mid_download(proj: Path, hub: FakeHub, small_store: Path) -> None:
+def test_a_disk_that_fills_mid_download(proj: Path, hub: FakeHub, small_disk: Path) -> None:
     r = cli(proj, hub, "fetch", "tiny")
-    assert r.returncode != 0
+    assert r.returncode == 1
     # (the files are fetched at once, so each that could not be written is named, one line each)
     err = [line for line in r.stderr.splitlines() if line.startswith("error")]
-    assert any("models.tiny: model.safetensors:" in e and "No space left" in e for e in err), r.stderr
+    assert any(e.startswith("error: models.tiny: model.safetensors: ") and "No space left" in e for e in err), r.stderr
     assert all(e.startswith("error: models.tiny: ") for e in err), r.stderr
-    for path in FILES:  # nothing under a real name: no object, no view
-        w = wanted(proj, path)
-        assert not ModelStore(small_store).object_path(w.sha256).exists(), path
-        assert not (small_store / "models" / "views" / "tiny" / w.commit / path).exists(), path
+    store = ModelStore(proj / "store")
+    w = wanted(proj, "model.safetensors")  # nothing under a real name: no object, no view
+    assert not store.object_path(w.sha256).exists() and not store.view_path(w).exists()
+    assert not any(p.is_file() for p in (store.root / "tmp").glob("*"))  # nothing half-copied is left
+    assert not list((proj / "hf-home").rglob("*.incomplete"))  # nor half-downloaded
+    for path, data in FILES.items():  # what was stored is whole
+        obj = store.object_path(wanted(proj, path).sha256)
+        assert not obj.exists() or obj.read_bytes() == data
+
+
+def test_a_download_is_hashed_as_it_lands_and_not_read_again(tmp_path: Path, hub: FakeHub,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bytes huggingface_hub writes are hashed behind it (builder.models.fetch._Follower): the store
+    takes the file without a second full read; a small file (no LFS sha256 to find it by) is read once."""
+    import huggingface_hub.constants as hc
+
+    from builder.models import fetch as core
+    from builder.models import store as store_mod
+
+    data = os.urandom(1 << 20) * 24
+    commit = hub.add_repo("org/big", {"w.safetensors": data, "c.json": b"{}"}, lfs={"w.safetensors"})
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    read: list[str] = []
+    real = store_mod.sha256_file
+    monkeypatch.setattr(store_mod, "sha256_file", lambda p, **kw: (read.append(Path(p).name), real(p, **kw))[1])
+    store = ModelStore(tmp_path / "store")
+    sha = hashlib.sha256(data).hexdigest()
+    w = Wanted(model="big", commit=commit, path="w.safetensors", size=len(data), sha256=sha)
+    small = Wanted(model="big", commit=commit, path="c.json", size=2, sha256=hashlib.sha256(b"{}").hexdigest())
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    got = core.download(store, "org/big", w)
+    core.download(store, "org/big", small)
+    assert len(read) == 1 and read != [sha], read  # the small file alone was read whole
+    assert os.path.samefile(got, store.object_path(sha)) and store.vouched(w)
+    assert hashlib.sha256(store.object_path(sha).read_bytes()).hexdigest() == sha

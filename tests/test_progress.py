@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,3 +121,69 @@ def test_lock_hashing_local_models_draws_a_bar_on_a_terminal_only(tmp_path: Path
                        timeout=120, env=dict(os.environ))
     assert r.returncode == 0 and json.loads(r.stdout)["written"] is False, r.stderr
     assert "hash models" not in r.stderr and "\x1b" not in r.stderr and "\r" not in r.stderr, r.stderr
+
+
+def _one_line_each(tty: bytes | str, columns: int = 80) -> list[str]:
+    """The bars drawn, each checked to fit the terminal (none wraps onto a second line)."""
+    lines = [ln for ln in ptylib.screen_lines(tty.encode() if isinstance(tty, str) else tty) if "\u2501" in ln]
+    assert lines and all(len(ln) < columns for ln in lines), [ln for ln in lines if len(ln) >= columns]
+    return lines
+
+
+def test_fetch_names_the_files_in_flight_with_bytes_rate_and_time_left_in_80_columns(tmp_path: Path) -> None:
+    from fakehub import FakeHub
+
+    files = {f"model-{i:05d}-of-00004.safetensors": os.urandom(1 << 20) * 40 for i in range(4)}
+    repo = "deepseek-ai/DeepSeek-V4-Flash-Base"
+    pins = tmp_path / "pins.toml"
+    pins.write_text(f'format = 1\n\n[models.deepseek-v4-flash]\nrepo = "{repo}"\nrevision = "main"\n')
+    with FakeHub() as hub:
+        hub.add_repo(repo, files, lfs=set(files))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "BUILDER_"))}
+        env.update(BUILDER_STORE=str(tmp_path / "store"), HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=hub.url)
+        lock = subprocess.run([sys.executable, "-m", "builder", "--pins", str(pins), "lock"], capture_output=True,
+                              text=True, env=env, timeout=120)
+        assert lock.returncode == 0, lock.stderr
+        argv = [sys.executable, "-c", NO_DELAY, "--pins", str(pins), "fetch", "deepseek-v4-flash", "--jobs", "2",
+                "--json"]
+        rc, out, tty = ptylib.run_on_pty(argv, tmp_path, columns=80, env=env)
+    assert rc == 0, tty
+    assert len(json.loads(out)["downloaded"]) == 4  # stdout: the data alone
+    lines = _one_line_each(tty)
+    bars = [ln for ln in lines if "MB" in ln]
+    assert not any("None" in ln for ln in lines)
+    # the label names what is in flight (two at once: "+1"), by its shard's own name
+    assert any(re.match(r"get model-0000[0-3]-of.*\+1 ", ln) for ln in bars), bars
+    assert any(re.search(r"\d+\.\d/167\.8 MB +\d+\.\d MB/s 0:00:\d\d$", ln) for ln in bars), bars
+
+
+def test_verify_of_a_large_bundle_draws_a_bar_by_bytes(tmp_path: Path) -> None:
+    p = bl.make_project(tmp_path)
+    _big_local_model(p)
+    r = p.cli("lock", "--offline", "--update", "demo-model")
+    assert r.returncode == 0, r.stderr
+    bl.write_record_for(p.root, p.image_id, p.diff_ids)  # the image, recorded for the new lock
+    args = ["--pins", str(p.pins), "bundle", "spark-b", "--with-models", "--key", str(p.key), "--json"]
+    rc, out, tty = ptylib.run_on_pty([sys.executable, "-c", NO_DELAY, *args], p.root, columns=80)
+    assert rc == 0, tty
+    bars = [ln for ln in _one_line_each(tty) if "MB" in ln]
+    # the store hashes the model as it takes it in: the bar moves with those bytes, at a rate
+    rated = [ln for ln in bars if re.search(r"\d [MG]B/s 0:00:\d\d$", ln)]
+    assert any(ln.startswith("bundle testfleet/spark-b") for ln in rated), bars
+    args = ["--pins", str(p.pins), "verify", str(p.out("spark-b")), "--key", str(p.pub), "--json"]
+    rc, out, tty = ptylib.run_on_pty([sys.executable, "-c", NO_DELAY, *args], p.root, columns=80)
+    assert rc == 0 and json.loads(out)["ok"] is True, tty
+    bars = [ln for ln in _one_line_each(tty) if "MB" in ln]
+    assert any(ln.startswith("verify spark-b") and re.search(r"/5\d\d\.\d MB", ln) for ln in bars), bars
+
+
+def test_labels_keep_the_verb_the_count_and_the_files_own_name() -> None:
+    from builder.output import fit
+
+    text = "get deepseek-v4-flash/model-00001-of-00163.safetensors +3"
+    assert fit(text, 80) == text
+    assert fit(text, 30) == "get model-00001-of-…tensors +3"
+    assert fit("get tiny/some/deeper/folder/config.json", 30) == "get …deeper/folder/config.json"
+    assert fit("bundle spark-tp4/spark-1", 20) == "bundle …-tp4/spark-1"
+    for width in range(8, 60):
+        assert len(fit(text, width)) <= width

@@ -5,6 +5,7 @@ log tells what was sent."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -146,6 +147,32 @@ def test_credentials_from_the_docker_config(built: Built, registry: registrylib.
         (cfg / "config.json").unlink()
     p = built.builder("push", "demo", "--registry", registry.url, check=False)
     assert p.returncode == 1 and "wants credentials" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_credentials_from_a_credential_helper(built: Built, registry: registrylib.Registry, tmp_path: Path) -> None:
+    """The docker config names a credential helper for the registry (``credHelpers``, where nvcr.io's
+    token lives): builder runs ``docker-credential-<name> get`` as docker does, through the docker SDK,
+    and neither prints nor writes what it answers."""
+    helpers = tmp_path / "helpers"
+    helpers.mkdir()
+    exe = helpers / "docker-credential-buildertest"
+    answer = json.dumps({"ServerURL": registry.addr, "Username": registry.username, "Secret": registry.password})
+    exe.write_text(f"#!/bin/sh\nserver=$(cat)\n[ \"$1\" = get ] && [ \"$server\" = {registry.addr} ] && "
+                   f"echo '{answer}'\n")
+    exe.chmod(0o755)
+    cfg = built.workdir / "docker-config"
+    cfg.mkdir(exist_ok=True)
+    (cfg / "config.json").write_text(json.dumps({"credHelpers": {registry.addr: "buildertest"}}))
+    try:
+        env = {"PATH": f"{helpers}{os.pathsep}{os.environ['PATH']}"}
+        p = built.builder("push", "demo", "--registry", registry.url, env=env)
+        assert p.stdout.strip().endswith(built.record["manifest_digest"])
+        assert str(registry.password) not in p.stdout + p.stderr
+        for f in (built.workdir / "store").rglob("*"):
+            if f.is_file() and f.stat().st_size < 1 << 20:
+                assert str(registry.password).encode() not in f.read_bytes(), f
+    finally:
+        (cfg / "config.json").unlink()
 
 
 def test_a_registry_serving_other_bytes_is_caught(built: Built, registry: registrylib.Registry) -> None:

@@ -45,8 +45,9 @@ class BundleOptions:
     part_size: int = DEFAULT_PART_SIZE
     #: --thin --have FILE: the DiffIDs the host holds; the archive leaves out the leading layers it holds
     have: list[str] | None = None
-    #: progress: called once per host with its name and the model bytes its bundle holds; returns
-    #: the callback each model file and image chunk then advances by the bytes it adds
+    #: progress: called once per host with its name and the bytes its bundle will take (the model files
+    #: it holds, and the image archive it carries: about its layers' bytes); returns the callback each
+    #: model file (as the store hashes it, else once placed) and image chunk then advances
     progress: Callable[[str, int], Callable[[int], None]] | None = None
 
 
@@ -199,9 +200,11 @@ def render_bundle(
     secret = sign.load_secret_key(signing_key_path(opts.key))  # fail early (exit 2), before any write
     on_bytes = None
     if opts.progress is not None:
-        on_bytes = opts.progress(
-            f"{fleet.fleet.name}/{host.name}", sum(m["size"] for m in models) if opts.with_models else 0
-        )
+        work = sum(m["size"] for m in models) if opts.with_models else 0
+        if opts.with_image and fleet.fleet.registry is None:  # the archive: its layers' and config's bytes
+            omit = registry.thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
+            work += sum(rec.layer_sizes[omit:]) + (rec.config_size or 0)
+        on_bytes = opts.progress(f"{fleet.fleet.name}/{host.name}", work)
 
     parent = out.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -242,13 +245,20 @@ def render_bundle(
                     # The store's object, linked whole (never in parts: a part would be a second copy
                     # of the bytes); ship resumes a model file by offset instead.
                     wanted = wanted_for(ctx.lock, placed_files[m["path"]])
-                    in_store(ctx.pins, ctx.root, store, wanted, ctx.lock)
+                    hashed = [0]
+
+                    def step(n: int, hashed: list[int] = hashed) -> None:  # the store hashing it
+                        hashed[0] += n
+                        if on_bytes is not None:
+                            on_bytes(n)
+
+                    in_store(ctx.pins, ctx.root, store, wanted, ctx.lock, step)
                     bundled = f"models/{m['model']}/{m['file']}"
                     how = store.place(wanted, tmp / bundled)
                     if how == "linked":
                         placed.add(bundled)
-                    if on_bytes is not None:
-                        on_bytes(m["size"])
+                    if on_bytes is not None and hashed[0] < m["size"]:  # linked as it was vouched for
+                        on_bytes(m["size"] - hashed[0])
                     written.append(WrittenFile(bundled, m["size"], m["sha256"], "0644"))
                 model_entries.append({**m, "bundled": bundled})
             body: dict[str, Any] = {

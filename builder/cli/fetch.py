@@ -25,16 +25,29 @@ def fetch(names: tuple[str, ...], offline: bool, jobs: int, verify: bool, as_jso
 
     c = get_ctx()
     pins, lock = load_pins(c.pins), load_lock(c.lock)
-    total = core.total_bytes(pins, lock, list(names))
+    total = core.bytes_to_bring(pins, lock, c.root, c.store, list(names), verify=verify)
     with output.progress() as bar:
-        task = bar.add_task("fetch", total=total)
+        work = output.InFlight(bar, "fetch", total)
 
-        def on_bytes(done: Wanted | None, n: int) -> None:
-            desc = f"fetch {done.model}/{done.path}" if done is not None else None
-            bar.update(task, advance=n, description=desc)
+        class Shown:
+            """The files in flight by name on the bar (``get tiny/model.safetensors +3``), bytes as they come."""
+
+            def __init__(self) -> None:
+                self.keys: dict[tuple[str, str, str], int] = {}
+
+            def start(self, w: Wanted, verb: str) -> None:
+                self.keys[(w.kind, w.model, w.path)] = work.start(f"{verb} {w.model}/{w.path}")
+
+            def advance(self, n: int) -> None:
+                work.advance(n)
+
+            def finish(self, w: Wanted) -> None:
+                key = self.keys.pop((w.kind, w.model, w.path), None)
+                if key is not None:
+                    work.finish(key)
 
         rep = core.fetch(pins, lock, c.root, c.store, list(names), offline=offline, jobs=jobs, verify=verify,
-                         on_bytes=on_bytes)
+                         progress=Shown())
     if as_json:
         output.data_json(rep.to_json())
     for _, why in rep.repaired:

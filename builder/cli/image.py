@@ -69,7 +69,9 @@ def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, f
         from builder import registry
 
         assert isinstance(target, registry.Target)
-        pushed, _ = registry.push(c.store, rec, target)
+        with output.progress() as bar:
+            pushed, _ = registry.push(c.store, rec, target,
+                                      progress=lambda label, total: output.byte_counter(bar, label, total))
         output.status(f"{pushed.reference}: " + ("already in the registry; nothing sent" if pushed.already else
                       f"pushed ({pushed.sent_blobs} blobs, {pushed.sent_bytes} bytes sent)"))
     return 0

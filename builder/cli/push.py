@@ -38,7 +38,9 @@ def push_image(name: str, target: object, as_json: bool) -> int:
     address = plan(c.pins, c.lock, name).address  # a stale lock is refused here, before any request
     rec = require_record(c.store, name, address)
 
-    res, _ = reg.push(c.store, rec, target, on_log=output.detail)
+    with output.progress() as bar:
+        res, _ = reg.push(c.store, rec, target, on_log=output.detail,
+                          progress=lambda label, total: output.byte_counter(bar, label, total))
     if as_json:
         output.data_json(res.as_json())
     else:

@@ -4,14 +4,21 @@ What hosts get (builder.placement): the lanes' model files, and their runtime in
 kit (``[kits]``) and each plain file a lane mounts (``[files]``), all by sha256 in one store.
 
 For every selected locked file: an object already in the store with the locked size is kept (its
-view linked); else a local copy (a model's `local` folder or the Hugging Face cache, a kit's `local`
-folder, a plain file's project path or ``file://`` URL) is imported after hashing (a hard link on the
-same file system); else a kit's file is written from its git source's tree at the locked commit (the
-mirror `builder lock` keeps; offline too); else, unless offline, a model file is downloaded from the
-Hub at the locked commit (`HF_ENDPOINT`, `HF_TOKEN`) and a plain file from its URL, hashed while it
-arrives. A Hub download that is cut resumes from its partial file with an HTTP Range request (the
-partial bytes are hashed again first, so no byte is trusted unread); a file whose bytes are not the
-locked ones is removed and named. The token is sent only as the Authorization header and never printed.
+view linked); else a local copy (a model's `local` folder, a kit's `local` folder, a plain file's
+project path or ``file://`` URL) is imported after hashing (a hard link on the same file system); else
+a model file the Hugging Face cache holds at the locked commit is imported the same way; else a kit's
+file is written from its git source's tree at the locked commit (the mirror `builder lock` keeps;
+offline too); else, unless offline, a model file is downloaded by huggingface_hub itself
+(``hf_hub_download`` at the locked commit: hf_xet where the Hub stores the file with Xet and hf_xet is
+installed, `HF_ENDPOINT`, `HF_TOKEN`) into the HF cache it computes (builder.hf.hub_cache, what `hf
+cache ls` reads), then hashed and hard-linked into the store; a plain file is downloaded from its URL,
+hashed while it arrives.
+
+A connection cut mid-file is resumed by huggingface_hub from the byte it reached (an HTTP Range
+request; it gives up after five tries that bring nothing). A file whose bytes are not the locked ones
+is removed (from the HF cache too: huggingface_hub would otherwise hand the same bytes back) and named.
+The token goes to huggingface_hub and from it only to the Hub (never to a CDN it is redirected to); it
+is never written or printed.
 """
 
 from __future__ import annotations
@@ -19,25 +26,44 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from builder import fetch as plain
-from builder import kits
+from builder import hf, kits
 from builder.errors import BuilderError, ConfigError, ResolveError, VerifyError
+from builder.hashing import READ_SIZE
 from builder.lockfile import Lock
 from builder.models.store import ModelStore, Wanted
 from builder.pins import Pins
 from builder.placement import PlacedFile, file_name
 
-CHUNK = 4 * 1024 * 1024
-TIMEOUT = 60.0
 
-#: progress callback: (the file just finished, or None mid-download; bytes to add to the total done)
-OnBytes = Callable[[Wanted | None, int], None]
+class Progress(Protocol):
+    """What a fetch tells its progress display (from its worker threads): each file's work as it starts
+    (``verb``: ``get`` a download, ``hash`` a local copy or a download's bytes, ``verify`` a store
+    object hashed again), the bytes as they are received or hashed, and each file's end."""
+
+    def start(self, w: Wanted, verb: str) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+    def finish(self, w: Wanted) -> None: ...
+
+
+class _NoProgress:
+    def start(self, w: Wanted, verb: str) -> None:
+        return None
+
+    def advance(self, n: int) -> None:
+        return None
+
+    def finish(self, w: Wanted) -> None:
+        return None
 
 
 @dataclass
@@ -122,11 +148,9 @@ def select(pins: Pins, lock: Lock, names: list[str]) -> list[Wanted]:
     return out
 
 
-def local_copy(pins: Pins, root: Path, w: Wanted) -> Path | None:
-    """A local file said to be this one (a model's `local` folder or the HF cache, a kit's `local`
-    folder, a plain file's project path or file:// URL), if any."""
-    from builder.hf import repo_folder_name
-
+def own_copy(pins: Pins, root: Path, w: Wanted) -> Path | None:
+    """A local file the pins name for this one (a model's `local` folder, a kit's `local` folder, a
+    plain file's project path or file:// URL), if any. (The HF cache: hf_cached.)"""
     if w.kind == "kits":
         return kits.local_file(pins.kits[w.model], root, w.path)
     if w.kind == "files":
@@ -136,16 +160,24 @@ def local_copy(pins: Pins, root: Path, w: Wanted) -> Path | None:
         p = plain.local_path(url, root, where=f"files.{w.model}.url")
         return p if p.is_file() else None
     spec = pins.models[w.model]
-    cands: list[Path] = []
-    if spec.local:
-        base = Path(spec.local) if Path(spec.local).is_absolute() else root / spec.local
-        cands += [base / w.path, base / "snapshots" / w.commit / w.path,
-                  base / repo_folder_name(spec.repo) / "snapshots" / w.commit / w.path]
-    hub = os.environ.get("HF_HUB_CACHE") or str(
-        Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub"
-    )
-    cands.append(Path(hub) / repo_folder_name(spec.repo) / "snapshots" / w.commit / w.path)
+    if not spec.local:
+        return None
+    base = Path(spec.local) if Path(spec.local).is_absolute() else root / spec.local
+    cands = [base / w.path, base / "snapshots" / w.commit / w.path,
+             base / hf.repo_folder_name(spec.repo) / "snapshots" / w.commit / w.path]
     return next((c for c in cands if c.is_file()), None)
+
+
+def hf_cached(pins: Pins, w: Wanted) -> Path | None:
+    """The HF cache's copy of a model file at its locked commit (builder.hf.hub_cache), if any."""
+    if w.kind != "models":
+        return None
+    return hf.cached_file(pins.models[w.model].repo, w.commit, w.path)
+
+
+def local_copy(pins: Pins, root: Path, w: Wanted) -> Path | None:
+    """A local file said to be this one: the pins' own copy (own_copy), else the HF cache's."""
+    return own_copy(pins, root, w) or hf_cached(pins, w)
 
 
 def from_tree(pins: Pins, lock: Lock, root: Path, store: ModelStore, w: Wanted, *, offline: bool) -> bool:
@@ -164,21 +196,22 @@ def from_tree(pins: Pins, lock: Lock, root: Path, store: ModelStore, w: Wanted, 
     return True
 
 
-def in_store(pins: Pins, root: Path, store: ModelStore, w: Wanted, lock: Lock | None = None) -> Path:
+def in_store(pins: Pins, root: Path, store: ModelStore, w: Wanted, lock: Lock | None = None,
+             on_bytes: Callable[[int], None] | None = None) -> Path:
     """The store's object for a locked file, importing a local copy first when the store lacks it
     (what `builder fetch --offline` would do for it: a kit's file from its git mirror too, given the
     lock); its bytes checked (ModelStore.checked). ConfigError naming the file when neither the
-    store nor a local copy has it."""
+    store nor a local copy has it. ``on_bytes``: progress, told the bytes as they are hashed."""
     if not store.has(w):
         src = local_copy(pins, root, w)
         if src is not None:
-            store.import_file(src, w)
+            store.import_file(src, w, on_bytes)
         elif lock is None or not from_tree(pins, lock, root, store, w, offline=True):
             raise ConfigError(
                 f"{w.where}: not in the model store ({store.root}) and no local copy; run "
                 f"`builder fetch {w.model}`, or bundle without --with-models"
             )
-    return store.checked(w)
+    return store.checked(w, on_bytes)
 
 
 def download_url(store: ModelStore, url: str, root: Path, w: Wanted) -> None:
@@ -193,123 +226,323 @@ def download_url(store: ModelStore, url: str, root: Path, w: Wanted) -> None:
     store.commit_object(tmp, w, w.sha256, n)
 
 
-def download(store: ModelStore, repo: str, w: Wanted, on_bytes: OnBytes | None = None) -> None:
-    """GET the file at the locked commit into its partial file, resuming what is there; verify; commit."""
-    from huggingface_hub import get_session, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers
+def _hub_reason(e: BaseException, token: str | None) -> str:
+    """One line for why huggingface_hub could not download a file: the Hub's HTTP status (and its
+    X-Error-Message), else the network error underneath, else the library's first line; scrubbed."""
+    from huggingface_hub.errors import HfHubHTTPError
 
-    from builder.hf import scrub
+    if isinstance(e, HfHubHTTPError) and e.response is not None:
+        why = e.response.headers.get("X-Error-Message") or ""
+        line = f"HTTP {e.response.status_code} from the Hub" + (f" ({why})" if why else "")
+        return hf.scrub(line, token)
+    root: BaseException = e
+    seen = 0
+    while (root.__cause__ or root.__context__) is not None and seen < 8:
+        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+        seen += 1
+    first = (str(root).strip().splitlines() or [type(root).__name__])[0]
+    if root is not e:
+        first = f"{type(root).__name__}: {first}"
+    return hf.scrub(first, token)[:300]
 
-    token = os.environ.get("HF_TOKEN") or None
-    url = hf_hub_url(repo, w.path, revision=w.commit, endpoint=os.environ.get("HF_ENDPOINT") or None)
-    part = store.partial_path(w.sha256)
-    part.parent.mkdir(parents=True, exist_ok=True)
-    h = hashlib.sha256()
-    have = 0
-    if part.exists():
-        with open(part, "rb") as f:
-            while chunk := f.read(CHUNK):
-                h.update(chunk)
-                have += len(chunk)
-        if have > w.size:
-            part.unlink()
-            h, have = hashlib.sha256(), 0
-    headers = build_hf_headers(token=token)
-    if have:
-        headers["Range"] = f"bytes={have}-"
+
+class _Follower:
+    """Hashes a download while huggingface_hub writes it, so that the check against the lock needs no
+    second read of the whole file once it has arrived.
+
+    huggingface_hub (2.x) writes an HTTP download into ``blobs/<etag>.<8 hex>.incomplete`` beside the
+    blob it becomes, front to back, and renames it into place; an LFS file's etag is its sha256, so the
+    file is found by the sha256 the lock names. This reads it behind the writer (a reader never sees
+    past the bytes already written: the size of a growing file counts only copied bytes), hashes each
+    byte once, and once the download is done reads the rest through the same descriptor. Its answer
+    is used only when it holds for the file huggingface_hub kept (the same inode, the locked size) and
+    names the locked sha256; anything else (no such file, two of them, a restart from zero, a Xet
+    download, whose chunks are written out of order) sends the file to the full read instead."""
+
+    def __init__(self, blobs: Path, w: Wanted) -> None:
+        self.blobs, self.w = blobs, w
+        self.h = hashlib.sha256()
+        self.pos = 0
+        self.fd: int | None = None
+        self.ok = True
+        self.closing = False
+        self.cond = threading.Condition()
+        self.thread: threading.Thread | None = None
+        self.buf = bytearray(READ_SIZE)
+
+    def begin(self) -> None:
+        """huggingface_hub has opened its temporary file (its bar is being made): follow it."""
+        if self.thread is not None or not self.ok:
+            return
+        found = list(self.blobs.glob(f"{self.w.sha256}.*.incomplete"))
+        if len(found) != 1:
+            self.ok = False
+            return
+        try:
+            self.fd = os.open(found[0], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            self.ok = False
+            return
+        self.thread = threading.Thread(target=self._run, name=f"hash {self.w.path}", daemon=True)
+        self.thread.start()
+
+    def poke(self) -> None:
+        with self.cond:
+            self.cond.notify()
+
+    def spoil(self) -> None:
+        """What was read may not be what the file holds (huggingface_hub started it again)."""
+        self.ok = False
+        self.poke()
+
+    def _read_available(self) -> None:
+        assert self.fd is not None
+        view = memoryview(self.buf)
+        while self.ok:
+            n = os.preadv(self.fd, [self.buf], self.pos)
+            if not n:
+                return
+            self.h.update(view[:n])
+            self.pos += n
+            if self.pos > self.w.size:
+                self.ok = False
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._read_available()
+                with self.cond:
+                    if self.closing or not self.ok:
+                        return
+                    self.cond.wait(timeout=0.05)
+        except OSError:
+            self.ok = False
+
+    def finish(self, final: Path | None) -> tuple[str, int] | None:
+        """(sha256, size) of the file huggingface_hub kept at ``final``, or None (then read it in full)."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify()
+        if self.thread is not None:
+            self.thread.join()
+        if self.fd is None:
+            return None
+        try:
+            if not self.ok or final is None:
+                return None
+            self._read_available()  # the rest: the file is whole now, under its final name
+            mine, theirs = os.fstat(self.fd), os.stat(os.path.realpath(final))
+            if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino) or mine.st_size != self.pos:
+                return None
+            return (self.h.hexdigest(), self.pos) if self.ok else None
+        except OSError:
+            return None
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _bar_class(progress: Progress, follower: _Follower | None = None) -> type:
+    """The ``tqdm_class`` huggingface_hub is given: it reports the bytes of a download to ``progress``
+    (huggingface_hub draws nothing of its own) and wakes the follower that hashes them. Its calls: a
+    download's bar is made with ``total`` and ``initial`` (a Xet download's also with ``bar_format``);
+    ``update(n)`` per chunk (negative when a server ignored a resume's Range and the file starts
+    again); Xet downloads also call ``update_transfer`` (network bytes: not counted, the file's are)
+    and ``set_postfix_str``."""
+
+    class _Bytes:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.n = int(kwargs.get("initial") or 0)
+            self.total = kwargs.get("total")
+            self.desc = kwargs.get("desc", "")
+            self.disable = False
+            self.format_dict: dict[str, Any] = {}
+            if follower is not None:
+                if "bar_format" in kwargs:  # Xet: written in chunks out of order
+                    follower.spoil()
+                else:
+                    follower.begin()
+
+        def __enter__(self) -> _Bytes:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def update(self, n: float | None = 1) -> None:
+            k = int(n or 0)
+            self.n += k
+            progress.advance(k)
+            if follower is not None:
+                follower.spoil() if k < 0 else follower.poke()
+
+        def update_transfer(self, n: float | None = 1) -> None:
+            return None
+
+        def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def set_transfer_postfix_str(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def set_description(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def refresh(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def close(self) -> None:
+            return None
+
+    return _Bytes
+
+
+def download(store: ModelStore, repo: str, w: Wanted, progress: Progress | None = None) -> Path:
+    """The file at the locked commit through huggingface_hub (``hf_hub_download``) into the HF cache,
+    then hashed and hard-linked into the store. Returns the HF cache's path. ResolveError naming the
+    file when huggingface_hub cannot download it; VerifyError (the HF cache's copy removed) when its
+    bytes are not the locked ones."""
+    from huggingface_hub import get_token, hf_hub_download
+
+    progress = progress or _NoProgress()
+    _quiet_library()
+    token = get_token()  # HF_TOKEN, else the token `hf auth login` stored: huggingface_hub's own rule
+    cache = hf.hub_cache()
+    follower = _Follower(cache / hf.repo_folder_name(repo) / "blobs", w)
+    progress.start(w, "get")
+    got: Any = None
     try:
-        with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=TIMEOUT) as r:
-            if r.status_code == 200 and have:  # the server ignored the Range: start again
-                h, have = hashlib.sha256(), 0
-                mode = "wb"
-            elif r.status_code in (200, 206):
-                mode = "ab" if have else "wb"
-            elif r.status_code == 416 and have == w.size:
-                mode = ""
-            else:
-                raise ResolveError(f"{w.where}: {repo}@{w.commit[:12]}: HTTP {r.status_code} from the Hub")
-            if mode:
-                with open(part, mode) as f:
-                    for chunk in r.iter_bytes():  # as it arrives: a cut keeps what came
-                        f.write(chunk)
-                        h.update(chunk)
-                        have += len(chunk)
-                        if on_bytes:
-                            on_bytes(None, len(chunk))
-                        if have > w.size:
-                            break
-                    f.flush()
-                    os.fsync(f.fileno())
-    except BuilderError:
-        raise
+        got = hf_hub_download(repo, w.path, revision=w.commit, cache_dir=cache, token=token,
+                              endpoint=os.environ.get("HF_ENDPOINT") or None,
+                              tqdm_class=_bar_class(progress, follower))
     except OSError as e:
-        raise BuilderError(f"{w.where}: cannot write {part}: {e.strerror or e}") from None
-    except Exception as e:  # the HTTP client's errors: one scrubbed line
-        line = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ResolveError(f"{w.where}: {repo}@{w.commit[:12]}: {scrub(line, token)}") from None
-    if have < w.size:
-        raise ResolveError(
-            f"{w.where}: the download stopped at {have} of {w.size} bytes (run fetch again to resume)"
-        )
-    store.commit_object(part, w, h.hexdigest(), have)
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+        if e.errno is not None and e.strerror and not isinstance(e, (HfHubHTTPError, LocalEntryNotFoundError)):
+            # a local write (a full disk): huggingface_hub removed its partial file
+            raise BuilderError(f"{w.where}: cannot write into the HF cache {cache}: {e.strerror}") from None
+        raise ResolveError(f"{w.where}: {repo}@{w.commit[:12]}: {_hub_reason(e, token)}") from None
+    except Exception as e:  # the library's and its HTTP client's errors: one scrubbed line
+        raise ResolveError(f"{w.where}: {repo}@{w.commit[:12]}: {_hub_reason(e, token)}") from None
+    finally:
+        hashed = follower.finish(Path(str(got)) if got is not None else None)
+        progress.finish(w)
+    path = Path(str(got))
+    progress.start(w, "hash" if hashed is None else "check")
+    try:
+        store.import_file(path, w, hashed=hashed)
+    except VerifyError as e:
+        hf.forget_cached(repo, w.commit, w.path, cache)
+        raise VerifyError(f"{e}; removed (from the HF cache too)") from None
+    finally:
+        progress.finish(w)
+    return path
+
+
+def _quiet_library() -> None:
+    """huggingface_hub speaks only through builder: its log lines (a resumed download's URL) and its
+    warnings (little free disk space, before the write that fails) stay off stderr; what fails is
+    named by builder, one line a file."""
+    import logging
+    import warnings
+
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"huggingface_hub(\..*)?")
+
+
+def _offline_mode() -> bool:
+    """Whether huggingface_hub is told to stay offline (HF_HUB_OFFLINE): it would download nothing."""
+    from huggingface_hub import constants
+
+    return bool(constants.is_offline_mode())
 
 
 def fetch(
     pins: Pins, lock: Lock, root: Path, store_dir: Path, names: list[str], *, offline: bool = False,
-    jobs: int = 4, verify: bool = False, on_bytes: OnBytes | None = None,
+    jobs: int = 4, verify: bool = False, progress: Progress | None = None,
 ) -> FetchReport:
     store = ModelStore(store_dir)
     wanted = select(pins, lock, names)
     report = FetchReport()
+    bar = progress or _NoProgress()
+    lock_report = threading.Lock()
+
+    def note(kind: list[Any], item: Any) -> None:
+        with lock_report:
+            kind.append(item)
+
+    def hashed(w: Wanted, verb: str, run: Callable[[Callable[[int], None]], Any]) -> Any:
+        bar.start(w, verb)
+        try:
+            return run(bar.advance)
+        finally:
+            bar.finish(w)
 
     def one(w: Wanted) -> None:
         try:
             if store.has(w):
-                why = store.verify(w) if verify else None
+                why = hashed(w, "verify", lambda adv: store.verify(w, adv)) if verify else None
                 if why is None:
                     store.link_view(w)
-                    report.present.append(w)
-                    if on_bytes:
-                        on_bytes(w, w.size)
+                    note(report.present, w)
                     return
                 store.remove(w)
                 if offline:
-                    report.failed.append((w, f"{w.where}: {why}; removed"))
+                    note(report.failed, (w, f"{w.where}: {why}; removed"))
                     return
-                report.repaired.append((w, f"{w.where}: {why}; removed, fetching again"))
-            src = local_copy(pins, root, w)
+                note(report.repaired, (w, f"{w.where}: {why}; removed, fetching again"))
+            src = own_copy(pins, root, w)
             if src is not None:
-                store.import_file(src, w)
-                report.imported.append(w)
-                if on_bytes:
-                    on_bytes(w, w.size)
-            elif from_tree(pins, lock, root, store, w, offline=offline):
-                report.imported.append(w)
-                if on_bytes:
-                    on_bytes(w, w.size)
-            elif w.kind == "kits":  # a local kit's folder is the only place its files come from
-                report.failed.append((w, f"{w.where}: not in the store, and not in the kit's folder "
-                                         f"{kits.folder(pins.kits[w.model], root)}"))
-            elif offline:
-                report.missing.append(w)
+                hashed(w, "hash", lambda adv: store.import_file(src, w, adv))
+                note(report.imported, w)
                 return
+            cached = hf_cached(pins, w)
+            if cached is not None:
+                try:
+                    hashed(w, "hash", lambda adv: store.import_file(cached, w, adv))
+                    note(report.imported, w)
+                    return
+                except VerifyError as e:
+                    # huggingface_hub never hashes its cache: a wrong copy there goes, or it comes back
+                    hf.forget_cached(pins.models[w.model].repo, w.commit, w.path)
+                    why = f"{e}; removed from the HF cache"
+                    if offline:
+                        note(report.failed, (w, why))
+                        return
+                    note(report.repaired, (w, f"{why}, fetching again"))
+            if from_tree(pins, lock, root, store, w, offline=offline):
+                bar.advance(w.size)
+                note(report.imported, w)
+            elif w.kind == "kits":  # a local kit's folder is the only place its files come from
+                note(report.failed, (w, f"{w.where}: not in the store, and not in the kit's folder "
+                                        f"{kits.folder(pins.kits[w.model], root)}"))
+            elif offline:
+                note(report.missing, w)
             elif w.kind == "files":
-                download_url(store, pins.files[w.model].url, root, w)
-                report.downloaded.append(w)
-                if on_bytes:
-                    on_bytes(w, w.size)
+                bar.start(w, "get")
+                try:
+                    download_url(store, pins.files[w.model].url, root, w)
+                    bar.advance(w.size)
+                finally:
+                    bar.finish(w)
+                note(report.downloaded, w)
+            elif _offline_mode():
+                note(report.failed, (w, f"{w.where}: not in the store or the HF cache, and HF_HUB_OFFLINE is "
+                                        "set (huggingface_hub downloads nothing)"))
             else:
-                download(store, pins.models[w.model].repo, w, on_bytes)
-                report.downloaded.append(w)
-                if on_bytes:
-                    on_bytes(w, 0)
+                download(store, pins.models[w.model].repo, w, bar)
+                note(report.downloaded, w)
         except (BuilderError, VerifyError) as e:
-            report.failed.append((w, str(e)))
+            note(report.failed, (w, str(e)))
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         list(pool.map(one, wanted))
     return report
 
 
-def total_bytes(pins: Pins, lock: Lock, names: list[str]) -> int:
-    return sum(w.size for w in select(pins, lock, names))
+def bytes_to_bring(pins: Pins, lock: Lock, root: Path, store_dir: Path, names: list[str], *,
+                   verify: bool = False) -> int:
+    """The bytes a fetch will receive or hash (what its progress counts): every file the store lacks,
+    and with ``verify`` the store's own too (each is hashed again). Nothing is read."""
+    store = ModelStore(store_dir)
+    return sum(w.size for w in select(pins, lock, names) if verify or not store.has(w))

@@ -8,15 +8,17 @@ It holds every file a host gets by the placement rule: model files, and the lane
                                                     launch files read)
     <store>/models/views/<kind>/<name>/<version>/<path>   the same for a kit (version: its MANIFEST's
                                                     sha256) or a plain file (version: its sha256)
-    <store>/models/partial/<sha256>.part            a download in progress (never taken as whole)
+    <store>/models/partial/<sha256>.part            a download an older builder left (never taken as
+                                                    whole; removed with its object)
     <store>/models/tmp/                             imports being verified before their rename
     <store>/models/stamps/<sha256>.json             size, mtime (ns) and inode of the object when it
                                                     was last hashed in full (what vouches for it)
 
 An object's name is its content's sha256, so a file is stored once whatever models, revisions or
-hosts use it. Every object is written into ``tmp/`` or ``partial/`` inside the store (one file
-system), verified against the lock (size and sha256), then renamed into place under a lock: a
-reader never sees a half-written object under a real name.
+hosts use it. Every object is written (or hard-linked: a local copy, the HF cache's blob
+huggingface_hub downloaded) into ``tmp/`` inside the store (one file system), verified against the
+lock (size and sha256), then renamed into place under a lock: a reader never sees a half-written
+object under a real name.
 
 Bundles take model files from here by hard link (``place``: a reflink where a link is refused, a
 copy only across file systems), so a fleet's bundles cost one copy of the weights, not one per host.
@@ -35,12 +37,13 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 from builder.canon import atomic_write, file_lock, fsync_dir
-from builder.errors import VerifyError
+from builder.errors import BuilderError, VerifyError
 from builder.hashing import READ_SIZE, sha256_file, stamp
 from builder.installer import fast_mode_drift
 
@@ -100,12 +103,13 @@ class ModelStore:
             return False
         return stat.S_ISREG(st.st_mode) and st.st_size == w.size
 
-    def verify(self, w: Wanted) -> str | None:
-        """Hash the stored object again: None when its bytes are the locked ones, else why not."""
+    def verify(self, w: Wanted, on_bytes: Callable[[int], None] | None = None) -> str | None:
+        """Hash the stored object again: None when its bytes are the locked ones, else why not.
+        ``on_bytes``: progress, told each number of bytes just hashed."""
         p = self.object_path(w.sha256)
         if not p.is_file():
             return "not in the store"
-        digest, size = sha256_file(p)
+        digest, size = sha256_file(p, on_bytes=on_bytes)
         if size != w.size:
             return f"the store holds {size} bytes, the lock says {w.size}"
         if digest != w.sha256:
@@ -141,11 +145,12 @@ class ModelStore:
             return False
         return fast_mode_drift(rec, w.sha256, w.size, st.st_size, st.st_mtime_ns, st.st_ino) is None
 
-    def checked(self, w: Wanted) -> Path:
+    def checked(self, w: Wanted, on_bytes: Callable[[int], None] | None = None) -> Path:
         """The object's path once its bytes are known to be the locked ones: vouched by its stamp, or
-        hashed again now (and stamped). VerifyError naming the model and file when they are not."""
+        hashed again now (and stamped; ``on_bytes`` told the bytes as they are hashed). VerifyError
+        naming the model and file when they are not."""
         if not self.vouched(w):
-            why = self.verify(w)
+            why = self.verify(w, on_bytes)
             if why is not None:
                 raise VerifyError(f"{w.where}: {why} (run `builder fetch --verify {w.model}`)")
             self._stamp(w)
@@ -205,15 +210,24 @@ class ModelStore:
         self.link_view(w)
         return dest
 
-    def import_file(self, src: Path, w: Wanted) -> str:
-        """Take a local copy of a locked file (a snapshot folder, an HF cache) into the store: hashed,
-        then hard-linked where it is on the same file system, copied otherwise. Returns 'linked' or
-        'copied'. VerifyError (nothing stored) when its bytes are not the locked ones."""
+    def import_file(self, src: Path, w: Wanted, on_bytes: Callable[[int], None] | None = None,
+                    hashed: tuple[str, int] | None = None) -> str:
+        """Take a local copy of a locked file (a snapshot folder, an HF cache) into the store: hashed
+        (``on_bytes`` told the bytes as they are hashed), then hard-linked where it is on the same file
+        system, copied otherwise. Returns 'linked' or 'copied'. VerifyError (nothing stored) when its
+        bytes are not the locked ones; BuilderError naming the file when the store cannot be written.
+
+        ``hashed``: (sha256, size) of this very file (this inode), read in full by the caller as it was
+        written (a download followed as it lands); it is not read again when it is the locked one. Any
+        other answer is not trusted to condemn the file: it is hashed again, and that decides."""
         self._ensure()
         # The file itself, not a symbolic link to it (an HF cache's snapshot is links to its blobs):
         # link(2) does not follow a link, so the store would keep the link instead of the bytes.
         src = Path(os.path.realpath(src))
-        digest, size = sha256_file(src)
+        if hashed is not None and hashed == (w.sha256, w.size):
+            digest, size = hashed
+        else:
+            digest, size = sha256_file(src, on_bytes=on_bytes)
         if size != w.size or digest != w.sha256:
             raise VerifyError(
                 f"{w.where}: {src} has {size} bytes with sha256 {digest[:16]}, the lock says {w.size} bytes "
@@ -225,9 +239,14 @@ class ModelStore:
             os.link(src, tmp)
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-                raise
+                raise BuilderError(f"{w.where}: cannot link {src} into the store: {e.strerror or e}") from None
             how = "copied"
-            shutil.copyfile(src, tmp)
+            try:
+                shutil.copyfile(src, tmp)
+            except OSError as e:  # (a full disk: nothing half-copied stays)
+                tmp.unlink(missing_ok=True)
+                raise BuilderError(f"{w.where}: cannot copy {src} into the store ({tmp.parent}): "
+                                   f"{e.strerror or e}") from None
             digest, size = sha256_file(tmp)  # the copy is what the store keeps
         if how == "linked":
             # a hard link shares the source's inode: keep the source's mode, do not chmod it

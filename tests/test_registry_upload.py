@@ -1,0 +1,318 @@
+"""Blob uploads in chunks and registry credentials, against the REAL registry (Debian's docker-registry,
+the CNCF distribution 2.8, on loopback; tests/registrylib.py), through a small TCP proxy of this test
+that drops the link the way a network does: refusing connections for a while, or cutting one midway
+through a chunk. Credentials through the docker client's own config: a credential helper is a
+``docker-credential-<name>`` program on PATH (the helper protocol: ``get`` reads the registry on
+stdin and prints ``{"ServerURL", "Username", "Secret"}``), here a small script in a temp folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import registrylib  # noqa: E402
+
+from builder import registry  # noqa: E402
+from builder.errors import ResolveError  # noqa: E402
+
+pytestmark = [pytest.mark.registry]
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _needs_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not registrylib.registry_available():
+        pytest.skip("docker-registry is not installed")
+    monkeypatch.setattr(registry, "CHUNK", 4 * MiB)  # a 10 MiB blob: three chunks
+    monkeypatch.setattr(registry, "RETRY_WAIT", 0.05)
+
+
+class Link:
+    """A TCP proxy on 127.0.0.1 in front of the registry: every connection forwarded both ways, its
+    request head recorded (urllib sends one request per connection). ``down(k)``: the next k
+    connections are closed before a byte is forwarded (the link is down); ``cut_at(n, then_down=k)``:
+    once n more bytes went from client to registry, the connection is cut there, midway through what it
+    carried (and the next k connections are refused)."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.heads: list[str] = []
+        self.sent = 0  # bytes forwarded client -> registry
+        self._down = 0
+        self._cut: int | None = None
+        self._then_down = 0
+        self._lock = threading.Lock()
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"127.0.0.1:{self._srv.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def down(self, k: int) -> None:
+        self._down = k
+
+    def cut_at(self, n: int, then_down: int = 0) -> None:
+        self._cut = self.sent + n
+        self._then_down = then_down
+
+    def close(self) -> None:
+        self._srv.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._srv.accept()
+            except OSError:
+                return
+            with self._lock:
+                refuse = self._down > 0
+                self._down -= 1 if refuse else 0
+            if refuse:
+                conn.close()
+                continue
+            threading.Thread(target=self._pipe, args=(conn,), daemon=True).start()
+
+    def _pipe(self, conn: socket.socket) -> None:
+        up = socket.create_connection(self.upstream)
+        head = bytearray()
+
+        def back() -> None:  # registry -> client
+            try:
+                while data := up.recv(65536):
+                    conn.sendall(data)
+            except OSError:
+                pass
+            finally:
+                conn.close()
+
+        threading.Thread(target=back, daemon=True).start()
+        try:
+            while data := conn.recv(65536):
+                if len(head) < 4096:
+                    head += data[: 4096 - len(head)]
+                with self._lock:
+                    left = None if self._cut is None else self._cut - self.sent
+                    if left is not None and left < len(data):
+                        self._cut, self._down = None, self._then_down
+                        self.sent += max(left, 0)
+                        up.sendall(data[: max(left, 0)])
+                        raise ConnectionAbortedError("cut")
+                    self.sent += len(data)
+                up.sendall(data)
+        except OSError:
+            pass
+        finally:
+            self.heads.append(head.split(b"\r\n\r\n", 1)[0].decode("latin-1"))
+            for s in (conn, up):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def requests(self) -> list[str]:
+        """``METHOD what Content-Range`` of each request seen, in order (``what``: ``uploads`` for an
+        upload's URL, ``blob`` for a blob's, else the path)."""
+        out = []
+        for h in self.heads:
+            lines = h.split("\r\n")
+            method, path = (lines[0].split(" ") + ["", ""])[:2]
+            what = "uploads" if "/blobs/uploads/" in path else "blob" if "/blobs/sha256:" in path else path
+            rng = next((ln.split(":", 1)[1].strip() for ln in lines[1:] if ln.lower().startswith("content-range:")),
+                       "")
+            out.append(f"{method} {what} {rng}".strip())
+        return out
+
+
+@pytest.fixture
+def reg(tmp_path: Path) -> Iterator[registrylib.Registry]:
+    with registrylib.start_registry(tmp_path / "registry", auth=True) as r:
+        yield r
+
+
+@pytest.fixture
+def link(reg: registrylib.Registry) -> Iterator[Link]:
+    lk = Link(reg.addr)
+    yield lk
+    lk.close()
+
+
+@pytest.fixture
+def creds(reg: registrylib.Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BUILDER_REGISTRY_USER", str(reg.username))
+    monkeypatch.setenv("BUILDER_REGISTRY_PASSWORD", str(reg.password))
+
+
+def blob(n: int = 10 * MiB) -> tuple[bytes, str]:
+    data = os.urandom(MiB) * (n // MiB) + os.urandom(n % MiB)
+    return data, "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def send(addr: str, data: bytes, digest: str, told: list[int] | None = None) -> None:
+    import io
+
+    client = registry._Client(registry.parse_target(f"http://{addr}", "test"), "builder/blob")
+    client.upload(digest, len(data), lambda: io.BytesIO(data), (told.append if told is not None else None))
+
+
+def stored(reg: registrylib.Registry, digest: str) -> bytes:
+    r = reg.request("GET", f"/v2/builder/blob/blobs/{digest}")
+    assert r.status == 200, r.status
+    return r.body
+
+
+def test_a_blob_goes_in_chunks_with_content_range(reg: registrylib.Registry, link: Link, creds: None) -> None:
+    data, digest = blob()
+    told: list[int] = []
+    send(link.addr, data, digest, told)
+    assert stored(reg, digest) == data
+    patches = [r for r in link.requests() if r.startswith("PATCH")]
+    assert [p.split(" ")[-1] for p in patches] == ["0-4194303", "4194304-8388607", "8388608-10485759"]
+    assert link.requests()[-1].startswith("PUT") and sum(told) == len(data)
+    assert link.sent < len(data) + 64 * 1024  # every byte once (and the requests' heads)
+
+
+def test_a_link_down_between_chunks_goes_on_from_the_byte_the_registry_holds(
+        reg: registrylib.Registry, link: Link, creds: None) -> None:
+    data, digest = blob()
+    real_send = registry.oci.Registry.send
+    calls = [0]
+
+    def send_counting(self: registry.oci.Registry, *a: object, **kw: object) -> object:
+        calls[0] += 1
+        if calls[0] == 4:  # the third chunk (after the 401, POST and two PATCHes): the link goes down
+            link.down(3)
+        return real_send(self, *a, **kw)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(registry.oci.Registry, "send", send_counting)
+        send(link.addr, data, digest)
+    assert stored(reg, digest) == data
+    got = link.requests()
+    # the upload's state asked (GET), then on from the byte it held: not one byte sent twice
+    assert "GET uploads" in got, got
+    assert [r.split(" ")[-1] for r in got if r.startswith("PATCH")] == ["0-4194303", "4194304-8388607",
+                                                                         "8388608-10485759"]
+    assert link.sent < len(data) + 64 * 1024
+
+
+def test_a_chunk_cut_midway_is_sent_again_and_the_blob_lands_whole(
+        reg: registrylib.Registry, link: Link, creds: None) -> None:
+    """distribution keeps the bytes of a chunk cut midway, and then refuses the upload its last answer
+    described (it holds more than that answer said: BLOB_UPLOAD_INVALID, the upload cancelled): the
+    state asked, the refusal seen, the blob starts again in a new upload and lands whole."""
+    data, digest = blob()
+    link.cut_at(6 * MiB)  # midway through the second chunk
+    told: list[int] = []
+    send(link.addr, data, digest, told)
+    assert stored(reg, digest) == data
+    got = link.requests()
+    asked = got.index("GET uploads")
+    assert got[asked - 1] == "PATCH uploads 4194304-8388607", got  # the chunk cut midway
+    assert "POST uploads" in got[asked:], got  # a new upload
+    assert [r for r in got[asked:] if r.startswith("PATCH")] == [
+        "PATCH uploads 0-4194303", "PATCH uploads 4194304-8388607", "PATCH uploads 8388608-10485759"]
+    assert sum(told) == len(data)  # the progress came back to what the registry held, then on
+
+
+def test_a_link_that_stays_down_fails_in_one_line(reg: registrylib.Registry, link: Link, creds: None) -> None:
+    from builder.errors import BuilderError
+
+    data, digest = blob(5 * MiB)
+    link.cut_at(MiB, then_down=1000)
+    with pytest.raises(BuilderError) as ei:
+        send(link.addr, data, digest)
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith(f"registry {link.addr}: uploading {digest[:19]}: no progress after")
+    assert str(reg.password) not in msg
+
+
+# --------------------------------------------------------------------------- credentials
+
+
+HELPER = """#!{python}
+import json, sys
+if sys.argv[1:] != ["get"]:
+    sys.exit(1)
+server = sys.stdin.read().strip()
+with open({book!r}) as f:
+    book = json.load(f)
+if server not in book:
+    print("credentials not found in native keychain")
+    sys.exit(1)
+with open({asked!r}, "a") as f:
+    f.write(server + "\\n")
+json.dump({{"ServerURL": server, "Username": book[server][0], "Secret": book[server][1]}}, sys.stdout)
+"""
+
+
+def helper(tmp_path: Path, name: str, book: dict[str, list[str]]) -> Path:
+    """``docker-credential-<name>`` in a folder of its own (for PATH); the servers it was asked for go to
+    ``asked`` beside it."""
+    folder = tmp_path / "helpers"
+    folder.mkdir(exist_ok=True)
+    (folder / "book.json").write_text(json.dumps(book))
+    exe = folder / f"docker-credential-{name}"
+    exe.write_text(HELPER.format(python=sys.executable, book=str(folder / "book.json"),
+                                 asked=str(folder / "asked")))
+    exe.chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize("how", ["credHelpers", "credsStore"])
+def test_credentials_from_a_credential_helper(reg: registrylib.Registry, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    folder = helper(tmp_path, "buildertest", {reg.addr: [str(reg.username), str(reg.password)]})
+    cfg = tmp_path / "docker-config"
+    cfg.mkdir()
+    doc = {"credHelpers": {reg.addr: "buildertest"}} if how == "credHelpers" else {"credsStore": "buildertest"}
+    (cfg / "config.json").write_text(json.dumps(doc))
+    monkeypatch.setenv("DOCKER_CONFIG", str(cfg))
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    data, digest = blob(MiB)
+    send(reg.addr, data, digest)
+    assert stored(reg, digest) == data
+    assert (folder / "asked").read_text().split() == [reg.addr]  # asked once, for this registry
+    for p in tmp_path.rglob("*"):  # the secret was written nowhere (but in the helper's own book)
+        if p.is_file() and p.name not in ("book.json", "htpasswd", "registry.log") and p.stat().st_size < 1 << 20:
+            assert str(reg.password).encode() not in p.read_bytes(), p
+
+
+def test_a_registry_that_asks_nothing_never_runs_the_helper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with registrylib.start_registry(tmp_path / "open") as r:
+        folder = helper(tmp_path, "buildertest", {r.addr: ["u", "p"]})
+        cfg = tmp_path / "docker-config"
+        cfg.mkdir()
+        (cfg / "config.json").write_text(json.dumps({"credsStore": "buildertest"}))
+        monkeypatch.setenv("DOCKER_CONFIG", str(cfg))
+        monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+        data, digest = blob(MiB)
+        send(r.addr, data, digest)
+        assert not (folder / "asked").exists()
+
+
+def test_a_helper_that_is_missing_or_knows_nothing(reg: registrylib.Registry, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "docker-config"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps({"credHelpers": {reg.addr: "nosuchhelper"}}))
+    monkeypatch.setenv("DOCKER_CONFIG", str(cfg))
+    data, digest = blob(MiB)
+    with pytest.raises(ResolveError) as ei:
+        send(reg.addr, data, digest)
+    assert str(ei.value).startswith(f"registry {reg.addr}: the docker config's credential helper failed: ")
+    assert "docker-credential-nosuchhelper" in str(ei.value) and "\n" not in str(ei.value)
+    folder = helper(tmp_path, "buildertest", {"other.example:5000": ["u", "p"]})
+    (cfg / "config.json").write_text(json.dumps({"credHelpers": {reg.addr: "buildertest"}}))
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(ResolveError, match="wants credentials"):
+        send(reg.addr, data, digest)
