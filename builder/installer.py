@@ -1598,8 +1598,11 @@ def stage_installed(root: str, bid: str, *, lock_timeout: float = 60.0) -> dict[
         return {"result": "staged", "bundle_id": bid, "current": current, "release": r.release(bid)}
 
 
-def switch(root: str, bid: str, *, rollback: bool = False, lock_timeout: float = 60.0) -> dict[str, Any]:
-    """Make release bid current (previous := the old current) and write its apply record."""
+def switch(
+    root: str, bid: str, *, rollback: bool = False, force: bool = False, lock_timeout: float = 60.0
+) -> dict[str, Any]:
+    """Make release bid current (previous := the old current) and write its apply record. ``force``
+    (a repair): write the apply record again even when bid is current and recorded already."""
     if not HEX64.match(bid):
         raise InstallError("--to: not a bundle id: %r" % bid, EXIT_CONFIG)
     r = Root(root)
@@ -1607,7 +1610,7 @@ def switch(root: str, bid: str, *, rollback: bool = False, lock_timeout: float =
         r.clean_temps()
         current = r.link("current")
         old = r.read_record()
-        if current == bid and old and old.get("bundle_id") == bid:
+        if current == bid and old and old.get("bundle_id") == bid and not force:
             r.clear_staged(bid)
             return {"result": "unchanged", "bundle_id": bid, "previous_bundle_id": old.get("previous_bundle_id")}
         manifest, mbytes = _ready(r, bid, "switch")
@@ -2157,6 +2160,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--root", required=True)
     sw.add_argument("--to", required=True)
     sw.add_argument("--rollback", action="store_true", help="record the switch as a rollback")
+    sw.add_argument("--force", action="store_true", help="write the apply record again (a repair)")
     sw.add_argument("--lock-timeout", type=float, default=60.0)
     rb = sub.add_parser("rollback", help="switch current back to previous")
     rb.add_argument("--root", required=True)
@@ -2189,7 +2193,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "stage":
             res = stage_installed(args.root, args.release, lock_timeout=args.lock_timeout)
         elif args.cmd == "switch":
-            res = switch(args.root, args.to, rollback=args.rollback, lock_timeout=args.lock_timeout)
+            res = switch(
+                args.root, args.to, rollback=args.rollback, force=args.force, lock_timeout=args.lock_timeout
+            )
         elif args.cmd == "rollback":
             res = rollback(args.root, lock_timeout=args.lock_timeout)
         elif args.cmd == "status":

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import auditlib  # noqa: E402
 import deploylib as dl  # noqa: E402
 import fleetlib  # noqa: E402
-from journeylib import Journey, journey  # noqa: E402
+from journeylib import PATHS, Journey, journey  # noqa: E402
 
 from builder.deploy import journal as J  # noqa: E402
 from builder.deploy.bundles import stale  # noqa: E402
@@ -92,6 +92,41 @@ def test_journal_round_trip_and_snapshot(tmp_path: Path) -> None:
     assert J.find_snapshot(tmp_path, "3" * 64) == d
     assert (d / "images" / "demo" / "Dockerfile").read_text() == "FROM scratch\n"
     assert J.find_snapshot(tmp_path, "4" * 64) is None and J.find_snapshot(tmp_path, None) is None
+
+
+def test_status_counts_an_unfinished_deploy_as_not_deployed() -> None:
+    from builder.deploy.status import FleetStatus, HostStatus
+
+    st = FleetStatus(fleet="f", lane="l", lock_hash="a" * 64, image_id=None)
+    st.hosts = [HostStatus("h0", 0, "head", up=True, on_lock=True),
+                HostStatus("h1", 1, "worker", up=True, on_lock=True)]
+    assert st.exit_code == 0
+    st.deploy, st.deploy_phase, st.resume = "a deploy did not finish", "verifying", "builder deploy --fleet f"
+    assert st.exit_code == 1 and "not deployed" in st.summary and "verifying" in st.summary
+    d = st.to_json()
+    assert d["exit"] == 1 and d["deploy_phase"] == "verifying" and d["resume"] == "builder deploy --fleet f"
+    assert J.rolling_back(J.Journal("f", {}, {}, {}, "", phase="restarting-old"))
+    assert not J.rolling_back(J.Journal("f", {}, {}, {}, "", phase="starting"))
+
+
+def test_a_step_ends_with_its_command(tmp_path: Path) -> None:
+    """builder.ssh.tied + die_with_parent: a command killed alone (SIGKILL) ends its steps' children."""
+    from builder.ssh import tied
+
+    mark = tmp_path / "mark"
+    ok = subprocess.run(["sh", "-c", tied("echo out; echo err >&2; exit 3")], capture_output=True, text=True)
+    assert (ok.returncode, ok.stdout, ok.stderr) == (3, "out\n", "err\n")
+    code = (
+        "import subprocess, sys; from builder.ssh import tied, die_with_parent\n"
+        f"subprocess.run(['sh', '-c', tied('sleep 2; touch {mark}')], capture_output=True, "
+        "preexec_fn=die_with_parent)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code])
+    time.sleep(1.0)
+    p.kill()
+    p.wait()
+    time.sleep(3.0)
+    assert not mark.exists()
 
 
 def test_a_rank_is_up_only_on_one_running_container_of_its_bundle() -> None:
@@ -224,6 +259,7 @@ GPU_EXPECT = (
 )
 ARGS = ["serve", "--host", "{host}", "--port", "{port}", "--served-name", "{served_name}"]
 APPS = "/etc/fake-nvidia-smi/apps"
+PATHS_BUNDLES = PATHS["bundles"]
 
 
 def _fake_gpu(fleet: fleetlib.Fleet, h: fleetlib.Host) -> None:
@@ -550,3 +586,104 @@ def test_a_head_first_lane_starts_rank_0_first_and_waits_for_its_readiness(j: Jo
     assert started[head.name] < started[worker.name], started  # (RFC 3339 in UTC: ordered as text)
     out = j.builder("launch", "--fleet", j.name, "--json")
     assert json.loads(out.stdout)["start_order"] == [head.name, worker.name]
+
+
+# --------------------------------------------------------------------------- issue 26: no doubt left
+
+
+def _alone(bg: dl.Background) -> None:
+    """SIGKILL the deploy process alone (not its group): its children must end with it."""
+    os.kill(bg.p.pid, 9)
+    bg.p.wait(timeout=60)
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_a_deploy_killed_alone_while_starting_changes_nothing_after_and_status_says_not_deployed(
+    j: Journey, bystanders: None
+) -> None:
+    """Points 1 and 4: the deploy process alone SIGKILLed while the head's start.sh runs; its ssh
+    children end with it (parent-death signal) and so does the step on the host (builder.ssh.tied):
+    nothing on a host changes afterwards. Status then exits 1 naming the phase and the resuming command."""
+    _good(j)
+    _new_release(j)
+    head, worker = j.fleet.hosts
+    bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j))
+    bg.wait_line(rf"^{worker.name}: rank 1 is up")  # the head's start.sh is under way now
+    time.sleep(1.0)
+    _alone(bg)
+    time.sleep(5)  # (the host's watchdog: TERM, KILL 3 s later)
+    before = {h.name: dl.lane_containers(j, h) for h in j.fleet.hosts}
+    time.sleep(25)
+    after = {h.name: dl.lane_containers(j, h) for h in j.fleet.hosts}
+    assert after == before, (before, after)
+    left = j.fleet.exec(head, "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f 2>/dev/null; echo; done | "
+                              "grep '[c]urrent/start.sh' || true").stdout.strip()
+    assert not left, left
+    rc, st = _status(j)
+    assert rc == 1 and st["exit"] == 1, st
+    assert st["deploy_phase"] in ("starting", "verifying") and "did not finish" in st["deploy"], st
+    assert st["resume"] == f"builder deploy --fleet {j.name}" and "not deployed" in st["summary"], st
+    p = j.builder("status", "--fleet", j.name, check=False)
+    assert p.returncode == 1 and f"builder deploy --fleet {j.name}" in p.stderr, p.stderr
+    _deployed(j)  # the rerun finishes it
+    rc, st = _status(j)
+    assert rc == 0 and not st["deploy"] and not st["deploy_phase"], st
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_a_rollback_killed_while_restarting_is_journaled_and_finished_by_start(j: Journey, bystanders: None) -> None:
+    """Point 2: the journal covers the rollback until the old release is started and audited."""
+    old = _good(j)
+    j.set_serve(args=[*ARGS, "--no-such-flag"])
+    try:
+        bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j))
+        bg.wait_line(r": rolled back ")
+        bg.wait_line(r"rank 1 is up")  # (only the rollback's start gets a rank up: the new engine exits 2)
+        bg.kill()
+        store = Path(j.env["BUILDER_STORE"])
+        jr = J.load(store, j.name)
+        assert jr is not None and jr.phase in ("restarting-old", "verifying-old"), jr
+        rc, st = _status(j)
+        assert rc == 1 and "rollback did not finish" in st["deploy"] and st["deploy_phase"] == jr.phase, st
+        assert "builder start" in st["deploy"], st
+        p = j.builder("start", "--fleet", j.name, "--json", "--stop-timeout", "2", check=False)
+        rep = json.loads(p.stdout)
+        assert p.returncode == 0 and rep["result"] == "started", (rep.get("reason"), p.stderr[-3000:])
+        assert "finishing a rollback" in p.stderr
+        assert J.load(store, j.name) is None
+        dl.assert_on(j, old)
+        rc, st = _status(j)
+        assert rc == 1 and not st["deploy"] and all(h["up"] for h in st["hosts"].values()), st  # (the old lock)
+    finally:
+        j.set_serve(args=ARGS)
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_repair_reinstalls_a_drifted_release_from_its_bundle(j: Journey, bystanders: None) -> None:
+    """Point 3: a launch file edited on the worker, the apply record on the head: the no-op deploy refuses
+    naming --repair; `deploy --repair` reinstalls from the bundle, restarts in order and audits."""
+    good = _good(j)
+    head, worker = j.fleet.hosts
+    root = PATHS_BUNDLES
+    j.fleet.exec(worker, f"echo '# edited by hand' >> {root}/current/start.sh")
+    edit = ("import json,sys; p=sys.argv[1]; d=json.load(open(p)); d['manifest_sha256']='0'*64; "
+            "open(p,'w').write(json.dumps(d))")
+    j.fleet.exec(head, ["python3", "-c", edit, f"{root}/state/applied.json"])
+    rc, rep = _deploy(j)
+    assert rc == 1 and rep["result"] == "unchanged", rep.get("reason")
+    assert "already deployed, but the audit fails" in rep["reason"] and "--repair" in rep["reason"], rep["reason"]
+    rc, rep = _deploy(j, "--repair")
+    assert rc == 0 and rep["result"] == "deployed", (rep.get("reason"), j.last_stderr[-3000:])
+    assert {h: r["result"] for h, r in rep["hosts"].items()} == {head.name: "repaired", worker.name: "repaired"}, rep
+    assert rep["audit"]["exit"] == 0
+    dl.assert_on(j, good)
+    assert "edited" not in j.fleet.exec(worker, f"cat {root}/current/start.sh").stdout
+    assert json.loads(j.fleet.exec(head, f"cat {root}/state/applied.json").stdout)["manifest_sha256"] != "0" * 64
+    rc, rep = _deploy(j)  # and the fleet is whole again: a no-op that passes
+    assert rc == 0 and rep["result"] == "unchanged", rep.get("reason")

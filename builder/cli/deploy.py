@@ -110,15 +110,21 @@ def _print(rep: Any, as_json: bool) -> int:
 @click.option(
     "--parallel", type=click.IntRange(1, 64), default=4, show_default=True, help="Hosts staged at once."
 )
+@click.option(
+    "--repair", is_flag=True,
+    help="Reinstall the lock's release, from its verified bundle, on the hosts that run it but drifted "
+    "(files or apply record edited), then restart in order and audit.",
+)
 @insecure_option
 def deploy(
     fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float | None,
     stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool, key: Path | None, with_image: bool,
-    with_models: bool, part_size: str, parallel: int, insecure: bool,
+    with_models: bool, part_size: str, parallel: int, insecure: bool, repair: bool,
 ) -> int:
     """Move fleet NAME to the lock: bundle, stage everywhere, make the derivations, audit (the gate),
     stop the head then the workers, switch, start in the lane's order, wait for the API, audit it
     serving; on any failure after the first switch, roll every host back and start and audit that.
+    With --repair, hosts that run the lock's release but drifted are reinstalled from their bundles.
 
     Exit 0 deployed (or nothing to do and the audit passes), 1 refused, rolled back or failed,
     2 configuration error (nothing changed), 3 a host could not be reached.
@@ -129,7 +135,7 @@ def deploy(
         fleet=fleet, checks_dir=checks_dir, key=key, with_image=with_image, with_models=with_models,
         part_size=part_size, dry_run=dry_run, parallel=parallel, connect_timeout=connect_timeout,
         timeout=timeout, start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout, audit_mode=mode,
-        ssh_persist=ssh_persist, insecure=insecure,
+        ssh_persist=ssh_persist, insecure=insecure, repair=repair,
     )
     return _print(core.deploy(opts, _say), as_json)
 
@@ -175,7 +181,8 @@ def stop(
 def status(fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float) -> int:
     """Show, per host of fleet NAME, which bundle, lock and image it runs and whether its rank is up.
 
-    Exit 0 every rank up on the lock, 1 not, 3 a host could not be reached."""
+    Exit 0 every rank up on the lock, 1 not (a rank down, another lock, a deploy or rollback that did
+    not finish), 3 a host could not be reached."""
     from builder import output
     from builder.deploy.status import fleet_status, rows
 

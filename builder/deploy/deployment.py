@@ -24,6 +24,7 @@ class Deployment:
         self.rep = w.report("deploy")
         self.bundles: dict[str, FleetBundle] = {}
         self.journal: J.Journal | None = None
+        self.repair: set[str] = set()  # hosts whose release is reinstalled from its bundle (--repair)
 
     def out(self, h: Host | str) -> HostOutcome:
         return self.rep.host(h if isinstance(h, str) else h.name)

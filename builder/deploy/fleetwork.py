@@ -47,6 +47,7 @@ class DeployOptions:
     audit_mode: str = "fast"
     ssh_persist: float = 0.0  # seconds each host's connection is kept after the command (0: closed)
     insecure: bool = False
+    repair: bool = False  # reinstall the lock's release on hosts that run it but drifted (deploy --repair)
 
 
 def short(bid: str | None) -> str:

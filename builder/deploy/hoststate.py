@@ -175,8 +175,11 @@ class HostOps:
     def stage_installed(self, bundle_id: str) -> dict[str, Any]:
         return self.installer(["stage", "--release", bundle_id], "stage")
 
-    def switch(self, bundle_id: str, *, rollback: bool = False) -> dict[str, Any]:
-        return self.installer(["switch", "--to", bundle_id, *(["--rollback"] if rollback else [])], "switch")
+    def switch(self, bundle_id: str, *, rollback: bool = False, force: bool = False) -> dict[str, Any]:
+        return self.installer(
+            ["switch", "--to", bundle_id, *(["--rollback"] if rollback else []), *(["--force"] if force else [])],
+            "switch",
+        )
 
     # ------------------------------------------------------------------ stop, start, wait
 

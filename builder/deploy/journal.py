@@ -4,9 +4,10 @@
 and at each phase after that: the release every host ran before (``origin``: the fleet's last whole
 state), the release it is moving to (``target``), the phase, and why it is rolling back. It is removed
 when the deploy ends with every host on one side: all on the target (deployed), or all back on the
-origin (rolled back). A rerun that finds it knows what "the old release" is for every host, even when
-the killed run had already switched some of them: it moves every host to its target, and on any
-failure back to that origin, never leaving a mix.
+origin (rolled back) and the old release started again and audited (a rollback's phases are
+``rolling-back``, ``restarting-old``, ``verifying-old``). A rerun that finds it knows what "the old
+release" is for every host, even when the killed run had already switched some of them: it moves every
+host to its target, and on any failure back to that origin, never leaving a mix.
 
 ``<store>/deploy/locks/<lock hash>/`` keeps the pins, the lock and the image recipe of every lock a
 deploy moved a fleet to, so a rollback to it can be audited against what it was deployed from (the
@@ -44,6 +45,14 @@ class Journal:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+#: the phases of a rollback (the journal stays until the old release is started and audited)
+ROLLBACK_PHASES = ("rolling-back", "restarting-old", "verifying-old")
+
+
+def rolling_back(j: Journal) -> bool:
+    return j.phase in ROLLBACK_PHASES
 
 
 def journal_path(store: Path, fleet: str) -> Path:

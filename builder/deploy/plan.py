@@ -104,6 +104,9 @@ def noop(d: Deployment, earlier: J.Journal | None, early: dict[str, Any] | None 
     else:
         rep.result = "unchanged"
         rep.unreachable = code == 3
-        rep.reason = f"already deployed, but the audit fails: {problems(rep.audit)}"
+        rep.reason = (
+            f"already deployed, but the audit fails: {problems(rep.audit)}; `builder deploy --fleet "
+            f"{w.fleet_name} --repair` reinstalls the lock's release on the hosts that drifted"
+        )
     return rep
 

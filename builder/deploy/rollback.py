@@ -1,5 +1,6 @@
 """A deploy's rollback: stop what started, switch every host whose release moved back to what it ran,
-start that in order and audit it against the pins and lock it was deployed from."""
+start that in order and audit it against the pins and lock it was deployed from. The journal covers all
+of it: it is cleared only once the old release is started and audited."""
 
 from __future__ import annotations
 
@@ -60,16 +61,23 @@ def recover(d: Deployment, reason: str) -> DeployReport:
             "host answers: it moves every host to the new release or back to the old one"
         )
         return rep
-    J.clear(opts.store, w.fleet_name)  # every host is back on what it ran: the fleet is whole again
+    # every host is back on what it ran; the journal stays until that is started and audited, so a kill
+    # from here on is still named by `builder status` and resumed by `builder deploy` or `builder start`
+    d.phase("restarting-old")
     rep.result = "rolled-back"
     try:
         w.start_all()
     except Exception as e:
-        rep.reason = f"{reason}; every host is back on its old release, but it did not start: {explain(e)}"
+        rep.reason = (
+            f"{reason}; every host is back on its old release, but it did not start: {explain(e)} "
+            f"(`builder start --fleet {w.fleet_name}` starts it)"
+        )
         return rep
+    d.phase("verifying-old")
     locks = {d.journal.origin_locks.get(h.name) for h in w.hosts}
     snap = J.find_snapshot(opts.store, locks.pop()) if len(locks) == 1 else None
     if snap is None:
+        J.clear(opts.store, w.fleet_name)
         rep.reason = (
             f"{reason}; every host is back on its old release and serves (not audited: no record here of "
             "the pins and lock it was deployed from)"
@@ -80,8 +88,8 @@ def recover(d: Deployment, reason: str) -> DeployReport:
     except BuilderError as e:
         rep.reason = f"{reason}; every host is back on its old release and serves (its audit could not run: {e})"
         return rep
+    J.clear(opts.store, w.fleet_name)  # started and audited: the fleet is whole again
     rep.rollback_audit = report.to_json()
     ok = "passes its audit" if report.exit_code == 0 else f"fails its audit: {problems(report)}"
     rep.reason = f"{reason}; every host is back on its old release, which serves and {ok}"
     return rep
-

@@ -124,7 +124,19 @@ def run(d: Deployment) -> DeployReport:
     if opts.dry_run:
         return plan(d, stale)
     if is_noop(d):
-        return noop(d, earlier, early)
+        done = noop(d, earlier, early)
+        if not opts.repair or done.exit_code == 0 or done.unreachable:
+            return done
+        drifted = {n for n, h in (done.audit or {}).get("hosts", {}).items() if h.get("status") != "pass"}
+        d.repair = {h.name for h in w.hosts if h.name in drifted}
+        if not d.repair:
+            return done
+        for h in w.hosts:
+            d.out(h).result = "pending"
+        rep.result, rep.reason, rep.audit = "failed", "", None
+        d.say(f"repair: reinstalling the lock's release from its bundle on {', '.join(sorted(d.repair))}")
+    elif opts.repair:  # (hosts on the new bundle already: reinstalled from it too)
+        d.repair = {h.name for h in w.hosts if w.states[h.name].installed == d.out(h).target}
     for line in changes(d):
         d.say(f"to deploy: {line}")
     built = w.ctx.pins.recipes().get(w.lane.image)  # (a published image has no recipe folder)
@@ -134,10 +146,11 @@ def run(d: Deployment) -> DeployReport:
         return d.refuse("staging failed; no host was switched", unreachable=rep.unreachable)
     failed = make_all(w, "staged")
     if failed:
+        lost = {n for n, why in failed.items() if "unreachable" in why}  # (a host cut off: exit 3)
         for name, why in failed.items():
-            d.out(name).result, d.out(name).message = "failed", why
+            d.out(name).result, d.out(name).message = "unreachable" if name in lost else "failed", why
         return d.refuse("making the derivations failed; no host was switched: "
-                        + "; ".join(f"{n}: {why}" for n, why in failed.items()))
+                        + "; ".join(f"{n}: {why}" for n, why in failed.items()), unreachable=bool(lost))
     gate = w.audit("preflight", release="staged")
     rep.audit = gate.to_json()
     if gate.exit_code != 0:
@@ -165,6 +178,8 @@ def run(d: Deployment) -> DeployReport:
     J.clear(opts.store, w.fleet_name)
     rep.result = "deployed"
     rep.reason = f"every host runs its new bundle (lock {short(rep.target_lock)}) and the fleet serves"
+    if d.repair:
+        rep.reason += f"; repaired (reinstalled from its bundle): {', '.join(sorted(d.repair))}"
     return rep
 
 

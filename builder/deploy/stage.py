@@ -19,7 +19,7 @@ def stage(d: Deployment) -> bool:
 
     def one(h: Host) -> str:
         bid, st = d.bundles[h.name].bundle_id, w.states[h.name]
-        if bid in st.releases:
+        if bid in st.releases and h.name not in d.repair:  # (a repair: from the verified bundle)
             try:
                 w.op(h).stage_installed(bid)
                 return "staged (the release was on the host)"

@@ -2,12 +2,17 @@
 
 Start: the derivations the installed release lacks, then the preflight audit; a fleet partly up is
 stopped first (a new worker never joins an old head); the ranks in the lane's order, each until it is
-ready; wait for the API; the serving audit. Stop: the head first, then the
-workers; only the lane's containers.
+ready; wait for the API; the serving audit. A rollback that did not finish (its journal, every host
+back on its old release) is finished by start: audited against the pins and lock that release was
+deployed from, then the journal is removed; any other unfinished deploy is left to `builder deploy`.
+Stop: the head first, then the workers; only the lane's containers.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from builder.deploy import journal as J
 from builder.deploy.derivations import make_all
 from builder.deploy.fleetwork import DeployOptions, Fleetwork, Say, explain, fleet_command, problems
 from builder.deploy.report import DeployReport
@@ -37,6 +42,20 @@ def _start(w: Fleetwork, rep: DeployReport) -> None:
         rep.result = "refused"
         rep.reason = f"no release installed on {', '.join(missing)} (run `builder deploy --fleet {w.fleet_name}`)"
         return
+    # an interrupted rollback (its journal, every host back on its old release): finished here, the
+    # old release started and audited against the pins and lock it was deployed from
+    j = J.load(w.opts.store, w.fleet_name)
+    snap: Path | None = None
+    if j is not None:
+        back = J.rolling_back(j) and all(w.states[h.name].installed == j.origin.get(h.name) for h in w.hosts)
+        if not back:
+            rep.result = "refused"
+            rep.reason = (f"a deploy did not finish (it stopped while {j.phase}); run `builder deploy --fleet "
+                          f"{w.fleet_name}`: it moves every host to the new release or back to the old one")
+            return
+        locks = {j.origin_locks.get(h.name) for h in w.hosts}
+        snap = J.find_snapshot(w.opts.store, locks.pop()) if len(locks) == 1 else None
+        w.say(f"fleet {w.fleet_name}: finishing a rollback that did not finish (it stopped while {j.phase})")
     if all(w.states[h.name].up_on(w.states[h.name].installed) for h in w.hosts) and w.states[w.head.name].healthy:
         w.say(f"fleet {w.fleet_name}: every rank is up already")
         for h in w.hosts:
@@ -50,7 +69,7 @@ def _start(w: Fleetwork, rep: DeployReport) -> None:
             rep.reason = "making the derivations failed; nothing was started: " + "; ".join(
                 f"{n}: {why}" for n, why in failed.items())
             return
-        if not _audit(w, rep, "preflight", "refused", "the preflight audit failed; nothing was started"):
+        if not _audit(w, rep, "preflight", "refused", "the preflight audit failed; nothing was started", snap):
             return
         if any(w.states[h.name].containers for h in w.hosts):
             stopped = w.stop_all()  # a fleet partly up: stop every rank first, head first
@@ -64,15 +83,19 @@ def _start(w: Fleetwork, rep: DeployReport) -> None:
             return
         for h in w.hosts:
             rep.host(h.name).result = "started"
-    if not _audit(w, rep, "serving", "failed", "started, but the serving audit fails"):
+    if not _audit(w, rep, "serving", "failed", "started, but the serving audit fails", snap):
         return
+    if j is not None:
+        J.clear(w.opts.store, w.fleet_name)  # the rollback is finished: the old release serves, audited
     rep.result, rep.reason = "started", "every rank is up and the fleet passes its serving audit"
 
 
-def _audit(w: Fleetwork, rep: DeployReport, phase: str, result: str, why: str) -> bool:
+def _audit(
+    w: Fleetwork, rep: DeployReport, phase: str, result: str, why: str, snapshot: Path | None = None
+) -> bool:
     """The fleet's audit of `phase`, recorded in the report; on a failure, the report's `result` and
     `why` (with the hosts that failed), and False."""
-    report = w.audit(phase)
+    report = w.audit(phase, snapshot=snapshot)
     rep.audit = report.to_json()
     if report.exit_code == 0:
         return True

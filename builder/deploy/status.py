@@ -4,10 +4,11 @@ One remote call per host, all at once (builder.deploy.hoststate). Compared with 
 ``lock`` says whether the installed release was bundled from it, ``image`` whether its image is the
 one the lock builds (from the store's build record). A rank is ``up`` when exactly one container of
 the lane's rank runs the installed bundle; the head is up when ``/health`` also answers. An unfinished
-deploy (its journal) is named.
+deploy or rollback (its journal) is named, with the phase it stopped in and the command that resumes
+it, and counts as not deployed: the serving audit of what runs never ran (or failed).
 
-Exit: 0 every rank up on the lock; 1 something is not (a rank down, a release from another lock, a
-mix); 3 a host could not be reached.
+Exit: 0 every rank up on the lock and no deploy unfinished; 1 something is not (a rank down, a release
+from another lock, a mix, an unfinished deploy or rollback); 3 a host could not be reached.
 """
 
 from __future__ import annotations
@@ -55,13 +56,15 @@ class FleetStatus:
     image_id: str | None
     hosts: list[HostStatus] = field(default_factory=list)
     deploy: str = ""  # an unfinished deploy, in words
+    deploy_phase: str = ""  # the phase it stopped in ("" none)
+    resume: str = ""  # the command that resumes it
     seconds: float = 0.0
 
     @property
     def exit_code(self) -> int:
         if any(not h.reachable for h in self.hosts):
             return EXIT_UNREACHABLE
-        if all(h.up and h.on_lock for h in self.hosts):
+        if not self.deploy and all(h.up and h.on_lock for h in self.hosts):
             return EXIT_OK
         return EXIT_FAILED
 
@@ -72,6 +75,9 @@ class FleetStatus:
         up = sum(1 for h in self.hosts if h.up)
         on = sum(1 for h in self.hosts if h.on_lock)
         n = len(self.hosts)
+        if self.deploy:
+            return (f"{up} of {n} ranks up; {on} of {n} hosts on the lock {self.lock_hash[:12]}; not deployed: "
+                    f"a deploy stopped while {self.deploy_phase} ({self.resume} finishes it)")
         if up == n and on == n:
             return f"all {n} ranks up, on the lock {self.lock_hash[:12]}"
         return f"{up} of {n} ranks up; {on} of {n} hosts on the lock {self.lock_hash[:12]}"
@@ -82,6 +88,8 @@ class FleetStatus:
             "exit": self.exit_code,
             "summary": self.summary,
             "deploy": self.deploy,
+            "deploy_phase": self.deploy_phase,
+            "resume": self.resume,
             "seconds": round(self.seconds, 3),
             "hosts": {h.host: {k: v for k, v in h.to_json().items() if k != "host"} for h in self.hosts},
         }
@@ -140,9 +148,13 @@ def fleet_status(opts: DeployOptions) -> FleetStatus:
         w.close()
     j = J.load(opts.store, w.fleet_name)
     if j is not None:
+        out.deploy_phase = j.phase
+        out.resume = f"builder deploy --fleet {w.fleet_name}"
+        what = "a deploy's rollback" if J.rolling_back(j) else "a deploy"
+        also = f" (or `builder start --fleet {w.fleet_name}`)" if J.rolling_back(j) else ""
         out.deploy = (
-            f"a deploy did not finish (pid {j.pid}, started {j.started}, stopped while {j.phase}); "
-            f"`builder deploy --fleet {w.fleet_name}` finishes it"
+            f"{what} did not finish (pid {j.pid}, started {j.started}, stopped while {j.phase}"
+            f"{': ' + j.reason if j.reason else ''}); the fleet is not deployed; `{out.resume}`{also} finishes it"
         )
     out.seconds = time.monotonic() - t0
     return out

@@ -28,6 +28,9 @@ def forward(d: Deployment) -> None:
             st = w.states.get(h.name)
             w.op(h).stop(w.lane_name, bool(st and st.current), d.opts.stop_timeout)
             d.say(f"{h.name}: stopped rank {h.rank}")
+        if h.name in d.repair:  # the release shipped again: its apply record written again too
+            w.op(h).switch(d.bundles[h.name].bundle_id, force=True)
+            return "repaired"
         if w.states[h.name].installed == d.out(h).target:
             return "unchanged"
         w.op(h).switch(d.bundles[h.name].bundle_id)
@@ -42,11 +45,14 @@ def forward(d: Deployment) -> None:
         elif res == "switched":
             o.result, o.on = "switched", "new"
             d.say(f"{h.name}: switched {short(o.origin)} -> {short(o.target)}")
+        elif res == "repaired":
+            o.result, o.on = "repaired", "new"
+            d.say(f"{h.name}: repaired {short(o.target)} (reinstalled from its bundle)")
     if errors:
         raise BuilderError("; ".join(errors))
     for h in w.hosts:
         o = d.out(h)
-        if o.result != "switched":
+        if o.result not in ("switched", "repaired"):
             o.result, o.on = "unchanged", "new"
     d.phase("starting")
     for h in w.hosts:

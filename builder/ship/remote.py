@@ -12,7 +12,7 @@ from typing import IO, Any
 from builder import installer as inst
 from builder.errors import BuilderError, ConfigError, UnreachableError
 from builder.hosts import Fleet, Host, ssh_config_file
-from builder.ssh import Connection, ControlSockets
+from builder.ssh import Connection, ControlSockets, die_with_parent, tied
 
 
 class Remote:
@@ -48,6 +48,9 @@ class Remote:
         return self._ssh
 
     def argv(self, command: str) -> list[str]:
+        """The argv of one step on the host: run with `die_with_parent` as its preexec_fn, it ends with
+        this process, and the step on the host ends with it (builder.ssh.tied)."""
+        command = tied(command)
         if self.kind == "local":
             return ["sh", "-c", command]
         if self.kind == "docker":
@@ -88,7 +91,9 @@ class Remote:
             else {"stdin": stdin if stdin is not None else subprocess.DEVNULL}
         )
         try:
-            proc = subprocess.run(argv, capture_output=True, timeout=timeout, check=False, **kw)
+            proc = subprocess.run(
+                argv, capture_output=True, timeout=timeout, check=False, preexec_fn=die_with_parent, **kw
+            )
         except subprocess.TimeoutExpired:
             raise UnreachableError(
                 f"{self.host.name}: no answer within {timeout:.0f} s"

@@ -20,6 +20,7 @@ from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyEr
 from builder.hosts import Host
 from builder.ship.options import MiB, ShipOptions, ShipResult
 from builder.ship.remote import Remote, installer_answer, last_line
+from builder.ssh import die_with_parent
 
 #: bytes per sendfile call (a progress step)
 SEND_CHUNK = 8 * MiB
@@ -84,7 +85,9 @@ def _receive(
     argv = remote.argv(command)
     errf = tempfile.TemporaryFile()
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, preexec_fn=die_with_parent
+        )
     except FileNotFoundError:
         raise ConfigError(f"{argv[0]}: not found (needed to reach {host.name})") from None
     fired: list[bool] = []
