@@ -588,7 +588,7 @@ def test_a_head_first_lane_starts_rank_0_first_and_waits_for_its_readiness(j: Jo
     assert json.loads(out.stdout)["start_order"] == [head.name, worker.name]
 
 
-# --------------------------------------------------------------------------- issue 26: no doubt left
+# --------------------------------------------------------------------------- an interrupted deploy leaves no doubt
 
 
 def _alone(bg: dl.Background) -> None:

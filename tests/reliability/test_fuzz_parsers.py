@@ -532,7 +532,7 @@ def test_fleet_misspelt_key(tmp_path: Path, data: st.DataObject) -> None:
 
 
 def test_the_issues_misspelling_is_named_with_its_fix(tmp_path: Path) -> None:
-    """The example of issue 25: `tensor_paralel` in a lane's serve table, through the real CLI."""
+    """A misspelt key (`tensor_paralel`) in a lane's serve table, through the real CLI."""
     text = PINS_SEEDS[0].decode()
     assert "\ntensor_parallel = " in text
     (tmp_path / "pins.toml").write_text(text.replace("\ntensor_parallel = ", "\ntensor_paralel = ", 1))
