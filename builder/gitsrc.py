@@ -218,7 +218,14 @@ def _iter_tree(mirror: Path, commit: str) -> Iterator[tuple[str, str, bytes]]:
             continue
         kind = {"100644": "644", "100755": "755", "120000": "link"}.get(mode, "644")
         entries.append((os.fsdecode(raw_path), kind, oid))
-    if not entries:
+    for (path, kind, _), data in zip(entries, blobs(mirror, [oid for _, _, oid in entries]), strict=True):
+        yield path, kind, data
+
+
+def blobs(mirror: Path, oids: list[str]) -> Iterator[bytes]:
+    """Each object's bytes in order, through one ``git cat-file --batch`` (the tree's export and hash,
+    and a kit's files read from a source's tree)."""
+    if not oids:
         return
     proc = subprocess.Popen(["git", "--git-dir", str(mirror), "cat-file", "--batch"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=git_env())
@@ -227,7 +234,7 @@ def _iter_tree(mirror: Path, commit: str) -> Iterator[tuple[str, str, bytes]]:
 
     def feed() -> None:
         try:
-            for _, _, oid in entries:
+            for oid in oids:
                 stdin.write(oid.encode() + b"\n")
             stdin.close()
         except BrokenPipeError:
@@ -236,14 +243,13 @@ def _iter_tree(mirror: Path, commit: str) -> Iterator[tuple[str, str, bytes]]:
     writer = threading.Thread(target=feed, daemon=True)
     writer.start()
     try:
-        for path, kind, oid in entries:
+        for oid in oids:
             header = stdout.readline().decode().split()
             if len(header) != 3 or header[0] != oid:
-                raise ResolveError(f"git cat-file: unexpected answer for {path} in {commit[:12]}")
-            size = int(header[2])
-            data = stdout.read(size)
+                raise ResolveError(f"git cat-file: unexpected answer for object {oid[:12]}")
+            data = stdout.read(int(header[2]))
             stdout.read(1)  # the newline after each object
-            yield path, kind, data
+            yield data
     finally:
         writer.join(timeout=5)
         stdout.close()

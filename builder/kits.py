@@ -26,8 +26,7 @@ import hashlib
 import os
 import re
 import subprocess
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,39 +252,6 @@ def _tree(mirror: Path, commit: str, prefix: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def _blobs(mirror: Path, oids: list[str]) -> Iterator[bytes]:
-    """Each object's bytes in order, through one ``git cat-file --batch``."""
-    if not oids:
-        return
-    proc = subprocess.Popen(["git", "--git-dir", str(mirror), "cat-file", "--batch"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=gitsrc.git_env())
-    assert proc.stdin is not None and proc.stdout is not None
-    stdin, stdout = proc.stdin, proc.stdout
-
-    def feed() -> None:
-        try:
-            for oid in oids:
-                stdin.write(oid.encode() + b"\n")
-            stdin.close()
-        except BrokenPipeError:
-            pass
-
-    writer = threading.Thread(target=feed, daemon=True)
-    writer.start()
-    try:
-        for oid in oids:
-            header = stdout.readline().decode().split()
-            if len(header) != 3 or header[0] != oid:
-                raise ResolveError(f"git cat-file: unexpected answer for object {oid[:12]}")
-            data = stdout.read(int(header[2]))
-            stdout.read(1)
-            yield data
-    finally:
-        writer.join(timeout=5)
-        stdout.close()
-        proc.wait(timeout=gitsrc.LOCAL_TIMEOUT)
-
-
 def resolve_git(name: str, spec: Kit, mirror: Path, source: LockedSource, spec_hash: str) -> LockedKit:
     where = f"kits.{name}"
     src = spec.source
@@ -298,7 +264,7 @@ def resolve_git(name: str, spec: Kit, mirror: Path, source: LockedSource, spec_h
         raise ResolveError(f"{where}: no folder {spec.path or '/'} in {src} at {source.commit[:12]}")
     if spec.manifest not in tree:
         raise ResolveError(f"{where}: no {spec.manifest} in {at}")
-    (data,) = list(_blobs(mirror, [tree[spec.manifest][1]]))
+    (data,) = list(gitsrc.blobs(mirror, [tree[spec.manifest][1]]))
     manifest, lines = _check_manifest(where, spec, data)
     absent = [ln for ln in lines if ln.path not in tree]
     if absent:
@@ -314,7 +280,7 @@ def resolve_git(name: str, spec: Kit, mirror: Path, source: LockedSource, spec_h
     links = [ln.path for ln in lines if tree[ln.path][0] == "120000"]
     if links:
         raise ResolveError(f"{where}: {_names(links)} in {at}: a link, not a file")
-    for ln, blob in zip(lines, _blobs(mirror, [tree[ln.path][1] for ln in lines]), strict=True):
+    for ln, blob in zip(lines, gitsrc.blobs(mirror, [tree[ln.path][1] for ln in lines]), strict=True):
         got[ln.path] = (hashlib.sha256(blob).hexdigest(), len(blob))
     _compare(where, spec, lines, got, extra, at)
     return _locked(spec, spec_hash, manifest, lines, origin="git", source=src, commit=source.commit)
