@@ -443,8 +443,8 @@ def test_lane_wait_says_a_container_the_engine_does_not_have_is_gone() -> None:
     if not fleetlib.docker_available():
         pytest.skip("no Docker engine here")
     name = f"builder-test-no-such-{os.getpid()}"
-    req: dict[str, object] = {"do": "wait", "container": name, "ports": [1], "addrs": ["127.0.0.1"],
-                              "health_port": None, "timeout": 30}
+    req: dict[str, object] = {"do": "wait", "container": name, "ready": {"kind": "port", "port": 1},
+                              "timeout": 30}
     got = lane_run(req, dict(os.environ))
     assert got["ok"] is False and got["why"] == f"container {name} is gone", got
 
