@@ -22,7 +22,7 @@ Two ways, each with its own folder of ssh connections ($BUILDER_SSH_DIR):
   operator's repeated audits with `--ssh-persist N` do; the warm-up run opens them. 600 s, not 60:
   a round-robin pass over the eight audits can take more than a minute on a loaded machine, and a
   lapsed connection would turn the next "kept" audit into a first contact.
-- first contact (`--ssh-persist 0`, the default now): every audit opens (ssh key exchange and
+- first contact (`--ssh-persist 0`, the default): every audit opens (ssh key exchange and
   login) and closes its connection to every host.
 
 The test hosts are containers on this machine, so their sshd, python3 and docker CLI run on the

@@ -5,7 +5,7 @@ The project is the bundle tests' small lane (tests/bundlelib.py: pins, fleet, im
 model pointing at the benchmark's model folder (8 files, 4 GiB; symlinks, so nothing is copied to set
 up). `builder bundle spark-a --with-models` links the model files from the store (the first run
 imports them: hashed, then hard-linked; see bench/ship.py for the fleet's disk and the copy it
-replaced); `builder verify` checks signature and every file; the offline installer
+saves); `builder verify` checks signature and every file; the offline installer
 (builder/installer.py) installs it into a root under the workdir. Each runs as its own process, so
 wall time and peak RSS (wait4's ru_maxrss for that one child) are its own.
 

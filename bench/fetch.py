@@ -1,9 +1,9 @@
 """(h) `builder fetch` from the FAKE Hub on loopback against `hf download` (huggingface_hub's own CLI):
 the same files, the same server, in the same process run. builder downloads through huggingface_hub
-(`hf_hub_download` into the HF cache), then reads each file once more to check its sha256 against the
-lock and hard-links it into its store; `hf download` does not hash what it writes, so the ratio is what
-that verification costs. Each builder run starts from an empty HF cache (its own HF_HOME, removed with
-its store): a run never finds the files an earlier run downloaded."""
+(`hf_hub_download` into the HF cache), reads each LFS file behind huggingface_hub's writer to check its
+sha256 against the lock as it lands, and hard-links it into its store; `hf download` does not hash what
+it writes, so the ratio is what that verification costs. Each builder run starts from an empty HF cache
+(its own HF_HOME, removed with its store): a run never finds the files an earlier run downloaded."""
 
 from __future__ import annotations
 

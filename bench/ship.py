@@ -2,8 +2,8 @@
 
 * ``builder bundle --fleet`` of a 4-host fleet with 4 GiB of models (every host holds every file):
   the operator disk it uses (store and bundles, each inode once, as ``du`` counts) against the model
-  bytes, and its time against copying those bytes into every host's bundle (``cp``, what the bundle
-  did before the store: a lower bound, as that copy also hashed);
+  bytes, and its time against copying those bytes into every host's bundle (``cp``: a lower bound
+  of a bundle that copies its models, which would also hash them);
 * ``builder ship`` (transfer and install) of a bundle with a 1 GiB model and the image to a test-fleet
   host, against ``scp -r`` of the same bundle folder over the same ssh_config, and against that
   ``scp -r`` followed by ``ssh HOST sync`` (ship's bytes are on disk when it ends; the host reset
@@ -109,7 +109,7 @@ def _fleet_bundle(cfg: Config, base: Path) -> list[Row]:
     data = mf.total
     rows = [Row(NAME, "bundle --fleet (4 hosts, 4 GiB each): operator disk / model bytes",
                 f"{used / GiB:.2f} GiB", f"{data / GiB:.2f} GiB", used / data, "<= 1.05", judge(used / data, "<= 1.05"),
-                f"store + {len(hosts)} bundles, each inode once (the copies it replaced: {len(hosts)}x)",
+                f"store + {len(hosts)} bundles, each inode once (a copy in each bundle: {len(hosts)}x)",
                 {"disk_bytes": used, "model_bytes": data})]
     copies = base / "copies"
 
@@ -130,7 +130,7 @@ def _fleet_bundle(cfg: Config, base: Path) -> list[Row]:
     ratio = t["copy"] / t["builder"]
     rows.append(Row(NAME, "bundle --fleet (4 hosts, 4 GiB each) vs copying the models into each bundle",
                     secs(t["builder"]), secs(t["copy"]), ratio, "", "report",
-                    "the copy: cp -r + sync of each host's models/ (no hashing: a lower bound of the old bundle)",
+                    "the copy: cp -r + sync of each host's models/ (no hashing: a lower bound of a copying bundle)",
                     {"builder_s": t["builder"], "copy_s": t["copy"]}))
 
     rows += _progress(cfg, p)
