@@ -325,7 +325,7 @@ def build(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offl
     if not force:
         rec = up_to_date(store_root, p, labels)
         if rec is not None:
-            provenance.ensure(store_root, p, rec)  # records from before provenance get theirs now
+            provenance.ensure(store_root, p, rec)  # a record without its provenance documents gets them here
             return ImageResult(record=rec, built=False)
     rec = _build_once(pins, lock, p, root, Store(store_root), labels, offline=offline, engine=engine,
                       on_log=on_log)

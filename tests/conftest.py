@@ -68,7 +68,7 @@ def docker_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # property tests (1000 examples each, as issue 7 asks) are a tier of their own: CI runs them,
+    # property tests (1000 examples each) are a tier of their own: CI runs them,
     # a developer's quick loop can skip them with -m "not fuzz"
     for item in items:
         if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):

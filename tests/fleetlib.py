@@ -528,7 +528,7 @@ class Fleet:
         shutil.rmtree(self.control_dir, ignore_errors=True)
 
 
-TestFleet = Fleet  # the name in the brief; pytest does not collect it (__test__ = False)
+TestFleet = Fleet  # another name for Fleet; pytest does not collect it (__test__ = False)
 
 
 def close_kept_connections(folder: Path, remove: bool = True) -> None:
