@@ -531,7 +531,7 @@ def test_fleet_misspelt_key(tmp_path: Path, data: st.DataObject) -> None:
     check_misspelt_key(data, data.draw(st.sampled_from(FLEET_SEEDS)), Fleet, load_fleet, tmp_path / "fleet.toml")
 
 
-def test_the_issues_misspelling_is_named_with_its_fix(tmp_path: Path) -> None:
+def test_a_misspelt_serve_key_is_named_with_its_fix(tmp_path: Path) -> None:
     """A misspelt key (`tensor_paralel`) in a lane's serve table, through the real CLI."""
     text = PINS_SEEDS[0].decode()
     assert "\ntensor_parallel = " in text
