@@ -591,6 +591,26 @@ def test_a_head_first_lane_starts_rank_0_first_and_waits_for_its_readiness(j: Jo
 # --------------------------------------------------------------------------- an interrupted deploy leaves no doubt
 
 
+_HOLD, _HELD = "/tmp/test-hold-docker-run", "/tmp/test-docker-run-held"
+
+
+def _hold_docker_run(j: Journey, h: fleetlib.Host) -> None:
+    """While _HOLD exists, `docker run` on the host touches _HELD and waits 20 s before it runs."""
+    script = (f"#!/bin/sh\nif [ \"$1\" = run ] && [ -e {_HOLD} ]; then touch {_HELD}; sleep 20; fi\n"
+              "exec /usr/bin/docker.real \"$@\"\n")
+    j.fleet.exec(h, ["sh", "-c", "mv /usr/bin/docker /usr/bin/docker.real && cat > /usr/bin/docker && "
+                                 "chmod 755 /usr/bin/docker && "
+                                 f"rm -f {_HELD} && touch {_HOLD}"], input=script.encode())
+
+
+def _wait_held(j: Journey, h: fleetlib.Host, bg: dl.Background, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while j.fleet.exec(h, f"test -e {_HELD}", check=False).returncode != 0:
+        assert bg.p.poll() is None, ("the deploy ended before the head's docker run", bg.lines[-20:])
+        assert time.monotonic() < deadline, "the head's docker run was never reached"
+        time.sleep(0.2)
+
+
 def _alone(bg: dl.Background) -> None:
     """SIGKILL the deploy process alone (not its group): its children must end with it."""
     os.kill(bg.p.pid, 9)
@@ -609,18 +629,25 @@ def test_a_deploy_killed_alone_while_starting_changes_nothing_after_and_status_s
     _good(j)
     _new_release(j)
     head, worker = j.fleet.hosts
-    bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j))
-    bg.wait_line(rf"^{worker.name}: rank 1 is up")  # the head's start.sh is under way now
-    time.sleep(1.0)
-    _alone(bg)
-    time.sleep(5)  # (the host's watchdog: TERM, KILL 3 s later)
-    before = {h.name: dl.lane_containers(j, h) for h in j.fleet.hosts}
-    time.sleep(25)
-    after = {h.name: dl.lane_containers(j, h) for h in j.fleet.hosts}
-    assert after == before, (before, after)
-    left = j.fleet.exec(head, "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f 2>/dev/null; echo; done | "
-                              "grep '[c]urrent/start.sh' || true").stdout.strip()
-    assert not left, left
+    # The head's `docker run` is held inside its start.sh (a wrapper in place of /usr/bin/docker),
+    # so the kill lands in the start phase whatever this machine's load: a deploy whose head came up in
+    # under the test's reaction time would finish before the kill. Were the step to outlive the kill,
+    # the held `docker run` would go on 20 s later and the head's containers would change.
+    _hold_docker_run(j, head)
+    try:
+        bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j))
+        _wait_held(j, head, bg)
+        _alone(bg)
+        time.sleep(5)  # (the host's watchdog: TERM, KILL 3 s later)
+        before = {h.name: dl.lane_containers(j, h) for h in j.fleet.hosts}
+        time.sleep(25)
+        after = {h.name: dl.lane_containers(j, h) for h in j.fleet.hosts}
+        assert after == before, (before, after)
+        left = j.fleet.exec(head, "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f 2>/dev/null; echo; done | "
+                                  "grep '[c]urrent/start.sh' || true").stdout.strip()
+        assert not left, left
+    finally:
+        j.fleet.exec(head, f"rm -f {_HOLD} {_HELD} && mv /usr/bin/docker.real /usr/bin/docker")
     rc, st = _status(j)
     assert rc == 1 and st["exit"] == 1, st
     assert st["deploy_phase"] in ("starting", "verifying") and "did not finish" in st["deploy"], st
