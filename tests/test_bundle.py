@@ -179,6 +179,25 @@ def test_write_stream_splits_exactly(tmp_path: Path) -> None:
             assert len(w.parts) == -(-size // part)
 
 
+def test_write_stream_hashes_each_part_and_the_whole_across_short_reads(tmp_path: Path) -> None:
+    """Two whole reads, short reads from a "pipe", a part boundary inside a read and a short tail."""
+    import hashlib
+    import io
+
+    from builder.hashing import READ_SIZE
+
+    data = os.urandom(READ_SIZE * 2 + 5000)
+    part_size = READ_SIZE + 4096
+    dest = tmp_path / "b"
+    w = write_stream(io.BufferedReader(io.BytesIO(data), buffer_size=1000), "big.bin", dest, part_size, "0644")
+    assert (w.size, w.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert b"".join((dest / p["path"]).read_bytes() for p in w.parts) == data
+    for p in w.parts:
+        assert hashlib.sha256((dest / p["path"]).read_bytes()).hexdigest() == p["sha256"]
+        assert stat.S_IMODE((dest / p["path"]).stat().st_mode) == 0o644
+    assert [p["size"] for p in w.parts] == [part_size, len(data) - part_size]
+
+
 def test_rank_file_count_must_match_tensor_parallel(proj: Project) -> None:
     (proj.root / "pins.toml").write_text(
         (proj.root / "pins.toml").read_text().replace("tensor_parallel = 2", "tensor_parallel = 3")

@@ -22,7 +22,7 @@ modes are fixed, so the same lock, inventory and image give the same bytes (Ed25
 deterministic too). Every file is streamed (4 MiB buffers): memory stays flat whatever the sizes.
 
 Where each part lives: ``render`` (the inputs, what a rank holds, the manifest, the folder moved into
-place), ``parts`` (the streaming part writer, with its O_DIRECT writes in ``directio``), ``archive``
+place), ``parts`` (the streaming part writer), ``archive``
 (the image as a `docker load` archive), ``keys`` (the signing and trusted keys), ``verify``.
 """
 

@@ -2,7 +2,9 @@
 
 A file larger than the part size is stored as ``parts/<path>.partNNNN``; the manifest lists each
 part's size and sha256 beside the whole file's. Every byte is read once and hashed twice (its part's
-sha256 and the whole file's).
+sha256 and the whole file's). Writes go through the page cache and each file is fsynced once, when
+it is complete: bundles now link the model files from the store, so what streams through here is
+the image archive and small files.
 """
 
 from __future__ import annotations
@@ -10,15 +12,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import mmap
 import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from builder.bundle.directio import open_part, sync_close, write_all
 from builder.hashing import READ_SIZE
 
 
@@ -39,20 +38,6 @@ class WrittenFile:
         return e
 
 
-def _readinto_fn(src: IO[bytes]) -> Callable[[memoryview], int]:
-    """``src.readinto`` when the stream has one (files, pipes, BytesIO, BufferedReader), else read+copy."""
-    fn = getattr(src, "readinto", None)
-    if fn is not None:
-        return fn  # type: ignore[no-any-return]
-
-    def read_copy(view: memoryview) -> int:
-        data = src.read(len(view))
-        view[: len(data)] = data
-        return len(data)
-
-    return read_copy
-
-
 def write_stream(
     src: IO[bytes], rel: str, dest: Path, part_size: int, mode: str, on_bytes: Callable[[int], None] | None = None
 ) -> WrittenFile:
@@ -66,82 +51,44 @@ def write_stream(
     parts: list[dict[str, Any]] = []
     part_dir = dest / "parts" / Path(rel).parent
     part_dir.mkdir(parents=True, exist_ok=True)
-
-    def part_name(i: int) -> str:
-        return f"parts/{rel}.part{i:04d}"
-
-    # This thread only reads and writes (O_DIRECT where it can: builder.bundle.directio); the two
-    # hashes run on two more threads (hashlib and os.write release the GIL), so a write waiting on
-    # the disk does not hold up the hashing, and the hashes use two cores. Three page-aligned buffers
-    # are reused, read with readinto and written from a memoryview: no allocation or copy per chunk.
-    # A buffer is read into again only once both hashes of its last chunk are done (three chunks in
-    # flight at most: memory stays flat). A finished part is fsynced and closed on a fourth thread,
-    # overlapping the next part.
-    readinto = _readinto_fn(src)
-    nbuf = 3
-    bufs = [mmap.mmap(-1, READ_SIZE) for _ in range(nbuf)]  # page-aligned, as O_DIRECT needs
-    views = [memoryview(b) for b in bufs]
-    busy: list[list[Future[Any]]] = [[] for _ in range(nbuf)]
-    which = 0
-    syncs: list[Future[None]] = []
-    digests: list[Future[str]] = []
-    whole_ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-sha256-file")
-    part_ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-sha256-part")
-    syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bundle-fsync")
-    idx = 0
-    fd = -1
-    cur_hash = hashlib.sha256()
+    out: IO[bytes] | None = None
+    part_hash = hashlib.sha256()
     in_part = 0
-    direct = False
 
     def finish_part() -> None:
-        nonlocal fd, idx, in_part
-        os.fchmod(fd, 0o644)
-        parts.append({"path": part_name(idx), "size": in_part, "sha256": ""})
-        digests.append(part_ex.submit(cur_hash.hexdigest))  # after this part's updates (one worker, in order)
-        syncs.append(syncer.submit(sync_close, fd))
-        fd = -1
-        idx += 1
+        nonlocal out, in_part
+        assert out is not None
+        out.flush()
+        os.fchmod(out.fileno(), 0o644)
+        os.fsync(out.fileno())
+        out.close()
+        out = None
+        parts[-1].update(size=in_part, sha256=part_hash.hexdigest())
         in_part = 0
 
     try:
         while True:
-            for f in busy[which]:
-                f.result()  # both hashes of this buffer's last chunk are done: it may be reused
-            busy[which] = []
-            want = min(READ_SIZE, part_size - in_part)
-            view = views[which][:want]
-            n = readinto(view)
-            if not n:
+            chunk = src.read(min(READ_SIZE, part_size - in_part))
+            if not chunk:
                 break
-            chunk = view[:n]
-            if fd < 0:
-                fd, direct = open_part(dest / part_name(idx))
-                cur_hash, in_part = hashlib.sha256(), 0
-            busy[which] = [whole_ex.submit(whole.update, chunk), part_ex.submit(cur_hash.update, chunk)]
-            direct = write_all(fd, chunk, in_part, direct)
-            in_part += n
-            total += n
+            if out is None:
+                parts.append({"path": f"parts/{rel}.part{len(parts):04d}", "size": 0, "sha256": ""})
+                out = open(dest / parts[-1]["path"], "wb")  # noqa: SIM115 (closed by finish_part or below)
+                part_hash, in_part = hashlib.sha256(), 0
+            whole.update(chunk)
+            part_hash.update(chunk)
+            out.write(chunk)
+            in_part += len(chunk)
+            total += len(chunk)
             if on_bytes is not None:
-                on_bytes(n)
-            which = (which + 1) % nbuf
+                on_bytes(len(chunk))
             if in_part >= part_size:
                 finish_part()
-        if fd >= 0:
+        if out is not None:
             finish_part()
-        for b in busy:
-            for f in b:
-                f.result()
-        for p, d in zip(parts, digests, strict=True):
-            p["sha256"] = d.result()
-        for s in syncs:
-            s.result()  # an fsync error surfaces here
     finally:
-        whole_ex.shutdown(wait=True)
-        part_ex.shutdown(wait=True)
-        syncer.shutdown(wait=True)
-        if fd >= 0:
-            os.close(fd)
+        if out is not None:
+            out.close()
     target = dest / rel
     target.parent.mkdir(parents=True, exist_ok=True)
     if len(parts) <= 1:
@@ -149,7 +96,8 @@ def write_stream(
             os.chmod(dest / parts[0]["path"], int(mode, 8))
             os.replace(dest / parts[0]["path"], target)
         else:
-            sync_close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+            with open(target, "wb") as f:
+                os.fsync(f.fileno())
         os.chmod(target, int(mode, 8))
         _prune_empty(dest / "parts")
         return WrittenFile(rel, total, whole.hexdigest(), mode)
