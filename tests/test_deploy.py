@@ -160,27 +160,6 @@ def test_bundle_currency_names_what_differs() -> None:
     assert stale(changed, want, False, False) == "start.sh differs"
 
 
-def test_the_early_audit_runs_in_a_child_and_leaves_a_configuration_error_to_the_deploy(tmp_path: Path) -> None:
-    """`python -m builder.deploy.early REQUEST` runs the audit the request names; a configuration error is
-    one line on its stderr (exit 2) and no report, which the deploy then reports itself."""
-    from builder.deploy.early import EarlyAudit, request
-    from builder.deploy.fleetwork import DeployOptions
-    from builder.ssh import ControlSockets
-
-    opts = DeployOptions(root=tmp_path, pins=tmp_path / "pins.toml", lock=tmp_path / "pins.lock",
-                         store=tmp_path / "store", fleet="nope")
-    shared = ControlSockets(tmp_path, True, 60.0)
-    req = request(opts, shared)
-    assert req["phase"] == "all" and req["control_dir"] == str(tmp_path) and req["fleet"] == "nope"
-    p = subprocess.run([sys.executable, "-m", "builder.deploy.early", json.dumps(req)], capture_output=True,
-                       text=True, timeout=120, cwd=tmp_path, env=dict(os.environ))
-    assert p.returncode == 2 and p.stdout == "" and p.stderr.startswith("error: ") and p.stderr.count("\n") == 1
-    said: list[str] = []
-    early = EarlyAudit(opts, shared, said.append)
-    assert early.wait() is None and said == ["audit of fleet nope"]
-    assert not EarlyAudit.likely(opts)  # (no lock, no bundles: not a likely no-op)
-
-
 def test_unknown_fleet_is_one_line_and_exit_2(tmp_path: Path, project_root: Path) -> None:
     for cmd in (["deploy", "--fleet", "nope"], ["status", "--fleet", "nope"], ["start", "--fleet", "nope"],
                 ["stop", "--fleet", "nope"]):

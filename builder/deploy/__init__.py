@@ -5,7 +5,6 @@
 - ``plan``: the dry run's plan, the no-op (only audit), and what an unfinished deploy left;
 - ``stage``, ``switch``, ``rollback``: the deploy's three moves on the fleet;
 - ``deployment``: one deploy's state (the fleet, report, bundles, journal) that those steps share;
-- ``early``: the likely no-op's audit, started first, in a process of its own;
 - ``fleetwork``: one command's view of a fleet: its inventory and lane, one connection per host, the
   hosts' facts, stop and start in rank order, the fleet's audits;
 - ``startstop``: ``builder start`` and ``builder stop`` (rank order);

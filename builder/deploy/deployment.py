@@ -11,13 +11,11 @@ from builder.deploy.report import DeployReport, HostOutcome
 
 if TYPE_CHECKING:
     from builder.deploy.bundles import FleetBundle
-    from builder.deploy.early import EarlyAudit
     from builder.hosts import Host
 
 
 class Deployment:
-    def __init__(self, w: Fleetwork, early: EarlyAudit | None = None) -> None:
-        self.early = early
+    def __init__(self, w: Fleetwork) -> None:
         self.w = w
         self.opts = w.opts
         self.say = w.say

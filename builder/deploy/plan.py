@@ -3,8 +3,6 @@ and what it says of an earlier deploy that did not finish."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from builder.deploy import journal as J
 from builder.deploy.deployment import Deployment
 from builder.deploy.fleetwork import problems, short
@@ -85,11 +83,11 @@ def plan(d: Deployment, stale: dict[str, str]) -> DeployReport:
     return rep
 
 
-def noop(d: Deployment, earlier: J.Journal | None, early: dict[str, Any] | None = None) -> DeployReport:
-    """Every host runs its new bundle already: only the audit (the early one's report, when it ran)."""
+def noop(d: Deployment, earlier: J.Journal | None) -> DeployReport:
+    """Every host runs its new bundle already: only the audit."""
     w, rep = d.w, d.rep
-    d.say(f"fleet {w.fleet_name}: every host runs its new bundle already" + ("" if early else "; auditing"))
-    rep.audit = early if early is not None else w.audit("all").to_json()
+    d.say(f"fleet {w.fleet_name}: every host runs its new bundle already; auditing")
+    rep.audit = w.audit("all").to_json()
     code = int(rep.audit.get("exit", 1))
     for h in w.hosts:
         d.out(h).result = "unchanged"

@@ -37,7 +37,6 @@ import time
 from builder.deploy import journal as J
 from builder.deploy.deployment import Deployment
 from builder.deploy.derivations import make_all
-from builder.deploy.early import EarlyAudit
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.fleetwork import (
     DeployOptions,
@@ -47,7 +46,6 @@ from builder.deploy.fleetwork import (
     command_sockets,
     explain,
     problems,
-    shared_view,
     short,
 )
 from builder.deploy.plan import changes, describe_earlier, is_noop, noop, plan
@@ -73,19 +71,14 @@ def deploy(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
             raise ConfigError(f"--fleet: not a fleet name: {opts.fleet!r}")
         with fleet_lock(opts.store, opts.fleet, "deploy"):
             sockets = command_sockets(opts)
-            early = EarlyAudit(opts, shared_view(sockets), say) if EarlyAudit.likely(opts) else None
             try:
                 w = Fleetwork(opts, say, sockets=sockets)  # ConfigError (exit 2): nothing was changed
             except BaseException:
-                if early is not None:
-                    early.wait()
                 close_sockets(sockets)
                 raise
             try:
-                rep = run(Deployment(w, early))
+                rep = run(Deployment(w))
             finally:
-                if early is not None:
-                    early.wait()
                 w.close()
     rep.seconds = time.monotonic() - start
     return rep
@@ -103,10 +96,7 @@ def run(d: Deployment) -> DeployReport:
     stale = {n: b for n, b in made.items() if isinstance(b, str)}
     d.bundles = {n: b for n, b in made.items() if isinstance(b, FleetBundle)}
     earlier = J.load(opts.store, w.fleet_name)
-    failed = w.probe()  # (beside the early audit, if one runs: the hosts' connections are shared)
-    early = d.early.wait() if d.early is not None else None  # (always over before anything changes)
-    if earlier is not None or any(b.made for b in d.bundles.values()):
-        early = None  # (audited before the journal or the bundles said otherwise: not the no-op's)
+    failed = w.probe()
     if failed:
         for name, why in failed.items():
             d.out(name).result, d.out(name).message = "unreachable", why
@@ -124,7 +114,7 @@ def run(d: Deployment) -> DeployReport:
     if opts.dry_run:
         return plan(d, stale)
     if is_noop(d):
-        done = noop(d, earlier, early)
+        done = noop(d, earlier)
         if not opts.repair or done.exit_code == 0 or done.unreachable:
             return done
         drifted = {n for n, h in (done.audit or {}).get("hosts", {}).items() if h.get("status") != "pass"}
