@@ -402,7 +402,7 @@ def _probe_checks(tmp_path: Path) -> Path:
 
 
 def test_each_host_runs_pytest_in_a_process_of_its_own(tmp_path: Path) -> None:
-    """pytest.main per host, in a process of its own, with public options only: the check modules,
+    """pytest per host, in a process of its own, with public options only: the check modules,
     testinfra's plugin, the host, and its expectations and results files."""
     checks = _probe_checks(tmp_path)
     got = []
@@ -424,67 +424,6 @@ def test_a_host_that_runs_past_its_bound_is_killed_and_unreachable(tmp_path: Pat
     start = time.monotonic()
     assert runner.run_pytest(args, tmp_path / "log", checks, 3) is None
     assert time.monotonic() - start < 60
-
-
-def test_the_check_modules_are_imported_once_in_the_fork_server(tmp_path: Path) -> None:
-    """Each host's pytest takes the check modules the fork server imported (a fresh audit process:
-    the module's import runs once, in the server, whatever the number of hosts)."""
-    checks = _probe_checks(tmp_path)
-    (checks / "test_probe.py").write_text(
-        "import json, os\n"
-        "with open(os.path.join(os.path.dirname(__file__), 'imported'), 'a') as f:\n"
-        "    f.write(f'{os.getpid()}\\n')\n"
-        "def test_probe(pytestconfig):\n"
-        "    with open(pytestconfig.option.builder_results, 'w') as f:\n"
-        "        json.dump({'pid': os.getpid()}, f)\n"
-    )
-    program = "\n".join([
-        "import sys",
-        "from pathlib import Path",
-        "from builder.audit import runner",
-        f"c = Path({str(checks)!r})",
-        "for i in range(2):",
-        "    args = runner.pytest_args(c, ['probe'], ['--hosts=local://', f'--builder-results={c}/r{i}.json'])",
-        "    assert runner.run_pytest(args, c / f'log{i}', c, 60) == 0, (c / f'log{i}').read_text()",
-    ])
-    subprocess.run([sys.executable, "-c", program], check=True, cwd=tmp_path, timeout=120)
-    imported = (checks / "imported").read_text().split()
-    ran = [json.loads((checks / f"r{i}.json").read_text())["pid"] for i in range(2)]
-    assert len(imported) == 1 and imported[0] not in map(str, ran) and ran[0] != ran[1]
-
-
-def test_preloaded_check_modules_that_fail_are_left_and_stale_ones_dropped(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A module that does not import in the fork server is left to each host's pytest (which reports
-    it); a host whose checks are another folder, or a changed file, gets none of the preloaded ones."""
-    from builder.audit import preload
-
-    d = tmp_path / "c"
-    d.mkdir()
-    (d / "checklib.py").write_text("N = 1\n")
-    (d / "test_pre_good.py").write_text("import checklib\ndef test_a():\n    assert checklib.N == 1\n")
-    (d / "test_pre_missing.py").write_text("import checklib\nimport no_such_module_here\n")
-    (d / "test_pre_syntax.py").write_text("def f(:\n")
-    names = ("checklib", "test_pre_good", "test_pre_missing", "test_pre_syntax")
-    for n in names:
-        monkeypatch.delitem(sys.modules, n, raising=False)
-    monkeypatch.setattr(preload, "LOADED", {})
-    try:
-        preload.load(str(d))
-        assert sorted(preload.LOADED) == ["checklib", "test_pre_good"] and str(d) not in sys.path
-        assert "test_pre_missing" not in sys.modules and "test_pre_syntax" not in sys.modules
-        preload.forget_unless_current(str(d))  # the same folder, unchanged: kept
-        assert "test_pre_good" in sys.modules
-        preload.forget_unless_current(str(tmp_path))  # another folder: dropped
-        assert "test_pre_good" not in sys.modules and "checklib" not in sys.modules and not preload.LOADED
-        preload.load(str(d))
-        (d / "checklib.py").write_text("N = 22\n")  # changed since: dropped
-        preload.forget_unless_current(str(d))
-        assert "checklib" not in sys.modules and not preload.LOADED
-    finally:
-        for n in names:
-            sys.modules.pop(n, None)
 
 
 def test_checks_on_testinfras_own_host_fixture_get_each_hosts_own_host(tmp_path: Path) -> None:

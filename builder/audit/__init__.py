@@ -26,7 +26,7 @@ from pathlib import Path
 from builder.audit.expect import build_expectations, load_lane_inputs
 from builder.audit.options import CONCERNS, AuditOptions, parse_only, select_targets
 from builder.audit.report import AuditReport, CheckOutcome, HostResult, junit_xml, matrix_rows, write_junit
-from builder.audit.runner import run_host, start_forkserver
+from builder.audit.runner import run_host
 from builder.ssh import ControlSockets
 
 __all__ = [
@@ -49,8 +49,6 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
     concerns, checks_dir = opts.validate()
     targets = select_targets(opts.hosts_dir or opts.root / "hosts", opts.names, opts.fleet)
     opts.check_backend()
-    # the hosts' pytest processes are forked from it: its imports overlap with loading the lock
-    start_forkserver(checks_dir)
     inputs = load_lane_inputs(opts, targets)
     expectations = [build_expectations(t, opts, inputs, concerns) for t in targets]
 

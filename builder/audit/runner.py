@@ -1,25 +1,20 @@
 """Running the checks on one host: reach it, then one pytest process over the check modules with
 testinfra's backend for that host, then read what the checks reported.
 
-A host's pytest is ``pytest.main`` in a process of its own, with public options only: the check
+A host's pytest is ``python -m pytest`` in a process of its own, with public options only: the check
 modules, testinfra's plugin, the host (``--hosts``, and for ssh ``--ssh-extra-args`` with the host's
 connection) and the files checks/conftest.py reads the expectations from and writes the results to.
-The process is forked from the standard library's fork server (multiprocessing "forkserver"), which
-imported pytest, testinfra and the builder modules the checks use once for the whole audit
-(`PRELOAD`): a fleet pays those imports once, not once per host. Everything else (the configuration,
-the collection, the session) is each host's own pytest.main.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import shlex
 import signal
+import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -113,98 +108,21 @@ def pytest_env() -> dict[str, str]:
     return env
 
 
-#: what every host's pytest imports, imported once in the fork server the hosts' processes are
-#: forked from: pytest, testinfra, the builder modules the checks import, this module (whose
-#: `host_pytest` each process runs), and builder.cli, which the `builder` script imports (each
-#: process runs its program's main script again before its target)
-PRELOAD = (
-    "builder.cli",
-    "pytest",
-    "testinfra.plugin",
-    "builder.hostfacts",
-    "builder.installer",
-    "builder.launch",
-    "builder.placement",
-    "builder.gpu",
-    "builder.audit.runner",
-    "builder.audit.preload",  # (last: the check modules, with the imports above done)
-)
-_FORKSERVER = multiprocessing.get_context("forkserver")
-_START = threading.Lock()
-_STARTED: list[bool] = []
-
-
-def main_module() -> list[str]:
-    """multiprocessing runs the program's main again in every process it starts (as __mp_main__):
-    for a main run as ``python -m NAME`` (the deploy's early audit), the module NAME, imported here
-    in the fork server so that each host's process runs it with its imports done. (A script's
-    main, the `builder` command's, imports builder.cli: in PRELOAD.)"""
-    main = sys.modules.get("__main__")
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    return [name] if name and not name.endswith("__main__") else []
-
-
-def start_forkserver(checks_dir: Path | None = None) -> None:
-    """Start the fork server (once per process) with this audit's own builder first on its import
-    path: the server is a new interpreter, which would otherwise import a `builder/` folder in the
-    working folder first (PYTHONSAFEPATH: no working folder on its path); and with the check modules
-    of `checks_dir` imported (builder.audit.preload). Called before the hosts' threads start, as it
-    sets the environment the server inherits."""
-    with _START:
-        if _STARTED:
-            return
-        _FORKSERVER.set_forkserver_preload([*PRELOAD, *main_module()])
-        saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "PYTHONSAFEPATH", "BUILDER_AUDIT_CHECKS")}
-        os.environ.update(PYTHONPATH=pytest_env()["PYTHONPATH"], PYTHONSAFEPATH="1",
-                          BUILDER_AUDIT_CHECKS=str(checks_dir or ""))
-        try:
-            multiprocessing.forkserver.ensure_running()
-            _STARTED.append(True)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
-def host_pytest(args: list[str], env: dict[str, str], log: str, cwd: str) -> None:
-    """One host's pytest, in its own process (run there by `run_pytest`; multiprocessing gives it
-    the audit's import path): its own session, its output to the host's log, the environment the
-    audit gives it."""
-    os.setsid()
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    import pytest  # (already imported by the fork server: PRELOAD)
-
-    from builder.audit import preload
-
-    preload.forget_unless_current(cwd)  # (a server started by an earlier audit: its checks may differ)
-
-    sys.exit(int(pytest.main(args)))
-
-
 def run_pytest(args: list[str], log_path: Path, cwd: Path, timeout: float) -> int | None:
-    """Run one host's pytest (see `host_pytest`); its exit status, or None when it ran past `timeout`
-    (then its process group is killed)."""
-    start_forkserver(cwd)
-    p = _FORKSERVER.Process(target=host_pytest, args=(args, pytest_env(), str(log_path), str(cwd)), daemon=True)
-    p.start()
-    p.join(timeout)
-    if p.exitcode is not None:
-        return p.exitcode
-    assert p.pid is not None
+    """Run one host's pytest (``python -m pytest ARGS``, its output to the host's log, in a session of
+    its own); its exit status, or None when it ran past `timeout` (then its process group is killed:
+    pytest and whatever it started)."""
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen([sys.executable, "-m", "pytest", *args], cwd=cwd, env=pytest_env(),
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        os.killpg(p.pid, signal.SIGKILL)  # (its session: pytest and whatever it started)
-    except (ProcessLookupError, PermissionError):
+        return p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
         p.kill()
-    p.join()
-    return None
+        p.wait()
+        return None
 
 
 def read_results(path: Path) -> tuple[str | None, list[CheckOutcome], list[str]]:
