@@ -276,7 +276,7 @@ def test_batch_runs_shell_and_python_items(tmp_path: Path) -> None:
         ["py", "files again", hf.FILES, json.dumps({"paths": [str(a)], "hash": False})],
     ]
     got, _ = batch_run(items, 60)
-    rc, _, err = got["broken"]  # (a source compiled once for its forks; one that does not compile, in each)
+    rc, _, err = got["broken"]
     assert rc == 1 and b"SyntaxError" in err
     assert "sha256" not in json.loads(got["files again"][1])[str(a)]
     assert got[f"cat {a}"] == (0, b"\xff\x00binary", b"")
@@ -293,10 +293,9 @@ def test_batch_runs_shell_and_python_items(tmp_path: Path) -> None:
     assert missing[0] == 1
 
 
-def test_a_fact_runs_in_a_fork_of_the_batch_as_python3_would_run_it(tmp_path: Path) -> None:
-    """A fact module runs in a fork of the batch's interpreter, not in a new python3, with what
-    ``python3 -I -S -c SOURCE ARG`` gives it: argv, __name__, stdin at end of file, its own session,
-    only its progress descriptor beside 0-2, and sys.exit's status."""
+def test_a_fact_runs_as_python3_minus_c_in_a_session_of_its_own(tmp_path: Path) -> None:
+    """A fact module runs as ``python3 -I -S -c SOURCE ARG``: argv, __name__, stdin at end of file,
+    its own session, only its progress descriptor beside 0-2, and sys.exit's status."""
     probe = ("import json, os, sys\n"
              "fds = sorted(int(f) for f in os.listdir('/proc/self/fd'))\n"
              "sys.stdout.write(json.dumps({'argv': sys.argv, 'name': __name__, 'stdin': sys.stdin.read(),\n"
@@ -308,8 +307,9 @@ def test_a_fact_runs_in_a_fork_of_the_batch_as_python3_would_run_it(tmp_path: Pa
     facts = json.loads(out)
     assert rc == 5 and err == b"", err
     assert facts["argv"] == ["-c", "the-arg"] and facts["name"] == "__main__" and facts["stdin"] == ""
-    assert facts["leader"] and facts["progress"] == "3"
-    assert [f for f in facts["fds"] if f > 3] in ([], [4]), facts["fds"]  # (4: the listing's own)
+    progress = int(facts["progress"])
+    assert facts["leader"] and progress in facts["fds"]
+    assert len([f for f in facts["fds"] if f > 2 and f != progress]) <= 1, facts["fds"]  # (the listing's own)
     assert got["other"] == (0, b"1\n", b"") and got["echo before"] == (0, b"before\n", b"")
 
 

@@ -1,10 +1,9 @@
 """On a host: run many fact commands at once, each bounded in time, and report every answer.
 
 argv[1] is a JSON list of items: a shell command line (a string), or ``["py", key, source, arg]``
-for a fact module (``source``: its text, run as ``python3 -I -S -c source arg`` would run it, in a
-fork of this interpreter: no other python3 starts). argv[2], if given, bounds each item's seconds.
-Every item runs in a child process of its own session, all started before the threads that read
-them (a fork is then of a process with one thread). One that runs past its bound (a hung
+for a fact module (``source``: its text, run as ``python3 -I -S -c source arg`` by this python3).
+argv[2], if given, bounds each item's seconds. Every item runs in a child process of its own
+session. One that runs past its bound (a hung
 nvidia-smi, a df or a stat on a stale NFS mount) is killed with its process group and answers exit
 status 124 ("builder: timed out after N s" on stderr), so the host's other facts still come back. A fact module may
 report progress (one byte to the descriptor in $BUILDER_PROGRESS_FD, see files.py); each report
@@ -32,7 +31,6 @@ import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from types import CodeType
     from typing import Any
 
 
@@ -49,15 +47,18 @@ class Child:
         self.limit = limit
         self.progress_r: int | None = None
         if isinstance(item, str):
-            self.proc: subprocess.Popen[bytes] | Forked = subprocess.Popen(
+            self.proc: subprocess.Popen[bytes] = subprocess.Popen(
                 ["/bin/sh", "-c", item], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, start_new_session=True,
             )
         else:
             self.progress_r, pw = os.pipe()
-            compiled(item[2])  # (once, here: each fork of the same module runs it)
             try:
-                self.proc = Forked(item[2], item[3], pw)
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", item[2], item[3]], stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(pw,),
+                    env={**os.environ, "BUILDER_PROGRESS_FD": str(pw)},
+                )
             except OSError:
                 os.close(self.progress_r)
                 raise
@@ -127,95 +128,6 @@ class Child:
             os.close(self.progress_r)
 
 
-class Forked:
-    """A fact module running in a fork of this interpreter, as ``python3 -I -S -c SOURCE ARG`` would
-    run it (this interpreter is one), without another interpreter's start: its own session, stdin
-    from /dev/null, its outputs to pipes, `progress_w` as $BUILDER_PROGRESS_FD. What the batch needs
-    of a subprocess.Popen: pid, stdout, stderr, wait."""
-
-    def __init__(self, source: str, arg: str, progress_w: int) -> None:
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            self.pid = os.fork()
-        except OSError:
-            for fd in (out_r, out_w, err_r, err_w):
-                os.close(fd)
-            raise
-        if self.pid == 0:  # (the child: never returns)
-            code = 1
-            try:
-                os.setsid()
-                null = os.open(os.devnull, os.O_RDONLY)
-                for fd, to in ((null, 0), (out_w, 1), (err_w, 2), (progress_w, 3)):
-                    os.dup2(fd, to)
-                os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # (other items' pipes among them)
-                sys.stdout = open(1, "w", closefd=False)
-                sys.stderr = open(2, "w", closefd=False)
-                os.environ["BUILDER_PROGRESS_FD"] = "3"
-                sys.argv = ["-c", arg]
-                code = run_source(source)
-            finally:
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(code)
-        os.close(out_w)
-        os.close(err_w)
-        self.stdout = open(out_r, "rb", buffering=0)
-        self.stderr = open(err_r, "rb", buffering=0)
-        self.returncode: int | None = None
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Its exit status (as Popen.wait); subprocess.TimeoutExpired when it runs past `timeout`."""
-        until = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
-            pid, status = os.waitpid(self.pid, 0 if until is None else os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-            elif until is not None and time.monotonic() >= until:
-                raise subprocess.TimeoutExpired("fact", timeout or 0)
-            else:
-                time.sleep(0.002)
-        return self.returncode
-
-
-#: each fact module's source compiled once, in this process, before the forks that run it (None:
-#: it does not compile; each fork then compiles it and reports the error as ``python3 -c`` would)
-COMPILED: dict[str, CodeType | None] = {}
-
-
-def compiled(source: str) -> CodeType | None:
-    if source not in COMPILED:
-        try:
-            COMPILED[source] = compile(source, "<string>", "exec")
-        except (SyntaxError, ValueError):
-            COMPILED[source] = None
-    return COMPILED[source]
-
-
-def run_source(source: str) -> int:
-    """Run a module's source as __main__ (as ``python3 -c`` does): its exit status; an uncaught
-    exception prints its traceback and gives 1."""
-    try:
-        code = COMPILED.get(source) or compile(source, "<string>", "exec")
-        exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            return e.code or 0
-        print(e.code, file=sys.stderr)
-        return 1
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        return 1
-    return 0
-
-
 def run_item(item: Any, limit: float | None) -> tuple[str, list[object]]:
     """(the item's key, its answer)."""
     key, child = start(item, limit)
@@ -236,7 +148,7 @@ def main(argv: list[str]) -> int:
     limit = float(argv[2]) if len(argv) > 2 else None
     answers: dict[str, list[object]] = {}
 
-    started = [start(i, limit) for i in items]  # (every fork before the first thread)
+    started = [start(i, limit) for i in items]
 
     def put(key: str, child: Child | list[object]) -> None:
         answers[key] = child if isinstance(child, list) else child.answer()
