@@ -347,7 +347,7 @@ def test_a_disk_that_fills_mid_download(proj: Path, hub: FakeHub, small_disk: Pa
 
 def test_a_download_is_hashed_as_it_lands_and_not_read_again(tmp_path: Path, hub: FakeHub,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bytes huggingface_hub writes are hashed behind it (builder.models.fetch._Follower): the store
+    """The bytes huggingface_hub writes are hashed behind it (builder.models.hub._Follower): the store
     takes the file without a second full read; a small file (no LFS sha256 to find it by) is read once."""
     import huggingface_hub.constants as hc
 
