@@ -34,7 +34,7 @@ import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import IO, Any, Literal, TypeVar
 
 from builder.errors import ConfigError
 
@@ -108,6 +108,20 @@ def size_or_zero(path: str | os.PathLike[str]) -> int:
         return os.stat(path).st_size
     except OSError:
         return 0
+
+
+def copy_hashed(src: IO[bytes], out: IO[bytes], read_size: int = READ_SIZE) -> tuple[str, int]:
+    """Copy ``src`` to its end into ``out``, hashing on the way; ``out`` is flushed and fsynced.
+    Returns (sha256 hex, size) of what was written."""
+    h = hashlib.sha256()
+    size = 0
+    while chunk := src.read(read_size):
+        h.update(chunk)
+        out.write(chunk)
+        size += len(chunk)
+    out.flush()
+    os.fsync(out.fileno())
+    return h.hexdigest(), size
 
 
 def sha256_file(

@@ -33,7 +33,7 @@ from pathlib import Path
 from builder import gitsrc
 from builder.errors import ResolveError
 from builder.fetch import scrub_url
-from builder.hashing import in_parallel, sha256_file, size_or_zero
+from builder.hashing import copy_hashed, in_parallel, sha256_file, size_or_zero
 from builder.lockfile import LockedKit, LockedModelFile, LockedSource
 from builder.pins import GitSource, Kit
 
@@ -293,26 +293,19 @@ def export_file(name: str, spec: Kit, source: GitSource, commit: str, rel: str, 
     assert spec.source is not None
     mirror = mirror_for(spec.source, source, root=root, cache=cache, offline=offline)
     obj = f"{commit}:{tree_path(spec, rel)}"
-    h = hashlib.sha256()
-    n = 0
     proc = subprocess.Popen(["git", "--git-dir", str(mirror), "cat-file", "blob", obj], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=gitsrc.git_env())
     assert proc.stdout is not None
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         with proc.stdout as src, open(dest, "xb") as out:
-            while chunk := src.read(READ):
-                h.update(chunk)
-                out.write(chunk)
-                n += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
+            digest, n = copy_hashed(src, out, READ)
     finally:
         rc = proc.wait(timeout=gitsrc.LOCAL_TIMEOUT)
     if rc != 0:
         dest.unlink(missing_ok=True)
         raise ResolveError(f"kits.{name}: {rel}: not in {spec.source} at {commit[:12]} (run `builder lock`)")
-    return h.hexdigest(), n
+    return digest, n
 
 
 def resolve(name: str, spec: Kit, *, root: Path, cache: Path, offline: bool, spec_hash: str,
