@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
 
-from builder.errors import ConfigError
+from builder.errors import ConfigError, ResolveError
 
 #: Read size for hashing. Large reads keep OpenSSL in its multi-block path and cut syscalls; 4 MiB
 #: keeps a thread's buffer small enough that a full pool stays far under the memory target.
@@ -162,6 +162,35 @@ def hash_files(
     """{path: (sha256 hex, size)} for many files, hashed in parallel. OSError propagates."""
     items = [os.fspath(p) for p in paths]
     return dict(zip(items, in_parallel(sha256_file, items, size=size_or_zero, workers=workers), strict=True))
+
+
+#: a progress callback for hashing a pin's local files (a model's, a kit's): (its name in the pins,
+#: its bytes in all, bytes just hashed); called once with 0 bytes before the first, from the caller's
+#: thread, then from the hashers'
+HashProgress = Callable[[str, int, int], None]
+
+
+def hash_folder_files(folder: Path, paths: list[str], *, where: str, workers: int | None = None,
+                      progress: HashProgress | None = None) -> list[tuple[str, str, int]]:
+    """(path, sha256, size) for each path, hashed in parallel (hashlib releases the GIL)."""
+    on_bytes: Callable[[int], None] | None = None
+    if progress is not None:
+        total = sum(size_or_zero(folder / rel) for rel in paths)
+        progress(where, total, 0)
+
+        def on_bytes(n: int) -> None:
+            progress(where, total, n)
+
+    def one(rel: str) -> tuple[str, str, int]:
+        try:
+            digest, size = sha256_file(folder / rel, on_bytes=on_bytes)
+        except FileNotFoundError:
+            raise ResolveError(f"{where}: file vanished: {rel} (in {folder})") from None
+        except OSError as e:
+            raise ResolveError(f"{where}: cannot read {rel} (in {folder}): {e.strerror}") from None
+        return rel, digest, size
+
+    return in_parallel(one, paths, size=lambda rel: size_or_zero(folder / rel), workers=workers)
 
 
 def _entry(e: Entry | Sequence[Any] | Mapping[str, Any]) -> Entry:
