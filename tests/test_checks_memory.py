@@ -22,7 +22,7 @@ from builder import hostfacts as hf
 from builder.hostfacts import memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_checks_units import checklib_fresh, local_expect  # noqa: E402
+from test_checks_units import checklib_fresh, concerns_for, local_expect  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -209,13 +209,14 @@ def test_the_shortfall_message_names_the_biggest_other_holders() -> None:
 def test_the_holders_and_the_lanes_facts_are_prefetched_with_a_minimum_only(tmp_path: Path) -> None:
     cl: Any = checklib_fresh()
     expect = local_expect(tmp_path)
-    assert cl.memory_facts() not in cl.planned(expect)  # no min_free_memory_gib: MemAvailable alone
+    # no min_free_memory_gib: MemAvailable alone
+    assert cl.memory_facts() not in cl.planned(expect, concerns_for(expect))
     expect["expect"]["min_free_memory_gib"] = 1  # type: ignore[index]
-    plan = cl.planned(expect)
+    plan = cl.planned(expect, concerns_for(expect))
     assert cl.memory_facts() in plan and len(plan) == len(set(plan))
     expect.update(concerns=["memory"], lane="demo", host={"role": "worker", "rank": 1})
     expect["expect"].update(docker=True, gpu_count=1)  # type: ignore[attr-defined]
-    plan = cl.planned(expect)
+    plan = cl.planned(expect, concerns_for(expect))
     assert plan[1:] == [cl.lane_containers("demo", 1), cl.MEMINFO, cl.memory_facts(),
                         cl.cat(expect["applied_path"]), *cl.gpu_commands()]
 
@@ -230,7 +231,7 @@ def test_the_prefetch_runs_the_module_for_real(tmp_path: Path) -> None:
     expect = local_expect(tmp_path)
     expect["expect"]["min_free_memory_gib"] = 1  # type: ignore[index]
     calls = count_commands(host)
-    cl.prefetch(host, expect)
+    cl.prefetch(host, expect, concerns_for(expect))
     got = json.loads(cl.run(host, *cl.memory_facts()).stdout)
     assert calls == ["python3 -I -S -c %s %s %s"]
     assert got["cgroup"] in ("v1", "v2") and got["processes"] and all(p["held"] > 0 for p in got["processes"])

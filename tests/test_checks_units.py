@@ -11,6 +11,36 @@ from typing import Any
 
 import pytest
 
+CHECKS = Path(__file__).resolve().parent.parent / "checks"
+_MODULES: dict[str, Any] = {}
+
+
+def check_module(name: str) -> Any:
+    """checks/test_NAME.py, imported under a name of its own (tests/ has test modules of the same
+    names), with the checklib that checklib_fresh gives."""
+    import importlib.util
+
+    if name not in _MODULES:
+        checklib_fresh()
+        spec = importlib.util.spec_from_file_location(f"checks_test_{name}", CHECKS / f"test_{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(CHECKS))
+        try:
+            spec.loader.exec_module(mod)
+        finally:
+            sys.path.pop(0)
+        _MODULES[name] = mod
+    return _MODULES[name]
+
+
+def concerns_for(expect: dict[str, Any]) -> list[Any]:
+    """The CONCERN of each check module `expect` selects, as checks/conftest.py gives them to
+    checklib.prefetch; `expect["containers"]` is set as `builder audit` writes it."""
+    found = [check_module(n).CONCERN for n in expect["concerns"]]
+    expect["containers"] = any(c.containers for c in found)
+    return found
+
 
 def checklib_fresh() -> object:
     """checks/checklib as the per-host pytest imports it, with its per-host caches empty."""
@@ -106,9 +136,9 @@ def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> N
     cl: Any = checklib_fresh()
     host = testinfra.get_host("local://")
     expect = local_expect(tmp_path)
-    planned = cl.planned(expect)
+    planned = cl.planned(expect, concerns_for(expect))
     calls = count_commands(host)
-    cl.prefetch(host, expect)
+    cl.prefetch(host, expect, concerns_for(expect))
     assert calls == ["python3 -I -S -c %s %s %s"]  # every planned command, one remote call
     assert len(cl.RAN) == len(planned) >= 6
     meminfo = cl.run(host, *cl.MEMINFO)
@@ -121,7 +151,7 @@ def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> N
     assert calls == ["python3 -I -S -c %s %s %s"]  # all of that answered from the prefetch
     cl.run(host, "true")  # a command nobody planned still runs, on its own
     assert calls[-1] == "true"
-    cl.prefetch(host, expect)  # once per host
+    cl.prefetch(host, expect, concerns_for(expect))  # once per host
     assert len(calls) == 2
 
 
@@ -143,7 +173,7 @@ def test_release_files_come_with_the_record_in_the_prefetch(tmp_path: Path) -> N
     state.mkdir()
     (state / "applied.json").write_text(json.dumps({"files": [{"path": "start.sh"}, {"path": "stop.sh"}]}))
     calls = count_commands(host)
-    cl.prefetch(host, expect)
+    cl.prefetch(host, expect, concerns_for(expect))
     got = cl.release_files(host, expect, [f"{cur}/start.sh", f"{cur}/stop.sh"])
     assert got[f"{cur}/stop.sh"]["sha256"] == hashlib.sha256(b"halt").hexdigest()
     assert calls == ["python3 -I -S -c %s %s %s"]  # answered by the prefetch
@@ -160,7 +190,7 @@ def test_prefetch_that_fails_leaves_each_check_to_run_its_own_command(
     host = testinfra.get_host("local://")
     expect = local_expect(tmp_path)
     monkeypatch.setattr(cl, "BATCH", "print('not the batch output')")
-    cl.prefetch(host, expect)
+    cl.prefetch(host, expect, concerns_for(expect))
     assert cl.RAN == {}
     r = cl.run(host, *cl.MEMINFO)  # runs for real
     assert r.rc == 0 and "MemAvailable:" in r.stdout
@@ -181,7 +211,7 @@ def test_a_hung_tool_costs_its_own_fact_only(tmp_path: Path, monkeypatch: pytest
     expect["concerns"] = ["gpu", "memory"]
     expect["expect"]["gpu_count"] = 1  # type: ignore[index]
     host = testinfra.get_host("local://")
-    cl.prefetch(host, expect)
+    cl.prefetch(host, expect, concerns_for(expect))
     assert cl.exists(host, "nvidia-smi")
     for c in cl.gpu_commands():
         r = cl.run(host, *c)
@@ -217,7 +247,8 @@ def test_inspect_images_answers_found_and_missing_images_in_one_call() -> None:
 
 
 def docker_expect(concerns: list[str]) -> dict[str, Any]:
-    return {"concerns": concerns, "lane": "demo", "host": {"rank": 1, "role": "worker"},
+    return {"concerns": concerns, "containers": any(check_module(c).CONCERN.containers for c in concerns),
+            "lane": "demo", "host": {"rank": 1, "role": "worker"},
             "image": {"image_id": "sha256:ab", "tag": "builder/demo:1"}}
 
 
@@ -232,7 +263,8 @@ def test_the_image_and_the_ranks_containers_are_one_docker_inspect(monkeypatch: 
     assert both[0].endswith("docker inspect %s %s $ids") and both[1:] == ("demo", "1", "sha256:ab", "builder/demo:1")
     assert cl.docker_objects_command(docker_expect(["image"])) == cl.inspect_images(["sha256:ab", "builder/demo:1"])
     assert cl.docker_objects_command(docker_expect(["serving"])) == cl.lane_containers("demo", 1)
-    plan = cl.planned({**docker_expect(["image", "runtime"]), "expect": {"docker": True}})
+    exp = {**docker_expect(["image", "runtime"]), "expect": {"docker": True}}
+    plan = cl.planned(exp, concerns_for(exp))
     assert [c for c in plan if "docker" in c[0]] == [cl.lookup_commands(["docker", "nvidia-smi"]), both,
                                                      cl.docker_info()]
     img, ctr = {"Id": "sha256:ab"}, {"Id": "c1", "State": {"Running": True}, "Name": "/demo-r1"}

@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
@@ -37,7 +37,7 @@ from builder.deploy import journal as J  # noqa: E402
 from builder.deploy.bundles import stale  # noqa: E402
 from builder.deploy.fleetlock import fleet_lock  # noqa: E402
 from builder.deploy.hoststate import Container, HostState  # noqa: E402
-from builder.deploy.report import DeployReport, HostOutcome  # noqa: E402
+from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcome, Side  # noqa: E402
 from builder.errors import BuilderError  # noqa: E402
 
 # --------------------------------------------------------------------------- fast tier
@@ -54,6 +54,29 @@ def test_exit_codes_follow_the_result() -> None:
     assert rep("refused", unreachable=True).exit_code == 3 and rep("failed", unreachable=True).exit_code == 3
     assert rep("unchanged", audit={"exit": 1}).exit_code == 1 and rep("unchanged", audit={"exit": 0}).exit_code == 0
     assert rep("failed").to_json()["fleet_on"] == "mixed"
+
+
+def documented(after: str) -> list[str]:
+    """The values docs/deploy.md gives in the table, or the sentence, that follows the line
+    starting with `after`: each row's first cell, or each `value` followed by its meaning."""
+    lines = (Path(__file__).resolve().parent.parent / "docs" / "deploy.md").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(after))
+    if not lines[start].rstrip().endswith(":"):  # a sentence: `value` (meaning), ...
+        para = " ".join(lines[start:lines.index("", start)])
+        return re.findall(r"`([a-z-]+)` \(", para.split(":", 1)[1])
+    rows = []
+    for ln in lines[start + 2:]:
+        if ln.startswith("| `"):
+            rows.append(ln.split("`")[1])
+        elif rows:
+            break
+    return rows
+
+
+def test_the_documented_results_are_the_reports_values() -> None:
+    assert documented("A host's `result`") == list(get_args(Outcome))
+    assert documented("A host's `on`") == list(get_args(Side))
+    assert documented("The fleet's `result`") == list(get_args(FleetResult))
 
 
 def test_fleet_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> None:
