@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.lib import checkmods
+
 
 def checklib_fresh() -> object:
     """checks/checklib as the per-host pytest imports it, with its per-host caches empty."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "checks"))
-    try:
-        import checklib
-    finally:
-        sys.path.pop(0)
+    checklib: Any = checkmods.checklib()
     for cache in (checklib.RAN, checklib.APPLIED_CACHE, checklib.EXISTS_CACHE, checklib.LIST_CACHE):
         cache.clear()
     checklib.PREFETCHED.clear()
@@ -67,15 +64,11 @@ def test_collection_error_in_one_line() -> None:
     import importlib.util
     from types import SimpleNamespace
 
-    checks = Path(__file__).resolve().parent.parent / "checks"
-    sys.path.insert(0, str(checks))
-    try:
-        spec = importlib.util.spec_from_file_location("builder_checks_conftest", checks / "conftest.py")
-        assert spec is not None and spec.loader is not None
-        conf: Any = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(conf)
-    finally:
-        sys.path.pop(0)
+    checkmods.checklib()  # checks/conftest.py imports it as `checklib`
+    spec = importlib.util.spec_from_file_location("builder_checks_conftest", checkmods.CHECKS / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    conf: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
     imp = "test_x.py:1: in <module>\n    import nope\nE   ModuleNotFoundError: No module named 'nope'"
     syn = 'ast.py:50: in parse\nE     File "test_x.py", line 1\nE       def f(:\nE   SyntaxError: invalid syntax'
     native = 'Traceback:\n  File "test_x.py", line 1, in <module>\n    x = y\nNameError: name \'y\' is not defined\n'
@@ -201,8 +194,9 @@ def test_docker_facts_come_from_the_docker_cli() -> None:
 @pytest.mark.docker
 def test_inspect_images_answers_found_and_missing_images_in_one_call() -> None:
     """Against this machine's real Docker Engine, through testinfra's local backend as a check runs it."""
-    import fleetlib
     import testinfra
+
+    from tests.lib import fleetlib
 
     if not fleetlib.docker_available():
         pytest.skip("Docker engine not reachable")
@@ -263,8 +257,9 @@ def test_docker_inspect_of_images_and_containers_against_the_engine() -> None:
     and rank, the image by ID and a tag that does not exist."""
     import subprocess
 
-    import fleetlib
     import testinfra
+
+    from tests.lib import fleetlib
 
     if not fleetlib.docker_available():
         pytest.skip("Docker engine not reachable")
