@@ -20,9 +20,7 @@ import pytest
 
 from builder import hostfacts as hf
 from builder.hostfacts import memory
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_checks_units import checklib_fresh, concerns_for, local_expect  # noqa: E402
+from tests.test_checks_units import checklib_fresh, concerns_for, local_expect
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -224,7 +222,8 @@ def test_the_holders_and_the_lanes_facts_are_prefetched_with_a_minimum_only(tmp_
 def test_the_prefetch_runs_the_module_for_real(tmp_path: Path) -> None:
     """hostfacts.memory inside the prefetch's batch on this machine (testinfra local://): one call."""
     import testinfra
-    from test_checks_units import count_commands
+
+    from tests.test_checks_units import count_commands
 
     cl: Any = checklib_fresh()
     host = testinfra.get_host("local://")
@@ -241,7 +240,7 @@ def test_the_prefetch_runs_the_module_for_real(tmp_path: Path) -> None:
 def test_a_containers_memory_from_its_cgroup_on_this_machine() -> None:
     """Against this machine's real engine and kernel: a container holding 200 MiB of shm (written
     into its /dev/shm, charged to its cgroup) is found, with its pid, holding at least that much."""
-    import fleetlib
+    from tests.lib import fleetlib
 
     if not fleetlib.docker_available():
         pytest.skip("Docker engine not reachable")

@@ -5,54 +5,29 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-CHECKS = Path(__file__).resolve().parent.parent / "checks"
-_MODULES: dict[str, Any] = {}
+from tests.lib import checkmods
 
 
-def check_module(name: str) -> Any:
-    """checks/test_NAME.py, imported under a name of its own (tests/ has test modules of the same
-    names), with the checklib that checklib_fresh gives."""
-    import importlib.util
-
-    if name not in _MODULES:
-        checklib_fresh()
-        spec = importlib.util.spec_from_file_location(f"checks_test_{name}", CHECKS / f"test_{name}.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(CHECKS))
-        try:
-            spec.loader.exec_module(mod)
-        finally:
-            sys.path.pop(0)
-        _MODULES[name] = mod
-    return _MODULES[name]
+def checklib_fresh() -> object:
+    """checks/checklib as the per-host pytest imports it, with its per-host caches empty."""
+    checklib: Any = checkmods.checklib()
+    for cache in (checklib.RAN, checklib.APPLIED_CACHE, checklib.EXISTS_CACHE, checklib.LIST_CACHE):
+        cache.clear()
+    checklib.PREFETCHED.clear()
+    return checklib
 
 
 def concerns_for(expect: dict[str, Any]) -> list[Any]:
     """The CONCERN of each check module `expect` selects, as checks/conftest.py gives them to
     checklib.prefetch; `expect["containers"]` is set as `builder audit` writes it."""
-    found = [check_module(n).CONCERN for n in expect["concerns"]]
+    found: list[Any] = [checkmods.check_module(n).CONCERN for n in expect["concerns"]]
     expect["containers"] = any(c.containers for c in found)
     return found
-
-
-def checklib_fresh() -> object:
-    """checks/checklib as the per-host pytest imports it, with its per-host caches empty."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "checks"))
-    try:
-        import checklib
-    finally:
-        sys.path.pop(0)
-    for cache in (checklib.RAN, checklib.APPLIED_CACHE, checklib.EXISTS_CACHE, checklib.LIST_CACHE):
-        cache.clear()
-    checklib.PREFETCHED.clear()
-    return checklib
 
 
 def local_expect(tmp_path: Path) -> dict[str, object]:
@@ -97,15 +72,11 @@ def test_collection_error_in_one_line() -> None:
     import importlib.util
     from types import SimpleNamespace
 
-    checks = Path(__file__).resolve().parent.parent / "checks"
-    sys.path.insert(0, str(checks))
-    try:
-        spec = importlib.util.spec_from_file_location("builder_checks_conftest", checks / "conftest.py")
-        assert spec is not None and spec.loader is not None
-        conf: Any = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(conf)
-    finally:
-        sys.path.pop(0)
+    checkmods.checklib()  # checks/conftest.py imports it as `checklib`
+    spec = importlib.util.spec_from_file_location("builder_checks_conftest", checkmods.CHECKS / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    conf: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
     imp = "test_x.py:1: in <module>\n    import nope\nE   ModuleNotFoundError: No module named 'nope'"
     syn = 'ast.py:50: in parse\nE     File "test_x.py", line 1\nE       def f(:\nE   SyntaxError: invalid syntax'
     native = 'Traceback:\n  File "test_x.py", line 1, in <module>\n    x = y\nNameError: name \'y\' is not defined\n'
@@ -231,8 +202,9 @@ def test_docker_facts_come_from_the_docker_cli() -> None:
 @pytest.mark.docker
 def test_inspect_images_answers_found_and_missing_images_in_one_call() -> None:
     """Against this machine's real Docker Engine, through testinfra's local backend as a check runs it."""
-    import fleetlib
     import testinfra
+
+    from tests.lib import fleetlib
 
     if not fleetlib.docker_available():
         pytest.skip("Docker engine not reachable")
@@ -247,7 +219,7 @@ def test_inspect_images_answers_found_and_missing_images_in_one_call() -> None:
 
 
 def docker_expect(concerns: list[str]) -> dict[str, Any]:
-    return {"concerns": concerns, "containers": any(check_module(c).CONCERN.containers for c in concerns),
+    return {"concerns": concerns, "containers": any(checkmods.check_module(c).CONCERN.containers for c in concerns),
             "lane": "demo", "host": {"rank": 1, "role": "worker"},
             "image": {"image_id": "sha256:ab", "tag": "builder/demo:1"}}
 
@@ -295,8 +267,9 @@ def test_docker_inspect_of_images_and_containers_against_the_engine() -> None:
     and rank, the image by ID and a tag that does not exist."""
     import subprocess
 
-    import fleetlib
     import testinfra
+
+    from tests.lib import fleetlib
 
     if not fleetlib.docker_available():
         pytest.skip("Docker engine not reachable")

@@ -13,12 +13,11 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_checks_units import CHECKS, check_module, checklib_fresh, concerns_for  # noqa: E402
-
-from builder.audit import AuditOptions  # noqa: E402
-from builder.audit.concerns import Concern, declared, read_declaration  # noqa: E402
-from builder.errors import ConfigError  # noqa: E402
+from builder.audit import AuditOptions
+from builder.audit.concerns import Concern, declared, read_declaration
+from builder.errors import ConfigError
+from tests.lib.checkmods import CHECKS, check_module
+from tests.test_checks_units import checklib_fresh, concerns_for
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("image", "release", "models", "engram", "gpu", "memory", "fabric", "storage", "runtime", "serving")

@@ -2,7 +2,7 @@
 
 Fast tier: the report's exit codes, the fleet lock, the journal, the bundle currency rule, config errors.
 Docker tier: the installer's stage and switch (what a deploy builds on), on local roots.
-Fleet tier (tests/journeylib.py: the project copy, the shipped pins, the real image, bundles and
+Fleet tier (tests/lib/journeylib.py: the project copy, the shipped pins, the real image, bundles and
 installer, a FAKE nvidia-smi on each host): through the CLI only, `builder deploy --fleet ...` of a first
 lock, of a second (a changed serve setting: every host switches), of a third whose engine refuses its
 arguments at start (the whole fleet back on the second, serving and passing its audit), of a rank that
@@ -27,18 +27,15 @@ from typing import Any, get_args
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import auditlib  # noqa: E402
-import deploylib as dl  # noqa: E402
-import fleetlib  # noqa: E402
-from journeylib import PATHS, Journey, journey  # noqa: E402
-
-from builder.deploy import journal as J  # noqa: E402
-from builder.deploy.bundles import stale  # noqa: E402
-from builder.deploy.fleetlock import fleet_lock  # noqa: E402
-from builder.deploy.hoststate import Container, HostState  # noqa: E402
-from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcome, Side  # noqa: E402
-from builder.errors import BuilderError  # noqa: E402
+from builder.deploy import journal as J
+from builder.deploy.bundles import stale
+from builder.deploy.fleetlock import fleet_lock
+from builder.deploy.hoststate import Container, HostState
+from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcome, Side
+from builder.errors import BuilderError
+from tests.lib import auditlib, fleetlib
+from tests.lib import deploylib as dl
+from tests.lib.journeylib import PATHS, Journey, journey
 
 # --------------------------------------------------------------------------- fast tier
 
@@ -200,8 +197,8 @@ def test_unknown_fleet_is_one_line_and_exit_2(tmp_path: Path, project_root: Path
 
 @pytest.mark.docker
 def test_installer_stages_without_switching_then_switches_and_back(tmp_path: Path) -> None:
-    import bundlelib as bl
-    from test_installer import bundle, install, run_installer
+    from tests.lib import bundlelib as bl
+    from tests.test_installer import bundle, install, run_installer
 
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")

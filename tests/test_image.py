@@ -27,9 +27,15 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import docker_available  # noqa: E402
-from test_plan import (  # noqa: E402
+from builder import dockerio
+from builder import image as core
+from builder.imagerecord import tag_for
+from builder.lockfile import load_lock
+from builder.pins import load_pins
+from builder.plan import make_plan
+from builder.store import Store
+from tests.conftest import docker_available
+from tests.test_plan import (
     NO_DOCKER,
     PATCH_REL,
     ROOT,
@@ -40,14 +46,6 @@ from test_plan import (  # noqa: E402
     plan_of,
     relock,
 )
-
-from builder import dockerio  # noqa: E402
-from builder import image as core  # noqa: E402
-from builder.imagerecord import tag_for  # noqa: E402
-from builder.lockfile import load_lock  # noqa: E402
-from builder.pins import load_pins  # noqa: E402
-from builder.plan import make_plan  # noqa: E402
-from builder.store import Store  # noqa: E402
 
 ARCH = {"amd64": ("x86_64-linux-musl", "linux/arm64", "aarch64-linux-musl"),
         "arm64": ("aarch64-linux-musl", "linux/amd64", "x86_64-linux-musl")}

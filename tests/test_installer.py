@@ -20,16 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bundlelib
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from builder import installer as inst
 from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bundlelib as bl  # noqa: E402
+from tests.lib import bundlelib
+from tests.lib import bundlelib as bl
 
 SCRIPT = inst.assemble()
 

@@ -1,4 +1,4 @@
-"""`builder fetch` through the CLI: the model store, against a FAKE Hub (tests/fakehub.py, real HTTP on
+"""`builder fetch` through the CLI: the model store, against a FAKE Hub (tests/lib/fakehub.py, real HTTP on
 127.0.0.1) and real files on disk; the lock it reads is written by `builder lock` against the same Hub."""
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fakehub import FakeHub  # noqa: E402
-
-from builder.models.store import ModelStore, Wanted  # noqa: E402
+from builder.models.store import ModelStore, Wanted
+from tests.lib.fakehub import FakeHub
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "hf_fetchtesttoken0123456789"

@@ -19,9 +19,7 @@ from typing import Any
 import pytest
 
 from builder import installer as inst
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bundlelib as bl  # noqa: E402
+from tests.lib import bundlelib as bl
 
 pytestmark = pytest.mark.docker
 
