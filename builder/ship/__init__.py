@@ -34,10 +34,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from builder import installer as inst
 from builder.bundle import public_key_for, read_public_key, signing_key_path, verify_with_key
 from builder.errors import ConfigError, VerifyError
 from builder.hosts import Fleet, Host, find_host
+from builder.onhost.errors import InstallError
+from builder.onhost.manifest import MANIFEST
+from builder.onhost.verify import verify_bundle
 from builder.ship.options import ShipOptions, ShipResult
 from builder.ship.remote import Remote
 from builder.ship.send import ship_over_ssh
@@ -72,7 +74,7 @@ def _load_bundle(
     root: Path, fleet: Fleet, host: Host, opts: ShipOptions
 ) -> tuple[Path, dict[str, Any], bytes]:
     bdir = opts.bundle or root / "out" / "bundles" / fleet.fleet.name / host.name
-    if not (bdir / inst.MANIFEST).is_file():
+    if not (bdir / MANIFEST).is_file():
         raise ConfigError(f"{bdir}: no bundle there (run `builder bundle {host.name}`)")
     # Over ssh the host hashes every byte it receives against the signed manifest (and refuses a
     # wrong one, naming the file), so here the signature and sizes suffice; a copy to a folder is
@@ -81,8 +83,8 @@ def _load_bundle(
     if opts.insecure:  # nothing is checked against a key, so none is needed (or asked for)
         key = b""
         try:
-            manifest, _, _ = inst.verify_bundle(str(bdir), None, insecure=True, hashes=hashes)
-        except inst.InstallError as e:
+            manifest, _, _ = verify_bundle(str(bdir), None, insecure=True, hashes=hashes)
+        except InstallError as e:
             raise VerifyError(str(e)) from None
     else:
         key = trusted_key_bytes(root, fleet, bdir, opts)

@@ -9,9 +9,9 @@ import subprocess
 from pathlib import Path
 from typing import IO, Any
 
-from builder import installer as inst
 from builder.errors import BuilderError, ConfigError, UnreachableError
 from builder.hosts import Fleet, Host, ssh_config_file
+from builder.onhost.errors import EXIT_CONFIG
 from builder.ssh import Connection, ControlSockets, die_with_parent, tied
 
 
@@ -137,7 +137,7 @@ def installer_answer(remote: Remote, proc_rc: int, stdout: bytes, stderr: bytes,
         msg = error_line(stderr) or f"exit status {proc_rc}"
         if proc_rc == 127 or "python3: not found" in msg or "command not found" in msg:
             raise BuilderError(f"{name}: python3 not found on the host")
-        cls = ConfigError if proc_rc == inst.EXIT_CONFIG else BuilderError
+        cls = ConfigError if proc_rc == EXIT_CONFIG else BuilderError
         raise cls(f"{name}: {what}: {msg}")
     try:
         out = json.loads(stdout.decode("utf-8").strip().splitlines()[-1])

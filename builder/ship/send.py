@@ -15,9 +15,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from builder import installer as inst
 from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
 from builder.hosts import Host
+from builder.onhost.manifest import MANIFEST, SIGNATURE
+from builder.onhost.receive import RECEIVE_MAGIC, widen_pipe
 from builder.ship.options import MiB, ShipOptions, ShipResult
 from builder.ship.remote import Remote, installer_answer, last_line
 from builder.ssh import die_with_parent
@@ -78,8 +79,8 @@ def _receive(
     res = ShipResult(host=host.name, fleet=manifest["fleet"], bundle_id=manifest["bundle_id"], result="")
     files = {f["path"]: f for f in manifest["files"]}
     total = sum(f["size"] for f in manifest["files"])
-    mbytes = (bdir / inst.MANIFEST).read_bytes()
-    sbytes = (bdir / inst.SIGNATURE).read_bytes() if not opts.insecure else b""
+    mbytes = (bdir / MANIFEST).read_bytes()
+    sbytes = (bdir / SIGNATURE).read_bytes() if not opts.insecure else b""
     limit = opts.timeout + 120 + total / opts.min_rate + 3 * total / opts.hash_rate
     remote.connect()
     argv = remote.argv(command)
@@ -100,11 +101,11 @@ def _receive(
     timer.daemon = True
     timer.start()
     assert proc.stdin is not None and proc.stdout is not None
-    inst.widen_pipe(proc.stdin.fileno())
+    widen_pipe(proc.stdin.fileno())
     broken = False
     try:
         try:
-            proc.stdin.write(script + inst.RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes)
+            proc.stdin.write(script + RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes)
             proc.stdin.flush()
             line = proc.stdout.readline()
             want = json.loads(line).get("want") if line.strip() else None
