@@ -19,8 +19,9 @@ Two modes:
     times, bit rot, a raw write to the block device) is NOT. Full mode is what catches those; run it
     after anything you do not trust.
 
-Every pool of hashing threads in builder is :func:`in_parallel` (builder.onhost.files's, the one
-copy: the host side runs it too).
+Every pool of hashing threads in builder is :func:`in_parallel`, and every file is hashed by
+:func:`sha256_file`'s read loop (builder.onhost.files's, the one copy of each: the host side runs
+them too).
 
 Entries may be :class:`Entry` objects, ``(path, size, sha256)`` tuples or dicts with those keys
 (the lock's and the manifest's shapes). Paths are relative to ``root`` unless absolute.
@@ -28,17 +29,18 @@ Entries may be :class:`Entry` objects, ``(path, size, sha256)`` tuples or dicts 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from builder.errors import ConfigError
-from builder.onhost.files import READ_SIZE, in_parallel
+from builder.onhost.files import READ_SIZE as READ_SIZE  # (the read size every hash of builder uses)
 from builder.onhost.files import default_workers as default_workers  # (the one pool's size, for callers of hashing)
+from builder.onhost.files import in_parallel
+from builder.onhost.files import sha256_file as sha256_file
 from builder.onhost.record import fast_mode_drift
 
 Mode = Literal["full", "fast"]
@@ -71,38 +73,6 @@ def size_or_zero(path: str | os.PathLike[str]) -> int:
         return os.stat(path).st_size
     except OSError:
         return 0
-
-
-def sha256_file(
-    path: str | os.PathLike[str], read_size: int = READ_SIZE, on_bytes: Callable[[int], None] | None = None
-) -> tuple[str, int]:
-    """(sha256 hex, size) of one file: readinto one reusable buffer, hashed through a memoryview.
-    ``on_bytes`` (a progress bar's) is told each number of bytes just hashed."""
-    h = hashlib.sha256()
-    buf = bytearray(read_size)
-    view = memoryview(buf)
-    size = 0
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        # Tell the kernel we read front to back: it doubles readahead on a cold cache; no cost warm.
-        if hasattr(os, "posix_fadvise"):
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            except OSError:
-                pass
-        with open(fd, "rb", buffering=0, closefd=False) as f:
-            while True:
-                n = f.readinto(buf)
-                if not n:
-                    break
-                # hashlib releases the GIL for updates over 2 KiB: other threads hash meanwhile.
-                h.update(view[:n])
-                size += n
-                if on_bytes is not None:
-                    on_bytes(n)
-    finally:
-        os.close(fd)
-    return h.hexdigest(), size
 
 
 def hash_files(

@@ -18,7 +18,7 @@ import pytest
 from checklib import json_output, listing, model_files_commands, or_skip, read_applied, run
 
 from builder.hostfacts import shown
-from builder.installer import fast_mode_drift
+from builder.onhost.record import fast_mode_drift
 
 
 def _expected(expect: dict[str, Any]) -> list[dict[str, Any]]:

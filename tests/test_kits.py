@@ -27,9 +27,13 @@ import bundlelib as bl  # noqa: E402
 from test_gitsrc import Upstream  # noqa: E402
 
 from builder import fetch as plain  # noqa: E402
-from builder import installer as inst  # noqa: E402
 from builder import kits  # noqa: E402
-from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle, verify_dir  # noqa: E402
+from builder.bundle import (  # noqa: E402
+    BundleOptions,
+    load_bundle_inputs,
+    make_bundle,
+    verify_dir,
+)
 from builder.canon import atomic_write  # noqa: E402
 from builder.diff import diff_locks  # noqa: E402
 from builder.errors import ConfigError, ResolveError  # noqa: E402
@@ -479,11 +483,10 @@ def test_the_installer_places_kit_and_template_files_and_records_them(tmp_path: 
         with_inputs(p)
         d = _bundle(p, tmp_path / "b")
         root = tmp_path / "host" / "builder"
-        script = inst.assemble().decode()
 
         def install() -> subprocess.CompletedProcess[str]:
-            return subprocess.run([sys.executable, "-I", "-", "install", str(d), "--root", str(root),
-                                   "--trusted-key", str(p.pub)], input=script, capture_output=True, text=True,
+            return subprocess.run([sys.executable, "-I", str(bl.installer_file()), "install", str(d), "--root",
+                                   str(root), "--trusted-key", str(p.pub)], capture_output=True, text=True,
                                   timeout=300, cwd="/")
 
         r = install()

@@ -1,56 +1,27 @@
-"""install.pyz: builder.onhost as one zipapp, the one form in which the host side reaches a host (in a
-bundle, and kept by ship and deploy as ``<paths.bundles>/incoming/install-<sha256[:16]>.pyz``).
-
-Deterministic, so that the same source gives the same bytes and a bundle made again is byte-identical:
-the package's modules only (no ``__pycache__``), in sorted order, each stored (deflate's output
-depends on the zlib build), dated 1980-01-01, mode 0644, behind a ``#!/usr/bin/env python3`` line.
-Inside, the package is ``onhost/`` (its imports are relative) and ``__main__.py`` runs its ``cli``.
+"""install.pyz on the operator's side: the zipapp of builder.onhost (builder.onhost.pack makes it),
+the one form in which the host side reaches a host: in every bundle as ``install.pyz``, and kept by
+ship and deploy on the host by its sha256 (builder.placement.kept_installer).
 
 ``python3 -m builder.bundle.hostpkg FILE`` writes it (the operator's trusted copy for the first
-install of a sneakernet host).
+install of a sneakernet host); ``python3 -m builder.onhost assemble`` prints the same bytes.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import io
 import sys
-import zipfile
-from pathlib import Path
 
-from builder import onhost
+from builder.onhost import pack
 from builder.onhost.files import atomic_write
 
-NAME = "install.pyz"
-SHEBANG = b"#!/usr/bin/env python3\n"
-#: the package's name inside the zipapp
-PACKAGE = "onhost"
-MAIN = b'"""python3 install.pyz COMMAND ...: builder\'s host side (builder.onhost)."""\n\nimport sys\n\n' \
-       b"from onhost.cli import main\n\nsys.exit(main())\n"
-#: the earliest time a zip entry can carry
-EPOCH = (1980, 1, 1, 0, 0, 0)
-
-
-def sources() -> list[tuple[str, bytes]]:
-    """(name in the zipapp, bytes) of every module of builder.onhost, sorted by name."""
-    pkg = Path(onhost.__file__).parent
-    return sorted((f"{PACKAGE}/{p.name}", p.read_bytes()) for p in pkg.glob("*.py"))
+NAME = pack.NAME
 
 
 @functools.cache
 def zipapp() -> bytes:
     """The bytes of install.pyz (made once per process: its source does not change under it)."""
-    buf = io.BytesIO()
-    buf.write(SHEBANG)
-    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_STORED) as z:
-        for name, data in [("__main__.py", MAIN), *sources()]:
-            info = zipfile.ZipInfo(name, date_time=EPOCH)
-            info.compress_type = zipfile.ZIP_STORED
-            info.create_system = 3  # unix, so that the mode below is read as one
-            info.external_attr = (0o100644 & 0xFFFF) << 16
-            z.writestr(info, data)
-    return buf.getvalue()
+    return pack.zipapp()
 
 
 def sha256() -> str:

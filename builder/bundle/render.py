@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from builder import __version__, provenance, registry, sign
+from builder.bundle import hostpkg
 from builder.bundle.archive import image_archive
 from builder.bundle.keys import signing_key_path
 from builder.bundle.parts import WrittenFile, write_bytes, write_stream
@@ -225,7 +226,7 @@ def render_bundle(
             written: list[WrittenFile] = []
             for rel, (data, mode) in sorted(launch.files.items()):
                 written.append(write_bytes(data, rel, tmp, opts.part_size, mode))
-            written.append(write_bytes(inst.assemble(), "install.py", tmp, opts.part_size, "0755"))
+            written.append(write_bytes(hostpkg.zipapp(), hostpkg.NAME, tmp, opts.part_size, "0755"))
             archive = None
             # a fleet with a registry gets the image by digest (pushed now with --with-image), not an archive
             pull = registry.fleet_pull_reference(ctx.store, fleet_path, fleet, rec, push=opts.with_image)

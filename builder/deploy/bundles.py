@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from builder.bundle import hostpkg
 from builder.hosts import Fleet, Host
 from builder.onhost.errors import InstallError
 from builder.onhost.manifest import MANIFEST, check_manifest
@@ -55,8 +56,8 @@ def expected(ctx: Any, fleet: Fleet, host: Host) -> dict[str, Any]:
         rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "mode": mode}
         for rel, (data, mode) in rl.files.items()
     }
-    installer = inst.assemble()
-    files["install.py"] = {"size": len(installer), "sha256": hashlib.sha256(installer).hexdigest(), "mode": "0755"}
+    installer = hostpkg.zipapp()
+    files[hostpkg.NAME] = {"size": len(installer), "sha256": hashlib.sha256(installer).hexdigest(), "mode": "0755"}
     return {
         "identity": rl.identity,
         "image": rl.image,

@@ -11,18 +11,20 @@ structure and path rules, the bundle id), ``files`` (atomic writes, fsync, sha25
 pool of hashing threads), ``minisign`` (the signature verifier, through openssl), ``verify`` (a
 bundle folder against its signed manifest), ``engine`` (docker load, pull, thin archives), ``root``
 (links, lock, temps, free disk), ``record`` (the apply record, fast mode's rule), ``release`` (stage,
-switch, rollback, status), ``install`` (a bundle folder), ``receive`` (ship's stream), ``cli``.
+switch, rollback, status), ``install`` (a bundle folder), ``receive`` (ship's stream), ``pack``
+(the zipapp), ``cli``.
 
-How it reaches a host: as ``install.pyz``, one zipapp of this package built by
-builder.bundle.hostpkg (fixed timestamps, order and modes: the same source gives the same bytes),
-run as ``python3 install.pyz COMMAND ...``.
+How it reaches a host: as ``install.pyz``, one zipapp of this package made by ``pack`` (fixed
+timestamps, order and modes: the same source gives the same bytes), run as
+``python3 install.pyz COMMAND ...``.
 
 - ``builder ship HOST`` and ``builder deploy`` keep this machine's trusted copy on the host as
   ``ROOT/incoming/install-<sha256[:16]>.pyz``: each command that runs it carries it at the head of
   its stdin, writes it there only when the host's copy is missing or differs, and runs it only
   once its sha256 is the one sent. The copy in a bundle is never run by ship or deploy.
 - A bundle also carries it as ``install.pyz``. The FIRST install on a sneakernet host should use
-  the operator's copy (``python3 -m builder.bundle.hostpkg install.pyz`` writes it): never run code
+  the operator's copy (``python3 -m builder.bundle.hostpkg install.pyz``, or
+  ``python3 -m builder.onhost assemble > install.pyz``, writes it): never run code
   from a bundle that has not been verified. Later installs may run the ``install.pyz`` of the
   current release (``<root>/current/install.pyz``), which was verified when it was installed.
 
@@ -41,6 +43,7 @@ Commands::
                              (builder ship: the bundle streamed on stdin, each byte hashed as it
                              arrives, then installed; see "receive" below)
     inventory DIR            (sizes and sha256 of the files under DIR)
+    assemble                 (print this installer as install.pyz)
 
 Layout under ROOT (a host's ``paths.bundles``)::
 

@@ -11,6 +11,7 @@ import sys
 from .errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, InstallError
 from .files import inventory
 from .install import install
+from .pack import zipapp
 from .receive import receive, widen_pipe
 from .release import rollback, stage_installed, status, switch
 from .root import DEFAULT_RESERVE
@@ -74,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--stage", action="store_true", help="stage only: point staged at it, do not switch")
     inv = sub.add_parser("inventory", help="print sizes and sha256 of the files under DIR as JSON")
     inv.add_argument("dir")
+    sub.add_parser("assemble", help="print this installer as install.pyz (the zipapp hosts run)")
     return p
 
 
@@ -100,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             res = receive(args.root, sys.stdin.buffer, sys.stdout.buffer, **common)
         elif args.cmd == "inventory":
             res = inventory(args.dir)
+        elif args.cmd == "assemble":
+            sys.stdout.buffer.write(zipapp())
+            return EXIT_OK
         else:
             _parser().print_usage(sys.stderr)
             return EXIT_CONFIG

@@ -194,5 +194,6 @@ def pull_image(manifest: dict[str, Any]) -> None:
 
 
 def pulled_tag(img: dict[str, Any]) -> str:
-    """builder/NAME:<input address[:32]>: builder.imagerecord.tag_for's rule, written out (onhost imports nothing else of builder)."""
+    """builder/NAME:<input address[:32]>: builder.imagerecord.tag_for's rule, written out here
+    (builder.onhost imports nothing else of builder; tests/test_registry.py holds the two equal)."""
     return "builder/%s:%s" % (img["name"], img["input_address"][:32])

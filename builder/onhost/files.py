@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import secrets
 import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, TypeVar
 
 from .errors import InstallError
@@ -125,25 +127,48 @@ def write_all(fd: int, chunk: memoryview, wb: Writeback | None = None) -> None:
         wb.wrote(n)
 
 
-def hash_file(path: str, on_bytes: Callable[[int], None] | None = None) -> tuple[str, int]:
-    """sha256 and size of one regular file: readinto one reusable buffer (no allocation per read);
-    ``on_bytes`` (progress) is told each read's size."""
+def _sha256_of(f: io.FileIO, read_size: int, on_bytes: Callable[[int], None] | None) -> tuple[str, int]:
+    """(sha256 hex, size) of what is left to read of f: readinto one reusable buffer (no allocation
+    per read), hashed through a memoryview; ``on_bytes`` (progress) is told each read's size."""
     h = hashlib.sha256()
     size = 0
-    buf = bytearray(READ_SIZE)
+    buf = bytearray(read_size)
     view = memoryview(buf)
+    while True:
+        n = f.readinto(buf)
+        if not n:
+            break
+        # hashlib releases the GIL for updates over 2 KiB: other threads hash meanwhile.
+        h.update(view[:n])
+        size += n
+        if on_bytes is not None:
+            on_bytes(n)
+    return h.hexdigest(), size
+
+
+def hash_file(path: str, on_bytes: Callable[[int], None] | None = None) -> tuple[str, int]:
+    """sha256 and size of one regular file (anything else is refused)."""
     with open(path, "rb", buffering=0) as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise InstallError("%s: not a regular file" % path)
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-            size += n
-            if on_bytes is not None:
-                on_bytes(n)
-    return h.hexdigest(), size
+        return _sha256_of(f, READ_SIZE, on_bytes)
+
+
+def sha256_file(
+    path: str | os.PathLike[str], read_size: int = READ_SIZE, on_bytes: Callable[[int], None] | None = None
+) -> tuple[str, int]:
+    """(sha256 hex, size) of one file, told to the kernel as read front to back (builder.hashing's:
+    the operator's stores and bundles)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        # Tell the kernel we read front to back: it doubles readahead on a cold cache; no cost warm.
+        if hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        with open(fd, "rb", buffering=0, closefd=False) as f:
+            return _sha256_of(f, read_size, on_bytes)
+    finally:
+        os.close(fd)
 
 
 def default_workers() -> int:
@@ -171,10 +196,6 @@ def in_parallel(
     if n <= 1:
         done = {i: fn(items[i]) for i in order}
     else:
-        # Imported here for start-up time: concurrent.futures brings logging, which a command
-        # that hashes one file never needs.
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as ex:
             done = dict(ex.map(lambda i: (i, fn(items[i])), order))
     return [done[i] for i in range(len(items))]

@@ -24,6 +24,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -259,8 +260,6 @@ def verify_with_openssl(
 
 
 if __name__ == "__main__":  # python3 minisign.py FILE FILE.minisig KEY.pub
-    import sys
-
     if len(sys.argv) != 4:
         sys.stderr.write("usage: minisign.py FILE SIGNATURE PUBLIC_KEY\n")
         sys.exit(2)

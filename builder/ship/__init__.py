@@ -11,7 +11,8 @@ however many files are sent; host keys are checked as ssh_config says, never swi
 1. the bundle's signature, manifest and file sizes are checked here (its bytes were hashed when
    they were written; the host hashes every byte it receives);
 2. one remote command keeps this machine's trusted installer on the host as
-   ``<paths.bundles>/incoming/installer-<sha256>.py`` (sent at the head of the stream, written only
+   ``<paths.bundles>/incoming/install-<sha256[:16]>.pyz`` (builder.placement.kept_installer; sent at
+   the head of the stream, written only
    when the host's copy is missing or differs, checked against that sha256 before it runs) and runs
    its ``receive``: it gets the signed manifest first, says when the bundle is already installed
    (or staged, for ``--stage``: nothing is sent), else which files it lacks and from which byte (what
@@ -26,7 +27,8 @@ Every ssh call has a timeout (base + size / minimum rate). A host that cannot be
 255, or no answer in time) gives UnreachableError (exit 3, one line naming the host); a rerun resumes.
 
 ``--to DIR`` copies the bundle to ``DIR/<fleet>/<host>/`` instead (resumable the same way), then
-verifies the copy. Install it on the host with a trusted installer (see builder/installer.py).
+verifies the copy. Install it on the host with a trusted installer (install.pyz, see
+builder/onhost/__init__.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Sneakernet: copy a verified bundle to a folder (``builder ship --to DIR``), resumably, and verify
-the copy; install it on the host with a trusted installer (see builder/installer.py)."""
+the copy; install it on the host with a trusted installer (install.pyz, see builder/onhost/__init__.py)."""
 
 from __future__ import annotations
 

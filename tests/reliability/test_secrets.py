@@ -183,7 +183,6 @@ def test_no_secret_in_lock_bundle_verify_ship_or_errors(tmp_path: Path) -> None:
 def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_path: Path) -> None:
     import bundlelib as bl
 
-    from builder import installer as inst
 
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
@@ -218,13 +217,12 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
     p = bl.make_project(tmp_path / "b", hosts=hs, docker_image=True, marker=f"secrets-{tmp_path}")
     try:
         sc.run("--pins", str(p.pins), "bundle", "spark-b", "--with-image", "--with-models", "--json", cwd=p.root)
-        script = inst.assemble()
         bdir = p.out("spark-b")
         r = subprocess.run(
             [
                 sys.executable,
                 "-I",
-                "-",
+                str(bl.installer_file()),
                 "install",
                 str(bdir),
                 "--root",
@@ -232,7 +230,6 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
                 "--trusted-key",
                 str(keys / "builder.pub"),
             ],
-            input=script,
             capture_output=True,
             cwd="/",
             env=sc.env,
@@ -242,8 +239,7 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
         sc.add("install stdout", r.stdout)
         sc.add("install stderr", r.stderr)
         st = subprocess.run(
-            [sys.executable, "-I", "-", "status", "--root", str(host / "b")],
-            input=script,
+            [sys.executable, "-I", str(bl.installer_file()), "status", "--root", str(host / "b")],
             capture_output=True,
             cwd="/",
             env=sc.env,
