@@ -1,8 +1,8 @@
 """(d) `builder audit` wall time over 1, 2, 4 and 8 test hosts holding a correct install; the audit's
 host-side model hashing.
 
-The hosts are the test fleet's containers (tests/fleetlib.py: a real sshd and their own dockerd) and
-the install is the operator's journey through the real CLI (tests/journeylib.py journey: lock, fetch,
+The hosts are the test fleet's containers (tests/lib/fleetlib.py: a real sshd and their own dockerd) and
+the install is the operator's journey through the real CLI (tests/lib/journeylib.py journey: lock, fetch,
 image, keygen, bundle --with-image --with-models, ship to every host). Every command runs the code
 of one copy of the project (the first journey's, on PYTHONPATH), so edits to this tree during the
 run do not mix versions. Each size is its own fleet with a lane whose tensor_parallel is the host
@@ -134,10 +134,8 @@ def _mem_available() -> int:
 
 def _fleet(cfg: Config) -> list[Row]:
     fig = "audit 8 hosts vs 1 host (wall time)"
-    sys.path.insert(0, str(REPO / "tests"))
     try:
-        import fleetlib
-        import journeylib
+        from tests.lib import fleetlib, journeylib
     except ImportError as e:
         return [skipped(NAME, fig, f"test helpers: {e}", TARGET)]
     if not fleetlib.docker_available():

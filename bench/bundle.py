@@ -1,7 +1,7 @@
 """(e) Bundle creation vs `tar -c | zstd -T0`, install-side verification of a bundle in parts vs
 `openssl dgst -sha256`; (f) peak memory (RSS) of bundle, verify and install on a 4 GiB file.
 
-The project is the bundle tests' small lane (tests/bundlelib.py: pins, fleet, image record) with its
+The project is the bundle tests' small lane (tests/lib/bundlelib.py: pins, fleet, image record) with its
 model pointing at the benchmark's model folder (8 files, 4 GiB; symlinks, so nothing is copied to set
 up). `builder bundle spark-a --with-models` links the model files from the store (the first run
 imports them: hashed, then hard-linked; see bench/ship.py for the fleet's disk and the copy it
@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    REPO,
     Config,
     GiB,
     MiB,
@@ -52,9 +51,6 @@ def _project(base: Path, files: dict[str, Path], hosts_root: Path, *, hosts: lis
     """A bundle project whose one model is `files` (name -> path, linked, not copied); its fleet is
     `hosts` (default: the bundle tests' two, with their folders under hosts_root), the lane's
     tensor parallelism their number."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import bundlelib
-
     from builder import __version__, sign
     from builder.canon import atomic_write
     from builder.hashing import hash_files, recipe_files
@@ -68,6 +64,7 @@ def _project(base: Path, files: dict[str, Path], hosts_root: Path, *, hosts: lis
         spec_hash,
     )
     from builder.pins import load_pins
+    from tests.lib import bundlelib
 
     root = base / "proj"
     (root / "images" / "tiny").mkdir(parents=True)

@@ -1,8 +1,8 @@
 """(g) `builder deploy`: an unchanged fleet against the preflight audit alone; a 4-host deploy against a
 1-host deploy.
 
-The hosts are the test fleet's containers (tests/fleetlib.py: a real sshd and their own dockerd); each
-fleet is set up through the real CLI (tests/journeylib.py journey without bundles: lock, image,
+The hosts are the test fleet's containers (tests/lib/fleetlib.py: a real sshd and their own dockerd); each
+fleet is set up through the real CLI (tests/lib/journeylib.py journey without bundles: lock, image,
 keygen), then `builder deploy --fleet F --with-image --with-models` makes, ships, gates, starts and
 audits its first release. Every deploy below must end as it should (the benchmark raises otherwise).
 
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, Config, Row, judge, median_interleaved, secs, skipped, wheelhouse, wheels_in_env
+from bench.common import Config, Row, judge, median_interleaved, secs, skipped, wheelhouse, wheels_in_env
 
 NAME = "deploy"
 TARGET_NOOP = "<= 1.2"
@@ -45,10 +45,8 @@ SIZES = (1, 4)
 
 def run(cfg: Config) -> list[Row]:
     fig = "deploy of an unchanged fleet vs the preflight audit (wall time)"
-    sys.path.insert(0, str(REPO / "tests"))
     try:
-        import fleetlib
-        import journeylib
+        from tests.lib import fleetlib, journeylib
     except ImportError as e:
         return [skipped(NAME, fig, f"test helpers: {e}", TARGET_NOOP)]
     if not fleetlib.docker_available():

@@ -12,15 +12,14 @@ import shutil
 import sys
 import time
 
-from bench.common import REPO, Config, GiB, MiB, Row, gib_s, have, judge, secs, skipped
+from bench.common import Config, GiB, MiB, Row, gib_s, have, judge, secs, skipped
 from bench.common import run as run_cmd
 
 NAME = "fetch"
 
 
 def run(cfg: Config) -> list[Row]:
-    sys.path.insert(0, str(REPO / "tests"))
-    from fakehub import FakeHub  # a fake named as such: the Hub's HTTP protocol on 127.0.0.1
+    from tests.lib.fakehub import FakeHub  # a fake named as such: the Hub's HTTP protocol on 127.0.0.1
 
     if not have("hf"):
         return [skipped(NAME, "fetch vs hf download", "huggingface_hub's `hf` CLI not on PATH", ">= 1.0")]

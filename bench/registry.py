@@ -6,7 +6,7 @@ then the engine), built by `builder image`, then built again with another ENGINE
 engine layer changes). The registry is Debian's docker-registry (the CNCF distribution registry), with
 its access log on: the bytes it served are read from its own log.
 
-- **registry path**: one test host (tests/fleetlib.py: its own dockerd) holds the first image; the
+- **registry path**: one test host (tests/lib/fleetlib.py: its own dockerd) holds the first image; the
   second is pushed (`builder push`) and the host pulls it by digest (`docker pull`, what the installer
   runs), from a registry on the fleet's network with TLS from a CA made here. Bytes the registry
   served to the host, against the changed layers (target <= 1.1x); the full archive a bundle would
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, Config, Row, judge, skipped, wheelhouse
+from bench.common import Config, Row, judge, skipped, wheelhouse
 
 NAME = "registry"
 FIG_REG = "top-layer update via the registry: bytes to a host / changed layers"
@@ -40,10 +40,7 @@ FIG_PUSH_SENT = "builder push vs docker push, image already in the registry (wri
 
 
 def _helpers() -> tuple[Any, Any, Any]:
-    sys.path.insert(0, str(REPO / "tests"))
-    import fleetlib
-    import projectlib
-    import registrylib
+    from tests.lib import fleetlib, projectlib, registrylib
 
     return fleetlib, projectlib, registrylib
 

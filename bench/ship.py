@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bundle import _project, docker_ok, install_pyz
-from bench.common import REPO, Config, GiB, MiB, Row, builder_argv, gib_s, judge, secs, skipped
+from bench.common import Config, GiB, MiB, Row, builder_argv, gib_s, judge, secs, skipped
 from bench.data import model_folder
 
 NAME = "ship"
@@ -140,8 +140,7 @@ def _fleet_bundle(cfg: Config, base: Path) -> list[Row]:
 
 def _on_pty(argv: list[str]) -> int:
     """Run argv with stderr on a pseudo-terminal (as a user at a terminal sees it); the bytes drawn there."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import ptylib
+    from tests.lib import ptylib
 
     rc, _, drawn = ptylib.run_on_pty(argv)
     if rc != 0:
@@ -237,10 +236,8 @@ def _install(cfg: Config, base: Path) -> list[Row]:
 
 def _ship(cfg: Config, base: Path) -> list[Row]:
     fig = "ship (transfer + install, 1 GiB model) vs scp -r"
-    sys.path.insert(0, str(REPO / "tests"))
     try:
-        import bundlelib
-        import fleetlib
+        from tests.lib import bundlelib, fleetlib
     except ImportError as e:
         return [skipped(NAME, fig, f"test helpers: {e}", "<= 1.3")]
     if not (fleetlib.docker_available() and fleetlib.image_exists(fleetlib.testhost_tag())):

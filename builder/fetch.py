@@ -9,7 +9,6 @@ not reachable: the lock records only what it has seen.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
 import tempfile
@@ -21,7 +20,7 @@ from urllib.parse import unquote, urlsplit
 
 from builder.canon import fsync_dir
 from builder.errors import ConfigError, ResolveError, VerifyError
-from builder.hashing import sha256_file
+from builder.hashing import copy_hashed, sha256_file
 
 if TYPE_CHECKING:  # the lock's and pins' models: built only where a file is locked
     from builder.lockfile import LockedFile
@@ -72,18 +71,10 @@ def _open(url: str, timeout: float) -> IO[bytes]:
 
 def _stream_to(url: str, fd: int, *, root: Path | None, timeout: float) -> tuple[str, int]:
     """Copy url's bytes into fd, returning (sha256, size)."""
-    h = hashlib.sha256()
-    size = 0
     with os.fdopen(fd, "wb", closefd=False) as out:
         src = _open(url, timeout) if is_remote(url) else open(local_path(url, root), "rb")
         with src:
-            while chunk := src.read(CHUNK):
-                h.update(chunk)
-                out.write(chunk)
-                size += len(chunk)
-        out.flush()
-        os.fsync(out.fileno())
-    return h.hexdigest(), size
+            return copy_hashed(src, out, CHUNK)
 
 
 def network_reason(e: BaseException) -> str:

@@ -29,14 +29,15 @@ Entries may be :class:`Entry` objects, ``(path, size, sha256)`` tuples or dicts 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
-from builder.errors import ConfigError
+from builder.errors import ConfigError, ResolveError
 from builder.onhost.files import READ_SIZE as READ_SIZE  # (the read size every hash of builder uses)
 from builder.onhost.files import default_workers as default_workers  # (the one pool's size, for callers of hashing)
 from builder.onhost.files import in_parallel
@@ -75,12 +76,55 @@ def size_or_zero(path: str | os.PathLike[str]) -> int:
         return 0
 
 
+def copy_hashed(src: IO[bytes], out: IO[bytes], read_size: int = READ_SIZE) -> tuple[str, int]:
+    """Copy ``src`` to its end into ``out``, hashing on the way; ``out`` is flushed and fsynced.
+    Returns (sha256 hex, size) of what was written."""
+    h = hashlib.sha256()
+    size = 0
+    while chunk := src.read(read_size):
+        h.update(chunk)
+        out.write(chunk)
+        size += len(chunk)
+    out.flush()
+    os.fsync(out.fileno())
+    return h.hexdigest(), size
+
+
 def hash_files(
     paths: Iterable[str | os.PathLike[str]], workers: int | None = None
 ) -> dict[str, tuple[str, int]]:
     """{path: (sha256 hex, size)} for many files, hashed in parallel. OSError propagates."""
     items = [os.fspath(p) for p in paths]
     return dict(zip(items, in_parallel(sha256_file, items, size=size_or_zero, workers=workers), strict=True))
+
+
+#: a progress callback for hashing a pin's local files (a model's, a kit's): (its name in the pins,
+#: its bytes in all, bytes just hashed); called once with 0 bytes before the first, from the caller's
+#: thread, then from the hashers'
+HashProgress = Callable[[str, int, int], None]
+
+
+def hash_folder_files(folder: Path, paths: list[str], *, where: str, workers: int | None = None,
+                      progress: HashProgress | None = None) -> list[tuple[str, str, int]]:
+    """(path, sha256, size) for each path, hashed in parallel (hashlib releases the GIL)."""
+    on_bytes: Callable[[int], None] | None = None
+    if progress is not None:
+        total = sum(size_or_zero(folder / rel) for rel in paths)
+        progress(where, total, 0)
+
+        def on_bytes(n: int) -> None:
+            progress(where, total, n)
+
+    def one(rel: str) -> tuple[str, str, int]:
+        try:
+            digest, size = sha256_file(folder / rel, on_bytes=on_bytes)
+        except FileNotFoundError:
+            raise ResolveError(f"{where}: file vanished: {rel} (in {folder})") from None
+        except OSError as e:
+            raise ResolveError(f"{where}: cannot read {rel} (in {folder}): {e.strerror}") from None
+        return rel, digest, size
+
+    return in_parallel(one, paths, size=lambda rel: size_or_zero(folder / rel), workers=workers)
 
 
 def _entry(e: Entry | Sequence[Any] | Mapping[str, Any]) -> Entry:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from builder.errors import ConfigError, ResolveError
-from builder.hashing import in_parallel, sha256_file, size_or_zero
+from builder.hashing import HashProgress, sha256_file
+from builder.hashing import hash_folder_files as hash_files
 from builder.lockfile import LockedModel, LockedModelFile
 from builder.pins import HfModel
 
@@ -105,34 +106,6 @@ def list_files(folder: Path) -> list[str]:
         for fn in filenames:
             out.append((Path(dirpath) / fn).relative_to(folder).as_posix())
     return sorted(out)
-
-
-#: a progress callback for hashing a model's local files: (models.NAME, its bytes in all, bytes just
-#: hashed); called once with 0 bytes before the first, from the caller's thread, then from the hashers'
-HashProgress = Callable[[str, int, int], None]
-
-
-def hash_files(folder: Path, paths: list[str], *, where: str, workers: int | None = None,
-               progress: HashProgress | None = None) -> list[tuple[str, str, int]]:
-    """(path, sha256, size) for each path, hashed in parallel (hashlib releases the GIL)."""
-    on_bytes: Callable[[int], None] | None = None
-    if progress is not None:
-        total = sum(size_or_zero(folder / rel) for rel in paths)
-        progress(where, total, 0)
-
-        def on_bytes(n: int) -> None:
-            progress(where, total, n)
-
-    def one(rel: str) -> tuple[str, str, int]:
-        try:
-            digest, size = sha256_file(folder / rel, on_bytes=on_bytes)
-        except FileNotFoundError:
-            raise ResolveError(f"{where}: file vanished: {rel} (in {folder})") from None
-        except OSError as e:
-            raise ResolveError(f"{where}: cannot read {rel} (in {folder}): {e.strerror}") from None
-        return rel, digest, size
-
-    return in_parallel(one, paths, size=lambda rel: size_or_zero(folder / rel), workers=workers)
 
 
 def select_files(paths: Iterable[str], include: list[str], exclude: list[str]) -> list[str]:

@@ -26,21 +26,18 @@ import hashlib
 import os
 import re
 import subprocess
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from builder import gitsrc
 from builder.errors import ResolveError
 from builder.fetch import scrub_url
-from builder.hashing import in_parallel, sha256_file, size_or_zero
+from builder.hashing import HashProgress, copy_hashed, hash_folder_files
 from builder.lockfile import LockedKit, LockedModelFile, LockedSource
 from builder.pins import GitSource, Kit
 
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 READ = 4 * 1024 * 1024
-#: a progress callback while hashing a kit's local files: (kits.NAME, its bytes in all, bytes just hashed)
-HashProgress = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
@@ -185,22 +182,7 @@ def resolve_local(name: str, spec: Kit, root: Path, spec_hash: str, progress: Ha
     extra = [p for p in present if p not in listed and p != spec.manifest and not _ignored(spec, p)]
     here = set(present)
     todo = [ln.path for ln in lines if ln.path in here]
-    on_bytes: Callable[[int], None] | None = None
-    if progress is not None:
-        total = sum(size_or_zero(base / p) for p in todo)
-        progress(where, total, 0)
-
-        def on_bytes(n: int) -> None:
-            progress(where, total, n)
-
-    def one(rel: str) -> tuple[str, str, int]:
-        try:
-            digest, size = sha256_file(base / rel, on_bytes=on_bytes)
-        except OSError as e:
-            raise ResolveError(f"{where}: cannot read {rel} (in {base}): {e.strerror}") from None
-        return rel, digest, size
-
-    got = {rel: (d, s) for rel, d, s in in_parallel(one, todo, size=lambda rel: size_or_zero(base / rel))}
+    got = {rel: (d, s) for rel, d, s in hash_folder_files(base, todo, where=where, progress=progress)}
     _compare(where, spec, lines, got, extra, str(base))
     return _locked(spec, spec_hash, manifest, lines, origin="local")
 
@@ -293,26 +275,19 @@ def export_file(name: str, spec: Kit, source: GitSource, commit: str, rel: str, 
     assert spec.source is not None
     mirror = mirror_for(spec.source, source, root=root, cache=cache, offline=offline)
     obj = f"{commit}:{tree_path(spec, rel)}"
-    h = hashlib.sha256()
-    n = 0
     proc = subprocess.Popen(["git", "--git-dir", str(mirror), "cat-file", "blob", obj], stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=gitsrc.git_env())
     assert proc.stdout is not None
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
         with proc.stdout as src, open(dest, "xb") as out:
-            while chunk := src.read(READ):
-                h.update(chunk)
-                out.write(chunk)
-                n += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
+            digest, n = copy_hashed(src, out, READ)
     finally:
         rc = proc.wait(timeout=gitsrc.LOCAL_TIMEOUT)
     if rc != 0:
         dest.unlink(missing_ok=True)
         raise ResolveError(f"kits.{name}: {rel}: not in {spec.source} at {commit[:12]} (run `builder lock`)")
-    return h.hexdigest(), n
+    return digest, n
 
 
 def resolve(name: str, spec: Kit, *, root: Path, cache: Path, offline: bool, spec_hash: str,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from builder.canon import attrs
 from builder.errors import ConfigError
@@ -111,11 +111,7 @@ def place_models(pins: Pins, lock: Lock, lane_name: str, host: Host) -> list[Pla
     out: list[PlacedModel] = []
     for name in lane.models:
         spec = pins.models[name]
-        lm = lock.models.get(name)
-        if lm is None:
-            raise ConfigError(f"models.{name}: not in the lock (run `builder lock {lane_name}`)")
-        if lm.spec_hash != spec_hash(spec):
-            raise ConfigError(f"models.{name}: changed since the lock (run `builder lock {lane_name}`)")
+        lm = _locked("models", name, lock.models.get(name), spec, lane_name)
         root = model_root(host.paths, name, spec.role)
         files = tuple(
             PlacedFile(model=name, role=spec.role, file=f.path, path=f"{root}/{f.path}", size=f.size, sha256=f.sha256)
@@ -138,17 +134,29 @@ def place_models(pins: Pins, lock: Lock, lane_name: str, host: Host) -> list[Pla
     return out
 
 
+class _Entry(Protocol):
+    spec_hash: str
+
+
+E = TypeVar("E", bound=_Entry)
+
+
+def _locked(kind: str, name: str, entry: E | None, spec: Any, lane_name: str) -> E:
+    """The lock's entry for the pin ``kind.name``; ConfigError when it is missing or the pin changed since."""
+    if entry is None:
+        raise ConfigError(f"{kind}.{name}: not in the lock (run `builder lock {lane_name}`)")
+    if entry.spec_hash != spec_hash(spec):
+        raise ConfigError(f"{kind}.{name}: changed since the lock (run `builder lock {lane_name}`)")
+    return entry
+
+
 def place_input(pins: Pins, lock: Lock, lane_name: str, name: str, paths: Paths) -> PlacedModel:
     """A runtime input of the lane on a host: a kit (its MANIFEST and every file it lists) or a plain
     file, under `input_root`; the same on every rank."""
     root = input_root(paths, name)
     if name in pins.kits:
         kit = pins.kits[name]
-        lk = lock.kits.get(name)
-        if lk is None:
-            raise ConfigError(f"kits.{name}: not in the lock (run `builder lock {lane_name}`)")
-        if lk.spec_hash != spec_hash(kit):
-            raise ConfigError(f"kits.{name}: changed since the lock (run `builder lock {lane_name}`)")
+        lk = _locked("kits", name, lock.kits.get(name), kit, lane_name)
         files = tuple(
             PlacedFile(model=name, role="kit", file=f.path, path=f"{root}/{_safe_rel(f.path, f'lock: kits.{name}')}",
                        size=f.size, sha256=f.sha256)
@@ -157,10 +165,8 @@ def place_input(pins: Pins, lock: Lock, lane_name: str, name: str, paths: Paths)
         return PlacedModel(name=name, role="kit", root=root, files=files, locked_files=len(lk.files),
                            expect_files=kit.expect_files)
     spec = pins.files[name]
-    lf = lock.files.get(name)
-    if lf is None:
-        raise ConfigError(f"files.{name}: not in the lock (run `builder lock {lane_name}`)")
-    if lf.spec_hash != spec_hash(spec) or lf.size is None:
+    lf = _locked("files", name, lock.files.get(name), spec, lane_name)
+    if lf.size is None:
         raise ConfigError(f"files.{name}: changed since the lock (run `builder lock {lane_name}`)")
     fn = _safe_rel(file_name(spec.url), f"files.{name}.url")
     placed = PlacedFile(model=name, role="file", file=fn, path=f"{root}/{fn}", size=lf.size, sha256=lf.sha256)

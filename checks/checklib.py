@@ -1,4 +1,9 @@
-"""Helpers shared by the check modules (imported as `checklib`; checks/ is on sys.path under pytest)."""
+"""Helpers shared by the check modules (imported as `checklib`; checks/ is on sys.path under pytest).
+
+Each check module declares its concern at its top level, `CONCERN = Concern(name=..., order=...,
+phase=..., containers=..., prefetch=...)` (builder.audit.concerns): every keyword but `prefetch` a
+literal, as `builder audit` reads them from the source.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from builder.hostfacts import BATCH, DERIVE, FABRIC, FILES, MEMORY, batch_groups, batches, dumps, parse_batch
+from builder.audit.concerns import Cmd, Concern
+from builder.hostfacts import BATCH, DERIVE, FILES, MEMORY, batch_groups, batches, dumps, parse_batch
 from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
 
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
@@ -50,10 +56,8 @@ def expected_image(expect: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- commands and prefetch
 #
 # Every command a check runs is built by one of these functions (a command is testinfra's
-# (format, *args) pair), so the prefetch below can run the same command lines ahead of the checks,
-# all in one remote call, and `run` can answer a check from there.
-
-Cmd = tuple[str, ...]
+# (format, *args) pair, `Cmd`), so the prefetch below can run the same command lines ahead of the
+# checks, all in one remote call, and `run` can answer a check from there.
 
 #: the most seconds one prefetched shell command may take; past it, it answers exit status 124
 #: ("builder: timed out after N s") and the check that reads it fails saying so
@@ -112,7 +116,7 @@ def docker_objects_command(expect: dict[str, Any]) -> Cmd:
     lane, rank = expect["lane"], expect["host"]["rank"]
     if not refs:
         return lane_containers(lane, rank)
-    if not set(expect.get("concerns") or []) & CONTAINER_CONCERNS:
+    if not expect.get("containers"):  # (no selected concern declares containers)
         return inspect_images(refs)
     return (
         f"ids=$(docker ps -aq --filter label={LABEL_LANE}=%s --filter label={LABEL_RANK}=%s) && "
@@ -121,10 +125,6 @@ def docker_objects_command(expect: dict[str, Any]) -> Cmd:
         str(rank),
         *refs,
     )
-
-
-#: the concerns whose checks look at this rank's containers
-CONTAINER_CONCERNS = {"runtime", "serving", "gpu", "memory"}
 
 
 @dataclass
@@ -242,56 +242,26 @@ def gpu_commands() -> list[Cmd]:
     return [argv_command(argv) for argv in G.probe_commands()]
 
 
-def planned(expect: dict[str, Any]) -> list[Cmd]:
-    """The commands the selected checks will run on this host whatever they find (commands that
-    depend on another command's answer, such as a container's processes, are not here)."""
-    concerns = set(expect.get("concerns") or [])
-    want = expect["expect"]
+def lane_docker(expect: dict[str, Any]) -> list[Cmd]:
+    """This rank's containers (with the image, when the image checks run too), where the host has
+    docker: what a concern that declares `containers` prefetches."""
+    return [docker_objects_command(expect)] if expect["expect"].get("docker") else []
+
+
+def planned(expect: dict[str, Any], concerns: list[Concern]) -> list[Cmd]:
+    """The commands the selected checks will run on this host whatever they find: each concern's
+    `prefetch` (commands that depend on another command's answer, such as a container's processes,
+    are not there)."""
     cmds: list[Cmd] = [lookup_commands(sorted(KNOWN_COMMANDS))]
-    if concerns & {"release", "models", "engram"}:
-        cmds.append(cat(expect["applied_path"]))
-    if image_refs(expect) or (concerns & CONTAINER_CONCERNS and want.get("docker")):
-        cmds.append(docker_objects_command(expect))
-    if "release" in concerns:
-        cmds.append(cat(f"{expect['current_path']}/manifest.json"))
-        cmds.append(release_files_command(expect))
-    if "models" in concerns:
-        cmds += model_files_commands(expect)
-    if concerns & {"models", "engram"}:
-        cmds.append(listing_command(listing_roots(expect)))
-    if "engram" in concerns and expect.get("derivations"):
-        cmds.append(derived_command(expect))
-    if "gpu" in concerns and want.get("gpu_count"):
-        cmds += gpu_commands()
-    if "memory" in concerns:
-        cmds.append(MEMINFO)
-        if want.get("min_free_memory_gib"):
-            # who holds the memory, the lane's own container and (a GPU whose memory is the host's)
-            # the GPU's processes: what the check credits and names when MemAvailable falls short
-            cmds.append(memory_facts())
-            if want.get("docker"):
-                cmds.append(cat(expect["applied_path"]))
-            if want.get("gpu_count"):
-                cmds += gpu_commands()
-    if "fabric" in concerns and want.get("rdma"):
-        cmds.append(python(FABRIC, "/sys"))
-    if "storage" in concerns:
-        mounts = want.get("nfs_mounts") or []
-        cmds += [readable_within(m) for m in mounts]
-        if mounts:
-            cmds.append(FSTAB)
-        if want.get("min_free_disk_gib"):
-            cmds.append(free_disk(expect["paths"]["models"]))
-    if "runtime" in concerns and want.get("docker"):
-        cmds.append(docker_info())
-    if "runtime" in concerns and expect["host"]["role"] == "head":
-        cmds.append(LISTENERS)
+    for c in concerns:
+        if c.prefetch is not None:
+            cmds += c.prefetch(expect)
     return list(dict.fromkeys(cmds))  # (each once: several concerns may need the same command)
 
 
-def prefetch(host: Any, expect: dict[str, Any]) -> None:
-    """Run the planned commands in one remote python3 (hostfacts.batch; a few calls for very long
-    lists), once per host.
+def prefetch(host: Any, expect: dict[str, Any], concerns: list[Concern]) -> None:
+    """Run the commands `concerns` plan in one remote python3 (hostfacts.batch; a few calls for very
+    long lists), once per host.
 
     Any failure of the batch itself (no python3 on the host, odd output) leaves the cache empty,
     so each check runs its own command as before; a lost connection is raised, as from a check.
@@ -300,7 +270,7 @@ def prefetch(host: Any, expect: dict[str, Any]) -> None:
         return
     PREFETCHED.append(True)
     items: dict[str, Any] = {}
-    for c in planned(expect):
+    for c in planned(expect, concerns):
         line = host.backend.quote(*c)
         # a python3 fact script runs inside the batch's own python3 rather than starting another
         items[line] = ["py", line, c[1], c[2]] if c[0] == PYTHON and len(c) == 3 else line

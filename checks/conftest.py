@@ -12,7 +12,8 @@ Rules every check follows: an assertion message says `expected X, found Y` (the 
 hardware or input is absent calls `pytest.skip(reason)` (never passes, `checklib.or_skip`), unless a
 real Spark always has it: then it fails saying what was expected (`checklib.require`); every remote command is
 built by a checklib function and run through `checklib.run`, so that the prefetch (one remote
-call before the first check, running every command the selected checks will need) answers it.
+call before the first check, running every command the selected checks will need: what each module's
+`CONCERN` prefetches) answers it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 from typing import Any
 
 import pytest
-from checklib import prefetch, read_applied
+from checklib import Concern, prefetch, read_applied
 
 _STATE: dict[str, Any] = {"unreachable": None, "results": {}, "order": [], "collect_errors": [], "root": "checks"}
 
@@ -70,10 +71,17 @@ def host(pytestconfig: pytest.Config) -> Any:
     return hosts[0]
 
 
+def declared(session: pytest.Session) -> list[Concern]:
+    """The concerns of the check modules this session collected (each module's CONCERN), in order."""
+    modules = dict.fromkeys(getattr(item, "module", None) for item in session.items)
+    return [c for c in (getattr(m, "CONCERN", None) for m in modules) if isinstance(c, Concern)]
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _prefetch(host: Any, expect: dict[str, Any]) -> None:
-    """Before the first check: read most of this host's facts in one remote call (checklib.prefetch)."""
-    prefetch(host, expect)
+def _prefetch(request: pytest.FixtureRequest, host: Any, expect: dict[str, Any]) -> None:
+    """Before the first check: read most of this host's facts in one remote call (checklib.prefetch),
+    the commands the collected modules' concerns plan."""
+    prefetch(host, expect, declared(request.session))
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,31 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import derived_command, json_output, listing, or_skip, read_applied, run
+from checklib import (
+    Cmd,
+    Concern,
+    cat,
+    derived_command,
+    json_output,
+    listing,
+    listing_command,
+    listing_roots,
+    or_skip,
+    read_applied,
+    run,
+)
 
 from builder.hostfacts import shown
 from builder.placement import rank_tag
+
+
+def planned(expect: dict[str, Any]) -> list[Cmd]:
+    """The apply record, the Engram folder's listing (with the model roots') and this rank's derivations."""
+    cmds = [cat(expect["applied_path"]), listing_command(listing_roots(expect))]
+    return cmds + ([derived_command(expect)] if expect.get("derivations") else [])
+
+
+CONCERN = Concern(name="engram", order=40, phase="preflight", containers=False, prefetch=planned)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import or_skip, remote_json
+from checklib import Cmd, Concern, or_skip, python, remote_json
 
 from builder.hostfacts import FABRIC, iface_of, rail_gid
+
+
+def planned(expect: dict[str, Any]) -> list[Cmd]:
+    """The RDMA devices and links (hostfacts.fabric), where RDMA is expected."""
+    return [python(FABRIC, "/sys")] if expect["expect"].get("rdma") else []
+
+
+CONCERN = Concern(name="fabric", order=70, phase="preflight", containers=False, prefetch=planned)
 
 
 @pytest.fixture(scope="module")

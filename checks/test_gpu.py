@@ -7,10 +7,30 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from checklib import argv_command, container_pids, exists, lane_container, lane_owns_running_release, or_skip, run
+from checklib import (
+    Cmd,
+    Concern,
+    argv_command,
+    container_pids,
+    exists,
+    gpu_commands,
+    lane_container,
+    lane_docker,
+    lane_owns_running_release,
+    or_skip,
+    run,
+)
 
 if TYPE_CHECKING:  # builder.gpu imports pydantic: only load it where a host has nvidia-smi
     from builder import gpu as G
+
+
+def planned(expect: dict[str, Any]) -> list[Cmd]:
+    """This rank's containers (where docker is expected) and nvidia-smi's queries (where GPUs are)."""
+    return lane_docker(expect) + (gpu_commands() if expect["expect"].get("gpu_count") else [])
+
+
+CONCERN = Concern(name="gpu", order=50, phase="preflight", containers=True, prefetch=planned)
 
 
 @pytest.fixture(scope="module")

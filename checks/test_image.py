@@ -13,9 +13,29 @@ import json
 from typing import Any
 
 import pytest
-from checklib import docker_objects, exists, expected_image, image_refs, inspect_images, or_skip, run
+from checklib import (
+    Cmd,
+    Concern,
+    docker_objects,
+    docker_objects_command,
+    exists,
+    expected_image,
+    image_refs,
+    inspect_images,
+    or_skip,
+    run,
+)
 
 _CACHE: dict[str, Any] = {}
+
+
+def planned(expect: dict[str, Any]) -> list[Cmd]:
+    """The image's `docker inspect` (this rank's containers in the same call when a concern that
+    declares containers runs too)."""
+    return [docker_objects_command(expect)] if image_refs(expect) else []
+
+
+CONCERN = Concern(name="image", order=10, phase="preflight", containers=False, prefetch=planned)
 
 
 def _inspect(host: Any, ref: str, expect: dict[str, Any]) -> dict[str, Any] | None:

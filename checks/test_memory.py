@@ -6,10 +6,40 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import MEMINFO, argv_command, exists, json_output, lane_container, lane_owns_running_release, run
+from checklib import (
+    MEMINFO,
+    Cmd,
+    Concern,
+    argv_command,
+    cat,
+    exists,
+    gpu_commands,
+    json_output,
+    lane_container,
+    lane_docker,
+    lane_owns_running_release,
+    run,
+)
 from checklib import memory_facts as holders
 
 from builder.hostfacts import gib, memory_holders, memory_shortfall, parse_meminfo
+
+
+def planned(expect: dict[str, Any]) -> list[Cmd]:
+    """This rank's containers, /proc/meminfo and, with a minimum, who holds the memory."""
+    cmds, want = [*lane_docker(expect), MEMINFO], expect["expect"]
+    if want.get("min_free_memory_gib"):
+        # who holds the memory, the lane's own container and (a GPU whose memory is the host's)
+        # the GPU's processes: what the check credits and names when MemAvailable falls short
+        cmds.append(holders())
+        if want.get("docker"):
+            cmds.append(cat(expect["applied_path"]))
+        if want.get("gpu_count"):
+            cmds += gpu_commands()
+    return cmds
+
+
+CONCERN = Concern(name="memory", order=60, phase="preflight", containers=True, prefetch=planned)
 
 
 @pytest.fixture(scope="module")

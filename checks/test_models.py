@@ -15,10 +15,30 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import json_output, listing, model_files_commands, or_skip, read_applied, run
+from checklib import (
+    Cmd,
+    Concern,
+    cat,
+    json_output,
+    listing,
+    listing_command,
+    listing_roots,
+    model_files_commands,
+    or_skip,
+    read_applied,
+    run,
+)
 
 from builder.hostfacts import shown
 from builder.onhost.record import fast_mode_drift
+
+
+def planned(expect: dict[str, Any]) -> list[Cmd]:
+    """The apply record, every model file's stat (fast) or hash (full), and the model roots' listing."""
+    return [cat(expect["applied_path"]), *model_files_commands(expect), listing_command(listing_roots(expect))]
+
+
+CONCERN = Concern(name="models", order=30, phase="preflight", containers=False, prefetch=planned)
 
 
 def _expected(expect: dict[str, Any]) -> list[dict[str, Any]]:

@@ -7,11 +7,30 @@ import json
 from typing import Any
 
 import pytest
-from checklib import cat, expected_image, or_skip, read_applied, release_files, require, run
+from checklib import (
+    Cmd,
+    Concern,
+    cat,
+    expected_image,
+    or_skip,
+    read_applied,
+    release_files,
+    release_files_command,
+    require,
+    run,
+)
 
 from builder.hostfacts import shown
 
 LAUNCH_FILES = ("start.sh", "stop.sh", "rank.env")
+
+
+def planned(expect: dict[str, Any]) -> list[Cmd]:
+    """The apply record, the release's manifest and the hashes of the files the record names."""
+    return [cat(expect["applied_path"]), cat(f"{expect['current_path']}/manifest.json"), release_files_command(expect)]
+
+
+CONCERN = Concern(name="release", order=20, phase="preflight", containers=False, prefetch=planned)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,20 @@ import json
 from typing import Any
 
 import pytest
-from checklib import LISTENERS, docker_info, exists, lane_owns_running_release, or_skip, run
+from checklib import LISTENERS, Cmd, Concern, docker_info, exists, lane_docker, lane_owns_running_release, or_skip, run
+
+
+def planned(expect: dict[str, Any]) -> list[Cmd]:
+    """This rank's containers and `docker info` (where docker is expected), the head's listeners."""
+    cmds = lane_docker(expect)
+    if expect["expect"].get("docker"):
+        cmds.append(docker_info())
+    if expect["host"]["role"] == "head":
+        cmds.append(LISTENERS)
+    return cmds
+
+
+CONCERN = Concern(name="runtime", order=90, phase="preflight", containers=True, prefetch=planned)
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import LABEL_BUNDLE, lane_container, or_skip, read_applied, remote_json
+from checklib import LABEL_BUNDLE, Cmd, Concern, lane_container, lane_docker, or_skip, read_applied, remote_json
 
 from builder.hostfacts import SERVE, dumps, shown
+
+
+def planned(expect: dict[str, Any]) -> list[Cmd]:
+    """This rank's containers (where docker is expected)."""
+    return lane_docker(expect)
+
+
+CONCERN = Concern(name="serving", order=100, phase="serving", containers=True, prefetch=planned)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,20 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import FSTAB, free_disk, or_skip, readable_within, run
+from checklib import FSTAB, Cmd, Concern, free_disk, or_skip, readable_within, run
+
+
+def planned(expect: dict[str, Any]) -> list[Cmd]:
+    """Each NFS mount's bounded read and /etc/fstab, and the free space where the models go."""
+    want = expect["expect"]
+    mounts = want.get("nfs_mounts") or []
+    cmds = [readable_within(m) for m in mounts] + ([FSTAB] if mounts else [])
+    if want.get("min_free_disk_gib"):
+        cmds.append(free_disk(expect["paths"]["models"]))
+    return cmds
+
+
+CONCERN = Concern(name="storage", order=80, phase="preflight", containers=False, prefetch=planned)
 
 
 def _fstab_targets(text: str) -> set[str]:

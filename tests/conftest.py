@@ -42,7 +42,7 @@ def _ssh_connections(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     unix socket paths are limited to 108 bytes.)"""
     import tempfile
 
-    from fleetlib import close_kept_connections
+    from tests.lib.fleetlib import close_kept_connections
 
     folder = Path(tempfile.mkdtemp(prefix="bS-", dir="/tmp"))
     monkeypatch.setenv("BUILDER_SSH_DIR", str(folder))

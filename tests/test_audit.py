@@ -13,11 +13,9 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import auditlib  # noqa: E402
-
-from builder import audit as core  # noqa: E402
-from builder.audit import runner  # noqa: E402
+from builder import audit as core
+from builder.audit import runner
+from tests.lib import auditlib
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = [

@@ -25,10 +25,8 @@ from builder.bundle import (
 )
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.onhost.manifest import bundle_id_of
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bundlelib as bl  # noqa: E402
-from bundlelib import Project, make_project, manifest, resign, tree_bytes  # noqa: E402
+from tests.lib import bundlelib as bl
+from tests.lib.bundlelib import Project, make_project, manifest, resign, tree_bytes
 
 
 def _ctx(p: Project):  # type: ignore[no-untyped-def]

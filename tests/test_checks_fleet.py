@@ -1,5 +1,5 @@
 """`builder audit` over real ssh on the test fleet, on a real install: the fleet is set up by the
-operator's journey (tests/journeylib.py: the shipped pins, `builder image`, `builder bundle`, `builder
+operator's journey (tests/lib/journeylib.py: the shipped pins, `builder image`, `builder bundle`, `builder
 ship` with the real installer), with a fake `nvidia-smi` on each host (no GPU here; FAKE, named as such,
 speaking nvidia-smi's real output format). These tests cover what the journey test does not: how the
 audit reaches hosts (one connection, kept connections, two audits at once, a frozen or cut host), GPU
@@ -19,10 +19,8 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import auditlib  # noqa: E402
-import fleetlib  # noqa: E402
-from journeylib import PATHS, Journey, journey  # noqa: E402
+from tests.lib import auditlib, fleetlib
+from tests.lib.journeylib import PATHS, Journey, journey
 
 pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
 

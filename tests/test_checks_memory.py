@@ -20,9 +20,7 @@ import pytest
 
 from builder import hostfacts as hf
 from builder.hostfacts import memory
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_checks_units import checklib_fresh, local_expect  # noqa: E402
+from tests.test_checks_units import checklib_fresh, concerns_for, local_expect
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -209,13 +207,14 @@ def test_the_shortfall_message_names_the_biggest_other_holders() -> None:
 def test_the_holders_and_the_lanes_facts_are_prefetched_with_a_minimum_only(tmp_path: Path) -> None:
     cl: Any = checklib_fresh()
     expect = local_expect(tmp_path)
-    assert cl.memory_facts() not in cl.planned(expect)  # no min_free_memory_gib: MemAvailable alone
+    # no min_free_memory_gib: MemAvailable alone
+    assert cl.memory_facts() not in cl.planned(expect, concerns_for(expect))
     expect["expect"]["min_free_memory_gib"] = 1  # type: ignore[index]
-    plan = cl.planned(expect)
+    plan = cl.planned(expect, concerns_for(expect))
     assert cl.memory_facts() in plan and len(plan) == len(set(plan))
     expect.update(concerns=["memory"], lane="demo", host={"role": "worker", "rank": 1})
     expect["expect"].update(docker=True, gpu_count=1)  # type: ignore[attr-defined]
-    plan = cl.planned(expect)
+    plan = cl.planned(expect, concerns_for(expect))
     assert plan[1:] == [cl.lane_containers("demo", 1), cl.MEMINFO, cl.memory_facts(),
                         cl.cat(expect["applied_path"]), *cl.gpu_commands()]
 
@@ -223,14 +222,15 @@ def test_the_holders_and_the_lanes_facts_are_prefetched_with_a_minimum_only(tmp_
 def test_the_prefetch_runs_the_module_for_real(tmp_path: Path) -> None:
     """hostfacts.memory inside the prefetch's batch on this machine (testinfra local://): one call."""
     import testinfra
-    from test_checks_units import count_commands
+
+    from tests.test_checks_units import count_commands
 
     cl: Any = checklib_fresh()
     host = testinfra.get_host("local://")
     expect = local_expect(tmp_path)
     expect["expect"]["min_free_memory_gib"] = 1  # type: ignore[index]
     calls = count_commands(host)
-    cl.prefetch(host, expect)
+    cl.prefetch(host, expect, concerns_for(expect))
     got = json.loads(cl.run(host, *cl.memory_facts()).stdout)
     assert calls == ["python3 -I -S -c %s %s %s"]
     assert got["cgroup"] in ("v1", "v2") and got["processes"] and all(p["held"] > 0 for p in got["processes"])
@@ -240,7 +240,7 @@ def test_the_prefetch_runs_the_module_for_real(tmp_path: Path) -> None:
 def test_a_containers_memory_from_its_cgroup_on_this_machine() -> None:
     """Against this machine's real engine and kernel: a container holding 200 MiB of shm (written
     into its /dev/shm, charged to its cgroup) is found, with its pid, holding at least that much."""
-    import fleetlib
+    from tests.lib import fleetlib
 
     if not fleetlib.docker_available():
         pytest.skip("Docker engine not reachable")

@@ -5,24 +5,29 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.lib import checkmods
+
 
 def checklib_fresh() -> object:
     """checks/checklib as the per-host pytest imports it, with its per-host caches empty."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "checks"))
-    try:
-        import checklib
-    finally:
-        sys.path.pop(0)
+    checklib: Any = checkmods.checklib()
     for cache in (checklib.RAN, checklib.APPLIED_CACHE, checklib.EXISTS_CACHE, checklib.LIST_CACHE):
         cache.clear()
     checklib.PREFETCHED.clear()
     return checklib
+
+
+def concerns_for(expect: dict[str, Any]) -> list[Any]:
+    """The CONCERN of each check module `expect` selects, as checks/conftest.py gives them to
+    checklib.prefetch; `expect["containers"]` is set as `builder audit` writes it."""
+    found: list[Any] = [checkmods.check_module(n).CONCERN for n in expect["concerns"]]
+    expect["containers"] = any(c.containers for c in found)
+    return found
 
 
 def local_expect(tmp_path: Path) -> dict[str, object]:
@@ -67,15 +72,11 @@ def test_collection_error_in_one_line() -> None:
     import importlib.util
     from types import SimpleNamespace
 
-    checks = Path(__file__).resolve().parent.parent / "checks"
-    sys.path.insert(0, str(checks))
-    try:
-        spec = importlib.util.spec_from_file_location("builder_checks_conftest", checks / "conftest.py")
-        assert spec is not None and spec.loader is not None
-        conf: Any = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(conf)
-    finally:
-        sys.path.pop(0)
+    checkmods.checklib()  # checks/conftest.py imports it as `checklib`
+    spec = importlib.util.spec_from_file_location("builder_checks_conftest", checkmods.CHECKS / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    conf: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
     imp = "test_x.py:1: in <module>\n    import nope\nE   ModuleNotFoundError: No module named 'nope'"
     syn = 'ast.py:50: in parse\nE     File "test_x.py", line 1\nE       def f(:\nE   SyntaxError: invalid syntax'
     native = 'Traceback:\n  File "test_x.py", line 1, in <module>\n    x = y\nNameError: name \'y\' is not defined\n'
@@ -106,9 +107,9 @@ def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> N
     cl: Any = checklib_fresh()
     host = testinfra.get_host("local://")
     expect = local_expect(tmp_path)
-    planned = cl.planned(expect)
+    planned = cl.planned(expect, concerns_for(expect))
     calls = count_commands(host)
-    cl.prefetch(host, expect)
+    cl.prefetch(host, expect, concerns_for(expect))
     assert calls == ["python3 -I -S -c %s %s %s"]  # every planned command, one remote call
     assert len(cl.RAN) == len(planned) >= 6
     meminfo = cl.run(host, *cl.MEMINFO)
@@ -121,7 +122,7 @@ def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> N
     assert calls == ["python3 -I -S -c %s %s %s"]  # all of that answered from the prefetch
     cl.run(host, "true")  # a command nobody planned still runs, on its own
     assert calls[-1] == "true"
-    cl.prefetch(host, expect)  # once per host
+    cl.prefetch(host, expect, concerns_for(expect))  # once per host
     assert len(calls) == 2
 
 
@@ -143,7 +144,7 @@ def test_release_files_come_with_the_record_in_the_prefetch(tmp_path: Path) -> N
     state.mkdir()
     (state / "applied.json").write_text(json.dumps({"files": [{"path": "start.sh"}, {"path": "stop.sh"}]}))
     calls = count_commands(host)
-    cl.prefetch(host, expect)
+    cl.prefetch(host, expect, concerns_for(expect))
     got = cl.release_files(host, expect, [f"{cur}/start.sh", f"{cur}/stop.sh"])
     assert got[f"{cur}/stop.sh"]["sha256"] == hashlib.sha256(b"halt").hexdigest()
     assert calls == ["python3 -I -S -c %s %s %s"]  # answered by the prefetch
@@ -160,7 +161,7 @@ def test_prefetch_that_fails_leaves_each_check_to_run_its_own_command(
     host = testinfra.get_host("local://")
     expect = local_expect(tmp_path)
     monkeypatch.setattr(cl, "BATCH", "print('not the batch output')")
-    cl.prefetch(host, expect)
+    cl.prefetch(host, expect, concerns_for(expect))
     assert cl.RAN == {}
     r = cl.run(host, *cl.MEMINFO)  # runs for real
     assert r.rc == 0 and "MemAvailable:" in r.stdout
@@ -181,7 +182,7 @@ def test_a_hung_tool_costs_its_own_fact_only(tmp_path: Path, monkeypatch: pytest
     expect["concerns"] = ["gpu", "memory"]
     expect["expect"]["gpu_count"] = 1  # type: ignore[index]
     host = testinfra.get_host("local://")
-    cl.prefetch(host, expect)
+    cl.prefetch(host, expect, concerns_for(expect))
     assert cl.exists(host, "nvidia-smi")
     for c in cl.gpu_commands():
         r = cl.run(host, *c)
@@ -201,8 +202,9 @@ def test_docker_facts_come_from_the_docker_cli() -> None:
 @pytest.mark.docker
 def test_inspect_images_answers_found_and_missing_images_in_one_call() -> None:
     """Against this machine's real Docker Engine, through testinfra's local backend as a check runs it."""
-    import fleetlib
     import testinfra
+
+    from tests.lib import fleetlib
 
     if not fleetlib.docker_available():
         pytest.skip("Docker engine not reachable")
@@ -217,7 +219,8 @@ def test_inspect_images_answers_found_and_missing_images_in_one_call() -> None:
 
 
 def docker_expect(concerns: list[str]) -> dict[str, Any]:
-    return {"concerns": concerns, "lane": "demo", "host": {"rank": 1, "role": "worker"},
+    return {"concerns": concerns, "containers": any(checkmods.check_module(c).CONCERN.containers for c in concerns),
+            "lane": "demo", "host": {"rank": 1, "role": "worker"},
             "image": {"image_id": "sha256:ab", "tag": "builder/demo:1"}}
 
 
@@ -232,7 +235,8 @@ def test_the_image_and_the_ranks_containers_are_one_docker_inspect(monkeypatch: 
     assert both[0].endswith("docker inspect %s %s $ids") and both[1:] == ("demo", "1", "sha256:ab", "builder/demo:1")
     assert cl.docker_objects_command(docker_expect(["image"])) == cl.inspect_images(["sha256:ab", "builder/demo:1"])
     assert cl.docker_objects_command(docker_expect(["serving"])) == cl.lane_containers("demo", 1)
-    plan = cl.planned({**docker_expect(["image", "runtime"]), "expect": {"docker": True}})
+    exp = {**docker_expect(["image", "runtime"]), "expect": {"docker": True}}
+    plan = cl.planned(exp, concerns_for(exp))
     assert [c for c in plan if "docker" in c[0]] == [cl.lookup_commands(["docker", "nvidia-smi"]), both,
                                                      cl.docker_info()]
     img, ctr = {"Id": "sha256:ab"}, {"Id": "c1", "State": {"Running": True}, "Name": "/demo-r1"}
@@ -263,8 +267,9 @@ def test_docker_inspect_of_images_and_containers_against_the_engine() -> None:
     and rank, the image by ID and a tag that does not exist."""
     import subprocess
 
-    import fleetlib
     import testinfra
+
+    from tests.lib import fleetlib
 
     if not fleetlib.docker_available():
         pytest.skip("Docker engine not reachable")

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from builder import dockerio, layers
+from tests.lib import dockerlib
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / "engine-src" / "demo-engine.bundle"
@@ -358,7 +359,7 @@ def demo_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DemoI
 def test_demo_image_runs_version(demo_image: tuple[DemoImage, layers.SpooledImage]) -> None:
     image, record = demo_image
     assert any('RUN ["/zig/zig", "run"' in line for line in image.log)
-    result = dockerio.run(f"{image.repo}:one", ["--version"])
+    result = dockerlib.run(f"{image.repo}:one", ["--version"])
     assert result.exit_code == 0, result.stderr
     assert result.stdout == f"demo-engine 0.1.0+patched (commit {image.commit})\n"
     assert dockerio.image_id(f"{image.repo}:one") == record.image_id
@@ -381,7 +382,7 @@ def test_demo_image_shape(demo_image: tuple[DemoImage, layers.SpooledImage]) -> 
 @pytest.mark.docker
 def test_demo_image_serves_health(demo_image: tuple[DemoImage, layers.SpooledImage]) -> None:
     image, _ = demo_image
-    cid = dockerio.start(
+    cid = dockerlib.start(
         f"{image.repo}:one",
         ["serve", "--port", "8080", "--served-name", "demo"],
         env={"TF_RANK": "0", "WORLD_SIZE": "2"},
@@ -389,12 +390,12 @@ def test_demo_image_serves_health(demo_image: tuple[DemoImage, layers.SpooledIma
         bind_address="127.0.0.1",
     )
     try:
-        port = dockerio.published_port(cid, 8080)
+        port = dockerlib.published_port(cid, 8080)
         health = wait_health(port)
         assert health["status"] == "ok" and health["rank"] == 0 and health["world_size"] == 2
         check_api(port, "demo")
     finally:
-        dockerio.stop(cid)
+        dockerlib.stop(cid)
 
 
 @pytest.mark.docker

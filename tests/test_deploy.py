@@ -2,7 +2,7 @@
 
 Fast tier: the report's exit codes, the fleet lock, the journal, the bundle currency rule, config errors.
 Docker tier: the installer's stage and switch (what a deploy builds on), on local roots.
-Fleet tier (tests/journeylib.py: the project copy, the shipped pins, the real image, bundles and
+Fleet tier (tests/lib/journeylib.py: the project copy, the shipped pins, the real image, bundles and
 installer, a FAKE nvidia-smi on each host): through the CLI only, `builder deploy --fleet ...` of a first
 lock, of a second (a changed serve setting: every host switches), of a third whose engine refuses its
 arguments at start (the whole fleet back on the second, serving and passing its audit), of a rank that
@@ -23,22 +23,19 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import auditlib  # noqa: E402
-import deploylib as dl  # noqa: E402
-import fleetlib  # noqa: E402
-from journeylib import PATHS, Journey, journey  # noqa: E402
-
-from builder.deploy import journal as J  # noqa: E402
-from builder.deploy.bundles import stale  # noqa: E402
-from builder.deploy.fleetlock import fleet_lock  # noqa: E402
-from builder.deploy.hoststate import Container, HostState  # noqa: E402
-from builder.deploy.report import DeployReport, HostOutcome  # noqa: E402
-from builder.errors import BuilderError  # noqa: E402
+from builder.deploy import journal as J
+from builder.deploy.bundles import stale
+from builder.deploy.fleetlock import fleet_lock
+from builder.deploy.hoststate import Container, HostState
+from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcome, Side
+from builder.errors import BuilderError
+from tests.lib import auditlib, fleetlib
+from tests.lib import deploylib as dl
+from tests.lib.journeylib import PATHS, Journey, journey
 
 # --------------------------------------------------------------------------- fast tier
 
@@ -54,6 +51,29 @@ def test_exit_codes_follow_the_result() -> None:
     assert rep("refused", unreachable=True).exit_code == 3 and rep("failed", unreachable=True).exit_code == 3
     assert rep("unchanged", audit={"exit": 1}).exit_code == 1 and rep("unchanged", audit={"exit": 0}).exit_code == 0
     assert rep("failed").to_json()["fleet_on"] == "mixed"
+
+
+def documented(after: str) -> list[str]:
+    """The values docs/deploy.md gives in the table, or the sentence, that follows the line
+    starting with `after`: each row's first cell, or each `value` followed by its meaning."""
+    lines = (Path(__file__).resolve().parent.parent / "docs" / "deploy.md").read_text().splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(after))
+    if not lines[start].rstrip().endswith(":"):  # a sentence: `value` (meaning), ...
+        para = " ".join(lines[start:lines.index("", start)])
+        return re.findall(r"`([a-z-]+)` \(", para.split(":", 1)[1])
+    rows = []
+    for ln in lines[start + 2:]:
+        if ln.startswith("| `"):
+            rows.append(ln.split("`")[1])
+        elif rows:
+            break
+    return rows
+
+
+def test_the_documented_results_are_the_reports_values() -> None:
+    assert documented("A host's `result`") == list(get_args(Outcome))
+    assert documented("A host's `on`") == list(get_args(Side))
+    assert documented("The fleet's `result`") == list(get_args(FleetResult))
 
 
 def test_fleet_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> None:
@@ -177,8 +197,8 @@ def test_unknown_fleet_is_one_line_and_exit_2(tmp_path: Path, project_root: Path
 
 @pytest.mark.docker
 def test_installer_stages_without_switching_then_switches_and_back(tmp_path: Path) -> None:
-    import bundlelib as bl
-    from test_installer import bundle, install, run_installer
+    from tests.lib import bundlelib as bl
+    from tests.test_installer import bundle, install, run_installer
 
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_gitsrc import run_git  # noqa: E402
-from test_lock import Project  # noqa: E402
-
-from builder.diff import Change, diff_locks, read_lock  # noqa: E402
-from builder.errors import ConfigError  # noqa: E402
-from builder.lockfile import load_lock  # noqa: E402
+from builder.diff import Change, diff_locks, read_lock
+from builder.errors import ConfigError
+from builder.lockfile import load_lock
+from tests.test_gitsrc import run_git
+from tests.test_lock import Project
 
 
 @pytest.fixture

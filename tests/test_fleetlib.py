@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -13,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fleetlib  # noqa: E402
-import registrylib  # noqa: E402
+from tests.lib import fleetlib, registrylib
 
 # ------------------------------------------------------------------------------------------ unit tier
 

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_plan import PATCH_REL, builder, copy_project, plan_of, relock  # noqa: E402
-
-from builder import gitsrc  # noqa: E402
-from builder.lockfile import load_lock  # noqa: E402
-from builder.store import Store  # noqa: E402
+from builder import gitsrc
+from builder.lockfile import load_lock
+from builder.store import Store
+from tests.test_plan import PATCH_REL, builder, copy_project, plan_of, relock
 
 
 def snapshot(root: Path) -> list[str]:

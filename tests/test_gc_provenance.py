@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import fcntl
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_gc import Filled, snapshot  # noqa: E402
+from tests.test_gc import Filled, snapshot
 
 
 def _provenance(f: Filled, address: str) -> Path:

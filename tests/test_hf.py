@@ -1,4 +1,4 @@
-"""builder.hf against a FAKE Hub (tests/fakehub.py, real HTTP on 127.0.0.1) and real files on disk."""
+"""builder.hf against a FAKE Hub (tests/lib/fakehub.py, real HTTP on 127.0.0.1) and real files on disk."""
 
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fakehub import FakeHub  # noqa: E402
-
-from builder import hf  # noqa: E402
-from builder.errors import ConfigError, ResolveError  # noqa: E402
-from builder.lockfile import LockedModel  # noqa: E402
-from builder.pins import HfModel  # noqa: E402
+from builder import hf
+from builder.errors import ConfigError, ResolveError
+from builder.lockfile import LockedModel
+from builder.pins import HfModel
+from tests.lib.fakehub import FakeHub
 
 TOKEN = "hf_FakeTokenForTests0123456789abcdefXYZ"
 H = "0" * 64

@@ -438,7 +438,7 @@ def test_lane_state_reads_links_releases_and_the_apply_record(tmp_path: Path) ->
 def test_lane_wait_says_a_container_the_engine_does_not_have_is_gone() -> None:
     """This machine's real docker CLI and engine: a name that is no container is "missing" (the rank's
     container is gone), not "unknown" (no answer from the engine)."""
-    import fleetlib
+    from tests.lib import fleetlib
 
     if not fleetlib.docker_available():
         pytest.skip("no Docker engine here")

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import auditlib  # noqa: E402
-
-from builder.errors import ConfigError  # noqa: E402
-from builder.hosts import load_fleet  # noqa: E402
-from builder.ssh import parse_target  # noqa: E402
+from builder.errors import ConfigError
+from builder.hosts import load_fleet
+from builder.ssh import parse_target
+from tests.lib import auditlib
 
 ROOT = Path(__file__).resolve().parent.parent
 

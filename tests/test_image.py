@@ -27,9 +27,16 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import docker_available  # noqa: E402
-from test_plan import (  # noqa: E402
+from builder import dockerio
+from builder import image as core
+from builder.imagerecord import tag_for
+from builder.lockfile import load_lock
+from builder.pins import load_pins
+from builder.plan import make_plan
+from builder.store import Store
+from tests.conftest import docker_available
+from tests.lib import dockerlib
+from tests.test_plan import (
     NO_DOCKER,
     PATCH_REL,
     ROOT,
@@ -40,14 +47,6 @@ from test_plan import (  # noqa: E402
     plan_of,
     relock,
 )
-
-from builder import dockerio  # noqa: E402
-from builder import image as core  # noqa: E402
-from builder.imagerecord import tag_for  # noqa: E402
-from builder.lockfile import load_lock  # noqa: E402
-from builder.pins import load_pins  # noqa: E402
-from builder.plan import make_plan  # noqa: E402
-from builder.store import Store  # noqa: E402
 
 ARCH = {"amd64": ("x86_64-linux-musl", "linux/arm64", "aarch64-linux-musl"),
         "arm64": ("aarch64-linux-musl", "linux/amd64", "x86_64-linux-musl")}
@@ -285,7 +284,7 @@ def test_second_run_is_a_noop(built: Built) -> None:
 @pytest.mark.docker
 def test_image_answers_version_with_the_pinned_commit(built: Built) -> None:
     commit = load_lock(built.root / "pins.lock").sources["demo-engine"].commit
-    out = dockerio.run(built.rec["tag"], ["--version"])
+    out = dockerlib.run(built.rec["tag"], ["--version"])
     assert out.exit_code == 0, out.stderr
     assert out.stdout == f"demo-engine 0.1.0+patched (commit {commit})\n"
 
@@ -496,7 +495,7 @@ def test_build_sees_no_network_interface_but_lo(tmp_path: Path, probe: Path, tag
     assert "probe: interface lo" in r.err and "eth0" not in r.err
     assert r.json()["tag"] == tag
     # the same probe, run with a network, sees one: the build above really had none
-    on_bridge = dockerio.run(tag, [], network="bridge")
+    on_bridge = dockerlib.run(tag, [], network="bridge")
     assert on_bridge.exit_code == 1 and "probe: interface lo" in on_bridge.stdout
     assert len([ln for ln in on_bridge.stdout.splitlines() if "interface" in ln]) >= 2
 
@@ -506,7 +505,7 @@ def test_recipe_that_needs_the_network_fails(tmp_path: Path, probe: Path, built:
     import docker
 
     # a server the test starts: the demo image, on the default bridge
-    cid = dockerio.start(built.rec["tag"], ["serve", "--host", "0.0.0.0", "--port", "8080"])
+    cid = dockerlib.start(built.rec["tag"], ["serve", "--host", "0.0.0.0", "--port", "8080"])
     try:
         ip = docker.from_env().api.inspect_container(cid)["NetworkSettings"]["IPAddress"]
         assert ip
@@ -520,7 +519,7 @@ def test_recipe_that_needs_the_network_fails(tmp_path: Path, probe: Path, built:
         check_tag = tags.watch(f"builder-test-netprobe:{uuid.uuid4().hex[:12]}")
         dockerio.build(ctx, tag=check_tag, cleanup=True)
         for _ in range(50):
-            reached = dockerio.run(check_tag, [], network="bridge")
+            reached = dockerlib.run(check_tag, [], network="bridge")
             if reached.exit_code == 0:
                 break
             time.sleep(0.2)
@@ -536,4 +535,4 @@ def test_recipe_that_needs_the_network_fails(tmp_path: Path, probe: Path, built:
         assert dockerio.image_id(tag) is None
         nothing_half_written(store)
     finally:
-        dockerio.stop(cid)
+        dockerlib.stop(cid)

@@ -22,7 +22,6 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-import bundlelib
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -36,9 +35,8 @@ from builder.onhost.files import Writeback, write_all
 from builder.onhost.manifest import check_manifest, physical_files, release_files
 from builder.onhost.record import release_ok
 from builder.onhost.verify import verify_bundle
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bundlelib as bl  # noqa: E402
+from tests.lib import bundlelib
+from tests.lib import bundlelib as bl
 
 SCRIPT = hostpkg.zipapp()
 

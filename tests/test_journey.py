@@ -1,7 +1,7 @@
 """The operator's journey, end to end, CLI only, on the shipped pins: a correct install passes its own
 audit before start and while it serves, and each drift fails exactly one host, naming exactly that drift.
 
-The steps are the README's quick tour (tests/journeylib.py): `builder lock --offline demo`,
+The steps are the README's quick tour (tests/lib/journeylib.py): `builder lock --offline demo`,
 `builder image demo`, `builder keygen`, `builder bundle --fleet F --with-image --with-models`,
 `builder ship` to each host (workers first), `current/start.sh` (workers first), `builder audit`.
 No fake installer, no hand-written lock, no stand-in image: the real image is built from the shipped
@@ -16,16 +16,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fleetlib  # noqa: E402
-from journeylib import PATHS, Journey, failing, journey  # noqa: E402
+from tests.lib import fleetlib
+from tests.lib.journeylib import PATHS, Journey, failing, journey
 
 pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
 

@@ -22,25 +22,18 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bundlelib as bl  # noqa: E402
-from test_gitsrc import Upstream  # noqa: E402
-
-from builder import fetch as plain  # noqa: E402
-from builder import kits  # noqa: E402
-from builder.bundle import (  # noqa: E402
-    BundleOptions,
-    load_bundle_inputs,
-    make_bundle,
-    verify_dir,
-)
-from builder.canon import atomic_write  # noqa: E402
-from builder.diff import diff_locks  # noqa: E402
-from builder.errors import ConfigError, ResolveError  # noqa: E402
-from builder.hosts import find_host  # noqa: E402
-from builder.lockfile import load_lock, render_lock, spec_hash  # noqa: E402
-from builder.pins import load_pins  # noqa: E402
-from builder.placement import mount_path, place_models  # noqa: E402
+from builder import fetch as plain
+from builder import kits
+from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle, verify_dir
+from builder.canon import atomic_write
+from builder.diff import diff_locks
+from builder.errors import ConfigError, ResolveError
+from builder.hosts import find_host
+from builder.lockfile import load_lock, render_lock, spec_hash
+from builder.pins import load_pins
+from builder.placement import mount_path, place_models
+from tests.lib import bundlelib as bl
+from tests.test_gitsrc import Upstream
 
 KIT = {
     "aot/aot.json": b'{"kernels": ["00ab"]}\n',

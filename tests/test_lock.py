@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_gitsrc import Upstream  # noqa: E402
+from tests.test_gitsrc import Upstream
 
 TINY_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 ZIG_SHA = "a" * 64

@@ -1,4 +1,4 @@
-"""`builder fetch` through the CLI: the model store, against a FAKE Hub (tests/fakehub.py, real HTTP on
+"""`builder fetch` through the CLI: the model store, against a FAKE Hub (tests/lib/fakehub.py, real HTTP on
 127.0.0.1) and real files on disk; the lock it reads is written by `builder lock` against the same Hub."""
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fakehub import FakeHub  # noqa: E402
-
-from builder.models.store import ModelStore, Wanted  # noqa: E402
+from builder.models.store import ModelStore, Wanted
+from tests.lib.fakehub import FakeHub
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "hf_fetchtesttoken0123456789"
@@ -347,7 +345,7 @@ def test_a_disk_that_fills_mid_download(proj: Path, hub: FakeHub, small_disk: Pa
 
 def test_a_download_is_hashed_as_it_lands_and_not_read_again(tmp_path: Path, hub: FakeHub,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bytes huggingface_hub writes are hashed behind it (builder.models.fetch._Follower): the store
+    """The bytes huggingface_hub writes are hashed behind it (builder.models.hub._Follower): the store
     takes the file without a second full read; a small file (no LFS sha256 to find it by) is read once."""
     import huggingface_hub.constants as hc
 

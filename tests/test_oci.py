@@ -1,4 +1,4 @@
-"""builder.oci against a REAL registry on loopback (Debian's docker-registry, tests/registrylib.py)
+"""builder.oci against a REAL registry on loopback (Debian's docker-registry, tests/lib/registrylib.py)
 and, offline, against a local image in the real Docker engine."""
 
 from __future__ import annotations
@@ -13,18 +13,16 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from registrylib import (  # noqa: E402
+from builder import oci
+from builder.errors import ConfigError, ResolveError
+from builder.pins import BaseImage
+from tests.lib.registrylib import (
     DOCKER_MANIFEST,
     Registry,
     registry_available,
     sha256_digest,
     start_registry,
 )
-
-from builder import oci  # noqa: E402
-from builder.errors import ConfigError, ResolveError  # noqa: E402
-from builder.pins import BaseImage  # noqa: E402
 
 H = "0" * 64
 NGC_ENV = ["PATH=/usr/local/bin:/usr/bin", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1"]

@@ -9,9 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bundlelib as bl  # noqa: E402
-import ptylib  # noqa: E402
+from tests.lib import bundlelib as bl
+from tests.lib import ptylib
 
 
 def _run_on_pty(argv: list[str], cwd: Path) -> tuple[int, str, str]:
@@ -70,7 +69,7 @@ def test_progress_without_a_terminal_does_not_load_rich() -> None:
 def _slow_unreachable_fleet(tmp_path: Path) -> Path:
     """An audit project whose two hosts take 4 s to turn out unreachable (their ssh ProxyCommand
     waits, then fails): a full-mode audit that lasts past the bars' delay without any host."""
-    import auditlib
+    from tests.lib import auditlib
 
     paths = auditlib.make_project(tmp_path / "proj")
     cfg = tmp_path / "ssh_config"
@@ -131,7 +130,7 @@ def _one_line_each(tty: bytes | str, columns: int = 80) -> list[str]:
 
 
 def test_fetch_names_the_files_in_flight_with_bytes_rate_and_time_left_in_80_columns(tmp_path: Path) -> None:
-    from fakehub import FakeHub
+    from tests.lib.fakehub import FakeHub
 
     files = {f"model-{i:05d}-of-00004.safetensors": os.urandom(1 << 20) * 40 for i in range(4)}
     repo = "deepseek-ai/DeepSeek-V4-Flash-Base"

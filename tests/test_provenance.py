@@ -343,16 +343,12 @@ def test_builder_verify_checks_the_envelope(tmp_path: Path) -> None:
 def test_a_rendered_bundle_carries_the_envelope_and_builder_verify_checks_it(tmp_path: Path) -> None:
     """`builder bundle` on a project whose store holds its image's provenance: the bundle carries the
     envelope, `builder verify` passes, and the envelope verifies with securesystemslib on its own."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bundlelib as bl
-
     from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
     from builder.imagerecord import read_record
     from builder.lockfile import load_lock
     from builder.pins import load_pins
     from builder.plan import make_plan as plan_of
+    from tests.lib import bundlelib as bl
 
     proj = bl.make_project(tmp_path)
     p = plan_of(load_pins(proj.pins), load_lock(proj.root / "pins.lock"), "tiny", proj.root)

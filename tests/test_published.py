@@ -20,10 +20,8 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import projectlib  # noqa: E402
-import registrylib  # noqa: E402
-from test_registry import _skip_without_parts  # noqa: E402
+from tests.lib import projectlib, registrylib
+from tests.test_registry import _skip_without_parts
 
 pytestmark = [pytest.mark.registry, pytest.mark.docker, pytest.mark.build]
 

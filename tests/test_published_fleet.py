@@ -13,17 +13,12 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fleetlib  # noqa: E402
-import journeylib  # noqa: E402
-import projectlib  # noqa: E402
-import registrylib  # noqa: E402
-from test_registry_fleet import _skip_without_parts  # noqa: E402
+from tests.lib import fleetlib, journeylib, projectlib, registrylib
+from tests.test_registry_fleet import _skip_without_parts
 
 pytestmark = [pytest.mark.registry, pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
 FLEET = "pubfleet"

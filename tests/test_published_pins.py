@@ -5,19 +5,16 @@ returns what a registry gave; the real registry and engine are tests/test_publis
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import journeylib  # noqa: E402
-
-from builder import gc, published, resolve  # noqa: E402
-from builder.errors import ResolveError  # noqa: E402
-from builder.lockfile import LockedPublishedImage, check_lock, load_lock  # noqa: E402
-from builder.pins import PublishedImage, load_pins  # noqa: E402
-from builder.plan import make_plan  # noqa: E402
+from builder import gc, published, resolve
+from builder.errors import ResolveError
+from builder.lockfile import LockedPublishedImage, check_lock, load_lock
+from builder.pins import PublishedImage, load_pins
+from builder.plan import make_plan
+from tests.lib import journeylib
 
 DIGEST = "sha256:" + "ab" * 32
 REF = f"127.0.0.1:5000/builder/demo@{DIGEST}"

@@ -22,9 +22,7 @@ from builder.bundle import hostpkg
 from builder.onhost.manifest import MANIFEST, SIGNATURE
 from builder.onhost.receive import RECEIVE_MAGIC
 from builder.placement import kept_installer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bundlelib as bl  # noqa: E402
+from tests.lib import bundlelib as bl
 
 pytestmark = pytest.mark.docker
 

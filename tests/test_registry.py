@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +15,9 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import projectlib  # noqa: E402
-import registrylib  # noqa: E402
-
-from builder import registry as reg  # noqa: E402
-from builder.errors import ConfigError  # noqa: E402
+from builder import registry as reg
+from builder.errors import ConfigError
+from tests.lib import projectlib, registrylib
 
 pytestmark = [pytest.mark.registry, pytest.mark.docker, pytest.mark.build]
 

@@ -15,7 +15,6 @@ import ipaddress
 import json
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,11 +23,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fleetlib  # noqa: E402
-import journeylib  # noqa: E402
-import projectlib  # noqa: E402
-import registrylib  # noqa: E402
+from tests.lib import fleetlib, journeylib, projectlib, registrylib
 
 pytestmark = [pytest.mark.registry, pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
 FLEET = "regfleet"

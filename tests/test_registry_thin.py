@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import projectlib  # noqa: E402
+from tests.lib import projectlib
 
 pytestmark = [pytest.mark.docker, pytest.mark.build, pytest.mark.registry]
 

@@ -1,5 +1,5 @@
 """Blob uploads in chunks and registry credentials, against the REAL registry (Debian's docker-registry,
-the CNCF distribution 2.8, on loopback; tests/registrylib.py), through a small TCP proxy of this test
+the CNCF distribution 2.8, on loopback; tests/lib/registrylib.py), through a small TCP proxy of this test
 that drops the link the way a network does: refusing connections for a while, or cutting one midway
 through a chunk. Credentials through the docker client's own config: a credential helper is a
 ``docker-credential-<name>`` program on PATH (the helper protocol: ``get`` reads the registry on
@@ -18,11 +18,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import registrylib  # noqa: E402
-
-from builder import registry  # noqa: E402
-from builder.errors import ResolveError  # noqa: E402
+from builder import registry
+from builder.errors import ResolveError
+from tests.lib import registrylib
 
 pytestmark = [pytest.mark.registry]
 

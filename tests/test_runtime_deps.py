@@ -21,13 +21,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fleetlib  # noqa: E402
-from conftest import docker_available  # noqa: E402
-from test_image import Tags, wheelhouse  # noqa: E402,F401  (wheelhouse: the ziglang wheel, a fixture)
-from test_plan import ROOT, copy_project  # noqa: E402
-
-from builder.imagerecord import tag_for  # noqa: E402
+from builder.imagerecord import tag_for
+from tests.conftest import docker_available
+from tests.lib import fleetlib
+from tests.test_image import Tags, wheelhouse  # noqa: F401  (wheelhouse: the ziglang wheel, a fixture)
+from tests.test_plan import ROOT, copy_project
 
 pytestmark = [pytest.mark.docker, pytest.mark.fleet, pytest.mark.slow]
 

@@ -15,7 +15,6 @@ import fnmatch
 import hashlib
 import json
 import re
-import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,9 +22,8 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fleetlib  # noqa: E402
-from journeylib import Journey, failing, journey  # noqa: E402
+from tests.lib import fleetlib
+from tests.lib.journeylib import Journey, failing, journey
 
 pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build, pytest.mark.slow]
 

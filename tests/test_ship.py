@@ -18,9 +18,7 @@ import pytest
 from builder.bundle import hostpkg
 from builder.placement import kept_installer
 from builder.ssh import parse_target
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bundlelib as bl  # noqa: E402
+from tests.lib import bundlelib as bl
 
 # --------------------------------------------------------------------------- fast tier
 
@@ -84,7 +82,7 @@ def test_ship_refuses_a_tampered_bundle_before_sending(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fleet2(request: pytest.FixtureRequest) -> Any:
-    import fleetlib
+    from tests.lib import fleetlib
 
     return fleetlib.fleet_fixture(request, 2, skip_if_unavailable=not os.environ.get("CI"))
 

@@ -285,7 +285,7 @@ def test_builder_uses_a_minisign_key(tmp_path: Path, payload: Path) -> None:
 # ---------------------------------------------------------------- the stdlib-only verifier
 
 
-def test_minisign_verify_is_stdlib_only() -> None:
+def test_the_minisign_verifier_is_stdlib_only() -> None:
     src = Path(mv.__file__).read_text()
     tree = ast.parse(src)
     mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -293,7 +293,7 @@ def test_minisign_verify_is_stdlib_only() -> None:
     assert mods <= set(sys.stdlib_module_names) | {"__future__"}, mods
 
 
-def test_minisign_verify_runs_as_a_standalone_script(
+def test_the_minisign_verifier_runs_as_a_standalone_script(
     keys: tuple[Path, Path, sign.PublicKey], payload: Path, tmp_path: Path
 ) -> None:
     """The verifier imports nothing of its package: run alone with python3 -I from an empty folder."""

@@ -809,6 +809,7 @@ def sim_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, s
 @pytest.mark.docker
 def test_sim_image_has_every_engine_path(sim_image: tuple[str, str]) -> None:
     from builder import dockerio
+    from tests.lib import dockerlib
 
     tag, _ = sim_image
     info = dockerio.image_inspect(tag)
@@ -816,7 +817,7 @@ def test_sim_image_has_every_engine_path(sim_image: tuple[str, str]) -> None:
     assert info["Config"]["Entrypoint"] == ["/engine/tensorfold-native"]
     assert "PATH=/usr/local/bin:/usr/bin:/bin" in info["Config"]["Env"]
     assert len(info["RootFS"]["Layers"]) == 1
-    r = dockerio.run(tag, ["--version"])
+    r = dockerlib.run(tag, ["--version"])
     assert r.exit_code == 0 and r.stdout == "tensorfold-native 0.1.0 (simulator)\n"
     # the entrypoints the seed lanes name, by path or through PATH
     for entry, name in (
@@ -827,11 +828,11 @@ def test_sim_image_has_every_engine_path(sim_image: tuple[str, str]) -> None:
         ("/engine/tf-dsv41-rank-cache", "tf-dsv41-rank-cache"),
         ("vllm", "vllm"),
     ):
-        r = dockerio.run(tag, ["--version"], entrypoint=[entry])
+        r = dockerlib.run(tag, ["--version"], entrypoint=[entry])
         assert r.exit_code == 0 and r.stdout == f"{name} 0.1.0 (simulator)\n", (entry, r.stdout, r.stderr)
     # python3 (both paths) finds the pack_engram.py marker, then simulates it
     for py in ("python3", "/usr/bin/python3", "/usr/local/bin/python3"):
-        r = dockerio.run(tag, ["/opt/tensorfold/scripts/pack_engram.py", "--check", "/nowhere", "--rank", "0"],
+        r = dockerlib.run(tag, ["/opt/tensorfold/scripts/pack_engram.py", "--check", "/nowhere", "--rank", "0"],
                          entrypoint=[py])  # fmt: skip
         assert r.exit_code == 1 and "--check: /nowhere not found" in r.stderr, (py, r.stderr)
     # the RDMA kernels placeholder is there

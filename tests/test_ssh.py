@@ -12,15 +12,13 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import auditlib  # noqa: E402
-
-from builder import ssh  # noqa: E402
-from builder.audit import AuditOptions  # noqa: E402
-from builder.audit import runner as audit_runner  # noqa: E402
-from builder.errors import ConfigError  # noqa: E402
-from builder.hosts import FleetHost, fleet_hosts, load_fleet  # noqa: E402
-from builder.ship import Remote  # noqa: E402
+from builder import ssh
+from builder.audit import AuditOptions
+from builder.audit import runner as audit_runner
+from builder.errors import ConfigError
+from builder.hosts import FleetHost, fleet_hosts, load_fleet
+from builder.ship import Remote
+from tests.lib import auditlib
 
 TARGETS = [
     ("spark-a", ["--", "spark-a"]),
@@ -156,7 +154,7 @@ def test_ship_and_audit_take_a_relative_ssh_config_from_the_fleet_files_folder(
 def test_ship_cli_uses_the_fleet_relative_ssh_config(tmp_path: Path) -> None:
     """`builder ship` end to end: the relative ssh_config beside the inventory is the one ssh reads
     (its ProxyCommand leaves a marker)."""
-    import bundlelib as bl
+    from tests.lib import bundlelib as bl
 
     p = bl.make_project(tmp_path, ssh_config="ssh/config")
     marker = tmp_path / "contacted"

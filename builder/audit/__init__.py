@@ -1,6 +1,7 @@
 """`builder audit`: run the testinfra checks in checks/ against hosts, in parallel, and report.
 
-1. Validate everything local first (`options`, `expect`): the options, the inventory, the pins (the
+1. Validate everything local first (`options`, `expect`): the options and the concerns they select
+   (of those the check modules declare, `concerns`), the inventory, the pins (the
    fleet's lane exists), the lock (it has the lane and its models), the image plan. Any problem is
    one ConfigError line (exit 2) before a host is contacted.
 2. Write one expectations file per host (`expect`), built only from the lock, the inventory, the
@@ -23,18 +24,20 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from builder.audit.concerns import Concern, declared
 from builder.audit.expect import build_expectations, load_lane_inputs
-from builder.audit.options import CONCERNS, AuditOptions, parse_only, select_targets
+from builder.audit.options import AuditOptions, parse_only, select_targets
 from builder.audit.report import AuditReport, CheckOutcome, HostResult, junit_xml, matrix_rows, write_junit
 from builder.audit.runner import run_host
 from builder.ssh import ControlSockets
 
 __all__ = [
-    "CONCERNS",
     "AuditOptions",
     "AuditReport",
     "CheckOutcome",
+    "Concern",
     "HostResult",
+    "declared",
     "junit_xml",
     "matrix_rows",
     "parse_only",
@@ -46,11 +49,12 @@ __all__ = [
 def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None = None) -> AuditReport:
     """Validate, then audit every selected host in parallel. Raises ConfigError (exit 2) before any
     host is contacted. `on_host` is called (one at a time) as each host is done."""
-    concerns, checks_dir = opts.validate()
+    selected, checks_dir = opts.validate()
+    concerns = [c.name for c in selected]
     targets = select_targets(opts.hosts_dir or opts.root / "hosts", opts.names, opts.fleet)
     opts.check_backend()
     inputs = load_lane_inputs(opts, targets)
-    expectations = [build_expectations(t, opts, inputs, concerns) for t in targets]
+    expectations = [build_expectations(t, opts, inputs, selected) for t in targets]
 
     start = time.monotonic()
     work = opts.workdir or Path(tempfile.mkdtemp(prefix="builder-audit-"))

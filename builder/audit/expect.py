@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from builder.audit.concerns import Concern
 from builder.audit.options import AuditOptions
 from builder.errors import ConfigError
 from builder.hosts import Fleet, FleetHost, Host, check_against_pins
@@ -132,8 +133,11 @@ def derivation_expectation(
     return render_plan(runs, host.rank, len(fleet.hosts)), ""
 
 
-def build_expectations(t: FleetHost, opts: AuditOptions, inputs: LaneInputs, concerns: list[str]) -> dict[str, Any]:
+def build_expectations(
+    t: FleetHost, opts: AuditOptions, inputs: LaneInputs, selected: list[Concern]
+) -> dict[str, Any]:
     """The expectations file of one host (checks/conftest.py reads it)."""
+    concerns = [c.name for c in selected]
     h, f = t.host, t.fleet
     lane_name = f.fleet.lane
     staged = opts.release == "staged"
@@ -153,6 +157,8 @@ def build_expectations(t: FleetHost, opts: AuditOptions, inputs: LaneInputs, con
         "mode": opts.mode,
         "phase": opts.phase,
         "concerns": concerns,
+        # a selected concern's checks look at this rank's containers (checklib.docker_objects_command)
+        "containers": any(c.containers for c in selected),
         "hash_jobs": opts.hash_jobs,
         "paths": h.paths.model_dump(mode="json"),
         "applied_path": f"{bundles}/{STAGED_RELPATH if staged else APPLIED_RELPATH}",

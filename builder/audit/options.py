@@ -1,4 +1,5 @@
-"""What one audit is asked to do: its options, the concerns they select, and the hosts."""
+"""What one audit is asked to do: its options, the concerns they select (of those the check modules
+declare: builder.audit.concerns), and the hosts."""
 
 from __future__ import annotations
 
@@ -6,22 +7,10 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from builder.audit.concerns import Concern, declared
 from builder.errors import ConfigError
 from builder.hosts import FleetHost, find_host, fleet_hosts, load_fleets
 
-CONCERNS: tuple[str, ...] = (
-    "image",
-    "release",
-    "models",
-    "engram",
-    "gpu",
-    "memory",
-    "fabric",
-    "storage",
-    "runtime",
-    "serving",
-)
-PRE_CONCERNS = tuple(c for c in CONCERNS if c != "serving")
 MODES = ("fast", "full")
 PHASES = ("preflight", "serving", "all")
 BACKENDS = ("native", "ansible")
@@ -58,13 +47,13 @@ class AuditOptions:
     #: which the deploy stops before it switches, counts as the lane's own)
     release: str = "current"
 
-    def concerns(self) -> list[str]:
-        base = {"preflight": PRE_CONCERNS, "serving": ("serving",), "all": CONCERNS}[self.phase]
+    def concerns(self, have: tuple[Concern, ...]) -> list[Concern]:
+        """The concerns selected of those the checks folder declares (`have`), in their order."""
         if self.only is None:
-            return list(base)
-        return [c for c in CONCERNS if c in self.only]
+            return [c for c in have if self.phase in ("all", c.phase)]
+        return [c for c in have if c.name in self.only]
 
-    def validate(self) -> tuple[list[str], Path]:
+    def validate(self) -> tuple[list[Concern], Path]:
         """The selected concerns and the checks folder; ConfigError (exit 2) for a bad option."""
         if self.mode not in MODES:
             raise ConfigError(f"--mode: expected one of {', '.join(MODES)}, got {self.mode!r}")
@@ -74,13 +63,15 @@ class AuditOptions:
             raise ConfigError(f"--backend: expected one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.release not in RELEASES:
             raise ConfigError(f"release: expected current or staged, got {self.release!r}")
-        concerns = self.concerns()
+        checks_dir = (self.checks_dir or default_checks_dir(self.root)).resolve()
+        have = declared(checks_dir)
+        names = [c.name for c in have]
+        for c in self.only or []:
+            if c not in names:
+                raise ConfigError(f"--only: unknown concern {c!r} (have: {', '.join(names)})")
+        concerns = self.concerns(have)
         if not concerns:
             raise ConfigError(f"--only selects no check for --phase {self.phase}")
-        checks_dir = (self.checks_dir or default_checks_dir(self.root)).resolve()
-        for c in concerns:
-            if not (checks_dir / f"test_{c}.py").is_file():
-                raise ConfigError(f"{checks_dir}: no check module test_{c}.py")
         return concerns, checks_dir
 
     def check_backend(self) -> None:
@@ -96,22 +87,20 @@ class AuditOptions:
 
 
 def parse_only(value: str | None) -> list[str] | None:
-    """--only's comma-separated concerns (None: all of the phase's)."""
+    """--only's comma-separated concerns, each once (None: all of the phase's). Which names exist is
+    the checks folder's to say (AuditOptions.validate)."""
     if value is None or value.strip() == "":
         return None
-    out: list[str] = []
-    for part in value.split(","):
-        c = part.strip()
-        if c not in CONCERNS:
-            raise ConfigError(f"--only: unknown concern {c!r} (have: {', '.join(CONCERNS)})")
-        if c not in out:
-            out.append(c)
-    return out
+    return list(dict.fromkeys(part.strip() for part in value.split(",")))
+
+
+#: the checks folder beside this package (a source checkout's, or an editable install's)
+PACKAGE_CHECKS = Path(__file__).resolve().parents[2] / "checks"
 
 
 def default_checks_dir(root: Path) -> Path:
     """checks/ of the project, else the one beside this package."""
-    for cand in (root / "checks", Path(__file__).resolve().parents[2] / "checks"):
+    for cand in (root / "checks", PACKAGE_CHECKS):
         if (cand / "conftest.py").is_file():
             return cand
     raise ConfigError(f"{root / 'checks'}: no checks folder (conftest.py not found)")

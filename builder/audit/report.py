@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder.audit.options import CONCERNS
 from builder.canon import atomic_write, attrs
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 
@@ -77,9 +76,9 @@ class AuditReport:
 CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "error": "ERROR"}
 
 
-def _concern_order(check_id: str) -> int:
+def _concern_order(concerns: list[str], check_id: str) -> int:
     concern = check_id.split("::")[0]
-    return CONCERNS.index(concern) if concern in CONCERNS else len(CONCERNS)
+    return concerns.index(concern) if concern in concerns else len(concerns)
 
 
 def matrix_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
@@ -90,7 +89,7 @@ def matrix_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
         for c in h.checks:
             if c.check not in order:
                 order.append(c.check)
-    order.sort(key=_concern_order)
+    order.sort(key=lambda cid: _concern_order(report.concerns, cid))
     rows: list[list[str]] = []
     for cid in order:
         row = [cid]

@@ -21,6 +21,7 @@ from builder.bundle import hostpkg
 from builder.bundle.archive import image_archive
 from builder.bundle.keys import signing_key_path
 from builder.bundle.parts import WrittenFile, write_bytes, write_stream
+from builder.bundle.thin import thin_omitted
 from builder.canon import canonical_json, file_lock, fsync_dir, pretty_json
 from builder.errors import ConfigError
 from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
@@ -211,7 +212,7 @@ def render_bundle(
     if opts.progress is not None:
         work = sum(m["size"] for m in models) if opts.with_models else 0
         if opts.with_image and fleet.fleet.registry is None:  # the archive: its layers' and config's bytes
-            omit = registry.thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
+            omit = thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
             work += sum(rec.layer_sizes[omit:]) + (rec.config_size or 0)
         on_bytes = opts.progress(f"{fleet.fleet.name}/{host.name}", work)
 
@@ -232,7 +233,7 @@ def render_bundle(
             pull = registry.fleet_pull_reference(ctx.store, fleet_path, fleet, rec, push=opts.with_image)
             for rel, data in provenance.bundle_files(ctx.store, rec, secret).items():
                 written.append(write_bytes(data, rel, tmp, opts.part_size, "0644"))
-            omitted = registry.thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
+            omitted = thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
             if opts.with_image and pull is None:
                 work = tmp.parent / f"{tmp.name}-work"
                 try:

@@ -25,16 +25,22 @@ if TYPE_CHECKING:
     from builder.hosts import FleetHost
 
 
+def only_help() -> str:
+    """--only's help, naming the concerns the check modules beside this package declare."""
+    from builder.audit.concerns import declared
+    from builder.audit.options import PACKAGE_CHECKS
+
+    names = [c.name for c in declared(PACKAGE_CHECKS)] if PACKAGE_CHECKS.is_dir() else []
+    return "Comma-separated concerns" + (f": {', '.join(names)}." if names else " (the checks folder's test_NAME.py).")
+
+
 @click.command()
 @click.argument("hosts", nargs=-1)
 @fleet_option("Audit every host of this fleet (hosts/*.toml).", default=None)
 @mode_option("Models: fast = size, mtime, inode against the apply record; full = sha256 on the host.")
 @choice_option("--phase", choices=["preflight", "serving", "all"], default="preflight",
                help="preflight = before start; serving = the API after start; all = both.")
-@click.option(
-    "--only", "only", default=None, metavar="CONCERNS",
-    help="Comma-separated concerns: image,release,models,engram,gpu,memory,fabric,storage,runtime,serving.",
-)
+@click.option("--only", "only", default=None, metavar="CONCERNS", help=only_help())
 @json_option("Print per-host, per-check results as JSON on stdout.")
 @file_option("--junit", "junit", help="Write a JUnit XML report (one testsuite per host).")
 @choice_option("--backend", choices=["native", "ansible"], default="native",

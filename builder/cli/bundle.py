@@ -61,7 +61,7 @@ def bundle(
     c = get_ctx()
     if thin != (have is not None) or (thin and not with_image):
         raise ConfigError("--thin needs --with-image and --have FILE (the host's layer list)")
-    from builder.registry import read_have
+    from builder.bundle.thin import read_have
 
     opts = core.BundleOptions(
         out=out, key=key, with_image=with_image, with_models=with_models, part_size=core.parse_size(part_size),

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from builder.deploy import journal as J
 from builder.deploy.fleetwork import Fleetwork
-from builder.deploy.report import DeployReport, HostOutcome
+from builder.deploy.report import DeployReport, HostOutcome, Side, outcomes
 
 if TYPE_CHECKING:
     from builder.deploy.bundles import FleetBundle
@@ -38,13 +38,13 @@ class Deployment:
         rep = self.rep
         rep.result, rep.reason, rep.unreachable = "refused", reason, rep.unreachable or unreachable
         for o in rep.hosts:
-            if o.result in ("pending", "staged", "unchanged"):
-                o.result = "not-switched" if o.result != "unchanged" else o.result
+            if o.result in outcomes("pending", "staged"):
+                o.result = "not-switched"
         if self.rep.resumed:
             rep.reason += f"; the fleet is as the earlier deploy left it ({self.sides()})"
         return rep
 
-    def side(self, h: Host) -> str:
+    def side(self, h: Host) -> Side:
         st = self.w.states.get(h.name)
         o = self.out(h)
         if st is None:

@@ -1,23 +1,49 @@
 """What a deploy (or a start or stop) did, per host: the JSON scripts read and the exit code.
 
 Per host: the release it ran before (``origin``), the one the deploy moves it to (``target``), what
-happened to it (``result``) and which side it ends on (``on``: ``new``, ``old``, ``none`` when nothing
-is installed, ``unknown`` when it could not be reached). For the fleet: ``result`` (``deployed``,
-``unchanged``, ``planned``, ``refused``: nothing was switched; ``rolled-back``: every host is back on
-what it ran; ``failed``: the rollback did not finish; the message says which hosts are where), the
-audits that ran, and the exit code (0 deployed or unchanged and passing, or planned; 1 refused,
-rolled back or failed; 3 a host could not be reached and that decided it).
+happened to it (``result``, an `Outcome`) and which side it ends on (``on``, a `Side`). For the fleet:
+``result`` (a `FleetResult`), the audits that ran, and the exit code (0 deployed or unchanged and
+passing, planned, started or stopped; 1 refused, rolled back or failed; 3 a host could not be reached
+and that decided it). docs/deploy.md says what each value means.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from builder.canon import attrs
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 
-RESULTS = ("deployed", "unchanged", "planned", "refused", "rolled-back", "failed", "started", "stopped")
+#: what happened to one host (HostOutcome.result)
+Outcome = Literal[
+    "pending",
+    "planned",
+    "unchanged",
+    "staged",
+    "switched",
+    "repaired",
+    "rolled-back",
+    "not-switched",
+    "started",
+    "stopped",
+    "unreachable",
+    "failed",
+]
+#: how the command ended for the fleet (DeployReport.result)
+FleetResult = Literal["deployed", "unchanged", "planned", "refused", "rolled-back", "failed", "started", "stopped"]
+#: which release a host ends on (HostOutcome.on)
+Side = Literal["new", "old", "other", "none", "unknown"]
+
+
+# A comparison with a plain string literal is not checked against the Literal by mypy; one with
+# these tuples is, so a misspelt value in a test of a result fails the type check as an assignment does.
+def outcomes(*values: Outcome) -> tuple[Outcome, ...]:
+    return values
+
+
+def fleet_results(*values: FleetResult) -> tuple[FleetResult, ...]:
+    return values
 
 
 @dataclass
@@ -27,9 +53,8 @@ class HostOutcome:
     role: str
     origin: str | None = None
     target: str | None = None
-    #: unchanged | staged | switched | rolled-back | not-switched | stopped | started | unreachable | failed
-    result: str = "pending"
-    on: str = "unknown"  # new | old | none | unknown
+    result: Outcome = "pending"
+    on: Side = "unknown"
     message: str = ""
     plan: list[str] = field(default_factory=list)
 
@@ -45,7 +70,7 @@ class DeployReport:
     fleet: str
     lane: str
     command: str = "deploy"
-    result: str = "failed"
+    result: FleetResult = "failed"
     reason: str = ""
     unreachable: bool = False
     hosts: list[HostOutcome] = field(default_factory=list)
@@ -58,9 +83,9 @@ class DeployReport:
 
     @property
     def exit_code(self) -> int:
-        if self.result in ("deployed", "planned", "started", "stopped"):
+        if self.result in fleet_results("deployed", "planned", "started", "stopped"):
             return EXIT_OK
-        if self.result == "unchanged":
+        if self.result in fleet_results("unchanged"):
             return int(self.audit["exit"]) if self.audit and "exit" in self.audit else EXIT_OK
         if self.unreachable:
             return EXIT_UNREACHABLE
@@ -72,7 +97,7 @@ class DeployReport:
                 return h
         raise KeyError(name)
 
-    def fleet_on(self) -> str:
+    def fleet_on(self) -> Side | Literal["mixed"]:
         """new, old, none or mixed: which side every host ends on."""
         sides = {h.on for h in self.hosts}
         return sides.pop() if len(sides) == 1 else "mixed"

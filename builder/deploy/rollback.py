@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from builder.deploy import journal as J
 from builder.deploy.deployment import Deployment
 from builder.deploy.fleetwork import explain, problems, short
-from builder.deploy.report import DeployReport
+from builder.deploy.report import DeployReport, outcomes
 from builder.errors import BuilderError
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ def recover(d: Deployment, reason: str) -> DeployReport:
         o, st = d.out(h), w.states[h.name]
         if st.current == o.origin:
             o.on = "old" if o.origin else "none"
-            if o.result not in ("switched",):
+            if o.result not in outcomes("switched"):
                 o.result = "not-switched"
             continue
         if o.origin is None:

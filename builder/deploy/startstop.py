@@ -15,7 +15,7 @@ from pathlib import Path
 from builder.deploy import journal as J
 from builder.deploy.derivations import make_all
 from builder.deploy.fleetwork import DeployOptions, Fleetwork, Say, explain, fleet_command, problems
-from builder.deploy.report import DeployReport
+from builder.deploy.report import DeployReport, FleetResult, outcomes
 
 
 def start(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
@@ -91,7 +91,7 @@ def _start(w: Fleetwork, rep: DeployReport) -> None:
 
 
 def _audit(
-    w: Fleetwork, rep: DeployReport, phase: str, result: str, why: str, snapshot: Path | None = None
+    w: Fleetwork, rep: DeployReport, phase: str, result: FleetResult, why: str, snapshot: Path | None = None
 ) -> bool:
     """The fleet's audit of `phase`, recorded in the report; on a failure, the report's `result` and
     `why` (with the hosts that failed), and False."""
@@ -119,7 +119,7 @@ def stop(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
         for name, why in errors.items():
             rep.host(name).result, rep.host(name).message = "failed", why
         for h in w.hosts:
-            if rep.host(h.name).result == "pending":
+            if rep.host(h.name).result in outcomes("pending"):
                 rep.host(h.name).result = "stopped"
         if failed or errors:
             rep.unreachable = bool(failed)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from builder.deploy.deployment import Deployment
 from builder.deploy.fleetwork import each, explain, problems, short
+from builder.deploy.report import outcomes
 from builder.errors import BuilderError, UnreachableError
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def forward(d: Deployment) -> None:
         raise BuilderError("; ".join(errors))
     for h in w.hosts:
         o = d.out(h)
-        if o.result not in ("switched", "repaired"):
+        if o.result not in outcomes("switched", "repaired"):
             o.result, o.on = "unchanged", "new"
     d.phase("starting")
     for h in w.hosts:

@@ -16,7 +16,6 @@ import json
 import math
 import re
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rlib  # noqa: E402
-
-from builder.errors import BuilderError  # noqa: E402
-from builder.onhost.errors import InstallError as InstallError  # noqa: E402
-from builder.onhost.manifest import (  # noqa: E402
+from builder.errors import BuilderError
+from builder.onhost.errors import InstallError as InstallError
+from builder.onhost.manifest import (
     MANIFEST,
     SIGNATURE,
     check_manifest,
@@ -38,10 +34,11 @@ from builder.onhost.manifest import (  # noqa: E402
     release_files,
     trusted_comment_for,
 )
-from builder.onhost.record import model_cached, write_record  # noqa: E402
-from builder.onhost.release import status  # noqa: E402
-from builder.onhost.root import Root  # noqa: E402
-from builder.onhost.verify import check_signature_form, verify_bundle  # noqa: E402
+from builder.onhost.record import model_cached, write_record
+from builder.onhost.release import status
+from builder.onhost.root import Root
+from builder.onhost.verify import check_signature_form, verify_bundle
+from tests.lib import checkmods, rlib
 
 FUZZ = settings(
     max_examples=1000,
@@ -388,9 +385,8 @@ served_name = "tiny"
 @pytest.fixture(scope="module")
 def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A real signed bundle (no image) and its public key."""
-    import bundlelib as bl
-
     from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
+    from tests.lib import bundlelib as bl
 
     base = tmp_path_factory.mktemp("bundleproj")
     p = bl.make_project(base)
@@ -664,9 +660,7 @@ def test_apply_record_readers(tmp_path: Path, applied_seed: bytes, data: st.Data
     status: never raise on any record."""
     import testinfra
 
-    if str(rlib.REPO / "checks") not in sys.path:
-        sys.path.insert(0, str(rlib.REPO / "checks"))
-    import checklib
+    checklib: Any = checkmods.checklib()
 
     text = draw_document(data, [applied_seed], _json_load, to_json)
     root = tmp_path / "root"

@@ -22,9 +22,8 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rlib  # noqa: E402
-from test_gitsrc import Upstream  # noqa: E402
+from tests.lib import rlib
+from tests.test_gitsrc import Upstream
 
 pytestmark = pytest.mark.slow
 
@@ -273,9 +272,8 @@ def parted_bundle_args(p: Any) -> list[str]:
 
 
 def test_bundle_killed_at_random_points(tmp_path: Path) -> None:
-    import bundlelib as bl
-
     from builder.bundle import verify_dir
+    from tests.lib import bundlelib as bl
 
     p = bl.make_project(tmp_path)
     args = parted_bundle_args(p)
@@ -321,11 +319,10 @@ def test_bundle_killed_at_random_points(tmp_path: Path) -> None:
 
 
 def test_ship_to_folder_killed_at_random_points(tmp_path: Path) -> None:
-    import bundlelib as bl
-
     from builder.bundle import verify_dir
     from builder.onhost.errors import InstallError
     from builder.onhost.verify import verify_bundle
+    from tests.lib import bundlelib as bl
 
     p = bl.make_project(tmp_path)
     r = rlib.run_builder(*parted_bundle_args(p), cwd=p.root)

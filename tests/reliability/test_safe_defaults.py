@@ -18,13 +18,11 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rlib  # noqa: E402
-
-from builder.errors import BuilderError, ConfigError, VerifyError  # noqa: E402
-from builder.onhost.errors import EXIT_CONFIG, InstallError  # noqa: E402
-from builder.onhost.manifest import MANIFEST, SIGNATURE  # noqa: E402
-from builder.onhost.verify import verify_bundle  # noqa: E402
+from builder.errors import BuilderError, ConfigError, VerifyError
+from builder.onhost.errors import EXIT_CONFIG, InstallError
+from builder.onhost.manifest import MANIFEST, SIGNATURE
+from builder.onhost.verify import verify_bundle
+from tests.lib import rlib
 
 # --------------------------------------------------------------------------- ssh host keys
 
@@ -68,10 +66,9 @@ def test_no_code_path_switches_host_key_checking_off() -> None:
 
 
 def test_ship_ssh_argv_keeps_host_key_checking(tmp_path: Path) -> None:
-    import bundlelib as bl
-
     from builder.hosts import load_fleet
     from builder.ship import Remote
+    from tests.lib import bundlelib as bl
 
     p = bl.make_project(tmp_path)
     fleet = load_fleet(p.root / "hosts" / "test.toml")
@@ -83,7 +80,7 @@ def test_ship_ssh_argv_keeps_host_key_checking(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fleet2(request: pytest.FixtureRequest) -> Any:
-    import fleetlib
+    from tests.lib import fleetlib
 
     return fleetlib.fleet_fixture(request, 2, skip_if_unavailable=not os.environ.get("CI"), dockerd=False)
 
@@ -107,8 +104,8 @@ def wrong_known_hosts_config(fleet: Any, tmp: Path) -> Path:
 @pytest.mark.fleet
 @pytest.mark.docker
 def test_ship_and_audit_refuse_a_host_whose_key_does_not_match(fleet2: Any, tmp_path: Path) -> None:
-    import auditlib
-    import bundlelib as bl
+    from tests.lib import auditlib
+    from tests.lib import bundlelib as bl
 
     fleet = fleet2
     cfg = wrong_known_hosts_config(fleet, tmp_path)
@@ -180,7 +177,7 @@ def test_ship_and_audit_refuse_a_host_whose_key_does_not_match(fleet2: Any, tmp_
 
 
 def test_signatures_are_required_unless_insecure_is_given(tmp_path: Path) -> None:
-    import bundlelib as bl
+    from tests.lib import bundlelib as bl
 
     p = bl.make_project(tmp_path)
     pins = ["--pins", str(p.pins)]
@@ -231,9 +228,8 @@ def test_signatures_are_required_unless_insecure_is_given(tmp_path: Path) -> Non
 
 
 def _bundle_with(tmp_path: Path) -> tuple[Any, Path]:
-    import bundlelib as bl
-
     from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
+    from tests.lib import bundlelib as bl
 
     p = bl.make_project(tmp_path)
     ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
@@ -263,7 +259,7 @@ def test_bundle_refuses_fifos_devices_and_links(tmp_path: Path) -> None:
     # a signed manifest naming a device path for a model is refused too
     m = json.loads((d / MANIFEST).read_text())
     m["models"][0]["path"] = "/dev/sda"
-    import bundlelib as bl
+    from tests.lib import bundlelib as bl
 
     bl.resign(d, p.key, m)
     with pytest.raises(VerifyError, match="outside paths.models"):
@@ -363,7 +359,7 @@ def test_nothing_from_the_bundle_runs_before_or_during_install(tmp_path: Path) -
     """A validly re-signed bundle whose start.sh, stop.sh and install.pyz are canaries: `builder ship` (local
     connection) installs it with its own trusted installer and runs none of them; a tampered, not
     re-signed one is refused before anything is copied."""
-    import bundlelib as bl
+    from tests.lib import bundlelib as bl
 
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")

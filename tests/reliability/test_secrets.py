@@ -2,7 +2,7 @@
 
 Every command runs with all three planted (HF_TOKEN, BUILDER_REGISTRY_USER/PASSWORD, BUILDER_SIGNING_KEY)
 and its stdout, stderr and every file it wrote are scanned for each secret in its raw, hex and base64
-forms (tests/reliability/rlib.py: secret_forms). With Docker: the image's config, labels and history
+forms (tests/lib/rlib.py: secret_forms). With Docker: the image's config, labels and history
 and its `docker save` archive, a bundle carrying it, and the installer's apply record. With the loopback
 registry: a base resolved with the real password, and refused with a wrong one.
 """
@@ -21,8 +21,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rlib  # noqa: E402
+from tests.lib import rlib
 
 HF_TOKEN = "hf_FAKEplanted" + secrets.token_hex(12)
 REG_PASSWORD = "regPW-planted-" + secrets.token_hex(12)
@@ -113,8 +112,8 @@ def hub_env(hub: Any, tmp: Path) -> dict[str, str]:
 
 
 def test_no_secret_in_lock_bundle_verify_ship_or_errors(tmp_path: Path) -> None:
-    import bundlelib as bl
-    from fakehub import FakeHub
+    from tests.lib import bundlelib as bl
+    from tests.lib.fakehub import FakeHub
 
     p = bl.make_project(tmp_path)
     keys = keygen(tmp_path)
@@ -181,8 +180,7 @@ def test_no_secret_in_lock_bundle_verify_ship_or_errors(tmp_path: Path) -> None:
 
 @pytest.mark.docker
 def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_path: Path) -> None:
-    import bundlelib as bl
-
+    from tests.lib import bundlelib as bl
 
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
@@ -257,7 +255,7 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
 
 @pytest.mark.registry
 def test_registry_password_never_printed(tmp_path: Path) -> None:
-    from registrylib import registry_available, start_registry
+    from tests.lib.registrylib import registry_available, start_registry
 
     if not registry_available():
         pytest.skip("docker-registry is not installed")

@@ -15,19 +15,16 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import rlib  # noqa: E402
-from test_gitsrc import Upstream  # noqa: E402
-
-from builder.errors import BuilderError, ConfigError, VerifyError  # noqa: E402
-from builder.onhost.errors import InstallError  # noqa: E402
-from builder.onhost.install import install  # noqa: E402
+from builder.errors import BuilderError, ConfigError, VerifyError
+from builder.onhost.errors import InstallError
+from builder.onhost.install import install
+from tests.lib import rlib
+from tests.test_gitsrc import Upstream
 
 
 def flip_offsets(d: Path, n: int, seed: int) -> list[tuple[str, int]]:
@@ -79,9 +76,8 @@ def unflip(path: Path, off: int, old: bytes) -> None:
 @pytest.mark.docker
 @pytest.mark.slow
 def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: Path) -> None:
-    import bundlelib as bl
-
     from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
+    from tests.lib import bundlelib as bl
 
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
@@ -258,9 +254,8 @@ def test_store_objects_and_trees_refuse_any_changed_byte(tmp_path: Path) -> None
 
 
 def test_bundle_with_models_refuses_a_model_file_changed_since_the_lock(tmp_path: Path) -> None:
-    import bundlelib as bl
-
     from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
+    from tests.lib import bundlelib as bl
 
     p = bl.make_project(tmp_path)
     ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
@@ -314,7 +309,7 @@ def test_lock_update_reports_a_changed_model_file(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_audit_full_mode_names_every_model_file_with_a_changed_byte(tmp_path: Path) -> None:
     """The audit (testinfra, local backend) against the lock: one flipped byte per file, each named."""
-    import auditlib
+    from tests.lib import auditlib
 
     paths = auditlib.make_project(tmp_path / "proj", tp=1)
     mroot = tmp_path / "m" / "tiny"

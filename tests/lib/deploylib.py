@@ -8,15 +8,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fleetlib  # noqa: E402
-from journeylib import BUILDER, PATHS, Journey  # noqa: E402
+from tests.lib import fleetlib
+from tests.lib.journeylib import BUILDER, PATHS, Journey
 
 LANE_LABEL = "io.builder.lane"
 BYSTANDER = "bystander"

@@ -38,7 +38,7 @@ from builder.onhost.manifest import bundle_id_of, trusted_comment_for
 from builder.pins import load_pins
 from builder.plan import make_plan
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LANE = "demo"
 FLEET = "testfleet"
 PORT = 18080
@@ -149,7 +149,7 @@ def fleet_toml(
     return "\n".join(lines) + "\n"
 
 
-DEFAULT_HOSTS = [
+DEFAULT_HOSTS: list[dict[str, Any]] = [
     {
         "name": "spark-a",
         "ssh": "spark@192.0.2.10",
@@ -178,8 +178,7 @@ DEFAULT_HOSTS = [
 
 def build_tiny_image(marker: str) -> tuple[str, list[str]]:
     """A FROM-scratch busybox image serving /www/health; ``marker`` makes its ImageID unique."""
-    sys.path.insert(0, str(REPO / "tests"))
-    import fleetlib
+    from tests.lib import fleetlib
 
     tag = f"builder-test-bundle:{hashlib.sha256(marker.encode()).hexdigest()[:12]}"
     image_id = fleetlib.tiny_image(tag, files={"/www/health": b"ok\n", "/www/marker": marker.encode()})

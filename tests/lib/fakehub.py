@@ -34,7 +34,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 
@@ -99,13 +99,13 @@ class FakeHub:
     @property
     def url(self) -> str:
         assert self._server is not None
-        host, port = self._server.server_address[:2]
+        host, port = cast("tuple[str, int]", self._server.server_address[:2])  # an AF_INET server's address
         return f"http://{host}:{port}"
 
     @property
     def cdn_url(self) -> str:
         assert self._cdn is not None
-        host, port = self._cdn.server_address[:2]
+        host, port = cast("tuple[str, int]", self._cdn.server_address[:2])  # an AF_INET server's address
         return f"http://{host}:{port}"
 
     def start(self) -> FakeHub:

@@ -1,7 +1,6 @@
 """Shared helpers for the reliability tests: one-line error checks, tree snapshots, the CLI, kill loops.
 
-Imported by the modules of tests/reliability/ (this folder is put on sys.path by each of them, with
-tests/ for bundlelib, fleetlib and friends).
+Imported by the modules of tests/reliability/ (`from tests.lib import rlib`).
 """
 
 from __future__ import annotations
@@ -18,14 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent
-REPO = TESTS.parent
-for _p in (str(TESTS), str(HERE)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from tests.lib.bundlelib import snapshot  # noqa: F401 - the reliability tests' snapshot is the shared one
 
-from bundlelib import snapshot  # noqa: E402,F401 - the reliability tests' snapshot is the shared one
+REPO = Path(__file__).resolve().parents[2]
 
 
 def kill_runs() -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 from builder import gpu as G
 
-CAPTURE = Path(__file__).resolve().parent / "data" / "nvidia-smi" / "h200-nvidia-smi-probe.txt"
+CAPTURE = Path(__file__).resolve().parents[1] / "data" / "nvidia-smi" / "h200-nvidia-smi-probe.txt"
 
 
 def capture_sections(path: Path = CAPTURE) -> dict[str, str]:

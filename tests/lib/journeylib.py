@@ -2,7 +2,7 @@
 
 Each step is the `builder` command an operator types, run in a copy of this checkout's files (what a
 fresh clone holds: `git ls-files`, plus files not yet committed and not ignored) with its own store,
-keys and ssh folder. The hosts are test fleet containers (tests/fleetlib.py) with a real sshd and
+keys and ssh folder. The hosts are test fleet containers (tests/lib/fleetlib.py) with a real sshd and
 their own dockerd; the only thing done to them outside builder is the one-time host preparation an
 operator does with sudo on a new Spark (the folders builder installs into, owned by the ssh user).
 
@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fleetlib  # noqa: E402
+from tests.lib import fleetlib
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # the command operators type (pip install -e . puts it beside the interpreter)
 BUILDER = shutil.which("builder", path=str(Path(sys.executable).parent)) or shutil.which("builder") or "builder"
 PATHS = {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var/lib/builder"}

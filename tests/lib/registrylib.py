@@ -1,6 +1,6 @@
 """The test registry: Debian's ``docker-registry`` (the CNCF distribution registry, 2.8), started one way.
 
-    from registrylib import start_registry
+    from tests.lib.registrylib import start_registry
 
     with start_registry(tmp_path, auth=True) as reg:          # htpasswd (bcrypt) basic auth
         digest = reg.push_image("builder-test-tiny:1", "demo/tiny", "v1")   # docker tag + docker push

@@ -1,7 +1,7 @@
 """The project copies the registry tests work in (no tests here): one whose demo image has two layers (a
 payload that an engine change leaves alone, then the engine), built by the CLI; an engine-only change; a
 lane that serves a published image; a local two-host fleet; the environment and the CLI runner. The
-registry they push to is tests/registrylib.py's.
+registry they push to is tests/lib/registrylib.py's.
 """
 
 from __future__ import annotations
@@ -9,13 +9,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import journeylib  # noqa: E402
+from tests.lib import journeylib
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAYLOAD = 2 * 1024 * 1024  # the layer an engine change leaves alone
 
 

@@ -4,7 +4,7 @@ Each test host is a container of the image that ``tests/fleet/build-testhost.sh`
 real OpenSSH server, its own dockerd and image store). A fleet gets its own Docker bridge network, so its
 hosts' IPs are reachable from this machine and concurrent test runs never share anything.
 
-    from fleetlib import start_fleet
+    from tests.lib.fleetlib import start_fleet
 
     with start_fleet(2, tmp_path) as fleet:
         h = fleet.hosts[0]                     # Host(name="spark-test-1", ip=..., user="spark", ...)
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FLEET_DIR = Path(__file__).resolve().parent / "fleet"
+FLEET_DIR = Path(__file__).resolve().parents[1] / "fleet"
 RECIPE_FILES = ("build-testhost.sh", "entrypoint.sh")
 IMAGE_REPO = "builder-testhost"
 LABEL = "builder-test"

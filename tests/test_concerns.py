@@ -1,0 +1,154 @@
+"""The check concerns as the check modules declare them (builder/audit/concerns.py): read from the
+source by `builder audit`, imported by each host's pytest; the phases' selections, the prefetch plans
+and the lists the README and docs/audit.md give."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from builder.audit import AuditOptions
+from builder.audit.concerns import Concern, declared, read_declaration
+from builder.errors import ConfigError
+from tests.lib.checkmods import CHECKS, check_module
+from tests.test_checks_units import checklib_fresh, concerns_for
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = ("image", "release", "models", "engram", "gpu", "memory", "fabric", "storage", "runtime", "serving")
+
+
+def test_every_check_module_declares_its_concern_readably() -> None:
+    """What `builder audit` reads from each module's source is what the module itself holds, and each
+    declares what its checks prefetch."""
+    mods = sorted(CHECKS.glob("test_*.py"))
+    assert mods
+    for path in mods:
+        static = read_declaration(path)
+        assert static is not None, f"{path.name}: no CONCERN = Concern(...) with literal keywords"
+        imported = check_module(path.stem.removeprefix("test_")).CONCERN
+        assert imported == static and imported.prefetch is not None and static.prefetch is None
+
+
+def test_the_phases_select_what_they_did() -> None:
+    have = declared(CHECKS)
+    assert tuple(c.name for c in have) == NAMES
+
+    def selected(phase: str, only: list[str] | None = None) -> list[str]:
+        opts = AuditOptions(root=ROOT, pins=ROOT / "pins.toml", lock=ROOT / "pins.lock", store=ROOT, phase=phase,
+                            only=only, checks_dir=CHECKS)
+        return [c.name for c in opts.validate()[0]]
+
+    assert selected("preflight") == [n for n in NAMES if n != "serving"]
+    assert selected("serving") == ["serving"]
+    assert selected("all") == list(NAMES)
+    assert selected("serving", ["storage", "gpu"]) == ["gpu", "storage"]  # (--only: in the concerns' order)
+    with pytest.raises(ConfigError, match=r"--only: unknown concern 'bogus' \(have: image, release, "):
+        selected("preflight", ["gpu", "bogus"])
+    assert {c.name for c in have if c.containers} == {"runtime", "serving", "gpu", "memory"}
+
+
+# Each host's expectations with every want on ("full", "hashing": --mode full) or off ("bare"), and
+# the selections whose plans tests/data/prefetch_plans.json holds: what checklib.planned gave for them
+# when it planned every concern itself.
+VARIANTS = ("full", "hashing", "bare")
+SELECTIONS = {**{c: [c] for c in NAMES}, "preflight": [c for c in NAMES if c != "serving"], "all": list(NAMES),
+              "image+runtime": ["image", "runtime"], "release+gpu": ["release", "gpu"]}
+
+
+def variant(name: str) -> dict[str, Any]:
+    on = name != "bare"
+    return {
+        "lane": "demo",
+        "host": {"name": "h", "rank": 0 if on else 1, "role": "head" if on else "worker"},
+        "mode": "full" if name == "hashing" else "fast",
+        "hash_jobs": 4,
+        "paths": {"engram": "/srv/engram/", "models": "/srv/models"},
+        "applied_path": "/var/lib/builder/state/applied.json",
+        "current_path": "/var/lib/builder/current",
+        "image": {"image_id": "sha256:ab", "tag": "builder/demo:1"} if on else None,
+        "models": [{"root": "/srv/models/tiny", "files": [{"path": "/srv/models/tiny/w.bin"},
+                                                           {"path": "/srv/models/tiny/c.json"}]}] if on else [],
+        "derivations": {"derivations": [{"name": "d"}]} if on else None,
+        "expect": {
+            "docker": on, "gpu_count": 1 if on else 0, "min_free_memory_gib": 1 if on else None, "rdma": on,
+            "nfs_mounts": ["/mnt/a", "/mnt/b"] if on else [], "min_free_disk_gib": 1 if on else None,
+        },
+    }
+
+
+def shown(cmd: tuple[str, ...]) -> list[str]:
+    """A command with each fact module's source as its name (the plans stay a few KiB)."""
+    from builder import hostfacts as hf
+
+    names = {getattr(hf, n): f"<{n}>" for n in ("BATCH", "FILES", "FABRIC", "SERVE", "MEMORY", "DERIVE")}
+    return [names.get(a, a) for a in cmd]
+
+
+@pytest.mark.parametrize("case", [f"{v}/{s}" for v in VARIANTS for s in SELECTIONS])
+def test_each_selection_prefetches_what_it_did(case: str) -> None:
+    """One concern's plan is the same commands in the same order; several concerns' plans are the
+    same commands (each concern's in a row, where the one plan had them by kind)."""
+    cl: Any = checklib_fresh()
+    before = json.loads((ROOT / "tests" / "data" / "prefetch_plans.json").read_text())[case]
+    v, sel = case.split("/")
+    expect = {**variant(v), "concerns": SELECTIONS[sel]}
+    now = [shown(c) for c in cl.planned(expect, concerns_for(expect))]
+    if len(SELECTIONS[sel]) == 1:
+        assert now == before
+    else:
+        assert sorted(now) == sorted(before) and len(now) == len(before)
+
+
+def test_the_readme_and_the_docs_list_the_declared_concerns() -> None:
+    have = declared(CHECKS)
+    readme = (ROOT / "README.md").read_text()
+    listed = re.search(r"\| `checks/` \| the testinfra check modules by concern \(([^)]*)\)", readme)
+    assert listed is not None and listed.group(1).split(", ") == [c.name for c in have]
+    doc = (ROOT / "docs" / "audit.md").read_text()
+    rows = re.findall(r"^\| `([a-z]+)` \| (preflight|serving) \| (yes|) \|$", doc, re.M)
+    assert rows == [(c.name, c.phase, "yes" if c.containers else "") for c in have]
+
+
+def write(d: Path, name: str, src: str) -> Path:
+    p = d / f"test_{name}.py"
+    p.write_text(src)
+    return p
+
+
+def test_a_declaration_is_read_from_the_source_without_running_it(tmp_path: Path) -> None:
+    p = write(tmp_path, "disk", "import no_such_module\n\ndef planned(e): return []\n\n"
+              "CONCERN = Concern(name='disk', order=5, phase='serving', containers=True, prefetch=planned)\n")
+    assert read_declaration(p) == Concern(name="disk", order=5, phase="serving", containers=True)
+    for src, needle in [
+        ("CONCERN = Concern(name='other', order=5)\n", "name 'other', but the module is test_disk.py"),
+        ("N = 5\nCONCERN = Concern(name='disk', order=N)\n", "order must be a literal"),
+        ("CONCERN = Concern(name='disk', order=5, phase='later')\n", "expected phase one of preflight, serving"),
+        ("CONCERN = Concern(name='disk', order=5, prefetched=None)\n", "unknown keyword 'prefetched'"),
+        ("CONCERN = Concern('disk', 5)\n", "keywords only"),
+        ("CONCERN = Concern(name='disk')\n", "expected a name and an order"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            read_declaration(write(tmp_path, "disk", src))
+
+
+def test_a_module_that_declares_nothing_still_runs_last(tmp_path: Path) -> None:
+    write(tmp_path, "b", "CONCERN = Concern(name='b', order=20)\n")
+    write(tmp_path, "a", "CONCERN = Concern(name='a', order=30)\n")
+    write(tmp_path, "broken", "def f(:\n")
+    write(tmp_path, "bare", "import os\n")
+    assert [(c.name, c.phase) for c in declared(tmp_path)] == [
+        ("b", "preflight"), ("a", "preflight"), ("bare", "preflight"), ("broken", "preflight")]
+
+
+def test_the_operator_reads_the_concerns_without_importing_pytest() -> None:
+    code = ("import sys; from builder.cli.audit import audit; from builder.audit.options import PACKAGE_CHECKS; "
+            "from builder.audit.concerns import declared; assert declared(PACKAGE_CHECKS); "
+            "print('pytest' in sys.modules, 'testinfra' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
