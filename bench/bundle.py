@@ -5,13 +5,13 @@ The project is the bundle tests' small lane (tests/lib/bundlelib.py: pins, fleet
 model pointing at the benchmark's model folder (8 files, 4 GiB; symlinks, so nothing is copied to set
 up). `builder bundle spark-a --with-models` links the model files from the store (the first run
 imports them: hashed, then hard-linked; see bench/ship.py for the fleet's disk and the copy it
-saves); `builder verify` checks signature and every file; the offline installer
-(builder/installer.py) installs it into a root under the workdir. Each runs as its own process, so
-wall time and peak RSS (wait4's ru_maxrss for that one child) are its own.
+saves); `builder verify` checks signature and every file; the offline installer (install.pyz, the
+zipapp of builder.onhost, as a host runs it) installs it into a root under the workdir. Each runs as
+its own process, so wall time and peak RSS (wait4's ru_maxrss for that one child) are its own.
 
 The memory figure uses one 4 GiB sparse file (--quick: 512 MiB) bundled as a model file (linked
-into the bundle; the installer streams it through installer.iter_file, the path an image.tar
-takes); `docker save`/`docker load` of a real 4 GiB image are not part of it.
+into the bundle; the installer streams it through builder.onhost.verify.iter_file, the path an
+image.tar takes); `docker save`/`docker load` of a real 4 GiB image are not part of it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import (
-    REPO,
     Config,
     GiB,
     MiB,
@@ -40,6 +39,7 @@ from bench.common import (
     warm,
 )
 from bench.data import model_folder
+from builder.bundle import hostpkg
 
 NAME = "bundle"
 MEM_LIMIT = 200 * MiB
@@ -134,8 +134,15 @@ def _verify_argv(p: dict[str, Any], out: Path) -> list[str]:
     return [*builder_argv(), "--pins", str(p["root"] / "pins.toml"), "verify", str(out), "--key", str(p["pub"])]
 
 
+def install_pyz(base: Path) -> Path:
+    """This checkout's install.pyz, written under base: the installer as a host runs it."""
+    path = base / hostpkg.NAME
+    path.write_bytes(hostpkg.zipapp())
+    return path
+
+
 def _install_argv(p: dict[str, Any], out: Path, root: Path) -> list[str]:
-    return [sys.executable, str(REPO / "builder" / "installer.py"), "install", str(out), "--root", str(root),
+    return [sys.executable, str(install_pyz(p["root"].parent)), "install", str(out), "--root", str(root),
             "--trusted-key", str(p["pub"]), "--reserve", "0"]
 
 
@@ -253,7 +260,7 @@ def _memory(cfg: Config, base: Path) -> list[Row]:
     for fig, argv in (
         ("peak RSS: builder bundle", _bundle_argv(p, out, part_size(cfg))),
         ("peak RSS: builder verify", _verify_argv(p, out)),
-        ("peak RSS: install (installer.py)", _install_argv(p, out, root)),
+        ("peak RSS: install (install.pyz)", _install_argv(p, out, root)),
     ):
         if "install" in fig and not docker_ok():
             rows.append(skipped(NAME, fig, "no Docker engine (the install checks the image in it)", "<= 200 MiB"))

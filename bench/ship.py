@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.bundle import _project, docker_ok
-from bench.common import REPO, Config, GiB, MiB, Row, builder_argv, gib_s, judge, secs, skipped
+from bench.bundle import _project, docker_ok, install_pyz
+from bench.common import Config, GiB, MiB, Row, builder_argv, gib_s, judge, secs, skipped
 from bench.data import model_folder
 
 NAME = "ship"
@@ -191,7 +191,7 @@ def _install(cfg: Config, base: Path) -> list[Row]:
             "--key", str(p["key"]), "--out", str(out)]
     tb = _times({"bundle": lambda: (_ok(argv), None)[1]}, cfg.n(5))["bundle"]
     root = base / "hosts" / "spark-a"
-    inst = [sys.executable, str(REPO / "builder" / "installer.py"), "install", str(out), "--root",
+    inst = [sys.executable, str(install_pyz(base)), "install", str(out), "--root",
             str(root / "bundles"), "--trusted-key", str(p["pub"]), "--reserve", "0"]
     cp_to = base / "cp"
 

@@ -1,6 +1,8 @@
 """Canonical JSON, content addresses and atomic writes: the primitives every stage shares.
 
 File hashing is builder.hashing's (``sha256_file``, and the pool every parallel hash uses).
+``canonical_json`` and ``fsync_dir`` are builder.onhost's (the host side is the bottom layer, and
+writes the same JSON and syncs the same way).
 """
 
 from __future__ import annotations
@@ -11,17 +13,14 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from builder.hashing import sha256_file
-
-
-def canonical_json(obj: Any) -> bytes:
-    """Sorted keys, fixed separators, UTF-8: the same object gives the same bytes on any machine."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+from builder.onhost.files import atomic_writer as host_atomic_writer
+from builder.onhost.files import fsync_dir as fsync_dir
+from builder.onhost.manifest import canonical_json as canonical_json
 
 
 def pretty_json(obj: Any) -> bytes:
@@ -67,25 +66,13 @@ def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -
 
 @contextlib.contextmanager
 def atomic_writer(path: str | os.PathLike[str], mode: int = 0o644) -> Iterator[IO[bytes]]:
-    """A file to stream into: a temp file beside `path`, fsynced and renamed over it on success.
+    """A file to stream into: a temp file beside `path` (``.NAME.*.tmp``, see clean_stale_tmp),
+    fsynced and renamed over it on success (builder.onhost.files.atomic_writer, the one copy).
 
     On any exception the temp file is removed and `path` keeps its old bytes.
     """
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(p.parent)
+    with host_atomic_writer(path, mode, prefix=f".{Path(path).name}.", suffix=".tmp") as f:
+        yield f
 
 
 class ChunkReader(io.RawIOBase):
@@ -123,15 +110,6 @@ def clean_stale_tmp(path: str | os.PathLike[str]) -> int:
                 t.unlink()
                 n += 1
     return n
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 @contextlib.contextmanager

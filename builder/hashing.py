@@ -12,15 +12,16 @@ Two modes:
 
 ``fast``
     Size, mtime (ns) and inode of each file against the record an install wrote when it last
-    verified the file in full (the apply record's ``models`` list), by the installer's one rule
-    (``builder.installer.fast_mode_drift``). Nothing is read. **This trusts the file system**: a file
+    verified the file in full (the apply record's ``models`` list), by the host side's one rule
+    (``builder.onhost.record.fast_mode_drift``). Nothing is read. **This trusts the file system**: a file
     replaced by a copy (new inode), truncated, or rewritten without care for its mtime is caught; an
     in-place edit of the same size whose mtime was put back (``touch -d``, a tool that preserves
     times, bit rot, a raw write to the block device) is NOT. Full mode is what catches those; run it
     after anything you do not trust.
 
-Every pool of hashing threads in builder is :func:`in_parallel` (the installer, which runs alone on
-a host, carries a stdlib copy).
+Every pool of hashing threads in builder is :func:`in_parallel`, and every file is hashed by
+:func:`sha256_file`'s read loop (builder.onhost.files's, the one copy of each: the host side runs
+them too).
 
 Entries may be :class:`Entry` objects, ``(path, size, sha256)`` tuples or dicts with those keys
 (the lock's and the manifest's shapes). Paths are relative to ``root`` unless absolute.
@@ -34,17 +35,16 @@ import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal, TypeVar
+from typing import IO, Any, Literal
 
 from builder.errors import ConfigError, ResolveError
-
-#: Read size for hashing. Large reads keep OpenSSL in its multi-block path and cut syscalls; 4 MiB
-#: keeps a thread's buffer small enough that a full pool stays far under the memory target.
-READ_SIZE = 4 * 1024 * 1024
+from builder.onhost.files import READ_SIZE as READ_SIZE  # (the read size every hash of builder uses)
+from builder.onhost.files import default_workers as default_workers  # (the one pool's size, for callers of hashing)
+from builder.onhost.files import in_parallel
+from builder.onhost.files import sha256_file as sha256_file
+from builder.onhost.record import fast_mode_drift
 
 Mode = Literal["full", "fast"]
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -68,40 +68,6 @@ class Problem:
         return f"{self.path}: {self.kind}: expected {self.expected}, found {self.found}"
 
 
-def default_workers() -> int:
-    """One thread per usable core (at least 1, at most 16: past that the disk, not the CPU, limits)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(16, n))
-
-
-def in_parallel(
-    fn: Callable[[T], R], items: Sequence[T], *, size: Callable[[T], int] | None = None, workers: int | None = None
-) -> list[R]:
-    """``fn`` over ``items`` on one pool of hashing threads; the results in the items' order.
-
-    At most :func:`default_workers` threads, never more than items (one item: no thread at all).
-    With ``size``, the largest items start first, so one big file started last does not leave the
-    other threads idle at the end. hashlib releases the GIL for large updates: N threads use N cores.
-    An exception from ``fn`` propagates (the first in the order the items started); callers that
-    must name the first bad item in their own order return problems as values instead.
-    """
-    n = min(workers or default_workers(), len(items))
-    order = sorted(range(len(items)), key=lambda i: size(items[i]), reverse=True) if size else range(len(items))
-    if n <= 1:
-        done = {i: fn(items[i]) for i in order}
-    else:
-        # Imported here for start-up time: concurrent.futures brings logging, which a command
-        # that hashes one file never needs.
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as ex:
-            done = dict(ex.map(lambda i: (i, fn(items[i])), order))
-    return [done[i] for i in range(len(items))]
-
-
 def size_or_zero(path: str | os.PathLike[str]) -> int:
     """A file's size for ordering work (0 when it cannot be stat'ed: the hash will say why)."""
     try:
@@ -121,38 +87,6 @@ def copy_hashed(src: IO[bytes], out: IO[bytes], read_size: int = READ_SIZE) -> t
         size += len(chunk)
     out.flush()
     os.fsync(out.fileno())
-    return h.hexdigest(), size
-
-
-def sha256_file(
-    path: str | os.PathLike[str], read_size: int = READ_SIZE, on_bytes: Callable[[int], None] | None = None
-) -> tuple[str, int]:
-    """(sha256 hex, size) of one file: readinto one reusable buffer, hashed through a memoryview.
-    ``on_bytes`` (a progress bar's) is told each number of bytes just hashed."""
-    h = hashlib.sha256()
-    buf = bytearray(read_size)
-    view = memoryview(buf)
-    size = 0
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        # Tell the kernel we read front to back: it doubles readahead on a cold cache; no cost warm.
-        if hasattr(os, "posix_fadvise"):
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            except OSError:
-                pass
-        with open(fd, "rb", buffering=0, closefd=False) as f:
-            while True:
-                n = f.readinto(buf)
-                if not n:
-                    break
-                # hashlib releases the GIL for updates over 2 KiB: other threads hash meanwhile.
-                h.update(view[:n])
-                size += n
-                if on_bytes is not None:
-                    on_bytes(n)
-    finally:
-        os.close(fd)
     return h.hexdigest(), size
 
 
@@ -262,10 +196,6 @@ def verify_files(
     """
     if mode not in ("full", "fast"):
         raise ValueError(f"mode must be 'full' or 'fast', not {mode!r}")
-    # imported here: builder.installer is a module of a thousand lines that canon, lockfile and so every
-    # command would otherwise load to hash one file
-    from builder.installer import fast_mode_drift
-
     items = [_entry(e) for e in entries]
     problems: dict[int, Problem] = {}
     to_hash: list[tuple[int, str]] = []

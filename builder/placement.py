@@ -15,7 +15,9 @@ it lists at ``<paths.models>/<kit>/<path>`` (role ``kit``), a plain file of ``[f
 file is what ships, installs and is audited for them.
 
 The bundle (what it ships and records in the manifest), the installer's apply record (from the
-manifest), the audit's expectations and the checks all ask this module; nothing re-derives it.
+manifest), the audit's expectations and the checks all ask this module; nothing re-derives it. The
+host side's own layout under ``paths.bundles`` (releases, links, state) is builder.onhost's; the
+copy of install.pyz that ship and deploy keep there is named by `kept_installer`.
 """
 
 from __future__ import annotations
@@ -185,6 +187,13 @@ def input_root(paths: Paths, name: str) -> str:
 def file_name(url: str) -> str:
     """The name a plain file of ``[files]`` has on a host: the last part of its URL or path."""
     return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def kept_installer(bundles: str, sha256: str) -> str:
+    """Where ship and deploy keep this machine's install.pyz on a host (``paths.bundles`` is
+    ``bundles``): ``<paths.bundles>/incoming/install-<sha256[:16]>.pyz``, by its hash, so a host
+    keeps one copy per installer version and never runs one whose bytes differ."""
+    return f"{bundles.rstrip('/')}/incoming/install-{sha256[:16]}.pyz"
 
 
 def derived_root(host: Host, lane_name: str, name: str) -> str:

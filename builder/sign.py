@@ -6,8 +6,8 @@
 - :func:`sign` writes ``.minisig`` text with the default ``ED`` algorithm (the Ed25519
   signature covers the BLAKE2b-512 hash of the data) and a signed trusted comment.
 - :func:`verify` checks with ``cryptography``; :func:`verify_with_openssl` checks with
-  ``openssl pkeyutl`` through :mod:`builder.minisign_verify`, the stdlib-only copy the
-  installer carries. Both give the trusted comment back or raise one-line VerifyError.
+  ``openssl pkeyutl`` through :mod:`builder.onhost.minisign`, the stdlib-only verifier the
+  installer runs. Both give the trusted comment back or raise one-line VerifyError.
 
 Secret material (the seed) never appears in a repr, a message or a log.
 """
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from builder import minisign_verify as mv
 from builder.canon import atomic_write
 from builder.errors import ConfigError, VerifyError
+from builder.onhost import minisign as mv
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -386,7 +386,7 @@ def verify_with_openssl(
     openssl: str = "openssl",
     source: str | None = None,
 ) -> str:
-    """As :func:`verify`, through ``openssl pkeyutl`` and the stdlib-only :mod:`builder.minisign_verify`."""
+    """As :func:`verify`, through ``openssl pkeyutl`` and the stdlib-only :mod:`builder.onhost.minisign`."""
     try:
         return mv.verify_with_openssl(data_or_path, minisig_text, public_key_text, openssl=openssl)
     except mv.MinisignError as e:

@@ -30,7 +30,7 @@ from checklib import (
 )
 
 from builder.hostfacts import shown
-from builder.installer import fast_mode_drift
+from builder.onhost.record import fast_mode_drift
 
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:

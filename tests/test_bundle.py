@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from builder import installer as inst
 from builder.bundle import (
     BundleOptions,
+    hostpkg,
     load_bundle_inputs,
     make_bundle,
     make_fleet_bundles,
@@ -24,6 +24,7 @@ from builder.bundle import (
     write_stream,
 )
 from builder.errors import BuilderError, ConfigError, VerifyError
+from builder.onhost.manifest import bundle_id_of
 from tests.lib import bundlelib as bl
 from tests.lib.bundlelib import Project, make_project, manifest, resign, tree_bytes
 
@@ -66,10 +67,22 @@ def test_bundle_is_deterministic(proj: Project, tmp_path: Path) -> None:
     assert not [p for p in (tmp_path).iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_a_bundle_made_by_another_process_is_byte_identical(proj: Project, tmp_path: Path) -> None:
+    """The same inputs give the same bytes whatever process makes them: install.pyz included (its
+    zip entries carry fixed times and modes, not the source files')."""
+    a = make_bundle(_ctx(proj), "spark-b", BundleOptions(key=proj.key, out=tmp_path / "a", part_size=4096))
+    r = proj.cli("bundle", "spark-b", "--key", str(proj.key), "--out", str(tmp_path / "b"), "--part-size", "4096")
+    assert r.returncode == 0, r.stderr
+    assert tree_bytes(a.path) == tree_bytes(tmp_path / "b")
+    pyz = b"".join((a.path / f["path"]).read_bytes()
+                   for f in next(f for f in manifest(a.path)["files"] if f["path"] == "install.pyz")["parts"])
+    assert pyz == hostpkg.zipapp()
+
+
 def test_manifest_content(proj: Project) -> None:
     d = _bundle(proj, "spark-b")
     m = manifest(d)
-    assert m["bundle_id"] == inst.bundle_id_of(m)
+    assert m["bundle_id"] == bundle_id_of(m)
     assert (m["host"], m["fleet"], m["lane"], m["rank"], m["role"], m["world_size"]) == (
         "spark-b",
         "testfleet",
@@ -81,7 +94,7 @@ def test_manifest_content(proj: Project) -> None:
     assert m["image"]["image_id"] == proj.image_id and m["image"]["diff_ids"] == proj.diff_ids
     assert len(m["lock_hash"]) == 64 and len(m["image"]["input_address"]) == 64
     paths = {f["path"]: f for f in m["files"]}
-    assert set(paths) == {"config.json", "install.py", "lane.py", "rank.env", "start.sh", "stop.sh"}
+    assert set(paths) == {"config.json", "install.pyz", "lane.py", "rank.env", "start.sh", "stop.sh"}
     assert paths["start.sh"]["mode"] == "0755" and paths["rank.env"]["mode"] == "0644"
     for rel, f in paths.items():
         st = (d / rel).stat()
@@ -97,7 +110,7 @@ def test_manifest_content(proj: Project) -> None:
         sig[2] == f"trusted comment: builder-bundle id={m['bundle_id']} host=spark-b fleet=testfleet "
         f"lane=demo rank=1"
     )
-    assert (d / "install.py").read_bytes() == inst.assemble()
+    assert (d / "install.pyz").read_bytes() == hostpkg.zipapp()
 
 
 def test_minisign_cli_accepts_the_signature(proj: Project) -> None:
@@ -313,12 +326,12 @@ def test_missing_signature_unknown_key_extra_missing(proj: Project, tmp_path: Pa
     (d / "extra.txt").write_text("x")
     assert "extra files not in the manifest: extra.txt" in _expect_refused(d, proj.pub)
     (d / "extra.txt").unlink()
-    part = d / "parts/install.py.part0002"
+    part = d / "parts/install.pyz.part0002"
     data = part.read_bytes()
     part.unlink()
-    assert "missing files: parts/install.py.part0002" in _expect_refused(d, proj.pub)
+    assert "missing files: parts/install.pyz.part0002" in _expect_refused(d, proj.pub)
     part.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    assert "install.py.part0002: sha256 mismatch (damaged part)" in _expect_refused(d, proj.pub)
+    assert "install.pyz.part0002: sha256 mismatch (damaged part)" in _expect_refused(d, proj.pub)
     part.write_bytes(data)
     (d / "manifest.json.minisig").unlink()
     assert "manifest.json.minisig: missing" in _expect_refused(d, proj.pub)

@@ -15,6 +15,8 @@ import pytest
 
 from builder import hashing
 from builder.hashing import Entry, verify_files
+from builder.onhost import files as host_files
+from builder.onhost.record import fast_mode_drift
 
 
 def _make(root: Path, n: int = 6) -> list[Entry]:
@@ -218,16 +220,13 @@ def test_in_parallel_keeps_the_items_order_and_starts_the_largest_first() -> Non
     assert hashing.in_parallel(one, []) == []
 
 
-def test_the_installer_pool_is_the_same_rule() -> None:
-    from builder import installer
-
-    assert installer.default_workers() == hashing.default_workers()
-    assert installer.in_parallel(lambda n: -n, [3, 1, 2], size=lambda n: n, workers=2) == [-3, -1, -2]
+def test_the_installer_pool_is_the_same_one() -> None:
+    assert hashing.in_parallel is host_files.in_parallel and hashing.default_workers is host_files.default_workers
+    assert host_files.in_parallel(lambda n: -n, [3, 1, 2], size=lambda n: n, workers=2) == [-3, -1, -2]
 
 
 def test_fast_mode_is_the_installers_rule(tmp_path: Path) -> None:
-    from builder.installer import fast_mode_drift
-
+    assert hashing.fast_mode_drift is fast_mode_drift
     entries = _make(tmp_path, n=1)
     (rec,) = hashing.record_for(entries, tmp_path)
     st = os.stat(tmp_path / entries[0].path)

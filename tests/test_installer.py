@@ -1,4 +1,4 @@
-"""The offline installer, run as the hosts run it (assembled script on python3's stdin) on local tmp roots.
+"""The offline installer, run as the hosts run it (``python3 install.pyz ...``) on local tmp roots.
 
 Tests that load images or check image presence use this machine's Docker Engine (marker `docker`).
 """
@@ -9,6 +9,7 @@ import ast
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +26,25 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from builder import installer as inst
-from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
+from builder import onhost
+from builder.bundle import BundleOptions, hostpkg, load_bundle_inputs, make_bundle
+from builder.onhost import files as host_files
+from builder.onhost import pack
+from builder.onhost.errors import InstallError
+from builder.onhost.files import Writeback, write_all
+from builder.onhost.manifest import check_manifest, physical_files, release_files
+from builder.onhost.record import release_ok
+from builder.onhost.verify import verify_bundle
 from tests.lib import bundlelib
 from tests.lib import bundlelib as bl
 
-SCRIPT = inst.assemble()
+SCRIPT = hostpkg.zipapp()
 
 
 def run_installer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """python3 - ARGS with the assembled installer on stdin, isolated from this checkout (-I, cwd=/)."""
+    """python3 install.pyz ARGS, isolated from this checkout (-I, cwd=/)."""
     return subprocess.run(
-        [sys.executable, "-I", "-", *args],
-        input=SCRIPT.decode(),
+        [sys.executable, "-I", str(bl.installer_file()), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -65,18 +73,39 @@ def install(bdir: Path, root: Path, *extra: str) -> subprocess.CompletedProcess[
 # --------------------------------------------------------------------------- fast tier
 
 
-def test_assembled_installer_is_one_stdlib_file() -> None:
-    src = SCRIPT.decode()
-    tree = ast.parse(src, feature_version=(3, 8))
-    mods = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            mods.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            mods.add(node.module.split(".")[0])
-    assert "builder" not in mods and not mods - set(sys.stdlib_module_names)
-    assert "\n_EMBEDDED_VERIFIER = None  # @@EMBED@@\n" not in src and "def verify_with_openssl" in src
-    assert inst.assemble() == SCRIPT  # deterministic
+def test_install_pyz_is_a_deterministic_stdlib_zipapp() -> None:
+    """builder.onhost's modules and a __main__.py, stored in sorted order with fixed times and modes;
+    every module parses as python 3.8 and imports the standard library and its own package only."""
+    assert SCRIPT.startswith(b"#!/usr/bin/env python3\n")
+    pkg = Path(onhost.__file__).parent
+    with zipfile.ZipFile(io.BytesIO(SCRIPT)) as z:
+        infos = z.infolist()
+        names = [i.filename for i in infos]
+        assert names == ["__main__.py", *sorted(f"onhost/{f.name}" for f in pkg.glob("*.py"))]
+        for i in infos:
+            assert i.date_time == (1980, 1, 1, 0, 0, 0) and i.compress_type == zipfile.ZIP_STORED, i.filename
+            assert i.external_attr >> 16 == 0o100644, i.filename
+        mods = set()
+        for name in names:
+            src = z.read(name)
+            if name != "__main__.py":
+                assert src == (pkg / name.split("/", 1)[1]).read_bytes(), name
+            for node in ast.walk(ast.parse(src, feature_version=(3, 8))):
+                if isinstance(node, ast.Import):
+                    mods.update(a.name.split(".")[0] for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    mods.add(node.module.split(".")[0])
+        verifier = z.read("onhost/minisign.py").decode()
+    assert not mods - set(sys.stdlib_module_names) - {"onhost"}, mods
+    assert "builder" not in mods and "def verify_with_openssl" in verifier
+    assert hostpkg.zipapp() == SCRIPT == pack.build(pack.sources())  # deterministic
+    # the same bytes from another process, and from the zipapp itself
+    made = subprocess.run([sys.executable, "-c", "import sys; from builder.onhost import pack; "
+                           "sys.stdout.buffer.write(pack.zipapp())"], capture_output=True, check=True)
+    assert made.stdout == SCRIPT
+    again = subprocess.run([sys.executable, "-I", str(bl.installer_file()), "assemble"], capture_output=True,
+                           cwd="/", check=True)
+    assert again.stdout == SCRIPT
     p = run_installer("status", "--root", "/nonexistent/builder-root")
     assert p.returncode == 0 and json.loads(p.stdout)["current"] is None
 
@@ -149,7 +178,7 @@ def test_install_rerun_upgrade_rollback(dproj: bl.Project, tmp_path: Path) -> No
     assert rec["manifest_sha256"] == hashlib.sha256((v1 / "manifest.json").read_bytes()).hexdigest()
     assert {f["path"] for f in rec["files"]} == {
         "config.json",
-        "install.py",
+        "install.pyz",
         "lane.py",
         "rank.env",
         "start.sh",
@@ -290,16 +319,13 @@ def _kill_iterations(p: bl.Project, tmp_path: Path, n: int, seed: int) -> None:
         shutil.copytree(base_root, root, symlinks=True)
         _rmi(p.image_id)
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-", "install", str(v2), "--root", str(root)],
-            stdin=subprocess.PIPE,
+            [sys.executable, "-I", str(bl.installer_file()), "install", str(v2), "--root", str(root)],
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             cwd="/",
             start_new_session=True,
         )
-        assert proc.stdin is not None
-        proc.stdin.write(SCRIPT)
-        proc.stdin.close()
         time.sleep(rng.uniform(0, span * 1.2))  # a few land after the end: the rerun is then a no-op
         _killpg(proc)  # python and whatever it started (docker load)
         cur = os.readlink(root / "current")
@@ -308,10 +334,10 @@ def _kill_iterations(p: bl.Project, tmp_path: Path, n: int, seed: int) -> None:
         visible = {x.name for x in (root / "releases").iterdir() if not x.name.startswith(".tmp-")}
         assert visible <= {id1, id2}
         if id2 in visible:  # a release that is visible is complete
-            m, mb, _ = inst.verify_bundle(str(v2), None, insecure=True, hashes=False)
-            assert inst.release_ok(str(root / "releases" / id2), m, mb)
+            m, mb, _ = verify_bundle(str(v2), None, insecure=True, hashes=False)
+            assert release_ok(str(root / "releases" / id2), m, mb)
         if cur.endswith(id1):
-            assert inst.release_ok(str(root / "releases" / id1), *_manifest_pair(v1))
+            assert release_ok(str(root / "releases" / id1), *_manifest_pair(v1))
         r = install(v2, root)
         assert r.returncode == 0, r.stderr
         assert os.readlink(root / "current") == f"releases/{id2}"
@@ -337,7 +363,7 @@ def _killpg(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _manifest_pair(d: Path) -> tuple[dict[str, Any], bytes]:
-    m, mb, _ = inst.verify_bundle(str(d), None, insecure=True, hashes=False)
+    m, mb, _ = verify_bundle(str(d), None, insecure=True, hashes=False)
     return m, mb
 
 
@@ -414,13 +440,13 @@ def test_manifest_parser_never_crashes(data: st.DataObject) -> None:
         where = data.draw(st.sampled_from(paths))
         obj = _mutate(_VALID, where, data.draw(_json))
     try:
-        m = inst.check_manifest(obj)
-    except inst.InstallError as e:
+        m = check_manifest(obj)
+    except InstallError as e:
         assert "\n" not in str(e) and str(e).startswith("manifest.json: ")
     else:
         assert isinstance(m, dict)
-        inst.physical_files(m)
-        inst.release_files(m)
+        physical_files(m)
+        release_files(m)
 
 
 @pytest.mark.docker
@@ -486,16 +512,16 @@ def test_writeback_is_started_behind_the_writes_and_the_bytes_are_whole(tmp_path
         started.append((offset, length))
         real(fd, offset, length, advice)
 
-    monkeypatch.setattr(inst, "WRITEBACK_STEP", 1 << 20)
+    monkeypatch.setattr(host_files, "WRITEBACK_STEP", 1 << 20)
     monkeypatch.setattr(os, "posix_fadvise", fadvise)
     data = random.Random(7).randbytes(5 * (1 << 20) + 12345)
     path = tmp_path / "f"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        wb = inst.Writeback(fd)
+        wb = Writeback(fd)
         view = memoryview(data)
         for at in range(0, len(data), 300_000):
-            inst.write_all(fd, view[at : at + 300_000], wb)
+            write_all(fd, view[at : at + 300_000], wb)
             assert sum(n for _, n in started) <= at + 300_000
         os.fsync(fd)
     finally:

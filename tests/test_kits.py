@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from builder import fetch as plain
-from builder import installer as inst
 from builder import kits
 from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle, verify_dir
 from builder.canon import atomic_write
@@ -477,11 +476,10 @@ def test_the_installer_places_kit_and_template_files_and_records_them(tmp_path: 
         with_inputs(p)
         d = _bundle(p, tmp_path / "b")
         root = tmp_path / "host" / "builder"
-        script = inst.assemble().decode()
 
         def install() -> subprocess.CompletedProcess[str]:
-            return subprocess.run([sys.executable, "-I", "-", "install", str(d), "--root", str(root),
-                                   "--trusted-key", str(p.pub)], input=script, capture_output=True, text=True,
+            return subprocess.run([sys.executable, "-I", str(bl.installer_file()), "install", str(d), "--root",
+                                   str(root), "--trusted-key", str(p.pub)], capture_output=True, text=True,
                                   timeout=300, cwd="/")
 
         r = install()

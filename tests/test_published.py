@@ -117,7 +117,7 @@ def test_lock_image_bundle_install(published: Published) -> None:
     assert manifest["image"]["archive"]  # a fleet with no registry: the archive, as for a built image
 
     assert _docker("rmi", "--force", p.built["image_id"]).returncode == 0
-    installed = subprocess.run([sys.executable, str(out / "install.py"), "install", str(out), "--root",
+    installed = subprocess.run([sys.executable, str(out / "install.pyz"), "install", str(out), "--root",
                                 str(p.workdir / "root"), "--trusted-key", str(p.keys / "builder.pub")],
                                capture_output=True, text=True, timeout=600,
                                env={**os.environ, "DOCKER_CONFIG": str(p.workdir / "docker-config")})
@@ -134,7 +134,7 @@ def test_lock_image_bundle_install(published: Published) -> None:
     assert image["image_id"] == p.built["image_id"] and image["archive"] is None
     assert image["pull"] == f"{p.registry.addr}/builder/pub@{p.built['manifest_digest']}"
     assert _docker("rmi", "--force", p.built["image_id"]).returncode == 0
-    installed = subprocess.run([sys.executable, str(out / "install.py"), "install", str(out), "--root",
+    installed = subprocess.run([sys.executable, str(out / "install.pyz"), "install", str(out), "--root",
                                 str(p.workdir / "root-reg"), "--trusted-key", str(p.keys / "builder.pub")],
                                capture_output=True, text=True, timeout=600,
                                env={**os.environ, "DOCKER_CONFIG": str(p.workdir / "docker-config")})

@@ -18,7 +18,10 @@ from typing import Any
 
 import pytest
 
-from builder import installer as inst
+from builder.bundle import hostpkg
+from builder.onhost.manifest import MANIFEST, SIGNATURE
+from builder.onhost.receive import RECEIVE_MAGIC
+from builder.placement import kept_installer
 from tests.lib import bundlelib as bl
 
 pytestmark = pytest.mark.docker
@@ -55,9 +58,9 @@ def _root(p: bl.Project) -> Path:
 
 def _cut_receive(p: bl.Project, bdir: Path, keep: int) -> tuple[list[Any], subprocess.CompletedProcess[bytes]]:
     """Run the host's `receive` and cut its stream after `keep` bytes of data: what a lost link leaves."""
-    prog = p.root.parent / "installer.py"
-    prog.write_bytes(inst.assemble())
-    mbytes, sbytes = (bdir / inst.MANIFEST).read_bytes(), (bdir / inst.SIGNATURE).read_bytes()
+    prog = p.root.parent / hostpkg.NAME
+    prog.write_bytes(hostpkg.zipapp())
+    mbytes, sbytes = (bdir / MANIFEST).read_bytes(), (bdir / SIGNATURE).read_bytes()
     from builder import sign
 
     key = sign.parse_public_key(p.pub.read_bytes()).base64
@@ -66,7 +69,7 @@ def _cut_receive(p: bl.Project, bdir: Path, keep: int) -> tuple[list[Any], subpr
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
     assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(inst.RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes)
+    proc.stdin.write(RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes)
     proc.stdin.flush()
     want = json.loads(proc.stdout.readline())["want"]
     files = {f["path"]: f for f in bl.manifest(bdir)["files"]}
@@ -151,8 +154,9 @@ def test_a_host_copy_of_the_installer_that_differs_is_replaced(lproj: bl.Project
     p = lproj
     _bundle(p)
     _rmi(p.image_id)
-    script = inst.assemble()
-    prog = _root(p) / "incoming" / f"installer-{hashlib.sha256(script).hexdigest()[:16]}.py"
+    script = hostpkg.zipapp()
+    prog = Path(kept_installer(str(_root(p)), hashlib.sha256(script).hexdigest()))
+    assert prog.name == f"install-{hashlib.sha256(script).hexdigest()[:16]}.pyz"
     prog.parent.mkdir(parents=True)
     prog.write_bytes(script.replace(b"def receive(", b"def receive_(", 1))
     r = _ship(p)

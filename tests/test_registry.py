@@ -208,10 +208,10 @@ def test_bad_registry_urls_are_refused_before_anything(built: Built) -> None:
 
 
 def test_the_installer_tags_a_pulled_image_as_a_build_does() -> None:
-    from builder import installer
     from builder.imagerecord import tag_for
+    from builder.onhost.engine import pulled_tag
 
-    assert installer.pulled_tag({"name": "demo", "input_address": "ab" * 32}) == tag_for("demo", "ab" * 32)
+    assert pulled_tag({"name": "demo", "input_address": "ab" * 32}) == tag_for("demo", "ab" * 32)
 
 
 def test_parse_target() -> None:

@@ -77,7 +77,7 @@ def test_a_thin_bundle_carries_only_the_missing_layer_and_loads(tmp_path: Path) 
     assert saved >= old["layer_sizes"][0]  # the payload layer is not in the thin archive
     assert archive_size(thin_m) <= 1.1 * new["layer_sizes"][1] + 16 * 1024  # the changed layer (+ tar/config)
 
-    installer = tmp_path / "thin" / "install.py"
+    installer = tmp_path / "thin" / "install.pyz"
     pub = str(keys / "builder.pub")
 
     def install(where: str) -> subprocess.CompletedProcess[str]:

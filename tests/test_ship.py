@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from builder import installer as inst
+from builder.bundle import hostpkg
+from builder.placement import kept_installer
 from builder.ssh import parse_target
 from tests.lib import bundlelib as bl
 
@@ -47,17 +48,17 @@ def test_sneakernet_copy_resumes_and_verifies(tmp_path: Path) -> None:
     assert first["dest"] == str(dest) and not first["skipped"]
     assert bl.tree_bytes(dest) == bl.tree_bytes(p.out("spark-b"))
     # a cut copy: one part short, one missing, a model file short, one stray file
-    part = dest / "parts/install.py.part0001"
+    part = dest / "parts/install.pyz.part0001"
     part.write_bytes(part.read_bytes()[:100])
-    (dest / "parts/install.py.part0003").unlink()
+    (dest / "parts/install.pyz.part0003").unlink()
     weights = dest / "models/demo-model/weights-r1of2.bin"
     weights.write_bytes(weights.read_bytes()[:100])
     (dest / "stray").write_text("x")
     again = _ship_to(p, usb)
     assert sorted(again["sent"]) == [
         "models/demo-model/weights-r1of2.bin",
-        "parts/install.py.part0001",
-        "parts/install.py.part0003",
+        "parts/install.pyz.part0001",
+        "parts/install.pyz.part0003",
     ]
     assert again["removed"] == ["stray"]
     assert bl.tree_bytes(dest) == bl.tree_bytes(p.out("spark-b"))
@@ -138,9 +139,9 @@ def _health(ip: str, port: int = bl.PORT, timeout: float = 30) -> str:
 
 
 def _remote_installer(fleet: Any, h: Any, *args: str) -> subprocess.CompletedProcess[str]:
-    return fleet.ssh(
-        h, "python3 - " + " ".join(shlex.quote(a) for a in args), input=inst.assemble().decode(), timeout=120
-    )
+    """The installer that ship keeps on the host (by its sha256), run there."""
+    prog = kept_installer(FLEET_PATHS["bundles"], hostpkg.sha256())
+    return fleet.ssh(h, " ".join(shlex.quote(a) for a in ["python3", prog, *args]), timeout=120)
 
 
 @pytest.mark.fleet

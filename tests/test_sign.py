@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from builder import minisign_verify as mv
 from builder import sign
 from builder.errors import ConfigError, VerifyError
+from builder.onhost import minisign as mv
 
 MINISIGN = shutil.which("minisign")
 needs_minisign = pytest.mark.skipif(
@@ -285,7 +285,7 @@ def test_builder_uses_a_minisign_key(tmp_path: Path, payload: Path) -> None:
 # ---------------------------------------------------------------- the stdlib-only verifier
 
 
-def test_minisign_verify_is_stdlib_only() -> None:
+def test_the_minisign_verifier_is_stdlib_only() -> None:
     src = Path(mv.__file__).read_text()
     tree = ast.parse(src)
     mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -293,11 +293,11 @@ def test_minisign_verify_is_stdlib_only() -> None:
     assert mods <= set(sys.stdlib_module_names) | {"__future__"}, mods
 
 
-def test_minisign_verify_runs_as_a_standalone_script(
+def test_the_minisign_verifier_runs_as_a_standalone_script(
     keys: tuple[Path, Path, sign.PublicKey], payload: Path, tmp_path: Path
 ) -> None:
-    """The installer copies the file alone: run it with python3 -I from an empty folder."""
-    copy = tmp_path / "alone" / "minisign_verify.py"
+    """The verifier imports nothing of its package: run alone with python3 -I from an empty folder."""
+    copy = tmp_path / "alone" / "minisign.py"
     copy.parent.mkdir()
     shutil.copy(mv.__file__, copy)
     sig = sign.sign_file(payload, keys[0], "bundle:b-1")

@@ -9,7 +9,8 @@ A bundle is a folder (never one big tar) for one host's rank of a fleet:
                              id, host, fleet, lane and rank
                              (`minisign -Vm manifest.json -p KEY.pub` checks it)
     start.sh stop.sh rank.env config.json   the rank's launch files (builder.launch)
-    install.py               the assembled installer (run only a verified copy; see builder/installer.py)
+    install.pyz              the installer: builder.onhost as one zipapp (builder.bundle.hostpkg; run
+                             only a verified copy, see builder/onhost/__init__.py)
     image.tar                the image as a `docker load` archive (--with-image)
     models/<model>/<file>    model files (--with-models): hard links to the model store's objects
                              (builder.models.store: a reflink where links are refused, a copy only
@@ -23,7 +24,8 @@ deterministic too). Every file is streamed (4 MiB buffers): memory stays flat wh
 
 Where each part lives: ``render`` (the inputs, what a rank holds, the manifest, the folder moved into
 place), ``parts`` (the streaming part writer), ``archive``
-(the image as a `docker load` archive), ``keys`` (the signing and trusted keys), ``verify``.
+(the image as a `docker load` archive), ``keys`` (the signing and trusted keys), ``verify``,
+``hostpkg`` (install.pyz, the zipapp of builder.onhost).
 """
 
 from __future__ import annotations

@@ -7,11 +7,11 @@ import json
 import os
 from pathlib import Path
 
-from builder import installer as inst
 from builder import sign
 from builder.errors import ConfigError
 from builder.hosts import find_fleet
 from builder.hosts import fleet_trusted_key as trusted_key_file
+from builder.onhost.manifest import MANIFEST
 
 SIGNING_KEY_ENV = "BUILDER_SIGNING_KEY"
 
@@ -74,7 +74,7 @@ def public_key_for(bundle_dir: Path, key: Path | None, root: Path | None) -> Pat
         return key
     if root is not None:
         with contextlib.suppress(Exception):
-            fleet_name = json.loads((bundle_dir / inst.MANIFEST).read_bytes())["fleet"]
+            fleet_name = json.loads((bundle_dir / MANIFEST).read_bytes())["fleet"]
             p = fleet_trusted_key(root, str(fleet_name))
             if p is not None:
                 return p

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from builder import __version__, provenance, registry, sign
-from builder import installer as inst
+from builder.bundle import hostpkg
 from builder.bundle.archive import image_archive
 from builder.bundle.keys import signing_key_path
 from builder.bundle.parts import WrittenFile, write_bytes, write_stream
@@ -30,6 +30,15 @@ from builder.launch import render_launch
 from builder.lockfile import Lock, load_lock, spec_hash
 from builder.models.fetch import in_store, wanted_for
 from builder.models.store import ModelStore
+from builder.onhost.manifest import (
+    FORMAT,
+    IMAGE_ARCHIVE,
+    KIND,
+    MANIFEST,
+    SIGNATURE,
+    check_manifest,
+    trusted_comment_for,
+)
 from builder.pins import Pins, load_pins
 from builder.placement import PlacedFile, host_files
 from builder.plan import make_plan
@@ -218,7 +227,7 @@ def render_bundle(
             written: list[WrittenFile] = []
             for rel, (data, mode) in sorted(launch.files.items()):
                 written.append(write_bytes(data, rel, tmp, opts.part_size, mode))
-            written.append(write_bytes(inst.assemble(), "install.py", tmp, opts.part_size, "0755"))
+            written.append(write_bytes(hostpkg.zipapp(), hostpkg.NAME, tmp, opts.part_size, "0755"))
             archive = None
             # a fleet with a registry gets the image by digest (pushed now with --with-image), not an archive
             pull = registry.fleet_pull_reference(ctx.store, fleet_path, fleet, rec, push=opts.with_image)
@@ -232,11 +241,11 @@ def render_bundle(
                         rec.image_id, work, tag=rec.tag, mtime=rec.source_date_epoch,
                         omit=frozenset(rec.diff_ids[:omitted]),
                     ) as stream:
-                        written.append(write_stream(stream, inst.IMAGE_ARCHIVE, tmp, opts.part_size, "0644",
+                        written.append(write_stream(stream, IMAGE_ARCHIVE, tmp, opts.part_size, "0644",
                                                     on_bytes=on_bytes))
                 finally:
                     shutil.rmtree(work, ignore_errors=True)
-                archive = inst.IMAGE_ARCHIVE
+                archive = IMAGE_ARCHIVE
             model_entries = []
             placed: set[str] = set()
             store = ModelStore(ctx.store)
@@ -263,8 +272,8 @@ def render_bundle(
                     written.append(WrittenFile(bundled, m["size"], m["sha256"], "0644"))
                 model_entries.append({**m, "bundled": bundled})
             body: dict[str, Any] = {
-                "format": inst.FORMAT,
-                "kind": inst.KIND,
+                "format": FORMAT,
+                "kind": KIND,
                 **launch.identity,
                 "image": {**image, "archive": archive, **({"pull": pull} if pull else {}),
                           **({"omitted_layers": omitted} if omitted and archive else {})},
@@ -273,13 +282,13 @@ def render_bundle(
             }
             bid = hashlib.sha256(canonical_json(body)).hexdigest()
             manifest = {**body, "bundle_id": bid}
-            inst.check_manifest(manifest)  # the installer must accept what we write
+            check_manifest(manifest)  # the installer must accept what we write
             mbytes = pretty_json(manifest)
-            (tmp / inst.MANIFEST).write_bytes(mbytes)
-            os.chmod(tmp / inst.MANIFEST, 0o644)
-            sig = sign.sign(mbytes, secret, inst.trusted_comment_for(manifest))
-            (tmp / inst.SIGNATURE).write_text(sig, encoding="utf-8")
-            os.chmod(tmp / inst.SIGNATURE, 0o644)
+            (tmp / MANIFEST).write_bytes(mbytes)
+            os.chmod(tmp / MANIFEST, 0o644)
+            sig = sign.sign(mbytes, secret, trusted_comment_for(manifest))
+            (tmp / SIGNATURE).write_text(sig, encoding="utf-8")
+            os.chmod(tmp / SIGNATURE, 0o644)
             # Durability before the rename: every file (write_stream already fsynced the data it
             # wrote, so this is cheap for those; it catches the manifest, the signature and the
             # modes set after), then every folder, deepest first, so each entry is on disk.
@@ -295,7 +304,7 @@ def render_bundle(
                 fsync_dir(dirpath)
             unchanged = False
             with contextlib.suppress(OSError):
-                unchanged = (out / inst.MANIFEST).read_bytes() == mbytes
+                unchanged = (out / MANIFEST).read_bytes() == mbytes
             _replace_dir(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

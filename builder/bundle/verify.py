@@ -6,15 +6,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from builder import installer as inst
 from builder import provenance, sign
 from builder.bundle.keys import read_public_key
 from builder.errors import ConfigError, VerifyError
+from builder.onhost.errors import EXIT_CONFIG, InstallError
+from builder.onhost.manifest import SIGNATURE
+from builder.onhost.verify import verify_bundle
 
 
 def crypto_sig_check(mbytes: bytes, sbytes: bytes, kbytes: bytes) -> str:
     """The installer's signature check done with builder.sign (cryptography) instead of openssl."""
-    return sign.verify(mbytes, sbytes, kbytes, source=inst.SIGNATURE)
+    return sign.verify(mbytes, sbytes, kbytes, source=SIGNATURE)
 
 
 def verify_dir(
@@ -31,10 +33,10 @@ def verify_with_key(
     """As verify_dir, with the public key's text. ``hashes=False``: the signature, the manifest and
     every file's presence and size only (ship: the host hashes every byte it receives)."""
     try:
-        manifest, _, _ = inst.verify_bundle(str(bundle_dir), kbytes, sig_check=crypto_sig_check, hashes=hashes,
+        manifest, _, _ = verify_bundle(str(bundle_dir), kbytes, sig_check=crypto_sig_check, hashes=hashes,
                                           on_bytes=on_bytes)
-    except inst.InstallError as e:
-        if e.code == inst.EXIT_CONFIG:
+    except InstallError as e:
+        if e.code == EXIT_CONFIG:
             raise ConfigError(str(e)) from None
         raise VerifyError(str(e)) from None
     provenance.verify_bundle_docs(bundle_dir, manifest["image"], kbytes)  # signed by the same key, of this image

@@ -76,7 +76,7 @@ def ship(
         output.status(
             f"{r.host}: bundle {r.bundle_id[:16]} copied to {r.dest} ({len(r.sent)} sent, "
             f"{len(r.skipped)} already there); on the host, with a trusted installer: "
-            f"python3 install.py install {r.dest} --root <paths.bundles>"
+            f"python3 install.pyz install {r.dest} --root <paths.bundles>"
         )
     elif r.result == "unchanged":
         output.status(f"{r.host}: bundle {r.bundle_id[:16]} is already installed; nothing sent")

@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder import installer as inst
+from builder.bundle import hostpkg
 from builder.hosts import Fleet, Host
+from builder.onhost.errors import InstallError
+from builder.onhost.manifest import MANIFEST, check_manifest
+from builder.onhost.verify import verify_bundle
 
 
 @dataclass
@@ -53,8 +56,8 @@ def expected(ctx: Any, fleet: Fleet, host: Host) -> dict[str, Any]:
         rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "mode": mode}
         for rel, (data, mode) in rl.files.items()
     }
-    installer = inst.assemble()
-    files["install.py"] = {"size": len(installer), "sha256": hashlib.sha256(installer).hexdigest(), "mode": "0755"}
+    installer = hostpkg.zipapp()
+    files[hostpkg.NAME] = {"size": len(installer), "sha256": hashlib.sha256(installer).hexdigest(), "mode": "0755"}
     return {
         "identity": rl.identity,
         "image": rl.image,
@@ -94,11 +97,11 @@ def current_bundle(out: Path, key: bytes, want: dict[str, Any], with_image: bool
     and why."""
     from builder.bundle import crypto_sig_check
 
-    if not (out / inst.MANIFEST).is_file():
+    if not (out / MANIFEST).is_file():
         return None, "no bundle yet"
     try:
-        manifest, _, _ = inst.verify_bundle(str(out), key, sig_check=crypto_sig_check, hashes=False)
-    except inst.InstallError as e:
+        manifest, _, _ = verify_bundle(str(out), key, sig_check=crypto_sig_check, hashes=False)
+    except InstallError as e:
         return None, str(e)
     except Exception as e:  # a signature that does not check, a key that does not parse
         return None, str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -129,7 +132,7 @@ def ensure_bundles(
         want = expected(ctx, fleet, h)
         manifest: dict[str, Any] | None = None
         why = "no bundle yet"
-        if (bdir / inst.MANIFEST).is_file():
+        if (bdir / MANIFEST).is_file():
             pub = trusted_key_bytes(ctx.root, fleet, bdir, ShipOptions(signing_key=key))
             manifest, why = current_bundle(bdir, pub, want, with_image, with_models)
         if manifest is not None:
@@ -140,7 +143,7 @@ def ensure_bundles(
             say(f"{h.name}: making its bundle ({why})")
         opts = BundleOptions(out=bdir, key=key, with_image=with_image, with_models=with_models, part_size=size)
         res = make_bundle(ctx, f"{fleet.fleet.name}/{h.name}", opts)
-        return FleetBundle(h.name, res.path, inst.check_manifest(json.loads((res.path / inst.MANIFEST).read_bytes())),
+        return FleetBundle(h.name, res.path, check_manifest(json.loads((res.path / MANIFEST).read_bytes())),
                            made=True)
 
     size = parse_size(part_size)  # (ConfigError before anything is written)

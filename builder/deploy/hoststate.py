@@ -9,7 +9,9 @@ on the host.
   apply record's bundle, lock and image, this lane's containers of this rank (by the labels start.sh
   gives them, so nothing else is ever looked at or touched) and, on the head, whether ``/health``
   answers on 127.0.0.1 (as the serving audit asks it).
-- ``stage``/``switch``: the installer (``builder/installer.py``, the operator's copy, over stdin).
+- ``stage``/``switch``: the installer (this machine's install.pyz, builder.bundle.hostpkg), kept on the
+  host as ``<paths.bundles>/incoming/install-<sha256[:16]>.pyz`` as ship keeps it
+  (builder.ship.remote.installer_command).
 - ``stop``: the release's own ``stop.sh`` (every container of this lane and rank, whatever bundle
   started it; only those); with no release installed, the same command from builder.launch.
 - ``start``: ``current/start.sh`` with ``BUILDER_START_TIMEOUT`` set to the deploy's bound.
@@ -25,6 +27,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from builder.bundle import hostpkg
 from builder.errors import BuilderError
 from builder.hostfacts import source
 
@@ -146,10 +149,8 @@ class HostOps:
     # ------------------------------------------------------------------ the installer
 
     def installer(self, args: list[str], what: str, timeout: float | None = None) -> dict[str, Any]:
-        from builder import installer as inst
-
         return self.remote.run_installer(
-            inst.assemble(), [*args, "--root", self.root], timeout=timeout or self.timeout + 120, what=what
+            hostpkg.zipapp(), [*args, "--root", self.root], timeout=timeout or self.timeout + 120, what=what
         )
 
     def derive(self, release: str, timeout: float) -> dict[str, Any] | None:

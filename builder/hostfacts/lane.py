@@ -3,9 +3,10 @@
 The request (argv[1], JSON) names what to do:
 
 * ``{"do": "state", "root", "lane", "rank", "health_port", "label_lane", "label_rank", "label_bundle"}``:
-  the installer's links (``current``, ``previous``, ``staged``), the releases present, the apply record's
-  bundle, lock and image, this lane's containers of this rank (by the labels start.sh gives them, so
-  nothing else is looked at) and, with a ``health_port``, whether ``/health`` answers on 127.0.0.1;
+  the installer's links (``current``, ``previous``, ``staged``: the layout install.pyz keeps, see
+  builder/onhost/__init__.py), the releases present, the apply record's bundle, lock and image, this
+  lane's containers of this rank (by the labels start.sh gives them, so nothing else is looked at)
+  and, with a ``health_port``, whether ``/health`` answers on 127.0.0.1;
 * ``{"do": "wait", "container", "ready", "timeout"}``: wait until this rank meets its readiness
   (``ready``, as builder.launch.rank renders it: its health path, a port, a log line, or running), or
   its container ended, or the bound passed; the container's last log lines say why it ended.

@@ -22,7 +22,7 @@ object under a real name.
 
 Bundles take model files from here by hard link (``place``: a reflink where a link is refused, a
 copy only across file systems), so a fleet's bundles cost one copy of the weights, not one per host.
-An object is trusted without reading it while its stamp vouches for it (the installer's fast-mode
+An object is trusted without reading it while its stamp vouches for it (the host side's fast-mode
 rule, ``fast_mode_drift``: same size, mtime and inode as when it was hashed); a store file written
 through a link behind builder's back gets a new mtime and is hashed again before it is used.
 """
@@ -45,7 +45,7 @@ from pathlib import Path
 from builder.canon import atomic_write, file_lock, fsync_dir
 from builder.errors import BuilderError, VerifyError
 from builder.hashing import READ_SIZE, sha256_file, stamp
-from builder.installer import fast_mode_drift
+from builder.onhost.record import fast_mode_drift
 
 #: Linux's FICLONE ioctl (a reflink: a new inode sharing the source's extents; btrfs, XFS, bcachefs)
 FICLONE = 0x40049409

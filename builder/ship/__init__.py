@@ -11,7 +11,8 @@ however many files are sent; host keys are checked as ssh_config says, never swi
 1. the bundle's signature, manifest and file sizes are checked here (its bytes were hashed when
    they were written; the host hashes every byte it receives);
 2. one remote command keeps this machine's trusted installer on the host as
-   ``<paths.bundles>/incoming/installer-<sha256>.py`` (sent at the head of the stream, written only
+   ``<paths.bundles>/incoming/install-<sha256[:16]>.pyz`` (builder.placement.kept_installer; sent at
+   the head of the stream, written only
    when the host's copy is missing or differs, checked against that sha256 before it runs) and runs
    its ``receive``: it gets the signed manifest first, says when the bundle is already installed
    (or staged, for ``--stage``: nothing is sent), else which files it lacks and from which byte (what
@@ -26,7 +27,8 @@ Every ssh call has a timeout (base + size / minimum rate). A host that cannot be
 255, or no answer in time) gives UnreachableError (exit 3, one line naming the host); a rerun resumes.
 
 ``--to DIR`` copies the bundle to ``DIR/<fleet>/<host>/`` instead (resumable the same way), then
-verifies the copy. Install it on the host with a trusted installer (see builder/installer.py).
+verifies the copy. Install it on the host with a trusted installer (install.pyz, see
+builder/onhost/__init__.py).
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from builder import installer as inst
 from builder.bundle import public_key_for, read_public_key, signing_key_path, verify_with_key
 from builder.errors import ConfigError, VerifyError
 from builder.hosts import Fleet, Host, find_host
+from builder.onhost.errors import InstallError
+from builder.onhost.manifest import MANIFEST
+from builder.onhost.verify import verify_bundle
 from builder.ship.options import ShipOptions, ShipResult
 from builder.ship.remote import Remote
 from builder.ship.send import ship_over_ssh
@@ -72,7 +76,7 @@ def _load_bundle(
     root: Path, fleet: Fleet, host: Host, opts: ShipOptions
 ) -> tuple[Path, dict[str, Any], bytes]:
     bdir = opts.bundle or root / "out" / "bundles" / fleet.fleet.name / host.name
-    if not (bdir / inst.MANIFEST).is_file():
+    if not (bdir / MANIFEST).is_file():
         raise ConfigError(f"{bdir}: no bundle there (run `builder bundle {host.name}`)")
     # Over ssh the host hashes every byte it receives against the signed manifest (and refuses a
     # wrong one, naming the file), so here the signature and sizes suffice; a copy to a folder is
@@ -81,8 +85,8 @@ def _load_bundle(
     if opts.insecure:  # nothing is checked against a key, so none is needed (or asked for)
         key = b""
         try:
-            manifest, _, _ = inst.verify_bundle(str(bdir), None, insecure=True, hashes=hashes)
-        except inst.InstallError as e:
+            manifest, _, _ = verify_bundle(str(bdir), None, insecure=True, hashes=hashes)
+        except InstallError as e:
             raise VerifyError(str(e)) from None
     else:
         key = trusted_key_bytes(root, fleet, bdir, opts)

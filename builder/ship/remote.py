@@ -1,18 +1,41 @@
-"""Running commands on a host over its one connection (ssh, `docker exec`, or locally), and reading
-the installer's answers."""
+"""Running commands on a host over its one connection (ssh, `docker exec`, or locally), running the
+installer there (install.pyz, kept on the host by its sha256), and reading its answers."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 import subprocess
 from pathlib import Path
 from typing import IO, Any
 
-from builder import installer as inst
 from builder.errors import BuilderError, ConfigError, UnreachableError
 from builder.hosts import Fleet, Host, ssh_config_file
+from builder.onhost.errors import EXIT_CONFIG
+from builder.placement import kept_installer
 from builder.ssh import Connection, ControlSockets, die_with_parent, tied
+
+#: the exit status of an installer command when the copy it kept does not match the sha256 sent
+BAD_INSTALLER = 199
+
+
+def installer_command(bundles: str, script: bytes, args: list[str]) -> str:
+    """The shell command that runs ``python3 install.pyz ARGS`` on a host from this machine's copy,
+    ``script``, which it reads from the head of its stdin: kept as ``kept_installer`` (written only
+    when the host's copy is missing or differs, else skipped) and run only once its sha256 is the
+    one sent (exit BAD_INSTALLER otherwise). ``head -c N`` reads exactly N bytes of a pipe (GNU
+    coreutils and busybox both do), leaving the rest of stdin for the installer."""
+    digest = hashlib.sha256(script).hexdigest()
+    prog = kept_installer(bundles, digest)
+    q = shlex.quote
+    same = f'test "$(sha256sum < {q(prog)} 2>/dev/null | cut -c1-64)" = {digest}'
+    return (
+        f"umask 022 && mkdir -p {q(prog.rsplit('/', 1)[0])} || exit {BAD_INSTALLER}; "
+        f"if {same}; then head -c {len(script)} > /dev/null; "
+        f"else head -c {len(script)} > {q(prog + '.tmp')} && mv -f {q(prog + '.tmp')} {q(prog)}; fi; "
+        f"{same} || exit {BAD_INSTALLER}; exec python3 {q(prog)} " + " ".join(q(a) for a in args)
+    )
 
 
 class Remote:
@@ -107,10 +130,18 @@ class Remote:
         return proc
 
     def run_installer(self, script: bytes, args: list[str], *, timeout: float, what: str) -> dict[str, Any]:
-        """Run the installer on the host (script on stdin); its JSON answer, or the error it printed."""
-        cmd = "python3 - " + " ".join(shlex.quote(a) for a in args)
-        proc = self.run(cmd, timeout=timeout, stdin=script, what=what)
+        """Run the installer ``script`` (install.pyz) on the host, kept there by its sha256 (see
+        installer_command); its JSON answer, or the error it printed."""
+        bundles = self.host.paths.bundles
+        proc = self.run(installer_command(bundles, script, args), timeout=timeout, stdin=script, what=what)
+        if proc.returncode == BAD_INSTALLER:
+            raise BuilderError(bad_installer(self.host, proc.stderr))
         return installer_answer(self, proc.returncode, proc.stdout, proc.stderr, what)
+
+
+def bad_installer(host: Host, stderr: bytes) -> str:
+    return (f"{host.name}: cannot keep the installer under {host.paths.bundles}/incoming "
+            f"(or the copy there does not match the one sent): {last_line(stderr) or 'no reason given'}")
 
 
 def last_line(data: bytes) -> str:
@@ -137,7 +168,7 @@ def installer_answer(remote: Remote, proc_rc: int, stdout: bytes, stderr: bytes,
         msg = error_line(stderr) or f"exit status {proc_rc}"
         if proc_rc == 127 or "python3: not found" in msg or "command not found" in msg:
             raise BuilderError(f"{name}: python3 not found on the host")
-        cls = ConfigError if proc_rc == inst.EXIT_CONFIG else BuilderError
+        cls = ConfigError if proc_rc == EXIT_CONFIG else BuilderError
         raise cls(f"{name}: {what}: {msg}")
     try:
         out = json.loads(stdout.decode("utf-8").strip().splitlines()[-1])

@@ -5,21 +5,21 @@ bytes the host says it lacks, each sent with sendfile."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import shlex
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
-from builder import installer as inst
+from builder.bundle import hostpkg
 from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
 from builder.hosts import Host
+from builder.onhost.manifest import MANIFEST, SIGNATURE
+from builder.onhost.receive import RECEIVE_MAGIC, widen_pipe
 from builder.ship.options import MiB, ShipOptions, ShipResult
-from builder.ship.remote import Remote, installer_answer, last_line
+from builder.ship.remote import BAD_INSTALLER, Remote, bad_installer, installer_answer, installer_command
 from builder.ssh import die_with_parent
 
 #: bytes per sendfile call (a progress step)
@@ -32,10 +32,6 @@ def key_line(key: bytes) -> str:
     return sign.parse_public_key(key).base64
 
 
-#: the exit status of ship's receive command when the installer it wrote does not match its sha256
-BAD_INSTALLER = 199
-
-
 def ship_over_ssh(
     remote: Remote, host: Host, bdir: Path, manifest: dict[str, Any], key: bytes, opts: ShipOptions
 ) -> ShipResult:
@@ -44,15 +40,11 @@ def ship_over_ssh(
     with the bundle streamed on its stdin (only the files and bytes the host says it lacks); it
     hashes every byte as it arrives and installs, or says the bundle is already there.
 
-    The stream starts with the installer itself (about 100 KiB): the command keeps it as the
-    host's copy when that is missing or differs, and skips it otherwise, so a first ship costs no
-    second command and no round trip more than a later one. ``head -c N`` reads exactly N bytes of
-    a pipe (GNU coreutils and busybox both do), leaving the rest for the installer."""
-    script = inst.assemble()
-    digest = hashlib.sha256(script).hexdigest()
+    The stream starts with the installer itself (install.pyz, about 120 KiB): the command keeps it
+    as the host's copy when that is missing or differs, and skips it otherwise (installer_command),
+    so a first ship costs no second command and no round trip more than a later one."""
+    script = hostpkg.zipapp()
     hroot = host.paths.bundles
-    prog = f"{hroot}/incoming/installer-{digest[:16]}.py"
-    q = shlex.quote
     args = ["receive", "--root", hroot, "--host", host.name]
     if opts.stage:
         args.append("--stage")
@@ -60,14 +52,7 @@ def ship_over_ssh(
         args.append("--insecure")
     else:
         args += ["--trusted-key-base64", key_line(key)]
-    same = f'test "$(sha256sum < {q(prog)} 2>/dev/null | cut -c1-64)" = {digest}'
-    command = (
-        f"umask 022 && mkdir -p {q(hroot + '/incoming')} || exit {BAD_INSTALLER}; "
-        f"if {same}; then head -c {len(script)} > /dev/null; "
-        f"else head -c {len(script)} > {q(prog + '.tmp')} && mv -f {q(prog + '.tmp')} {q(prog)}; fi; "
-        f"{same} || exit {BAD_INSTALLER}; exec python3 {q(prog)} " + " ".join(q(a) for a in args)
-    )
-    return _receive(remote, host, bdir, manifest, script, command, opts)
+    return _receive(remote, host, bdir, manifest, script, installer_command(hroot, script, args), opts)
 
 
 def _receive(
@@ -78,8 +63,8 @@ def _receive(
     res = ShipResult(host=host.name, fleet=manifest["fleet"], bundle_id=manifest["bundle_id"], result="")
     files = {f["path"]: f for f in manifest["files"]}
     total = sum(f["size"] for f in manifest["files"])
-    mbytes = (bdir / inst.MANIFEST).read_bytes()
-    sbytes = (bdir / inst.SIGNATURE).read_bytes() if not opts.insecure else b""
+    mbytes = (bdir / MANIFEST).read_bytes()
+    sbytes = (bdir / SIGNATURE).read_bytes() if not opts.insecure else b""
     limit = opts.timeout + 120 + total / opts.min_rate + 3 * total / opts.hash_rate
     remote.connect()
     argv = remote.argv(command)
@@ -100,11 +85,11 @@ def _receive(
     timer.daemon = True
     timer.start()
     assert proc.stdin is not None and proc.stdout is not None
-    inst.widen_pipe(proc.stdin.fileno())
+    widen_pipe(proc.stdin.fileno())
     broken = False
     try:
         try:
-            proc.stdin.write(script + inst.RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes)
+            proc.stdin.write(script + RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes)
             proc.stdin.flush()
             line = proc.stdout.readline()
             want = json.loads(line).get("want") if line.strip() else None
@@ -137,8 +122,7 @@ def _receive(
             f"{host.name}: no answer within {limit:.0f} s (receive) over {remote.kind} to {host.ssh}"
         )
     if rc == BAD_INSTALLER and not res.sent:
-        raise BuilderError(f"{host.name}: cannot keep the installer under {host.paths.bundles}/incoming "
-                           f"(or the copy there does not match the one sent): {last_line(err) or 'no reason given'}")
+        raise BuilderError(bad_installer(host, err))
     if broken and rc == 0:
         rc = 1
     out = installer_answer(remote, rc, tail, err, "receive")

@@ -1,5 +1,5 @@
 """Sneakernet: copy a verified bundle to a folder (``builder ship --to DIR``), resumably, and verify
-the copy; install it on the host with a trusted installer (see builder/installer.py)."""
+the copy; install it on the host with a trusted installer (install.pyz, see builder/onhost/__init__.py)."""
 
 from __future__ import annotations
 
@@ -10,24 +10,27 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from builder import installer as inst
 from builder.bundle import verify_with_key
 from builder.errors import VerifyError
+from builder.onhost.errors import InstallError
+from builder.onhost.files import READ_SIZE, hash_file, scan_tree
+from builder.onhost.manifest import MANIFEST, MODES, SIGNATURE, physical_files
+from builder.onhost.verify import verify_bundle
 from builder.ship.options import ShipResult
 
 
 def _file_order(manifest: dict[str, Any]) -> list[tuple[str, int, str]]:
     """Every physical file, manifest and signature last (a folder with them is complete)."""
-    phys = inst.physical_files(manifest)
+    phys = physical_files(manifest)
     return [(p, s, h) for p, (s, h) in sorted(phys.items())]
 
 
 def _meta_files(bdir: Path) -> list[tuple[str, int, str]]:
     """(path, size, sha256) of the manifest and (when there is one) the signature in bdir."""
     out = []
-    for name in (inst.MANIFEST, inst.SIGNATURE):
+    for name in (MANIFEST, SIGNATURE):
         if (bdir / name).exists():
-            digest, size = inst.hash_file(str(bdir / name))
+            digest, size = hash_file(str(bdir / name))
             out.append((name, size, digest))
     return out
 
@@ -39,7 +42,7 @@ def _copy_checked(src: Path, tmp: Path, dest: Path, size: int, digest: str, mode
     h = hashlib.sha256()
     n = 0
     with open(src, "rb") as fi, open(tmp, "wb") as fo:
-        while chunk := fi.read(inst.READ_SIZE):
+        while chunk := fi.read(READ_SIZE):
             h.update(chunk)
             n += len(chunk)
             fo.write(chunk)
@@ -65,8 +68,8 @@ def ship_to_dir(bdir: Path, manifest: dict[str, Any], dest: Path, key: bytes | N
     tmp_root = dest.parent / f".tmp-{dest.name}"
     shutil.rmtree(tmp_root, ignore_errors=True)
     files = _file_order(manifest)
-    expected = {p for p, _, _ in files} | {inst.MANIFEST, inst.SIGNATURE}
-    present, refused = inst.scan_tree(str(dest))
+    expected = {p for p, _, _ in files} | {MANIFEST, SIGNATURE}
+    present, refused = scan_tree(str(dest))
     for r in refused:  # links and odd files: remove what we can name
         with contextlib.suppress(OSError):
             (dest / r.rsplit(" (", 1)[0]).unlink()
@@ -74,9 +77,9 @@ def ship_to_dir(bdir: Path, manifest: dict[str, Any], dest: Path, key: bytes | N
         (dest / rel).unlink()
         res.removed.append(rel)
     sends = files + _meta_files(bdir)
-    if not (bdir / inst.SIGNATURE).exists():  # an unsigned bundle: no stale signature in the copy
-        (dest / inst.SIGNATURE).unlink(missing_ok=True)
-    modes = {f["path"]: inst.MODES[f["mode"]] for f in manifest["files"] if not f.get("parts")}
+    if not (bdir / SIGNATURE).exists():  # an unsigned bundle: no stale signature in the copy
+        (dest / SIGNATURE).unlink(missing_ok=True)
+    modes = {f["path"]: MODES[f["mode"]] for f in manifest["files"] if not f.get("parts")}
     for rel, size, digest in sends:
         target = dest / rel
         mode = modes.get(rel, 0o644)
@@ -84,7 +87,7 @@ def ship_to_dir(bdir: Path, manifest: dict[str, Any], dest: Path, key: bytes | N
             target.is_file()
             and not target.is_symlink()
             and target.stat().st_size == size
-            and inst.hash_file(str(target))[0] == digest
+            and hash_file(str(target))[0] == digest
         ):
             os.chmod(target, mode)
             res.skipped.append(rel)
@@ -97,7 +100,7 @@ def ship_to_dir(bdir: Path, manifest: dict[str, Any], dest: Path, key: bytes | N
         verify_with_key(dest, key)
     else:
         try:
-            inst.verify_bundle(str(dest), None, insecure=True)
-        except inst.InstallError as e:
+            verify_bundle(str(dest), None, insecure=True)
+        except InstallError as e:
             raise VerifyError(str(e)) from None
     return res

@@ -7,16 +7,21 @@ answering /health with httpd) in this machine's engine and records its real Imag
 
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from builder import __version__
+from builder.bundle import hostpkg
 from builder.canon import atomic_write, pretty_json
 from builder.imagerecord import ImageRecord, tag_for, write_record
 from builder.lockfile import (
@@ -29,6 +34,7 @@ from builder.lockfile import (
     render_lock,
     spec_hash,
 )
+from builder.onhost.manifest import bundle_id_of, trusted_comment_for
 from builder.pins import load_pins
 from builder.plan import make_plan
 
@@ -296,6 +302,18 @@ def relock(p: Project, *, streams: int) -> None:
     write_record_for(p.root, p.image_id, p.diff_ids)
 
 
+@functools.cache
+def installer_file() -> Path:
+    """This checkout's install.pyz, written once per test process to a folder of its own outside the
+    checkout: what a host runs (``python3 install.pyz COMMAND ...``)."""
+    d = Path(tempfile.mkdtemp(prefix="builder-install-pyz-"))
+    atexit.register(shutil.rmtree, d, True)
+    path = d / hostpkg.NAME
+    path.write_bytes(hostpkg.zipapp())
+    path.chmod(0o755)
+    return path
+
+
 def tree_bytes(d: Path) -> dict[str, tuple[bytes, int]]:
     """path -> (bytes, mode) of every file under d (for determinism checks)."""
     out = {}
@@ -312,15 +330,14 @@ def manifest(d: Path) -> dict[str, Any]:
 
 def resign(d: Path, key: Path, obj: dict[str, Any], *, fix_id: bool = True) -> None:
     """Rewrite a bundle's manifest (recomputing its id) and sign it again with the real key."""
-    from builder import installer as inst
     from builder import sign
 
     if fix_id:
-        obj["bundle_id"] = inst.bundle_id_of(obj)
+        obj["bundle_id"] = bundle_id_of(obj)
     data = pretty_json(obj)
     (d / "manifest.json").write_bytes(data)
     (d / "manifest.json.minisig").write_text(
-        sign.sign(data, sign.load_secret_key(key), inst.trusted_comment_for(obj))
+        sign.sign(data, sign.load_secret_key(key), trusted_comment_for(obj))
     )
 
 

@@ -24,8 +24,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from builder import installer as inst
 from builder.errors import BuilderError
+from builder.onhost.errors import InstallError as InstallError
+from builder.onhost.manifest import (
+    MANIFEST,
+    SIGNATURE,
+    check_manifest,
+    physical_files,
+    release_files,
+    trusted_comment_for,
+)
+from builder.onhost.record import model_cached, write_record
+from builder.onhost.release import status
+from builder.onhost.root import Root
+from builder.onhost.verify import check_signature_form, verify_bundle
 from tests.lib import checkmods, rlib
 
 FUZZ = settings(
@@ -551,17 +563,17 @@ def test_a_misspelt_serve_key_is_named_with_its_fix(tmp_path: Path) -> None:
 @given(data=st.data())
 def test_manifest_structure(bundle_dir: tuple[Path, Path], data: st.DataObject) -> None:
     """check_manifest on any structural mutation: InstallError (one line) or the manifest."""
-    good = json.loads((bundle_dir[0] / inst.MANIFEST).read_bytes())
+    good = json.loads((bundle_dir[0] / MANIFEST).read_bytes())
     obj = mutate(data, good) if data.draw(st.booleans()) else data.draw(json_value)
     try:
-        out = inst.check_manifest(obj)
-    except inst.InstallError as e:
+        out = check_manifest(obj)
+    except InstallError as e:
         rlib.assert_one_line(e)
     else:
         assert out is obj
-        inst.physical_files(out)
-        inst.release_files(out)
-        inst.trusted_comment_for(out)
+        physical_files(out)
+        release_files(out)
+        trusted_comment_for(out)
 
 
 @FUZZ
@@ -574,18 +586,18 @@ def test_manifest_and_signature_files(bundle_dir: tuple[Path, Path], data: st.Da
     work = src.parent / "fuzz-bundle"
     if not work.exists():
         shutil.copytree(src, work)
-    mgood = (src / inst.MANIFEST).read_bytes()
-    sgood = (src / inst.SIGNATURE).read_bytes()
-    target = data.draw(st.sampled_from([inst.MANIFEST, inst.SIGNATURE]))
-    if target == inst.MANIFEST:
+    mgood = (src / MANIFEST).read_bytes()
+    sgood = (src / SIGNATURE).read_bytes()
+    target = data.draw(st.sampled_from([MANIFEST, SIGNATURE]))
+    if target == MANIFEST:
         new = draw_document(data, [mgood], _json_load, to_json)
-        (work / inst.SIGNATURE).write_bytes(sgood)
+        (work / SIGNATURE).write_bytes(sgood)
     else:
         new = mutate_bytes(data, sgood)
-        (work / inst.MANIFEST).write_bytes(mgood)
+        (work / MANIFEST).write_bytes(mgood)
     (work / target).write_bytes(new)
     before = rlib.listing(work)
-    changed = new != (mgood if target == inst.MANIFEST else sgood)
+    changed = new != (mgood if target == MANIFEST else sgood)
     try:
         verify_with_key(work, pub.read_bytes())
     except BuilderError as e:
@@ -594,12 +606,12 @@ def test_manifest_and_signature_files(bundle_dir: tuple[Path, Path], data: st.Da
         assert not changed, "a changed manifest or signature was accepted"
     # and without the signature (--insecure): the structure and hash checks alone
     try:
-        inst.verify_bundle(str(work), None, insecure=True)
-    except inst.InstallError as e:
+        verify_bundle(str(work), None, insecure=True)
+    except InstallError as e:
         rlib.assert_one_line(e)
     assert rlib.listing(work) == before and (work / target).read_bytes() == new
-    (work / inst.MANIFEST).write_bytes(mgood)
-    (work / inst.SIGNATURE).write_bytes(sgood)
+    (work / MANIFEST).write_bytes(mgood)
+    (work / SIGNATURE).write_bytes(sgood)
 
 
 # --------------------------------------------------------------------------- keys and signatures
@@ -623,8 +635,8 @@ def test_key_and_signature_parsers(bundle_dir: tuple[Path, Path], data: st.DataO
         except BuilderError as e:
             rlib.assert_one_line(e)
     try:
-        inst.check_signature_form(text)
-    except inst.InstallError as e:
+        check_signature_form(text)
+    except InstallError as e:
         rlib.assert_one_line(e)
 
 
@@ -634,10 +646,10 @@ def test_key_and_signature_parsers(bundle_dir: tuple[Path, Path], data: st.DataO
 @pytest.fixture(scope="module")
 def applied_seed(tmp_path_factory: pytest.TempPathFactory, bundle_dir: tuple[Path, Path]) -> bytes:
     """An apply record as the installer writes it (for a bundle installed into a tmp root)."""
-    manifest = json.loads((bundle_dir[0] / inst.MANIFEST).read_bytes())
+    manifest = json.loads((bundle_dir[0] / MANIFEST).read_bytes())
     manifest["models"] = []
-    r = inst.Root(str(tmp_path_factory.mktemp("applied")))
-    rec = inst.write_record(r, manifest, b"{}", "install", None)
+    r = Root(str(tmp_path_factory.mktemp("applied")))
+    rec = write_record(r, manifest, b"{}", "install", None)
     return (json.dumps(rec, sort_keys=True, indent=2) + "\n").encode()
 
 
@@ -663,7 +675,7 @@ def test_apply_record_readers(tmp_path: Path, applied_seed: bytes, data: st.Data
     assert rec is None or isinstance(rec, dict)
     assert "\n" not in why
     before = rlib.snapshot(root)
-    st_ = inst.status(str(root))
+    st_ = status(str(root))
     assert st_["current"] is None and isinstance(st_["consistent"], bool)
     if isinstance(rec, dict) and isinstance(rec.get("bundle_id"), str):
         assert st_["consistent"] is False  # a record naming a bundle, but no `current` link
@@ -674,9 +686,9 @@ def test_install_survives_a_damaged_apply_record_models_field(tmp_path: Path) ->
     f = tmp_path / "w.bin"
     f.write_bytes(b"x" * 10)
     m = {"path": str(f), "sha256": "0" * 64, "size": 10}
-    assert inst._model_cached(m, {"models": 5}) is False
-    assert inst._model_cached(m, {"models": None}) is False
-    assert inst._model_cached(m, "garbage") is False  # type: ignore[arg-type]
+    assert model_cached(m, {"models": 5}) is False
+    assert model_cached(m, {"models": None}) is False
+    assert model_cached(m, "garbage") is False  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- through the real CLI
@@ -748,9 +760,9 @@ def test_cli_verify_on_fuzzed_manifests(bundle_dir: tuple[Path, Path], data: st.
     if work.exists():
         shutil.rmtree(work)
     shutil.copytree(src, work)
-    mgood = (src / inst.MANIFEST).read_bytes()
+    mgood = (src / MANIFEST).read_bytes()
     new = draw_document(data, [mgood], _json_load, to_json)
-    (work / inst.MANIFEST).write_bytes(new)
+    (work / MANIFEST).write_bytes(new)
     before = rlib.snapshot(work)
     p = rlib.run_builder("verify", str(work), "--key", str(pub), cwd=work.parent)
     rlib.assert_clean_cli(p)

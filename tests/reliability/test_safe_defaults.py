@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 
-from builder import installer as inst
 from builder.errors import BuilderError, ConfigError, VerifyError
+from builder.onhost.errors import EXIT_CONFIG, InstallError
+from builder.onhost.manifest import MANIFEST, SIGNATURE
+from builder.onhost.verify import verify_bundle
 from tests.lib import rlib
 
 # --------------------------------------------------------------------------- ssh host keys
@@ -181,7 +183,7 @@ def test_signatures_are_required_unless_insecure_is_given(tmp_path: Path) -> Non
     pins = ["--pins", str(p.pins)]
     assert rlib.run_builder(*pins, "bundle", "spark-b", "--key", str(p.key), cwd=p.root).returncode == 0
     d = p.out("spark-b")
-    (d / inst.SIGNATURE).unlink()
+    (d / SIGNATURE).unlink()
     usb = tmp_path / "usb"
     for env in (
         {},
@@ -192,11 +194,11 @@ def test_signatures_are_required_unless_insecure_is_given(tmp_path: Path) -> Non
         assert "manifest.json.minisig: missing" in r.stderr and not usb.exists()
         r = rlib.run_builder(*pins, "verify", str(d), "--key", str(p.pub), cwd=p.root, env=env)
         rlib.assert_clean_cli(r, allowed=(1,))
-    with pytest.raises(inst.InstallError) as e:
-        inst.verify_bundle(str(d), None)
-    assert e.value.code == inst.EXIT_CONFIG and "no trusted key" in str(e.value)
-    with pytest.raises(inst.InstallError, match="minisig: missing"):
-        inst.verify_bundle(str(d), p.pub.read_bytes())
+    with pytest.raises(InstallError) as e:
+        verify_bundle(str(d), None)
+    assert e.value.code == EXIT_CONFIG and "no trusted key" in str(e.value)
+    with pytest.raises(InstallError, match="minisig: missing"):
+        verify_bundle(str(d), p.pub.read_bytes())
     # the explicit flag, on the command line only, lets it through (and says so on the host)
     r = rlib.run_builder(*pins, "ship", "spark-b", "--to", str(usb), "--insecure", "--key", str(p.pub), cwd=p.root)
     assert r.returncode == 0, r.stderr
@@ -204,19 +206,17 @@ def test_signatures_are_required_unless_insecure_is_given(tmp_path: Path) -> Non
     r = rlib.run_builder(*pins, "ship", "spark-b", "--to", str(tmp_path / "usb2"), "--insecure", cwd=p.root,
                          env={"BUILDER_SIGNING_KEY": str(tmp_path / "no-such-key")})
     assert r.returncode == 0, r.stderr
-    assert len(list((tmp_path / "usb2").rglob(inst.MANIFEST))) == 1
+    assert len(list((tmp_path / "usb2").rglob(MANIFEST))) == 1
     root = tmp_path / "root"
     rb = subprocess.run(
-        [sys.executable, "-I", "-", "install", str(d), "--root", str(root)],
-        input=inst.assemble(),
+        [sys.executable, "-I", str(bl.installer_file()), "install", str(d), "--root", str(root)],
         capture_output=True,
         cwd="/",
         timeout=120,
     )
     assert rb.returncode == 2 and b"no trusted key" in rb.stderr  # the installer needs a key too
     rb = subprocess.run(
-        [sys.executable, "-I", "-", "install", str(d), "--root", str(root), "--insecure"],
-        input=inst.assemble(),
+        [sys.executable, "-I", str(bl.installer_file()), "install", str(d), "--root", str(root), "--insecure"],
         capture_output=True,
         cwd="/",
         timeout=120,
@@ -257,7 +257,7 @@ def test_bundle_refuses_fifos_devices_and_links(tmp_path: Path) -> None:
         verify_dir(d, p.pub)
     (d / "parts-link").unlink()
     # a signed manifest naming a device path for a model is refused too
-    m = json.loads((d / inst.MANIFEST).read_text())
+    m = json.loads((d / MANIFEST).read_text())
     m["models"][0]["path"] = "/dev/sda"
     from tests.lib import bundlelib as bl
 
@@ -356,7 +356,7 @@ PY_CANARY = "import pathlib; pathlib.Path({marker!r}).touch()\n"
 
 @pytest.mark.docker
 def test_nothing_from_the_bundle_runs_before_or_during_install(tmp_path: Path) -> None:
-    """A validly re-signed bundle whose start.sh, stop.sh and install.py are canaries: `builder ship` (local
+    """A validly re-signed bundle whose start.sh, stop.sh and install.pyz are canaries: `builder ship` (local
     connection) installs it with its own trusted installer and runs none of them; a tampered, not
     re-signed one is refused before anything is copied."""
     from tests.lib import bundlelib as bl
@@ -373,7 +373,7 @@ def test_nothing_from_the_bundle_runs_before_or_during_install(tmp_path: Path) -
         assert r.returncode == 0, r.stderr
         d = p.out("spark-b")
         # 1. tampered (not re-signed): refused before anything reaches the host
-        for name in ("start.sh", "install.py"):
+        for name in ("start.sh", "install.pyz"):
             keep = (d / name).read_bytes()
             (d / name).write_text(
                 CANARY.format(marker=marker) if name.endswith(".sh") else PY_CANARY.format(marker=str(marker))
@@ -383,11 +383,11 @@ def test_nothing_from_the_bundle_runs_before_or_during_install(tmp_path: Path) -
             assert name in r.stderr and not marker.exists() and not (host / "b").exists()
             (d / name).write_bytes(keep)
         # 2. canaries in a validly signed bundle: installed as files, never run by ship or the installer
-        m = json.loads((d / inst.MANIFEST).read_text())
+        m = json.loads((d / MANIFEST).read_text())
         for f in m["files"]:
-            if f["path"] in ("start.sh", "stop.sh", "install.py"):
+            if f["path"] in ("start.sh", "stop.sh", "install.pyz"):
                 text = CANARY if f["path"].endswith(".sh") else PY_CANARY
-                data = text.format(marker=str(marker) if f["path"].endswith(".py") else marker).encode()
+                data = text.format(marker=str(marker) if f["path"].endswith(".pyz") else marker).encode()
                 (d / f["path"]).write_bytes(data)
                 import hashlib
 
@@ -397,6 +397,6 @@ def test_nothing_from_the_bundle_runs_before_or_during_install(tmp_path: Path) -
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["result"] == "installed"
         assert not marker.exists(), "a script from the bundle was run"
-        assert PY_CANARY.split(";")[0] in (host / "b" / "current" / "install.py").read_text()
+        assert PY_CANARY.split(";")[0] in (host / "b" / "current" / "install.pyz").read_text()
     finally:
         subprocess.run(["docker", "rmi", "-f", p.image_id], capture_output=True)

@@ -180,7 +180,6 @@ def test_no_secret_in_lock_bundle_verify_ship_or_errors(tmp_path: Path) -> None:
 
 @pytest.mark.docker
 def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_path: Path) -> None:
-    from builder import installer as inst
     from tests.lib import bundlelib as bl
 
     if not shutil.which("docker"):
@@ -216,13 +215,12 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
     p = bl.make_project(tmp_path / "b", hosts=hs, docker_image=True, marker=f"secrets-{tmp_path}")
     try:
         sc.run("--pins", str(p.pins), "bundle", "spark-b", "--with-image", "--with-models", "--json", cwd=p.root)
-        script = inst.assemble()
         bdir = p.out("spark-b")
         r = subprocess.run(
             [
                 sys.executable,
                 "-I",
-                "-",
+                str(bl.installer_file()),
                 "install",
                 str(bdir),
                 "--root",
@@ -230,7 +228,6 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
                 "--trusted-key",
                 str(keys / "builder.pub"),
             ],
-            input=script,
             capture_output=True,
             cwd="/",
             env=sc.env,
@@ -240,8 +237,7 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
         sc.add("install stdout", r.stdout)
         sc.add("install stderr", r.stderr)
         st = subprocess.run(
-            [sys.executable, "-I", "-", "status", "--root", str(host / "b")],
-            input=script,
+            [sys.executable, "-I", str(bl.installer_file()), "status", "--root", str(host / "b")],
             capture_output=True,
             cwd="/",
             env=sc.env,

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from builder import installer as inst
 from builder.errors import BuilderError, ConfigError, VerifyError
+from builder.onhost.errors import InstallError
+from builder.onhost.install import install
 from tests.lib import rlib
 from tests.test_gitsrc import Upstream
 
@@ -89,7 +90,7 @@ def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: 
             ctx, "spark-b", BundleOptions(key=p.key, out=tmp_path / "v1", with_image=True, with_models=True)
         ).path
         root = host / "builder"
-        inst.install(str(v1), str(root), trusted_key=p.pub.read_bytes())
+        install(str(v1), str(root), trusted_key=p.pub.read_bytes())
         bl.relock(p, streams=5)
         ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
         v2 = make_bundle(
@@ -108,8 +109,8 @@ def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: 
         for rel, off in offsets:
             old = flip(v2 / rel, off, rng)
             try:
-                with pytest.raises(inst.InstallError) as e:
-                    inst.install(str(v2), str(root))
+                with pytest.raises(InstallError) as e:
+                    install(str(v2), str(root))
                 rlib.assert_one_line(e.value)
                 assert rlib.snapshot(root, skip=("state/install.lock",)) == before, (rel, off)
                 assert rlib.snapshot(host / "models") == models_before, (rel, off)
@@ -118,7 +119,7 @@ def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: 
             top = rel.split("/")[0] if not rel.startswith("parts/") else rel.split(".part")[0]
             hits[top] = hits.get(top, 0) + 1
         assert len(offsets) >= 220
-        res = inst.install(str(v2), str(root))  # restored: installs
+        res = install(str(v2), str(root))  # restored: installs
         assert res["result"] == "installed"
         rlib.record_figures("tamper-install", {"offsets": len(offsets), "by_file": hits})
     finally:

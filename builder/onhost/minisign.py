@@ -1,8 +1,8 @@
 """Verify minisign signatures with the Python standard library and the openssl CLI alone.
 
-Self-contained on purpose: no third-party imports and no builder imports, so the
-installer (which runs on a fresh DGX OS with only python3, docker and openssl) can copy
-this file as it is. builder.sign uses the same parsers.
+Standard library only, as all of builder.onhost (which runs on a fresh DGX OS with only
+python3, docker and openssl), and it imports nothing else of it: ``python3 minisign.py`` checks
+a file alone. builder.sign uses the same parsers.
 
 Formats (https://jedisct1.github.io/minisign):
 
@@ -24,6 +24,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -258,11 +259,9 @@ def verify_with_openssl(
     return sig.trusted_comment.decode("utf-8", "replace")
 
 
-if __name__ == "__main__":  # python3 minisign_verify.py FILE FILE.minisig KEY.pub
-    import sys
-
+if __name__ == "__main__":  # python3 minisign.py FILE FILE.minisig KEY.pub
     if len(sys.argv) != 4:
-        sys.stderr.write("usage: minisign_verify.py FILE SIGNATURE PUBLIC_KEY\n")
+        sys.stderr.write("usage: minisign.py FILE SIGNATURE PUBLIC_KEY\n")
         sys.exit(2)
     try:
         with open(sys.argv[2], "rb") as s, open(sys.argv[3], "rb") as k:

@@ -1,0 +1,214 @@
+"""Releases under ``releases/``: staging one from a bundle folder, ``staged``, ``switch``,
+``rollback`` and ``status`` (see the package docstring: "Stage, then switch")."""
+
+# ruff: noqa: UP031
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+from .engine import image_present
+from .errors import EXIT_CONFIG, InstallError, say
+from .files import TMP_PREFIX, atomic_write, fsync_dir, read_limited
+from .manifest import HEX64, MANIFEST, MAX_MANIFEST, MODES, SIGNATURE, bundle_id_of, check_manifest, release_files
+from .record import model_ok, release_ok, write_record
+from .root import Root
+from .verify import copy_entry
+
+
+def stage_release(
+    r: Root, bundle_dir: str, manifest: dict[str, Any], mbytes: bytes, sbytes: bytes, link: bool = False
+) -> None:
+    """Make releases/<bundle id>/ from the bundle's release files. ``link``: they are whole files in
+    ``incoming/`` that receive checked, linked into the release rather than copied."""
+    bid = manifest["bundle_id"]
+    final = r.release(bid)
+    if os.path.isdir(final) and release_ok(final, manifest, mbytes):
+        return
+    os.makedirs(r.releases, exist_ok=True)
+    tmp = os.path.join(r.releases, "%s%s-%d" % (TMP_PREFIX, bid[:16], os.getpid()))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.mkdir(tmp, 0o755)
+    for fe in release_files(manifest):
+        dest = os.path.join(tmp, fe["path"])
+        if link:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            os.link(os.path.join(bundle_dir, fe["path"]), dest)
+            os.chmod(dest, MODES[fe["mode"]])
+        else:
+            copy_entry(bundle_dir, fe, dest, MODES[fe["mode"]])
+    atomic_write(os.path.join(tmp, MANIFEST), mbytes, 0o644)
+    if sbytes:
+        atomic_write(os.path.join(tmp, SIGNATURE), sbytes, 0o644)
+    for dirpath, _dirs, _files in os.walk(tmp):
+        os.chmod(dirpath, 0o755)
+        fsync_dir(dirpath)
+    if os.path.lexists(final):  # damaged or partial (not ours to trust): move aside, then replace
+        aside = os.path.join(r.releases, "%sold-%s-%d" % (TMP_PREFIX, bid[:16], os.getpid()))
+        os.rename(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_dir(r.releases)
+
+
+def _release_manifest(r: Root, bid: str) -> tuple[dict[str, Any], bytes]:
+    path = os.path.join(r.release(bid), MANIFEST)
+    mbytes = read_limited(path, MAX_MANIFEST, path)
+    try:
+        manifest = check_manifest(json.loads(mbytes.decode("utf-8")))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InstallError("%s: malformed: %s" % (path, str(e)[:200])) from None
+    if bundle_id_of(manifest) != bid or manifest["bundle_id"] != bid:
+        raise InstallError("%s: does not describe release %s" % (path, bid[:16]))
+    return manifest, mbytes
+
+
+def rollback(root: str, *, lock_timeout: float = 60.0) -> dict[str, Any]:
+    r = Root(root)
+    with r.locked(lock_timeout):
+        r.clean_temps()
+        current, previous = r.link("current"), r.link("previous")
+        if previous is None or previous == current:
+            raise InstallError("%s: no previous release to roll back to" % r.root)
+        manifest, mbytes = _release_manifest(r, previous)
+        if not release_ok(r.release(previous), manifest, mbytes):
+            raise InstallError("release %s is damaged (its files differ from its manifest)" % previous[:16])
+        if image_present(manifest["image"]["image_id"]) is None:
+            raise InstallError(
+                "release %s needs image %s, which is no longer on this host"
+                % (previous[:16], manifest["image"]["image_id"])
+            )
+        old = r.read_record()
+        for m in manifest["models"]:
+            why = model_ok(m, old)
+            if why is not None:
+                raise InstallError("release %s needs model file %s: %s" % (previous[:16], m["path"], why))
+        if current is not None:
+            r.set_link("previous", current)
+        r.set_link("current", previous)
+        write_record(r, manifest, mbytes, "rollback", current)
+        say("rolled back to bundle %s (from %s)" % (previous[:16], (current or "none")[:16]))
+        return {
+            "result": "rolled-back",
+            "bundle_id": previous,
+            "previous_bundle_id": current,
+            "release": r.release(previous),
+        }
+
+
+def mark_staged(r: Root, manifest: dict[str, Any], mbytes: bytes, previous: str | None) -> None:
+    """staged -> this release, and state/staged.json: the record it will have once switched."""
+    write_record(r, manifest, mbytes, "stage", previous, r.staged_record)
+    r.set_link("staged", manifest["bundle_id"])
+
+
+def _ready(r: Root, bid: str, what: str) -> tuple[dict[str, Any], bytes]:
+    """An installed release that can run now: its files, its image and its model files as its
+    manifest says (model files vouched for by the apply or staged record, else hashed)."""
+    if not os.path.isdir(r.release(bid)):
+        raise InstallError("%s: no release %s under %s" % (what, bid[:16], r.releases))
+    manifest, mbytes = _release_manifest(r, bid)
+    if not release_ok(r.release(bid), manifest, mbytes):
+        raise InstallError("release %s is damaged (its files differ from its manifest)" % bid[:16])
+    layers = image_present(manifest["image"]["image_id"])
+    if layers is None:
+        raise InstallError(
+            "release %s needs image %s, which is not on this host" % (bid[:16], manifest["image"]["image_id"])
+        )
+    if layers and layers != manifest["image"]["diff_ids"]:
+        raise InstallError(
+            "image %s on this host has DiffIDs other than the manifest's" % manifest["image"]["image_id"]
+        )
+    vouch = [r.read_record(), r.read_record(r.staged_record)]
+    for m in manifest["models"]:
+        why = model_ok(m, vouch)
+        if why is not None:
+            raise InstallError("release %s needs model file %s: %s" % (bid[:16], m["path"], why))
+    return manifest, mbytes
+
+
+def stage_installed(root: str, bid: str, *, lock_timeout: float = 60.0) -> dict[str, Any]:
+    """Stage a release that is already under releases/ (checked again: files, image, model files)."""
+    if not HEX64.match(bid):
+        raise InstallError("--release: not a bundle id: %r" % bid, EXIT_CONFIG)
+    r = Root(root)
+    with r.locked(lock_timeout):
+        r.clean_temps()
+        manifest, mbytes = _ready(r, bid, "stage")
+        current = r.link("current")
+        old = r.read_record()
+        prev = old.get("previous_bundle_id") if current == bid and old else current
+        mark_staged(r, manifest, mbytes, prev)
+        say("staged release %s; current stays %s" % (bid[:16], (current or "none")[:16]))
+        return {"result": "staged", "bundle_id": bid, "current": current, "release": r.release(bid)}
+
+
+def switch(
+    root: str, bid: str, *, rollback: bool = False, force: bool = False, lock_timeout: float = 60.0
+) -> dict[str, Any]:
+    """Make release bid current (previous := the old current) and write its apply record. ``force``
+    (a repair): write the apply record again even when bid is current and recorded already."""
+    if not HEX64.match(bid):
+        raise InstallError("--to: not a bundle id: %r" % bid, EXIT_CONFIG)
+    r = Root(root)
+    with r.locked(lock_timeout):
+        r.clean_temps()
+        current = r.link("current")
+        old = r.read_record()
+        if current == bid and old and old.get("bundle_id") == bid and not force:
+            r.clear_staged(bid)
+            return {"result": "unchanged", "bundle_id": bid, "previous_bundle_id": old.get("previous_bundle_id")}
+        manifest, mbytes = _ready(r, bid, "switch")
+        if current is not None and current != bid:
+            r.set_link("previous", current)
+        previous = current if current != bid else r.link("previous")
+        r.set_link("current", bid)
+        write_record(r, manifest, mbytes, "rollback" if rollback else "install", previous)
+        r.clear_staged(bid)
+        say("switched to release %s (from %s)" % (bid[:16], (current or "none")[:16]))
+        return {"result": "switched", "bundle_id": bid, "previous_bundle_id": previous, "release": r.release(bid)}
+
+
+def status(root: str) -> dict[str, Any]:
+    r = Root(root)
+    rec = r.read_record()
+    return {
+        "root": r.root,
+        "current": r.link("current"),
+        "previous": r.link("previous"),
+        "staged": r.link("staged"),
+        "releases": r.releases_present(),
+        "trusted_key": os.path.exists(r.trusted),
+        "applied": rec,
+        "consistent": rec is not None and rec.get("bundle_id") == r.link("current"),
+    }
+
+
+def switch_in(r: Root, manifest: dict[str, Any], mbytes: bytes, stage: bool, current: str | None,
+               new_key: bytes | None) -> dict[str, Any]:
+    """The end of an install once the release is staged: the first key, then staged or current."""
+    bid = manifest["bundle_id"]
+    if new_key is not None:
+        atomic_write(r.trusted, new_key, 0o644)
+        say("trusted key set: %s" % r.trusted)
+    if stage:
+        mark_staged(r, manifest, mbytes, current)
+        say(
+            "staged bundle %s (host %s, lane %s, rank %d); current stays %s"
+            % (bid[:16], manifest["host"], manifest["lane"], manifest["rank"], (current or "none")[:16])
+        )
+        return {"result": "staged", "bundle_id": bid, "current": current, "release": r.release(bid)}
+    previous = r.link("previous")
+    if current is not None and current != bid:
+        r.set_link("previous", current)
+        previous = current
+    r.set_link("current", bid)
+    write_record(r, manifest, mbytes, "install", previous if previous != bid else None)
+    r.clear_staged(bid)
+    say(
+        "installed bundle %s (host %s, lane %s, rank %d); previous: %s"
+        % (bid[:16], manifest["host"], manifest["lane"], manifest["rank"], (previous or "none")[:16])
+    )
+    return {"result": "installed", "bundle_id": bid, "previous_bundle_id": previous, "release": r.release(bid)}
