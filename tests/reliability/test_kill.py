@@ -4,7 +4,7 @@ Each loop runs BUILDER_KILL_RUNS times (default 10; the documented longer run in
 uses 50) with kill points spread over one measured run (half of them over its last 40 %, where the
 writing happens). After every kill: nothing partial is visible under a real name (the old bytes or
 a complete, valid new result), and a rerun completes. The installer's own kill loop (10 and 50 runs,
-previous release still current) is tests/test_installer.py; ship over ssh killed part-way and
+previous release still current) is tests/test_onhost.py; ship over ssh killed part-way and
 resumed is tests/test_ship.py.
 """
 

@@ -1,7 +1,7 @@
 """One byte changed at random offsets: bundles at install time, patches, store entries, model files.
 
 Already elsewhere: tests/test_bundle.py flips 220 offsets across a bundle (manifest, signature, parts,
-bundled models) against `builder verify`; tests/test_installer.py refuses a handful of tampered
+bundled models) against `builder verify`; tests/test_onhost.py refuses a handful of tampered
 bundles with the host unchanged; tests/test_checks_fleet.py finds a corrupt model byte over ssh.
 Here: the installer itself refuses 220 offsets across a bundle that carries the image archive, and
 the host is byte-for-byte unchanged after each; patches against the lock; store objects and trees;
