@@ -115,18 +115,7 @@ def make_project(
     model_files: dict[str, bytes] | None = None,
 ) -> dict[str, Path]:
     """pins.toml, images/demo/, and (with lock) a pins.lock built from the real lock models."""
-    from builder.canon import sha256_bytes
-    from builder.lockfile import (
-        Lock,
-        LockedImage,
-        LockedLane,
-        LockedModel,
-        LockedModelFile,
-        recipe_files,
-        render_lock,
-        spec_hash,
-    )
-    from builder.pins import load_pins
+    from tests.lib import locks
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "images" / "demo").mkdir(parents=True, exist_ok=True)
@@ -142,37 +131,9 @@ def make_project(
     }
     if not lock:
         return out
-    pins = load_pins(pins_path)
-    files = model_files if model_files is not None else MODEL_FILES
-    lf = [LockedModelFile(path=p, size=len(b), sha256=sha256_bytes(b)) for p, b in sorted(files.items())]
-    lk = Lock(
-        format=1,
-        builder="test",
-        inputs_hash="0" * 64,
-        inputs={},
-        models={
-            "tiny": LockedModel(
-                spec_hash=spec_hash(pins.models["tiny"]),
-                repo="test/tiny",
-                revision="main",
-                commit="a" * 40,
-                source="local",
-                files=lf,
-                total_size=sum(x.size for x in lf),
-            )
-        },
-        images={
-            "demo": LockedImage(
-                spec_hash=spec_hash(pins.images["demo"]),
-                recipe="images/demo",
-                recipe_files=recipe_files(root, "images/demo"),
-                platform="linux/arm64",
-                source_date_epoch=0,
-            )
-        },
-        lanes={"demo": LockedLane(spec_hash=spec_hash(pins.lanes["demo"]), image="demo", models=["tiny"])},
-    )
-    out["lock"].write_bytes(render_lock(lk))
+    locks.write_lock(root, image="demo", model="tiny", lane="demo",
+                     files=model_files if model_files is not None else MODEL_FILES, repo="test/tiny",
+                     platform="linux/arm64", builder="test")
     return out
 
 

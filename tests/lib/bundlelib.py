@@ -20,23 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder import __version__
 from builder.bundle import hostpkg
-from builder.canon import atomic_write, pretty_json
+from builder.canon import pretty_json
 from builder.imagerecord import ImageRecord, tag_for, write_record
-from builder.lockfile import (
-    Lock,
-    LockedImage,
-    LockedLane,
-    LockedModel,
-    LockedModelFile,
-    recipe_files,
-    render_lock,
-    spec_hash,
-)
 from builder.onhost.manifest import bundle_id_of, trusted_comment_for
 from builder.pins import load_pins
 from builder.plan import make_plan
+from tests.lib import locks
 
 REPO = Path(__file__).resolve().parents[2]
 LANE = "demo"
@@ -192,39 +182,8 @@ def build_tiny_image(marker: str) -> tuple[str, list[str]]:
 
 
 def write_lock(root: Path) -> None:
-    pins = load_pins(root / "pins.toml")
-    files = [
-        LockedModelFile(path=n, size=len(b), sha256=hashlib.sha256(b).hexdigest())
-        for n, b in sorted(MODEL_FILES.items())
-    ]
-    lock = Lock(
-        format=1,
-        builder=__version__,
-        inputs_hash="0" * 64,
-        inputs={},
-        images={
-            "tiny": LockedImage(
-                spec_hash=spec_hash(pins.images["tiny"]),
-                recipe="images/tiny",
-                recipe_files=recipe_files(root, "images/tiny"),
-                platform="linux/amd64",
-                source_date_epoch=0,
-            )
-        },
-        models={
-            "demo-model": LockedModel(
-                spec_hash=spec_hash(pins.models["demo-model"]),
-                repo="demo/tiny-model",
-                revision="main",
-                commit="a" * 40,
-                source="local",
-                files=files,
-                total_size=sum(f.size for f in files),
-            )
-        },
-        lanes={LANE: LockedLane(spec_hash=spec_hash(pins.lanes[LANE]), image="tiny", models=["demo-model"])},
-    )
-    atomic_write(root / "pins.lock", render_lock(lock))
+    locks.write_lock(root, image="tiny", model="demo-model", lane=LANE, files=MODEL_FILES,
+                     repo="demo/tiny-model", platform="linux/amd64")
 
 
 def write_record_for(root: Path, image_id: str, diff_ids: list[str]) -> None:

@@ -203,13 +203,19 @@ class FakeHub:
         else:
             self._error(h, 404, None, "not found", head)
 
-    def _model_info(self, h: BaseHTTPRequestHandler, repo: str, rev: str, head: bool) -> None:
+    def _revision(self, h: BaseHTTPRequestHandler, repo: str, rev: str, head: bool) -> FakeRepo | None:
+        """The repo's revision, or None once the Hub's 404 for a missing repo or revision is sent."""
         if repo not in self.repos:
             self._error(h, 404, "RepoNotFound", "Repository not found", head)
-            return
+            return None
         r = self._find(repo, rev)
         if r is None:
             self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}", head)
+        return r
+
+    def _model_info(self, h: BaseHTTPRequestHandler, repo: str, rev: str, head: bool) -> None:
+        r = self._revision(h, repo, rev, head)
+        if r is None:
             return
         siblings = []
         for name in sorted(r.files):
@@ -257,12 +263,8 @@ class FakeHub:
         return self._blob_ids[key]
 
     def _resolve(self, h: BaseHTTPRequestHandler, repo: str, rev: str, rel: str, head: bool) -> None:
-        if repo not in self.repos:
-            self._error(h, 404, "RepoNotFound", "Repository not found", head)
-            return
-        r = self._find(repo, rev)
+        r = self._revision(h, repo, rev, head)
         if r is None:
-            self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}", head)
             return
         if rel not in r.files:
             self._error(h, 404, "EntryNotFound", f"Entry not found: {rel}", head)
