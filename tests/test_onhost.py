@@ -6,7 +6,6 @@ Tests that load images or check image presence use this machine's Docker Engine 
 from __future__ import annotations
 
 import ast
-import contextlib
 import fcntl
 import hashlib
 import io
@@ -14,7 +13,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -35,7 +33,7 @@ from builder.onhost.files import Writeback, write_all
 from builder.onhost.manifest import check_manifest, physical_files, release_files
 from builder.onhost.record import release_ok
 from builder.onhost.verify import verify_bundle
-from tests.lib import bundlelib
+from tests.lib import bundlelib, rlib
 from tests.lib import bundlelib as bl
 
 SCRIPT = hostpkg.zipapp()
@@ -327,7 +325,7 @@ def _kill_iterations(p: bl.Project, tmp_path: Path, n: int, seed: int) -> None:
             start_new_session=True,
         )
         time.sleep(rng.uniform(0, span * 1.2))  # a few land after the end: the rerun is then a no-op
-        _killpg(proc)  # python and whatever it started (docker load)
+        rlib.killpg(proc)  # python and whatever it started (docker load)
         cur = os.readlink(root / "current")
         assert cur in (f"releases/{id1}", f"releases/{id2}"), cur
         outcomes["old" if cur.endswith(id1) else "new"] += 1
@@ -347,19 +345,6 @@ def _kill_iterations(p: bl.Project, tmp_path: Path, n: int, seed: int) -> None:
         assert not [x for x in (root / "releases").iterdir() if x.name.startswith(".tmp-")]
         shutil.rmtree(root)
     print(f"kill outcomes: {outcomes} (seed {seed}, install span {span:.2f} s)")
-
-
-def _killpg(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    for _ in range(200):
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the killed install's process group is still there")
 
 
 def _manifest_pair(d: Path) -> tuple[dict[str, Any], bytes]:

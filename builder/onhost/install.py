@@ -32,6 +32,14 @@ from .verify import check_all_hashes, iter_file, parse_key, verify_bundle
 if TYPE_CHECKING:
     from .verify import SigCheck
 
+
+def _discard(written: list[tuple[str, str]]) -> None:
+    """Remove the temp files of model files written but not renamed into place."""
+    for tmp, _ in written:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
 def install(
     bundle_dir: str,
     root: str,
@@ -117,9 +125,7 @@ def install(
             elif have_layers is None:
                 pull_image(manifest)
         except BaseException:
-            for tmp, _ in written:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+            _discard(written)
             raise
         for tmp, dest in written:
             os.replace(tmp, dest)
@@ -211,9 +217,7 @@ def _write_models(
         for tmp, _ in written:
             fsync_file(tmp)
     except BaseException:
-        for tmp, _ in written:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        _discard(written)
         raise
     return written
 
