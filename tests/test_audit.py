@@ -228,7 +228,7 @@ def test_matrix_json_junit_exit() -> None:
 # ------------------------------------------------------------------ local backend, FAKE nvidia-smi
 
 
-def local_project(tmp_path: Path, expect: str, **kw: Any) -> tuple[Path, dict[str, str]]:
+def local_project(tmp_path: Path, expect: dict[str, Any], **kw: Any) -> tuple[Path, dict[str, str]]:
     paths = auditlib.make_project(tmp_path / "proj", **kw)
     hosts = [auditlib.local_host(tmp_path)]
     (paths["hosts"] / "l.toml").write_text(auditlib.fleet_toml("l", hosts, expect=expect))
@@ -240,10 +240,8 @@ def local_project(tmp_path: Path, expect: str, **kw: Any) -> tuple[Path, dict[st
     return paths["pins"].parent, env
 
 
-H200 = (
-    'gpu_name = "NVIDIA H200"\ncompute_cap = "9.0"\ndriver_version = "580.159.04"\ncuda_version = "13.0"\n'
-    "gpu_clock_mhz = 1980\ndocker = false\n"
-)
+H200 = {"gpu_name": "NVIDIA H200", "compute_cap": "9.0", "driver_version": "580.159.04", "cuda_version": "13.0",
+        "gpu_clock_mhz": 1980, "docker": False}
 
 
 def run_local(root: Path, env: dict[str, str], *args: str) -> tuple[int, dict[str, Any], str]:
@@ -271,7 +269,7 @@ def test_local_gpu_checks_on_h200_capture(tmp_path: Path) -> None:
 
 
 def test_local_gpu_drift_expected_vs_found(tmp_path: Path) -> None:
-    wrong = H200.replace("NVIDIA H200", "NVIDIA GB10").replace('"9.0"', '"12.1"').replace("1980", "2200")
+    wrong = H200 | {"gpu_name": "NVIDIA GB10", "compute_cap": "12.1", "gpu_clock_mhz": 2200}
     root, env = local_project(tmp_path, wrong)
     q = auditlib.capture_sections()["query csv header"].replace("0x0000000000000001", "0x0000000000000004")
     (tmp_path / "nvstate" / "query").write_text(q)  # SW power cap holding the clocks
@@ -291,7 +289,7 @@ def test_local_gpu_drift_expected_vs_found(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_local_gpu_absent(tmp_path: Path) -> None:
-    root, env = local_project(tmp_path, "gpu_count = 0\ndocker = false\n")
+    root, env = local_project(tmp_path, {"gpu_count": 0, "docker": False})
     env["PATH"] = "/usr/bin:/bin"  # no nvidia-smi
     rc, data, _ = run_local(root, env, "--only", "gpu")
     st = {v["status"] for v in data["hosts"]["me"]["checks"].values()}
@@ -309,7 +307,7 @@ def test_local_gpu_absent(tmp_path: Path) -> None:
 def test_local_models_engram_release_without_install(tmp_path: Path) -> None:
     """Nothing installed: model files absent fail, the apply record's absence fails release, the
     image's missing build record (a lock, no `builder image`) fails the image checks."""
-    root, env = local_project(tmp_path, "docker = false\ngpu_count = 0\n")
+    root, env = local_project(tmp_path, {"docker": False, "gpu_count": 0})
     rc, data, err = run_local(root, env, "--only", "models,release,engram,memory,storage,image", "--mode", "full")
     checks = data["hosts"]["me"]["checks"]
     assert checks["image::present_by_id"]["status"] == "fail"
@@ -324,7 +322,7 @@ def test_local_models_engram_release_without_install(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_local_without_lock_skips_lock_checks(tmp_path: Path) -> None:
-    root, env = local_project(tmp_path, "docker = false\n", lock=False)
+    root, env = local_project(tmp_path, {"docker": False}, lock=False)
     rc, data, err = run_local(root, env, "--only", "models,release,image,gpu")
     checks = data["hosts"]["me"]["checks"]
     assert rc == 0, err
@@ -338,7 +336,7 @@ def test_local_without_lock_skips_lock_checks(tmp_path: Path) -> None:
 def test_local_missing_inputs_fail_rather_than_skip(tmp_path: Path) -> None:
     """With a lock: no build record for its image, and an apply record without `files` or
     `manifest_sha256`, fail saying what was expected (a real Spark has them)."""
-    root, env = local_project(tmp_path, "docker = false\ngpu_count = 0\n")
+    root, env = local_project(tmp_path, {"docker": False, "gpu_count": 0})
     from builder.lockfile import load_lock
 
     lock_hash = load_lock(root / "pins.lock").lock_hash()
@@ -363,7 +361,7 @@ def test_local_missing_inputs_fail_rather_than_skip(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(any(Path("/sys/class/infiniband").glob("*")), reason="this machine has RDMA devices")
 def test_local_rdma_expected_but_absent_fails(tmp_path: Path) -> None:
-    root, env = local_project(tmp_path, "docker = false\ngpu_count = 0\n")  # (expect.rdma: true by default)
+    root, env = local_project(tmp_path, {"docker": False, "gpu_count": 0})  # (expect.rdma: true by default)
     rc, data, err = run_local(root, env, "--only", "fabric")
     checks = data["hosts"]["me"]["checks"]
     assert rc == 1, err
@@ -450,7 +448,7 @@ def two_local_hosts(tmp_path: Path, checks: dict[str, str]) -> core.AuditOptions
     paths = auditlib.make_project(tmp_path / "proj")
     me = auditlib.local_host(tmp_path)
     hosts = [me, {**me, "name": "me2", "rank": 1, "role": "worker"}]
-    (paths["hosts"] / "l.toml").write_text(auditlib.fleet_toml("l", hosts, expect="docker = false\n"))
+    (paths["hosts"] / "l.toml").write_text(auditlib.fleet_toml("l", hosts, expect={"docker": False}))
     d = tmp_path / "checks"
     d.mkdir()
     for name in ("conftest.py", "checklib.py", "pytest.ini", *checks):

@@ -13,31 +13,19 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.lib import auditlib, fleetlib
+from tests.lib import auditlib, factory, fleetlib
 from tests.lib.journeylib import PATHS, Journey, journey
 
 pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
 
-GPU_EXPECT = (
-    '{ gpu_name = "NVIDIA H200", gpu_count = 1, compute_cap = "9.0", driver_version = "580.159.04", '
-    'cuda_version = "13.0", gpu_clock_mhz = 1980, min_free_memory_gib = 0.05, max_swap_used_gib = 1024, '
-    "min_free_disk_gib = 0.01, nvidia_runtime = false, rdma = false }"
-)
-
-
-def _fake_gpu(fleet: fleetlib.Fleet, h: fleetlib.Host) -> None:
-    fleet.exec(
-        h,
-        ["sh", "-c", "mkdir -p /etc/fake-nvidia-smi && cat > /usr/local/bin/nvidia-smi && "
-         "chmod 755 /usr/local/bin/nvidia-smi"],
-        input=auditlib.fake_nvidia_smi(),
-    )
+GPU_EXPECT = auditlib.H200_EXPECT
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +33,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     if not fleetlib.docker_available():
         pytest.fail("Docker Engine not reachable: the fleet tests need it")
     with journey(
-        tmp_path_factory.mktemp("checks-fleet"), 2, name="test", expect=GPU_EXPECT, prepare=_fake_gpu
+        tmp_path_factory.mktemp("checks-fleet"), 2, name="test", expect=GPU_EXPECT, prepare=auditlib.install_fake_on
     ) as j:
         rec = json.loads(j.fleet.exec(j.fleet.hosts[0], f"cat {PATHS['bundles']}/state/applied.json").stdout)
         yield {"j": j, "fleet": j.fleet, "image_id": rec["image"]["image_id"]}
@@ -347,13 +335,12 @@ def _mem_available_gib(fleet: fleetlib.Fleet, h: fleetlib.Host) -> float:
 
 
 def _set_min_free_memory(j: Journey, last_host_gib: float | None) -> None:
-    """min_free_memory_gib of the fleet's last host (GPU_EXPECT's 0.05 when None)."""
+    """min_free_memory_gib of the fleet's last host (GPU_EXPECT's when None)."""
     path = j.root / "hosts" / "test.toml"
-    text = path.read_text()
-    head, _, tail = text.rpartition("min_free_memory_gib = ")
-    value = tail.split(",", 1)
-    path.write_text(f"{head}min_free_memory_gib = {0.05 if last_host_gib is None else round(last_host_gib, 3)},"
-                    f"{value[1]}")
+    doc = tomllib.loads(path.read_text())
+    want = GPU_EXPECT["min_free_memory_gib"] if last_host_gib is None else round(last_host_gib, 3)
+    doc["hosts"][-1]["expect"]["min_free_memory_gib"] = want
+    factory.write_fleet(j.root, doc, "test")
 
 
 def _memory_result(env: dict[str, Any]) -> tuple[str, str]:

@@ -251,23 +251,10 @@ def test_installer_stages_without_switching_then_switches_and_back(tmp_path: Pat
 
 # --------------------------------------------------------------------------- fleet tier
 
-GPU_EXPECT = (
-    '{ gpu_name = "NVIDIA H200", gpu_count = 1, compute_cap = "9.0", driver_version = "580.159.04", '
-    'cuda_version = "13.0", gpu_clock_mhz = 1980, min_free_memory_gib = 0.05, max_swap_used_gib = 1024, '
-    "min_free_disk_gib = 0.01, nvidia_runtime = false, rdma = false }"
-)
+GPU_EXPECT = auditlib.H200_EXPECT
 ARGS = ["serve", "--host", "{host}", "--port", "{port}", "--served-name", "{served_name}"]
 APPS = "/etc/fake-nvidia-smi/apps"
 PATHS_BUNDLES = PATHS["bundles"]
-
-
-def _fake_gpu(fleet: fleetlib.Fleet, h: fleetlib.Host) -> None:
-    fleet.exec(
-        h,
-        ["sh", "-c", "mkdir -p /etc/fake-nvidia-smi && cat > /usr/local/bin/nvidia-smi && "
-         "chmod 755 /usr/local/bin/nvidia-smi"],
-        input=auditlib.fake_nvidia_smi(),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +263,8 @@ def j(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Journey]:
     if not fleetlib.docker_available():
         pytest.fail("Docker Engine not reachable: the deploy tests need it")
     with journey(
-        tmp_path_factory.mktemp("deploy"), 2, name="dep", expect=GPU_EXPECT, prepare=_fake_gpu, bundle=False
+        tmp_path_factory.mktemp("deploy"), 2, name="dep", expect=GPU_EXPECT, prepare=auditlib.install_fake_on,
+        bundle=False,
     ) as jj:
         yield jj
 

@@ -16,7 +16,7 @@ import pytest
 from builder.errors import ConfigError
 from builder.hosts import load_fleet
 from builder.ssh import parse_target
-from tests.lib import auditlib
+from tests.lib import auditlib, factory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,11 +133,9 @@ def test_every_file_a_fleet_names_is_taken_from_the_fleet_files_folder(
     for name in ("fleet.pub", "ssh_config", "ca.pem"):
         (hosts / "keys" / name).write_text("x\n")
     path = hosts / "f.toml"
-    path.write_text(
-        '[fleet]\nname = "f"\nlane = "l"\ntrusted_key = "keys/fleet.pub"\nssh_config = "keys/ssh_config"\n'
-        'registry = "https://192.0.2.1:5000"\nregistry_ca = "keys/ca.pem"\n\n'
-        '[[hosts]]\nname = "a"\nssh = "a"\nrank = 0\nrole = "head"\n'
-    )
+    factory.write_fleet(tmp_path, factory.fleet(
+        "f", "l", [factory.host("a", 0)], trusted_key="keys/fleet.pub", ssh_config="keys/ssh_config",
+        registry="https://192.0.2.1:5000", registry_ca="keys/ca.pem"))
     monkeypatch.chdir(tmp_path / "hosts" / "keys")  # (the working folder has no say)
     fleet = load_fleet(path)
     assert fleet_trusted_key(path, fleet) == hosts / "keys" / "fleet.pub"

@@ -369,8 +369,7 @@ def test_fetch_names_a_local_kit_file_changed_or_gone_since_the_lock(proj: Proj)
 def test_placement_puts_runtime_inputs_at_their_mount_paths(proj: Proj) -> None:
     assert cli(proj.root, "lock", "--offline").returncode == 0
     (proj.root / "hosts").mkdir()
-    (proj.root / "hosts" / "f.toml").write_text(bl.fleet_toml(bl.DEFAULT_HOSTS).replace('lane = "demo"',
-                                                                                       'lane = "run"'))
+    (proj.root / "hosts" / "f.toml").write_text(bl.fleet_toml(bl.DEFAULT_HOSTS, lane="run"))
     pins, lock = load_pins(proj.root / "pins.toml"), load_lock(proj.root / "pins.lock")
     for name in ("spark-a", "spark-b"):
         _, _, host = find_host(proj.root / "hosts", name)

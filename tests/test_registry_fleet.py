@@ -84,9 +84,8 @@ def registry_fleet(tmp_path: Path) -> Iterator[RegFleet]:
                 fleet.exec(h, f"mkdir -p /etc/docker/certs.d/{reg.addr}")
                 fleetlib.docker("cp", str(reg.ca), f"{h.container_name}:/etc/docker/certs.d/{reg.addr}/ca.crt")
             shutil.copyfile(reg.ca, root / "hosts" / "regfleet-ca.crt")
-            toml = journeylib.fleet_toml(FLEET, "demo", fleet, keys)
-            toml = toml.replace("[fleet]\n", f'[fleet]\nregistry = "{reg.url}"\nregistry_ca = "regfleet-ca.crt"\n', 1)
-            (root / "hosts" / f"{FLEET}.toml").write_text(toml)
+            (root / "hosts" / f"{FLEET}.toml").write_text(journeylib.fleet_toml(
+                FLEET, "demo", fleet, keys, registry=reg.url, registry_ca="regfleet-ca.crt"))
             rf = RegFleet(root, tmp_path / "store", keys, fleet, reg, env)
             rf.builder("lock", "--offline", "demo")
             rf.builder("fetch", "demo", "--offline")

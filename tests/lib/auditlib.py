@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from builder import gpu as G
+from tests.lib import factory
 
 CAPTURE = Path(__file__).resolve().parents[1] / "data" / "nvidia-smi" / "h200-nvidia-smi-probe.txt"
 
@@ -74,29 +75,35 @@ def install_fake(bin_dir: Path, state_dir: Path) -> Path:
     return p
 
 
+#: what a test host with the FAKE nvidia-smi is expected to be: the capture's H200, no RDMA, little
+#: free memory and disk (`install_fake_on` puts the fake on a fleet host)
+H200_EXPECT: dict[str, Any] = {
+    "gpu_name": "NVIDIA H200", "gpu_count": 1, "compute_cap": "9.0", "driver_version": "580.159.04",
+    "cuda_version": "13.0", "gpu_clock_mhz": 1980, "min_free_memory_gib": 0.05, "max_swap_used_gib": 1024,
+    "min_free_disk_gib": 0.01, "nvidia_runtime": False, "rdma": False,
+}
+
+
+def install_fake_on(fleet: Any, h: Any) -> None:
+    """The FAKE nvidia-smi as /usr/local/bin/nvidia-smi on a test fleet host (tests.lib.fleetlib)."""
+    fleet.exec(
+        h,
+        ["sh", "-c", "mkdir -p /etc/fake-nvidia-smi && cat > /usr/local/bin/nvidia-smi && "
+         "chmod 755 /usr/local/bin/nvidia-smi"],
+        input=fake_nvidia_smi(),
+    )
+
+
 # ------------------------------------------------------------------ small projects
 
-PINS = """format = 1
-
-[models.tiny]
-repo = "test/tiny"
-revision = "main"
-expect_files = 3
-
-[images.demo]
-recipe = "images/demo"
-
-[lanes.demo]
-image = "demo"
-models = ["tiny"]
-
-[lanes.demo.serve]
-tensor_parallel = {tp}
-context = 1024
-streams = 1
-port = {port}
-served_name = "demo-model"
-"""
+def pins_doc(tp: int, port: int) -> dict[str, Any]:
+    """The tiny project's pins: one model, the demo recipe and a lane over both."""
+    return factory.pins(
+        models={"tiny": factory.model("test/tiny", expect_files=3)},
+        images={"demo": factory.image("images/demo")},
+        lanes={"demo": factory.lane("demo", ["tiny"], serve={
+            "tensor_parallel": tp, "context": 1024, "streams": 1, "port": port, "served_name": "demo-model"})},
+    )
 
 #: the tiny model every test host gets (path -> bytes)
 MODEL_FILES: dict[str, bytes] = {
@@ -115,13 +122,10 @@ def make_project(
     model_files: dict[str, bytes] | None = None,
 ) -> dict[str, Path]:
     """pins.toml, images/demo/, and (with lock) a pins.lock built from the real lock models."""
-    from tests.lib import locks
-
     root.mkdir(parents=True, exist_ok=True)
     (root / "images" / "demo").mkdir(parents=True, exist_ok=True)
     (root / "images" / "demo" / "Dockerfile").write_text("FROM scratch\n")
-    pins_path = root / "pins.toml"
-    pins_path.write_text(PINS.format(tp=tp, port=port))
+    pins_path = factory.write_pins(root, pins_doc(tp, port))
     (root / "hosts").mkdir(exist_ok=True)
     out = {
         "pins": pins_path,
@@ -131,7 +135,7 @@ def make_project(
     }
     if not lock:
         return out
-    locks.write_lock(root, image="demo", model="tiny", lane="demo",
+    factory.write_lock(root, image="demo", model="tiny", lane="demo",
                      files=model_files if model_files is not None else MODEL_FILES, repo="test/tiny",
                      platform="linux/arm64", builder="test")
     return out
@@ -147,29 +151,17 @@ def plan_address(paths: dict[str, Path]) -> str:
 
 def fleet_toml(
     name: str,
-    hosts: list[dict[str, object]],
+    hosts: list[dict[str, Any]],
     *,
     ssh_config: str | None = None,
     lane: str = "demo",
-    expect: str = "",
+    expect: dict[str, Any] | None = None,
 ) -> str:
-    """A fleet file; each host dict has name, ssh, rank, role and optional connection."""
-    lines = ["[fleet]", f'name = "{name}"', f'lane = "{lane}"']
-    if ssh_config:
-        lines.append(f'ssh_config = "{ssh_config}"')
-    for h in hosts:
-        lines += ["", "[[hosts]]"]
-        for k in ("name", "ssh", "connection", "rank", "role"):
-            if k in h:
-                v = h[k]
-                lines.append(f"{k} = {json.dumps(v)}")
-        if "paths" in h:
-            lines.append("[hosts.paths]")
-            for k, v in h["paths"].items():  # type: ignore[attr-defined]
-                lines.append(f"{k} = {json.dumps(v)}")
-        lines.append("[hosts.expect]")
-        lines.append(expect)
-    return "\n".join(lines) + "\n"
+    """A fleet file; each host dict has name, ssh, rank, role and optional connection and paths; every
+    host gets `expect`."""
+    rows = [factory.host(h["name"], h["rank"], ssh=h["ssh"], role=h["role"], connection=h.get("connection"),
+                         paths=h.get("paths"), expect=dict(expect or {})) for h in hosts]
+    return factory.toml(factory.fleet(name, lane, rows, ssh_config=ssh_config))
 
 
 def local_host(base: Path) -> dict[str, Any]:

@@ -26,47 +26,29 @@ from builder.imagerecord import ImageRecord, tag_for, write_record
 from builder.onhost.manifest import bundle_id_of, trusted_comment_for
 from builder.pins import load_pins
 from builder.plan import make_plan
-from tests.lib import locks
+from tests.lib import factory
 
 REPO = Path(__file__).resolve().parents[2]
 LANE = "demo"
 FLEET = "testfleet"
 PORT = 18080
 
-PINS = """\
-format = 1
+HTTPD = ["httpd", "-f", "-p", "{port}", "-h", "/www"]
 
-[images.tiny]
-recipe = "images/tiny"
-platform = "linux/amd64"
 
-[models.demo-model]
-repo = "demo/tiny-model"
-revision = "main"
-local = "models/demo"
-
-[lanes.demo]
-image = "tiny"
-models = ["demo-model"]
-
-[lanes.demo.serve]
-tensor_parallel = 2
-context = 4096
-streams = {streams}
-port = {port}
-served_name = "demo"
-
-[lanes.demo.env]
-DEMO_FLAG = "1"
-
-[lanes.demo.roles.head]
-args = ["httpd", "-f", "-p", "{{port}}", "-h", "/www"]
-ready = {{ health = "/health" }}
-
-[lanes.demo.roles.worker]
-args = ["httpd", "-f", "-p", "{{port}}", "-h", "/www"]
-ready = {{ running = true }}
-"""
+def pins_doc(streams: int = 2, port: int = PORT) -> dict[str, Any]:
+    """The project's pins: the tiny image, a local model and a two-rank lane serving it with httpd."""
+    return factory.pins(
+        images={"tiny": factory.image("images/tiny", platform="linux/amd64")},
+        models={"demo-model": factory.model("demo/tiny-model", local="models/demo")},
+        lanes={LANE: factory.lane(
+            "tiny", ["demo-model"],
+            serve={"tensor_parallel": 2, "context": 4096, "streams": streams, "port": port, "served_name": "demo"},
+            env={"DEMO_FLAG": "1"},
+            roles={"head": {"args": HTTPD, "ready": {"health": "/health"}},
+                   "worker": {"args": HTTPD, "ready": {"running": True}}},
+        )},
+    )
 
 MODEL_FILES = {
     "config.json": b'{"hidden": 8}\n',
@@ -115,28 +97,12 @@ class Project:
 
 
 def fleet_toml(
-    hosts: list[dict[str, Any]], *, ssh_config: str | None = None, trusted_key: str | None = None
+    hosts: list[dict[str, Any]], *, ssh_config: str | None = None, trusted_key: str | None = None, lane: str = LANE
 ) -> str:
-    lines = ["[fleet]", f'name = "{FLEET}"', f'lane = "{LANE}"']
-    if ssh_config:
-        lines.append(f'ssh_config = "{ssh_config}"')
-    if trusted_key:
-        lines.append(f'trusted_key = "{trusted_key}"')
-    for h in hosts:
-        lines += ["", "[[hosts]]"]
-        for k in ("name", "ssh", "rank", "role", "address", "connection"):
-            if k in h:
-                v = h[k]
-                lines.append(f"{k} = {v}" if isinstance(v, int) else f'{k} = "{v}"')
-        lines += ["[hosts.fabric]"]
-        fab = h.get("fabric", {})
-        for k, v in fab.items():
-            lines.append(f"{k} = {json.dumps(v)}")
-        lines += ["[hosts.paths]"]
-        for k, v in h.get("paths", {}).items():
-            lines.append(f'{k} = "{v}"')
-        lines += ["[hosts.expect]", "gpu_count = 0", "nvidia_runtime = false"]
-    return "\n".join(lines) + "\n"
+    """The test fleet over `hosts` (dicts of host keys, as DEFAULT_HOSTS): no GPU, no NVIDIA runtime."""
+    rows = [factory.host(**{"fabric": {}, "paths": {}, **h, "expect": {"gpu_count": 0, "nvidia_runtime": False}})
+            for h in hosts]
+    return factory.toml(factory.fleet(FLEET, lane, rows, ssh_config=ssh_config, trusted_key=trusted_key))
 
 
 DEFAULT_HOSTS: list[dict[str, Any]] = [
@@ -152,7 +118,7 @@ DEFAULT_HOSTS: list[dict[str, Any]] = [
             "rdma_devices": ["rocep1s0f0"],
             "gid_index": 3,
         },
-        "paths": {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var/lib/builder"},
+        "paths": factory.HOST_PATHS,
     },
     {
         "name": "spark-b",
@@ -161,7 +127,7 @@ DEFAULT_HOSTS: list[dict[str, Any]] = [
         "role": "worker",
         "address": "192.0.2.11",
         "fabric": {"rails": ["198.51.100.2"], "interfaces": ["enp1s0f0np0"], "rdma_devices": ["rocep1s0f0"]},
-        "paths": {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var/lib/builder"},
+        "paths": factory.HOST_PATHS,
     },
 ]
 
@@ -182,7 +148,7 @@ def build_tiny_image(marker: str) -> tuple[str, list[str]]:
 
 
 def write_lock(root: Path) -> None:
-    locks.write_lock(root, image="tiny", model="demo-model", lane=LANE, files=MODEL_FILES,
+    factory.write_lock(root, image="tiny", model="demo-model", lane=LANE, files=MODEL_FILES,
                      repo="demo/tiny-model", platform="linux/amd64")
 
 
@@ -208,7 +174,7 @@ def write_record_for(root: Path, image_id: str, diff_ids: list[str]) -> None:
 
 
 def set_pins(root: Path, *, streams: int = 2, port: int = PORT) -> None:
-    (root / "pins.toml").write_text(PINS.format(streams=streams, port=port))
+    factory.write_pins(root, pins_doc(streams, port))
 
 
 def make_project(

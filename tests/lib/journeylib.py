@@ -24,16 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.lib import fleetlib
+from tests.lib import factory, fleetlib
 
 ROOT = Path(__file__).resolve().parents[2]
 # the command operators type (pip install -e . puts it beside the interpreter)
 BUILDER = shutil.which("builder", path=str(Path(sys.executable).parent)) or shutil.which("builder") or "builder"
-PATHS = {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var/lib/builder"}
-EXPECT = (
-    "{ gpu_count = 0, persistence_mode = false, nvidia_runtime = false, rdma = false, "
-    "min_free_memory_gib = 0.1, min_free_disk_gib = 0.1 }"
-)
+PATHS = factory.HOST_PATHS
+#: what a test host is expected to be: no GPU, no RDMA, little free memory and disk
+EXPECT: dict[str, Any] = {"gpu_count": 0, "persistence_mode": False, "nvidia_runtime": False, "rdma": False,
+                          "min_free_memory_gib": 0.1, "min_free_disk_gib": 0.1}
 
 
 def project_copy(dest: Path) -> Path:
@@ -52,19 +51,14 @@ def project_copy(dest: Path) -> Path:
     return dest
 
 
-def fleet_toml(name: str, lane: str, fleet: fleetlib.Fleet, keys: Path, expect: str = EXPECT) -> str:
-    text = (
-        f'[fleet]\nname = "{name}"\nlane = "{lane}"\n'
-        f'ssh_config = "{fleet.plain_ssh_config}"\ntrusted_key = "{keys / "builder.pub"}"\n'
-    )
-    for rank, h in enumerate(fleet.hosts):
-        text += (
-            f'\n[[hosts]]\nname = "{h.name}"\nssh = "{h.name}"\naddress = "{h.ip}"\nrank = {rank}\n'
-            f'role = "{"head" if rank == 0 else "worker"}"\n'
-            f'paths = {{ models = "{PATHS["models"]}", engram = "{PATHS["engram"]}", '
-            f'bundles = "{PATHS["bundles"]}" }}\nexpect = {expect}\n'
-        )
-    return text
+def fleet_toml(name: str, lane: str, fleet: fleetlib.Fleet, keys: Path, expect: dict[str, Any] | None = None,
+               **keys_: Any) -> str:
+    """The inventory of a test fleet, a host per container (rank in start order), the fleet's key
+    trusted; `keys_`: more `[fleet]` keys (registry, ...)."""
+    rows = [factory.host(h.name, rank, address=h.ip, paths=PATHS, expect=EXPECT if expect is None else expect)
+            for rank, h in enumerate(fleet.hosts)]
+    return factory.toml(factory.fleet(name, lane, rows, ssh_config=fleet.plain_ssh_config,
+                                      trusted_key=keys / "builder.pub", **keys_))
 
 
 def prepare_host(fleet: fleetlib.Fleet, h: fleetlib.Host) -> None:
@@ -209,7 +203,7 @@ def failing(report: dict[str, Any]) -> set[tuple[str, str]]:
 @contextmanager
 def journey(
     workdir: Path, n: int, *, lane: str = "demo", name: str = "journey", store: Path | None = None,
-    expect: str = EXPECT, prepare: Callable[[fleetlib.Fleet, fleetlib.Host], None] | None = None,
+    expect: dict[str, Any] = EXPECT, prepare: Callable[[fleetlib.Fleet, fleetlib.Host], None] | None = None,
     pins_extra: str = "", bundle: bool = True, ship: bool = True, image: str = "demo",
     before_lock: Callable[[Path], None] | None = None,
 ) -> Iterator[Journey]:

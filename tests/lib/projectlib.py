@@ -11,7 +11,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tests.lib import journeylib
+from tests.lib import factory, journeylib
 
 ROOT = Path(__file__).resolve().parents[2]
 PAYLOAD = 2 * 1024 * 1024  # the layer an engine change leaves alone
@@ -38,14 +38,10 @@ def local_fleet(root: Path, tmp: Path, keys: Path, name: str = "thin", lane: str
                 registry: str | None = None) -> None:
     """An inventory of two hosts whose paths lie under ``tmp``: bundles for an installer run here, into a
     root of the test's own (``--root``); ``registry``: its `fleet.registry`."""
-    paths = f'{{ models = "{tmp}/srv/models", engram = "{tmp}/srv/engram", bundles = "{tmp}/var" }}'
-    text = f'[fleet]\nname = "{name}"\nlane = "{lane}"\ntrusted_key = "{keys / "builder.pub"}"\n'
-    if registry is not None:
-        text += f'registry = "{registry}"\n'
-    for rank, host in enumerate((f"{name}-1", f"{name}-2")):
-        text += (f'\n[[hosts]]\nname = "{host}"\nssh = "{host}"\naddress = "192.0.2.{rank + 10}"\nrank = {rank}\n'
-                 f'role = "{"head" if rank == 0 else "worker"}"\npaths = {paths}\n')
-    (root / "hosts" / f"{name}.toml").write_text(text)
+    paths = {"models": f"{tmp}/srv/models", "engram": f"{tmp}/srv/engram", "bundles": f"{tmp}/var"}
+    rows = [factory.host(h, rank, address=f"192.0.2.{rank + 10}", paths=paths)
+            for rank, h in enumerate((f"{name}-1", f"{name}-2"))]
+    factory.write_fleet(root, factory.fleet(name, lane, rows, trusted_key=keys / "builder.pub", registry=registry))
 
 
 def engine_change(root: Path, version: str = "0.1.1") -> None:

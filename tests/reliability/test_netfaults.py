@@ -231,7 +231,7 @@ def test_slow_link_audit_completes_or_names_the_unreachable_host(fleet2: Any, tm
     ]
     (ap["hosts"] / "t.toml").write_text(
         auditlib.fleet_toml("t", hosts, ssh_config=str(fleet.plain_ssh_config),
-                            expect="docker = false\ngpu_count = 0\n")
+                            expect={"docker": False, "gpu_count": 0})
     )
 
     def audit(*extra: str) -> tuple[int, dict[str, Any], str]:

@@ -147,7 +147,7 @@ def test_ship_and_audit_refuse_a_host_whose_key_does_not_match(fleet2: Any, tmp_
                 for i, h in enumerate(fleet.hosts)
             ],
             ssh_config=str(cfg),
-            expect="docker = false\ngpu_count = 0\n",
+            expect={"docker": False, "gpu_count": 0},
         )
     )
     r = rlib.run_builder(

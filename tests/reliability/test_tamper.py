@@ -317,7 +317,7 @@ def test_audit_full_mode_names_every_model_file_with_a_changed_byte(tmp_path: Pa
     for rel, data in auditlib.MODEL_FILES.items():
         (mroot / rel).write_bytes(data)
     hosts = [auditlib.local_host(tmp_path)]
-    (paths["hosts"] / "l.toml").write_text(auditlib.fleet_toml("l", hosts, expect="docker = false\ngpu_count = 0\n"))
+    (paths["hosts"] / "l.toml").write_text(auditlib.fleet_toml("l", hosts, expect={"docker": False, "gpu_count": 0}))
 
     def audit() -> tuple[int, dict[str, Any], str]:
         r = rlib.run_builder(
