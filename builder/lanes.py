@@ -22,9 +22,9 @@ the host, for logs and caches) or an absolute host path. Where each lives on a h
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from builder.schema import Name, Strict
 
@@ -152,27 +152,26 @@ class Ready(Strict):
         return next(k for k in ("health", "port", "log", "running") if getattr(self, k) not in (None, False))
 
 
+def check_env_names(v: dict[str, str]) -> dict[str, str]:
+    for k in v:
+        if not ENV_NAME_RE.fullmatch(k):
+            raise ValueError(f"not an environment variable name: {k!r}")
+    return v
+
+
+#: a container's environment: names as a shell would take them
+Env = Annotated[dict[str, str], AfterValidator(check_env_names)]
+
+
 class Run(Strict):
     """What one role or rank runs: its command, env, mounts and readiness (each optional here; the
     rank's own entry wins over its role's, env and mounts add up)."""
 
     entrypoint: list[str] | None = None
     args: list[str] | None = None
-    env: dict[str, str] = {}
+    env: Env = {}
     mounts: list[Mount] = []
     ready: Ready | None = None
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
-        return check_env_names(v)
-
-
-def check_env_names(v: dict[str, str]) -> dict[str, str]:
-    for k in v:
-        if not ENV_NAME_RE.fullmatch(k):
-            raise ValueError(f"not an environment variable name: {k!r}")
-    return v
 
 
 class Roles(Strict):
@@ -213,7 +212,7 @@ class Lane(Strict):
     image: Name
     models: list[Name] = []
     serve: Serve
-    env: dict[str, str] = {}
+    env: Env = {}
     mounts: list[Mount] = []
     options: Options = Options()
     roles: Roles = Roles()
@@ -225,11 +224,6 @@ class Lane(Strict):
     #: what the recipe does not say (shown by `builder launch`; never filled in with a guess)
     unknown: list[str] = []
     note: str | None = None
-
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
-        return check_env_names(v)
 
     @field_validator("ranks")
     @classmethod

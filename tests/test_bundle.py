@@ -26,6 +26,7 @@ from builder.bundle import (
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.onhost.manifest import bundle_id_of
 from tests.lib import bundlelib as bl
+from tests.lib import factory
 from tests.lib.bundlelib import Project, make_project, manifest, resign, tree_bytes
 
 
@@ -210,9 +211,9 @@ def test_write_stream_hashes_each_part_and_the_whole_across_short_reads(tmp_path
 
 
 def test_rank_file_count_must_match_tensor_parallel(proj: Project) -> None:
-    (proj.root / "pins.toml").write_text(
-        (proj.root / "pins.toml").read_text().replace("tensor_parallel = 2", "tensor_parallel = 3")
-    )
+    doc = bl.pins_doc()
+    doc["lanes"]["demo"]["serve"]["tensor_parallel"] = 3
+    factory.write_pins(proj.root, doc)
     bl.write_lock(proj.root)
     bl.write_record_for(proj.root, proj.image_id, proj.diff_ids)
     with pytest.raises(ConfigError, match="2 hosts but lane demo has tensor_parallel = 3"):

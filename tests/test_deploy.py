@@ -33,7 +33,7 @@ from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.hoststate import Container, HostState
 from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcome, Side
 from builder.errors import BuilderError
-from tests.lib import auditlib, fleetlib
+from tests.lib import auditlib, factory, fleetlib
 from tests.lib import deploylib as dl
 from tests.lib.journeylib import PATHS, Journey, journey
 
@@ -106,7 +106,7 @@ def test_journal_round_trip_and_snapshot(tmp_path: Path) -> None:
     root = tmp_path / "proj"
     (root / "images" / "demo").mkdir(parents=True)
     (root / "images" / "demo" / "Dockerfile").write_text("FROM scratch\n")
-    (root / "pins.toml").write_text("format = 1\n")
+    factory.write_pins(root, factory.pins())
     (root / "pins.lock").write_text("{}\n")
     d = J.snapshot(tmp_path, "3" * 64, root / "pins.toml", root / "pins.lock", root, "images/demo")
     assert J.find_snapshot(tmp_path, "3" * 64) == d

@@ -10,7 +10,8 @@ import pytest
 from builder.diff import Change, diff_locks, read_lock
 from builder.errors import ConfigError
 from builder.lockfile import load_lock
-from tests.test_gitsrc import run_git
+from tests.lib import factory
+from tests.lib.gitlib import run_git
 from tests.test_lock import Project
 
 
@@ -68,18 +69,12 @@ def test_added_removed_and_patch_series(tmp_path: Path) -> None:
     assert proj.run("lock").rc == 0
     old = load_lock(proj.lock)
     (proj.root / "patches" / "0002-more.patch").write_text("x\n")
-    text = proj.pins.read_text().replace(
-        'patches = [{ file = "patches/0001-fix.patch", reason = "fix the readme" }]',
-        'patches = [{ file = "patches/0001-fix.patch", reason = "fix the readme" },\n'
-        '           { file = "patches/0002-more.patch", reason = "more" }]',
-    )
-    text = text.replace(
-        "[files.template]",
-        '[files.other]\nurl = "files/chat.jinja"\nsha256 = "'
-        + json.loads(proj.lock.read_text())["files"]["template"]["sha256"]
-        + '"\n\n[files.template]',
-    )
-    proj.pins.write_text(text)
+    doc = proj.doc()
+    doc["sources"]["engine"]["patches"].append({"file": "patches/0002-more.patch", "reason": "more"})
+    doc["files"] = {"other": {"url": "files/chat.jinja",
+                              "sha256": json.loads(proj.lock.read_text())["files"]["template"]["sha256"]},
+                    **doc["files"]}
+    factory.write_pins(proj.root, doc)
     assert proj.run("lock").rc == 0
     new = load_lock(proj.lock)
     whats = {(c.input, c.what) for c in diff_locks(old, new)}

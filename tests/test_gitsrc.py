@@ -13,77 +13,8 @@ from builder.canon import sha256_tree
 from builder.errors import ResolveError
 from builder.lockfile import LockedSource
 from builder.pins import GitSource
-
-BASE_TIME = 1_700_000_000
-
-
-def git_env(t: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "GIT_AUTHOR_NAME": "t",
-            "GIT_AUTHOR_EMAIL": "t@example.invalid",
-            "GIT_COMMITTER_NAME": "t",
-            "GIT_COMMITTER_EMAIL": "t@example.invalid",
-            "GIT_AUTHOR_DATE": f"@{t} +0000",
-            "GIT_COMMITTER_DATE": f"@{t} +0000",
-            "GIT_CONFIG_GLOBAL": os.devnull,
-            "GIT_CONFIG_NOSYSTEM": "1",
-        }
-    )
-    return env
-
-
-def run_git(*args: str, cwd: Path, t: int = BASE_TIME) -> str:
-    p = subprocess.run(["git", *args], cwd=cwd, env=git_env(t), capture_output=True, check=True)
-    return p.stdout.decode().strip()
-
-
-class Upstream:
-    """A work repo that pushes to a bare repo; the bare repo is the remote under test."""
-
-    def __init__(self, base: Path, name: str = "upstream") -> None:
-        self.work = base / f"{name}-work"
-        self.bare = base / f"{name}.git"
-        self.work.mkdir(parents=True)
-        self.t = BASE_TIME
-        run_git("init", "-q", "--bare", "-b", "main", str(self.bare), cwd=base)
-        run_git("init", "-q", "-b", "main", cwd=self.work)
-        run_git("remote", "add", "origin", str(self.bare), cwd=self.work)
-
-    @property
-    def url(self) -> str:
-        return f"file://{self.bare}"
-
-    def commit(self, files: dict[str, str], msg: str = "c") -> str:
-        for rel, text in files.items():
-            p = self.work / rel
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(text)
-        self.t += 60
-        run_git("add", "-A", cwd=self.work, t=self.t)
-        run_git("commit", "-q", "-m", msg, cwd=self.work, t=self.t)
-        return run_git("rev-parse", "HEAD", cwd=self.work)
-
-    def push(self, branch: str = "main", force: bool = False) -> None:
-        run_git(
-            "push",
-            "-q",
-            *(["--force"] if force else []),
-            "origin",
-            f"HEAD:refs/heads/{branch}",
-            cwd=self.work,
-        )
-
-    def rewrite(self, files: dict[str, str]) -> str:
-        """Replace the last commit (amend) and force-push: the old head leaves the branch."""
-        for rel, text in files.items():
-            (self.work / rel).write_text(text)
-        self.t += 60
-        run_git("add", "-A", cwd=self.work, t=self.t)
-        run_git("commit", "-q", "--amend", "-m", "rewritten", cwd=self.work, t=self.t)
-        self.push(force=True)
-        return run_git("rev-parse", "HEAD", cwd=self.work)
+from tests.lib import factory
+from tests.lib.gitlib import BASE_TIME, Upstream, git_env, run_git
 
 
 @pytest.fixture
@@ -395,11 +326,9 @@ def test_builder_lock_records_the_pull_ref(story: DeletedBranch, tmp_path: Path)
     story.force_push_merge_delete()
     proj = tmp_path / "proj"
     proj.mkdir()
-    (proj / "pins.toml").write_text(
-        "format = 1\n\n[sources.engine]\n"
-        f'url = "{story.up.url}"\nref = "refs/pull/7/head"\nrev = "{story.pinned}"\n'
-        'note = "branch feat: force-pushed, merged as #7 and deleted; the pull ref keeps the commit"\n'
-    )
+    engine = {"url": str(story.up.url), "ref": "refs/pull/7/head", "rev": story.pinned,
+              "note": "branch feat: force-pushed, merged as #7 and deleted; the pull ref keeps the commit"}
+    factory.write_pins(proj, factory.pins(sources={"engine": engine}))
     report = resolve.resolve(proj / "pins.toml", proj / "pins.lock",
                              resolve.ResolveOptions(cache=tmp_path / "store"))
     assert report.failed == {} and report.resolved == ["sources.engine"] and report.written
@@ -407,7 +336,7 @@ def test_builder_lock_records_the_pull_ref(story: DeletedBranch, tmp_path: Path)
     assert (entry.ref, entry.commit, entry.ref_head, entry.on_ref) == (
         "refs/pull/7/head", story.pinned, story.pinned, True)
     # a pinned rev that is not on the named ref is refused by the lock too, and nothing is written for it
-    (proj / "pins.toml").write_text((proj / "pins.toml").read_text().replace(story.pinned, story.rewritten))
+    factory.write_pins(proj, factory.pins(sources={"engine": engine | {"rev": story.rewritten}}))
     report = resolve.resolve(proj / "pins.toml", proj / "pins.lock",
                              resolve.ResolveOptions(cache=tmp_path / "store"))
     assert list(report.failed) == ["sources.engine"]

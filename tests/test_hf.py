@@ -16,6 +16,7 @@ from builder import hf
 from builder.errors import ConfigError, ResolveError
 from builder.lockfile import LockedModel
 from builder.pins import HfModel
+from tests.lib import factory
 from tests.lib.fakehub import FakeHub
 
 TOKEN = "hf_FakeTokenForTests0123456789abcdefXYZ"
@@ -130,7 +131,7 @@ def test_cli_lock_against_the_fake_hub_keeps_the_token_out(hub: FakeHub, tmp_pat
     commit = hub.add_repo("org/model", FILES, lfs=LFS)
     proj = tmp_path / "proj"
     proj.mkdir()
-    (proj / "pins.toml").write_text('format = 1\n[models.m]\nrepo = "org/model"\nrevision = "main"\n')
+    factory.write_pins(proj, factory.pins(models={"m": factory.model("org/model")}))
     env = dict(os.environ, NO_COLOR="1")
     p = subprocess.run(
         [sys.executable, "-m", "builder", "--pins", str(proj / "pins.toml"), "lock", "--json"],
@@ -144,7 +145,7 @@ def test_cli_lock_against_the_fake_hub_keeps_the_token_out(hub: FakeHub, tmp_pat
     assert json.loads(lock)["models"]["m"]["commit"] == commit
     assert TOKEN not in lock and TOKEN not in p.stdout and TOKEN not in p.stderr
     # a failure is one line, exit 1, no token
-    (proj / "pins.toml").write_text('format = 1\n[models.m]\nrepo = "org/gone"\nrevision = "main"\n')
+    factory.write_pins(proj, factory.pins(models={"m": factory.model("org/gone")}))
     env["HF_TOKEN"] = TOKEN
     p = subprocess.run(
         [sys.executable, "-m", "builder", "--pins", str(proj / "pins.toml"), "lock"],

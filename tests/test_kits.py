@@ -19,6 +19,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,8 @@ from builder.lockfile import load_lock, render_lock, spec_hash
 from builder.pins import load_pins
 from builder.placement import mount_path, place_models
 from tests.lib import bundlelib as bl
-from tests.test_gitsrc import Upstream
+from tests.lib import factory
+from tests.lib.gitlib import Upstream
 
 KIT = {
     "aot/aot.json": b'{"kernels": ["00ab"]}\n',
@@ -85,25 +87,16 @@ def errors(r: subprocess.CompletedProcess[str]) -> list[str]:
     return [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
 
 
-LANE = """
-[images.x]
-recipe = "images/x"
-platform = "linux/amd64"
-
-[lanes.run]
-image = "x"
-mounts = [
-  {{ source = "input:tp-kit", target = "/kit" }},
-  {{ source = "input:chat-template", target = "/templates/chat_template.jinja" }},
-  {{ source = "input:overlay", target = "/usr/lib/engine/engram.py" }},
-]
-[lanes.run.serve]
-tensor_parallel = 2
-context = 4096
-streams = 1
-port = 8000
-served_name = "x"
-"""
+LANE = {
+    "images": {"x": factory.image("images/x", platform="linux/amd64")},
+    "lanes": {"run": factory.lane(
+        "x", [],
+        mounts=[{"source": "input:tp-kit", "target": "/kit"},
+                {"source": "input:chat-template", "target": "/templates/chat_template.jinja"},
+                {"source": "input:overlay", "target": "/usr/lib/engine/engram.py"}],
+        serve={"tensor_parallel": 2, "context": 4096, "streams": 1, "port": 8000, "served_name": "x"},
+    )},
+}
 
 
 class Proj:
@@ -121,22 +114,17 @@ class Proj:
         (self.root / "images" / "x" / "Dockerfile").write_text("FROM scratch\n")
         self.write()
 
-    def write(self, kit: str = "", lane: bool = True) -> None:
-        text = f"""format = 1
+    def doc(self, kit: dict[str, Any] | None = None, lane: bool = True) -> dict[str, Any]:
+        """The pins: the local kit (with `kit`'s keys), the two files and (with `lane`) the lane."""
+        return factory.pins(
+            kits={"tp-kit": {"local": "kits/tp-kit", "expect_files": len(KIT), **(kit or {})}},
+            files={"chat-template": {"url": "files/chat.jinja", "sha256": sha(TEMPLATE)},
+                   "overlay": {"url": "files/engram.py", "sha256": sha(OVERLAY)}},
+            **(LANE if lane else {}),
+        )
 
-[kits.tp-kit]
-local = "kits/tp-kit"
-expect_files = {len(KIT)}
-{kit}
-[files.chat-template]
-url = "files/chat.jinja"
-sha256 = "{sha(TEMPLATE)}"
-
-[files.overlay]
-url = "files/engram.py"
-sha256 = "{sha(OVERLAY)}"
-"""
-        (self.root / "pins.toml").write_text(text + (LANE.format() if lane else ""))
+    def write(self, kit: dict[str, Any] | None = None, lane: bool = True) -> None:
+        factory.write_pins(self.root, self.doc(kit, lane))
 
     def lock(self) -> dict[str, object]:
         return json.loads((self.root / "pins.lock").read_text())  # type: ignore[no-any-return]
@@ -162,9 +150,9 @@ def test_a_local_kit_is_locked_file_by_file_against_its_manifest(proj: Proj) -> 
     # the lane's closure takes its runtime inputs (and `--check` of the lane knows them)
     assert cli(proj.root, "lock", "--check", "run").returncode == 0
     # the MANIFEST's hash, pinned: right, then wrong
-    proj.write(kit=f'manifest_sha256 = "{sha(proj.manifest)}"')
+    proj.write(kit={"manifest_sha256": sha(proj.manifest)})
     assert cli(proj.root, "lock", "--offline").returncode == 0
-    proj.write(kit=f'manifest_sha256 = "{"0" * 64}"')
+    proj.write(kit={"manifest_sha256": "0" * 64})
     assert "kits.tp-kit: pins changed" in cli(proj.root, "lock", "--check").stderr
     r = cli(proj.root, "lock", "--offline")
     (line,) = errors(r)
@@ -198,13 +186,12 @@ def test_a_missing_file_is_named(proj: Proj) -> None:
 def test_an_extra_file_is_named_unless_ignored(proj: Proj) -> None:
     (proj.kit / "README.md").write_text("the kit\n")
     assert "not in the MANIFEST README.md" in _one_error(proj)
-    proj.write(kit='ignore = ["README.md"]')
+    proj.write(kit={"ignore": ["README.md"]})
     assert cli(proj.root, "lock", "--offline").returncode == 0
 
 
 def test_the_manifest_count_against_expect_files(proj: Proj) -> None:
-    (proj.root / "pins.toml").write_text((proj.root / "pins.toml").read_text().replace(
-        f"expect_files = {len(KIT)}", "expect_files = 356"))
+    proj.write(kit={"expect_files": 356})
     assert f"MANIFEST lists {len(KIT)} files, expect_files = 356" in _one_error(proj)
 
 
@@ -244,14 +231,12 @@ class GitKit:
         (self.up.work / "README.md").write_text("the recipe\n")
         self.c1 = self.up.commit({})
         self.up.push()
-        self.head = (proj.root / "pins.toml").read_text().split("\n[kits.tp-kit]")[0]
 
-    def pins(self, extra: str = "") -> None:
-        text = self.head
-        (self.proj.root / "pins.toml").write_text(
-            f"{text}\n[sources.recipe]\nurl = \"{self.up.url}\"\nref = \"main\"\n\n"
-            f"[kits.git-kit]\nsource = \"recipe\"\npath = \"kit\"\n{extra}\n"
-        )
+    def pins(self, **kit: Any) -> None:
+        """Pins of the git kit (with `kit`'s keys) and its source alone."""
+        factory.write_pins(self.proj.root, factory.pins(
+            sources={"recipe": {"url": str(self.up.url), "ref": "main"}},
+            kits={"git-kit": {"source": "recipe", "path": "kit", **kit}}))
 
 
 def test_a_kit_from_a_git_tree_names_the_made_files_it_lacks(proj: Proj, tmp_path: Path) -> None:
@@ -290,7 +275,7 @@ def test_a_kit_from_a_git_tree_locks_at_its_sources_commit(proj: Proj, tmp_path:
     assert "kits.git-kit: 1 file(s) do not match its MANIFEST" in line and "verify_kit.sh" in line
     assert proj.lock()["kits"]["git-kit"]["commit"] == commit  # type: ignore[index]  # the last good one
     assert "kits.git-kit: locked from recipe at" in cli(proj.root, "lock", "--check", "git-kit").stderr
-    g.pins('ignore = ["verify_kit.sh"]')
+    g.pins(ignore=["verify_kit.sh"])
     assert cli(proj.root, "lock", "git-kit").returncode == 0
     assert proj.lock()["kits"]["git-kit"]["commit"] == c3  # type: ignore[index]
     assert cli(proj.root, "lock", "--check", "git-kit").returncode == 0
@@ -323,8 +308,9 @@ def served(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 def test_fetch_fills_the_store_with_kit_and_runtime_files(proj: Proj, served: tuple[str, Path]) -> None:
     url, www = served
     (www / "engram.py").write_bytes(OVERLAY)
-    pins = (proj.root / "pins.toml").read_text().replace('url = "files/engram.py"', f'url = "{url}/engram.py"')
-    (proj.root / "pins.toml").write_text(pins)
+    doc = proj.doc()
+    doc["files"]["overlay"]["url"] = f"{url}/engram.py"
+    factory.write_pins(proj.root, doc)
     assert cli(proj.root, "lock").returncode == 0
     r = cli(proj.root, "fetch", "--offline", "--json", "run")
     assert r.returncode == 1 and "files.overlay: engram.py: not in the store and --offline was given" in r.stderr
@@ -383,7 +369,7 @@ def test_placement_puts_runtime_inputs_at_their_mount_paths(proj: Proj) -> None:
             assert placed[n].role == "file" and f.path == mounts[n] and f.path.startswith(f"/srv/models/{n}/")
         assert placed["chat-template"].files[0].sha256 == sha(TEMPLATE)
     # a kit whose pin changed since the lock is named before anything is placed
-    proj.write(kit='ignore = ["*.md"]')
+    proj.write(kit={"ignore": ["*.md"]})
     with pytest.raises(ConfigError, match=r"kits.tp-kit: changed since the lock"):
         place_models(load_pins(proj.root / "pins.toml"), lock, "run", host)
 
@@ -410,14 +396,12 @@ def with_inputs(p: bl.Project) -> None:
     write_kit(p.root / "kit")
     (p.root / "files").mkdir()
     (p.root / "files" / "chat.jinja").write_bytes(TEMPLATE)
-    text = (p.root / "pins.toml").read_text().replace(
-        'models = ["demo-model"]\n',
-        'models = ["demo-model"]\nmounts = [{ source = "input:tp-kit", target = "/kit" }, '
-        '{ source = "input:chat-template", target = "/templates/chat.jinja" }]\n',
-    )
-    text += (f'\n[kits.tp-kit]\nlocal = "kit"\n\n[files.chat-template]\nurl = "files/chat.jinja"\n'
-             f'sha256 = "{sha(TEMPLATE)}"\n')
-    (p.root / "pins.toml").write_text(text)
+    doc = bl.pins_doc()
+    doc["lanes"][bl.LANE]["mounts"] = [{"source": "input:tp-kit", "target": "/kit"},
+                                       {"source": "input:chat-template", "target": "/templates/chat.jinja"}]
+    doc["kits"] = {"tp-kit": {"local": "kit"}}
+    doc["files"] = {"chat-template": {"url": "files/chat.jinja", "sha256": sha(TEMPLATE)}}
+    factory.write_pins(p.root, doc)
     bl.write_lock(p.root)
     pins = load_pins(p.pins)
     lock = load_lock(p.root / "pins.lock")

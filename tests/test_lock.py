@@ -15,10 +15,12 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.test_gitsrc import Upstream
+from tests.lib import factory
+from tests.lib.gitlib import Upstream
 
 TINY_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 ZIG_SHA = "a" * 64
@@ -72,50 +74,29 @@ class Project:
     def lock(self) -> Path:
         return self.root / "pins.lock"
 
-    def pins_text(self, *, patch_reason: str = "fix the readme", extra: str = "") -> str:
-        rev = f'rev = "{self.rev}"\n' if self.rev else ""
-        return f"""format = 1
+    def doc(self, *, patch_reason: str = "fix the readme", **extra: dict[str, Any]) -> dict[str, Any]:
+        """The project's pins; `extra`: more entries, section -> name -> entry."""
+        engine: dict[str, Any] = {"url": self.up.url, "ref": "main"}
+        if self.rev:
+            engine["rev"] = self.rev
+        engine["patches"] = [{"file": "patches/0001-fix.patch", "reason": patch_reason}]
+        zig = {"kind": "zig", "version": "0.13.0", "platforms": {"linux/arm64": {
+            "url": "https://ziglang.org/download/0.13.0/zig-linux-aarch64-0.13.0.tar.xz", "sha256": ZIG_SHA}}}
+        doc = factory.pins(
+            sources={"engine": engine},
+            toolchains={"zig": zig},
+            files={"template": {"url": "files/chat.jinja", "sha256": sha(self.template)}},
+            models={"tiny": factory.model("org/tiny", TINY_COMMIT, local="models/tiny")},
+            images={"demo": factory.image("images/demo", sources=["engine"], toolchains=["zig"], files=["template"])},
+            lanes={"demo": factory.lane("demo", ["tiny"], serve={
+                "tensor_parallel": 1, "context": 4096, "streams": 1, "port": 8000, "served_name": "tiny"})},
+        )
+        for section, entries in extra.items():
+            doc.setdefault(section, {}).update(entries)
+        return doc
 
-[sources.engine]
-url = "{self.up.url}"
-ref = "main"
-{rev}patches = [{{ file = "patches/0001-fix.patch", reason = "{patch_reason}" }}]
-
-[toolchains.zig]
-kind = "zig"
-version = "0.13.0"
-[toolchains.zig.platforms."linux/arm64"]
-url = "https://ziglang.org/download/0.13.0/zig-linux-aarch64-0.13.0.tar.xz"
-sha256 = "{ZIG_SHA}"
-
-[files.template]
-url = "files/chat.jinja"
-sha256 = "{sha(self.template)}"
-
-[models.tiny]
-repo = "org/tiny"
-revision = "{TINY_COMMIT}"
-local = "models/tiny"
-
-[images.demo]
-recipe = "images/demo"
-sources = ["engine"]
-toolchains = ["zig"]
-files = ["template"]
-
-[lanes.demo]
-image = "demo"
-models = ["tiny"]
-[lanes.demo.serve]
-tensor_parallel = 1
-context = 4096
-streams = 1
-port = 8000
-served_name = "tiny"
-{extra}"""
-
-    def write_pins(self, **kw: str) -> None:
-        self.pins.write_text(self.pins_text(**kw))
+    def write_pins(self, **kw: Any) -> None:
+        factory.write_pins(self.root, self.doc(**kw))
 
     def run(self, *args: str) -> Result:
         env = dict(os.environ)
@@ -214,7 +195,7 @@ def test_lock_is_deterministic(locked: Project) -> None:
 
 
 def test_closure_selection_locks_only_what_the_lane_needs(proj: Project) -> None:
-    proj.write_pins(extra='\n[files.other]\nurl = "files/chat.jinja"\nsha256 = "' + "b" * 64 + '"\n')
+    proj.write_pins(files={"other": {"url": "files/chat.jinja", "sha256": "b" * 64}})
     r = proj.run("lock", "demo")
     assert r.rc == 0, r.err
     data = json.loads(proj.lock.read_text())
@@ -371,20 +352,11 @@ def test_unknown_update_name(locked: Project) -> None:
 
 
 def test_offline_names_every_unreachable_input(proj: Project, monkeypatch: pytest.MonkeyPatch) -> None:
-    extra = f"""
-[sources.remote]
-url = "https://git.example.invalid/engine.git"
-ref = "main"
-
-[files.kit]
-url = "https://example.invalid/kit.tar.gz"
-sha256 = "{"c" * 64}"
-
-[models.big]
-repo = "org/big"
-revision = "main"
-"""
-    proj.write_pins(extra=extra)
+    proj.write_pins(
+        sources={"remote": {"url": "https://git.example.invalid/engine.git", "ref": "main"}},
+        files={"kit": {"url": "https://example.invalid/kit.tar.gz", "sha256": "c" * 64}},
+        models={"big": factory.model("org/big")},
+    )
     monkeypatch.setenv("HF_HUB_CACHE", str(proj.tmp / "empty-hub"))
     r = proj.run("lock", "--offline")
     assert r.rc == 1 and "Traceback" not in r.err

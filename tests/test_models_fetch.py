@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from builder.models.store import ModelStore, Wanted
+from tests.lib import factory
 from tests.lib.fakehub import FakeHub
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,12 +23,7 @@ TOKEN = "hf_fetchtesttoken0123456789"
 BIG = bytes(range(256)) * 400  # 100 KiB, an LFS file
 FILES = {"config.json": b'{"tiny": true}\n', "model.safetensors": BIG, "engram-r1of2.bin": b"\x07" * 5000}
 
-PINS = """format = 1
-
-[models.tiny]
-repo = "org/tiny"
-revision = "main"
-"""
+PINS = factory.pins(models={"tiny": factory.model("org/tiny")})
 
 
 @pytest.fixture
@@ -41,7 +37,7 @@ def hub(tmp_path: Path) -> Iterator[FakeHub]:
 def proj(tmp_path: Path, hub: FakeHub) -> Path:
     p = tmp_path / "proj"
     p.mkdir()
-    (p / "pins.toml").write_text(PINS)
+    factory.write_pins(p, PINS)
     r = cli(p, hub, "lock", "tiny")
     assert r.returncode == 0, r.stderr
     return p
@@ -149,7 +145,7 @@ def test_a_connection_cut_mid_file_resumes_from_what_was_written(tmp_path: Path,
     hub.add_repo("org/big", {"w.safetensors": data}, lfs={"w.safetensors"})
     proj = tmp_path / "big"
     proj.mkdir()
-    (proj / "pins.toml").write_text('format = 1\n\n[models.big]\nrepo = "org/big"\nrevision = "main"\n')
+    factory.write_pins(proj, factory.pins(models={"big": factory.model("org/big")}))
     assert cli(proj, hub, "lock", "big").returncode == 0
     hub.cut_after = 12 << 20
     hub.requests.clear()

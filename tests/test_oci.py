@@ -16,6 +16,7 @@ import pytest
 from builder import oci
 from builder.errors import ConfigError, ResolveError
 from builder.pins import BaseImage
+from tests.lib import factory
 from tests.lib.registrylib import (
     DOCKER_MANIFEST,
     Registry,
@@ -173,9 +174,8 @@ def test_cli_lock_with_a_registry_base(registry: Registry, tmp_path: Path) -> No
     idx = registry.push_index("demo/base", "v1")
     proj = tmp_path / "proj"
     proj.mkdir()
-    (proj / "pins.toml").write_text(
-        f'format = 1\n[bases.base]\nref = "{idx.reference}"\nplatforms = ["linux/arm64"]\n'
-    )
+    base = {"ref": idx.reference, "platforms": ["linux/arm64"]}
+    factory.write_pins(proj, factory.pins(bases={"base": base}))
     p = subprocess.run(
         [sys.executable, "-m", "builder", "--pins", str(proj / "pins.toml"), "lock"],
         capture_output=True,
@@ -186,9 +186,7 @@ def test_cli_lock_with_a_registry_base(registry: Registry, tmp_path: Path) -> No
     lock = json.loads((proj / "pins.lock").read_text())
     assert lock["bases"]["base"]["platforms"] == {"linux/arm64": idx.manifests["linux/arm64"]}
     # offline, the registry is not asked; the local engine does not have it: named, exit 1
-    (proj / "pins.toml").write_text(
-        f'format = 1\n[bases.base]\nref = "{idx.reference}"\nplatforms = ["linux/arm64"]\nnote = "edited"\n'
-    )
+    factory.write_pins(proj, factory.pins(bases={"base": base | {"note": "edited"}}))
     before = (proj / "pins.lock").read_bytes()
     p = subprocess.run(
         [sys.executable, "-m", "builder", "--pins", str(proj / "pins.toml"), "lock", "--offline"],

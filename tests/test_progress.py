@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.lib import bundlelib as bl
-from tests.lib import ptylib
+from tests.lib import factory, ptylib
 
 
 def _run_on_pty(argv: list[str], cwd: Path) -> tuple[int, str, str]:
@@ -134,8 +134,7 @@ def test_fetch_names_the_files_in_flight_with_bytes_rate_and_time_left_in_80_col
 
     files = {f"model-{i:05d}-of-00004.safetensors": os.urandom(1 << 20) * 40 for i in range(4)}
     repo = "deepseek-ai/DeepSeek-V4-Flash-Base"
-    pins = tmp_path / "pins.toml"
-    pins.write_text(f'format = 1\n\n[models.deepseek-v4-flash]\nrepo = "{repo}"\nrevision = "main"\n')
+    pins = factory.write_pins(tmp_path, factory.pins(models={"deepseek-v4-flash": factory.model(repo)}))
     with FakeHub() as hub:
         hub.add_repo(repo, files, lfs=set(files))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "BUILDER_"))}

@@ -31,6 +31,7 @@ from builder.lockfile import load_lock
 from builder.pins import ImageRecipe, Pins, load_pins
 from builder.plan import make_plan
 from builder.store import Store
+from tests.lib import factory
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p.name for p in (ROOT / "images").iterdir() if (p / "Dockerfile").is_file())
@@ -214,7 +215,7 @@ def test_problems_are_reported_per_image_and_line(tmp_path: Path) -> None:
         "FROM ${BASE}\nCOPY files/ /f/\nFROM ubuntu:24.04\nRUN python - <<'EOF'\n")
     (tmp_path / "images" / "unused").mkdir()
     (tmp_path / "images" / "unused" / "Dockerfile").write_text("FROM scratch\n")
-    (tmp_path / "pins.toml").write_text('format = 1\n[images.x]\nrecipe = "images/r"\nplatform = "linux/amd64"\n')
+    factory.write_pins(tmp_path, factory.pins(images={"x": factory.image("images/r", platform="linux/amd64")}))
     pins = load_pins(tmp_path / "pins.toml")
     assert recipe_problems(tmp_path, pins, "r") == [
         "images/r/Dockerfile:1: FROM ${BASE} without an `ARG BASE` before the first FROM",
@@ -262,31 +263,15 @@ def test_context_layout_is_what_assembly_lays_out(tmp_path: Path) -> None:
     engine = _repo(tmp_path / "repos", "engine", {"main.zig": "pub fn main() void {}\n"})
     dep = _repo(tmp_path / "repos", "dep", {"include/dep.h": "#pragma once\n"})
     tarball_sha, data_sha = hashlib.sha256(tarball).hexdigest(), hashlib.sha256(b"d\n").hexdigest()
-    (root / "pins.toml").write_text(f"""format = 1
-[sources.engine]
-url = "{engine}"
-ref = "main"
-[sources.dep]
-url = "{dep}"
-ref = "main"
-[toolchains.zig]
-kind = "zig"
-version = "0.17.0"
-[toolchains.zig.platforms."linux/amd64"]
-url = "dl/zig-x-0.17.0.tar.xz"
-sha256 = "{tarball_sha}"
-[toolchains.cuda]
-kind = "cuda"
-[files.data]
-url = "dl/data.txt"
-sha256 = "{data_sha}"
-[images.two]
-recipe = "images/two"
-sources = ["engine", "dep"]
-toolchains = ["zig", "cuda"]
-files = ["data"]
-platform = "linux/amd64"
-""")
+    factory.write_pins(root, factory.pins(
+        sources={"engine": {"url": str(engine), "ref": "main"}, "dep": {"url": str(dep), "ref": "main"}},
+        toolchains={"zig": {"kind": "zig", "version": "0.17.0", "platforms": {
+                        "linux/amd64": {"url": "dl/zig-x-0.17.0.tar.xz", "sha256": tarball_sha}}},
+                    "cuda": {"kind": "cuda"}},
+        files={"data": {"url": "dl/data.txt", "sha256": data_sha}},
+        images={"two": factory.image("images/two", sources=["engine", "dep"], toolchains=["zig", "cuda"],
+                                     files=["data"], platform="linux/amd64")},
+    ))
     report = resolve.resolve(root / "pins.toml", root / "pins.lock", resolve.ResolveOptions(offline=True))
     assert not report.failed, report.failed
     pins, lock = load_pins(root / "pins.toml"), load_lock(root / "pins.lock")

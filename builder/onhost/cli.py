@@ -10,7 +10,7 @@ import sys
 
 from .errors import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, InstallError
 from .files import inventory
-from .install import install
+from .install import Admission, install
 from .pack import zipapp
 from .receive import receive, widen_pipe
 from .release import rollback, stage_installed, status, switch
@@ -83,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.cmd in ("install", "receive"):  # (the two take the same checks and limits)
-            common = {"trusted_key": _key_bytes(args), "insecure": args.insecure, "host": args.host,
-                      "reserve": args.reserve, "lock_timeout": args.lock_timeout, "stage": args.stage}
+            admit = Admission(trusted_key=_key_bytes(args), insecure=args.insecure, host=args.host,
+                              reserve=args.reserve, lock_timeout=args.lock_timeout, stage=args.stage)
         if args.cmd == "install":
-            res = install(args.bundle, args.root, remove_source=args.remove_source, **common)
+            res = install(args.bundle, args.root, admit, remove_source=args.remove_source)
         elif args.cmd == "stage":
             res = stage_installed(args.root, args.release, lock_timeout=args.lock_timeout)
         elif args.cmd == "switch":
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             res = status(args.root)
         elif args.cmd == "receive":
             widen_pipe(0)
-            res = receive(args.root, sys.stdin.buffer, sys.stdout.buffer, **common)
+            res = receive(args.root, sys.stdin.buffer, sys.stdout.buffer, admit)
         elif args.cmd == "inventory":
             res = inventory(args.dir)
         elif args.cmd == "assemble":

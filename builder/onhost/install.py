@@ -5,6 +5,7 @@ switched in (or staged); and the checks an install and a receive share before an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import stat
@@ -40,37 +41,46 @@ def _discard(written: list[tuple[str, str]]) -> None:
             os.unlink(tmp)
 
 
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    """What an install and a receive check and keep to before anything changes: the key to trust
+    (`trusted_key`, or the host's kept one; `insecure`: none), the host the bundle must be for, the
+    free disk to keep, how long to wait for the root's lock; and whether to stage instead of switch."""
+
+    trusted_key: bytes | None = None
+    insecure: bool = False
+    host: str | None = None
+    reserve: int = DEFAULT_RESERVE
+    lock_timeout: float = 60.0
+    stage: bool = False
+
+
 def install(
     bundle_dir: str,
     root: str,
+    admit: Admission = Admission(),  # noqa: B008  (frozen, so one shared default is safe)
     *,
-    trusted_key: bytes | None = None,
-    insecure: bool = False,
-    host: str | None = None,
     remove_source: bool = False,
-    reserve: int = DEFAULT_RESERVE,
-    lock_timeout: float = 60.0,
     sig_check: SigCheck | None = None,
-    stage: bool = False,
 ) -> dict[str, Any]:
     """Install a bundle folder under root; return {"result": "installed"|"unchanged"|"staged", ...}.
 
-    ``stage``: everything up to the switch, then ``staged`` and state/staged.json instead of
+    ``admit.stage``: everything up to the switch, then ``staged`` and state/staged.json instead of
     ``current`` and the apply record (the package docstring: "Stage, then switch")."""
     r = Root(root)
     bundle_dir = os.path.abspath(bundle_dir)
-    with r.locked(lock_timeout):
+    with r.locked(admit.lock_timeout):
         r.clean_temps()
-        key, new_key = host_key(r, trusted_key, insecure)  # 1. the key
+        key, new_key = host_key(r, admit.trusted_key, admit.insecure)  # 1. the key
         # 2. signature, structure and sizes, before anything changes; each byte is hashed once below,
         # in the pass that uses it (a model file as it is written to a temp name beside its place,
         # the image archive as it streams into docker load, the rest on its own), and nothing is
         # placed or switched until every one checked out
         manifest, mbytes, sbytes = verify_bundle(
-            bundle_dir, key, insecure=insecure, sig_check=sig_check, hashes=False
+            bundle_dir, key, insecure=admit.insecure, sig_check=sig_check, hashes=False
         )
         bid = manifest["bundle_id"]
-        old = host_record(r, manifest, host)
+        old = host_record(r, manifest, admit.host)
         current = r.link("current")
         img = manifest["image"]
         have_layers = image_present(img["image_id"])
@@ -85,7 +95,7 @@ def install(
         ):
             check_all_hashes(bundle_dir, manifest["files"])
             say("bundle %s is already installed; nothing to do" % bid[:16])
-            if stage:
+            if admit.stage:
                 mark_staged(r, manifest, mbytes, old.get("previous_bundle_id"))
             if remove_source:
                 _remove_source(r, bundle_dir)
@@ -112,7 +122,7 @@ def install(
         needs.append(
             (r.releases, sum(f["size"] for f in release_files(manifest)) + len(mbytes) + len(sbytes))
         )
-        check_disk(needs, reserve)
+        check_disk(needs, admit.reserve)
         # 4. image, models, release, switch, record
         placing = [m for m in manifest["models"] if model_ok(m, vouch) is not None]
         loading = have_layers is None and img["archive"] is not None
@@ -132,7 +142,7 @@ def install(
         for d in sorted({os.path.dirname(dest) for _, dest in written}):
             fsync_dir(d)
         stage_release(r, bundle_dir, manifest, mbytes, sbytes)
-        res = switch_in(r, manifest, mbytes, stage, current, trusted_key if new_key else None)
+        res = switch_in(r, manifest, mbytes, admit.stage, current, admit.trusted_key if new_key else None)
         if remove_source:
             _remove_source(r, bundle_dir)
         return res

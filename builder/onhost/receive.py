@@ -18,11 +18,11 @@ from typing import Any
 from .engine import Load, docker_root, image_present, pull_image
 from .errors import EXIT_CONFIG, InstallError, say
 from .files import READ_SIZE, WRITEBACK_STEP, Writeback, atomic_write, fsync_dir, fsync_file, tmp_stem, write_all
-from .install import check_image_source, host_key, host_record
+from .install import Admission, check_image_source, host_key, host_record
 from .manifest import HEX64, MANIFEST, MAX_MANIFEST, SIGNATURE, release_files
 from .record import fast_mode_drift, model_ok, release_ok
 from .release import mark_staged, stage_release, switch_in
-from .root import DEFAULT_RESERVE, Root, check_disk
+from .root import Root, check_disk
 from .verify import check_signed
 
 RECEIVE_MAGIC = b"builder-receive 1\n"
@@ -242,26 +242,17 @@ def _received_whole(receipts: dict[str, Any], inc: _Incoming) -> bool:
 
 
 def receive(
-    root: str,
-    inp: Any,
-    out: Any,
-    *,
-    trusted_key: bytes | None = None,
-    insecure: bool = False,
-    host: str | None = None,
-    reserve: int = DEFAULT_RESERVE,
-    lock_timeout: float = 60.0,
-    stage: bool = False,
+    root: str, inp: Any, out: Any, admit: Admission = Admission()  # noqa: B008  (frozen, so one shared default is safe)
 ) -> dict[str, Any]:
     """Receive a bundle streamed on inp (the protocol above) and install it; the wanted list goes to out."""
     r = Root(root)
     mbytes, sbytes = read_header(inp)
-    with r.locked(lock_timeout):
+    with r.locked(admit.lock_timeout):
         r.clean_temps()
-        key, new_key = host_key(r, trusted_key, insecure)
-        manifest = check_signed(mbytes, sbytes, key, insecure)
+        key, new_key = host_key(r, admit.trusted_key, admit.insecure)
+        manifest = check_signed(mbytes, sbytes, key, admit.insecure)
         bid = manifest["bundle_id"]
-        old = host_record(r, manifest, host)
+        old = host_record(r, manifest, admit.host)
         current = r.link("current")
         img = manifest["image"]
         # the engine's answers (each a docker CLI start and an API call) while the files are checked
@@ -279,14 +270,14 @@ def receive(
             out.flush()
 
         ready = have_layers is not None and release_there and not placing
-        if stage and ready and r.link("staged") == bid and r.read_record(r.staged_record):
+        if admit.stage and ready and r.link("staged") == bid and r.read_record(r.staged_record):
             reply({"want": []})
             say("bundle %s is already staged; nothing to do" % bid[:16])
             return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid), "received": []}
         if ready and current == bid and old and old.get("bundle_id") == bid:
             reply({"want": []})
             say("bundle %s is already installed; nothing to do" % bid[:16])
-            if stage:
+            if admit.stage:
                 mark_staged(r, manifest, mbytes, old.get("previous_bundle_id"))
             return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid), "received": []}
         check_image_source(img, have_layers)
@@ -327,7 +318,7 @@ def receive(
         needs = [(w.dest, w.entry["size"] - w.offset) for w in todo]
         if load and root_q is not None:
             needs.append((root_q.result() or r.root, 2 * files[img["archive"]]["size"]))
-        check_disk(needs, reserve)
+        check_disk(needs, admit.reserve)
         reply({"want": [[w.path, w.offset] for w in todo]})
         got = 0
         loading: Load | None = None
@@ -369,7 +360,7 @@ def receive(
             stage_release(r, inc_dir, {**manifest, "files": [
                 {k: v for k, v in f.items() if k != "parts"} for f in manifest["files"]]}, mbytes, sbytes,
                 link=True)
-        res = switch_in(r, manifest, mbytes, stage, current, trusted_key if new_key else None)
+        res = switch_in(r, manifest, mbytes, admit.stage, current, admit.trusted_key if new_key else None)
         shutil.rmtree(inc_dir, ignore_errors=True)
         res["received"] = [w.path for w in todo]
         res["bytes_received"] = got

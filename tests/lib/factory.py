@@ -129,8 +129,8 @@ HOST_PATHS = {"models": "/srv/models", "engram": "/srv/engram", "bundles": "/var
 def host(name: str, rank: int, *, ssh: str | None = None, role: str | None = None, **keys: Any) -> Doc:
     """One `[[hosts]]` row: `ssh` defaults to the name, `role` to head for rank 0 and worker after;
     `keys`: address, connection, paths, fabric, expect and the rest, as the fleet file has them."""
-    return {"name": name, "ssh": name if ssh is None else ssh, "rank": rank, "role": role or ("head" if rank == 0 else "worker"),
-            **{k: v for k, v in keys.items() if v is not None}}
+    return {"name": name, "ssh": name if ssh is None else ssh, "rank": rank,
+            "role": role or ("head" if rank == 0 else "worker"), **{k: v for k, v in keys.items() if v is not None}}
 
 
 def fleet(name: str, lane: str, hosts: Sequence[Mapping[str, Any]], **keys: Any) -> Doc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import hashlib
 import json
 import math
 import re
@@ -38,7 +39,7 @@ from builder.onhost.record import model_cached, write_record
 from builder.onhost.release import status
 from builder.onhost.root import Root
 from builder.onhost.verify import check_signature_form, verify_bundle
-from tests.lib import checkmods, rlib
+from tests.lib import checkmods, factory, rlib
 
 FUZZ = settings(
     max_examples=1000,
@@ -353,29 +354,13 @@ def lock_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     m.mkdir(parents=True)
     (m / "config.json").write_text("{}\n")
     (m / "w-r0of1.bin").write_bytes(b"\x01" * 100)
-    import hashlib
-
-    (root / "pins.toml").write_text(f"""format = 1
-[files.t]
-url = "files/t.jinja"
-sha256 = "{hashlib.sha256(b"{{ m }}" + bytes([10])).hexdigest()}"
-[models.tiny]
-repo = "org/tiny"
-revision = "{"c" * 40}"
-local = "models/tiny"
-[images.demo]
-recipe = "images/demo"
-files = ["t"]
-[lanes.demo]
-image = "demo"
-models = ["tiny"]
-[lanes.demo.serve]
-tensor_parallel = 1
-context = 1024
-streams = 1
-port = 8000
-served_name = "tiny"
-""")
+    factory.write_pins(root, factory.pins(
+        files={"t": {"url": "files/t.jinja", "sha256": hashlib.sha256(b"{{ m }}\n").hexdigest()}},
+        models={"tiny": factory.model("org/tiny", "c" * 40, local="models/tiny")},
+        images={"demo": factory.image("images/demo", files=["t"])},
+        lanes={"demo": factory.lane("demo", ["tiny"], serve={
+            "tensor_parallel": 1, "context": 1024, "streams": 1, "port": 8000, "served_name": "tiny"})},
+    ))
     rep = resolve(root / "pins.toml", root / "pins.lock", ResolveOptions(offline=True, cache=root / ".c"))
     assert not rep.failed, rep.failed
     shutil.rmtree(root / ".c", ignore_errors=True)

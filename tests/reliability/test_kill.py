@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.lib import rlib
-from tests.test_gitsrc import Upstream
+from tests.lib import factory, rlib
+from tests.lib.gitlib import Upstream
 
 pytestmark = pytest.mark.slow
 
@@ -70,35 +70,18 @@ def make_lock_project(base: Path) -> Path:
 
 
 def lock_pins(bare: Path, tpl: bytes, reason: str, extra_model: bool = False) -> str:
-    extra = ""
-    if extra_model:
-        extra = '[models.again]\nrepo = "org/again"\nrevision = "' + "d" * 40 + '"\nlocal = "models/tiny"\n'
-    return f"""format = 1
-[sources.engine]
-url = "file://{bare}"
-ref = "main"
-patches = [{{ file = "patches/0001.patch", reason = "{reason}" }}]
-[files.t]
-url = "files/t.jinja"
-sha256 = "{hashlib.sha256(tpl).hexdigest()}"
-[models.tiny]
-repo = "org/tiny"
-revision = "{"c" * 40}"
-local = "models/tiny"
-{extra}[images.demo]
-recipe = "images/demo"
-sources = ["engine"]
-files = ["t"]
-[lanes.demo]
-image = "demo"
-models = ["tiny"]
-[lanes.demo.serve]
-tensor_parallel = 1
-context = 1024
-streams = 1
-port = 8000
-served_name = "tiny"
-"""
+    tiny = factory.model("org/tiny", "c" * 40, local="models/tiny")
+    models = {"tiny": tiny} | ({"again": factory.model("org/again", "d" * 40, local="models/tiny")}
+                               if extra_model else {})
+    return factory.toml(factory.pins(
+        sources={"engine": {"url": f"file://{bare}", "ref": "main",
+                            "patches": [{"file": "patches/0001.patch", "reason": reason}]}},
+        files={"t": {"url": "files/t.jinja", "sha256": hashlib.sha256(tpl).hexdigest()}},
+        models=models,
+        images={"demo": factory.image("images/demo", sources=["engine"], files=["t"])},
+        lanes={"demo": factory.lane("demo", ["tiny"], serve={
+            "tensor_parallel": 1, "context": 1024, "streams": 1, "port": 8000, "served_name": "tiny"})},
+    ))
 
 
 def test_lock_killed_at_random_points(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.lib import rlib
+from tests.lib import factory, rlib
 
 HF_TOKEN = "hf_FAKEplanted" + secrets.token_hex(12)
 REG_PASSWORD = "regPW-planted-" + secrets.token_hex(12)
@@ -127,12 +127,12 @@ def test_no_secret_in_lock_bundle_verify_ship_or_errors(tmp_path: Path) -> None:
         )
         hp = tmp_path / "hubproj"
         hp.mkdir()
-        (hp / "pins.toml").write_text('format = 1\n[models.m]\nrepo = "org/model"\nrevision = "main"\n')
+        factory.write_pins(hp, factory.pins(models={"m": factory.model("org/model")}))
         henv = hub_env(hub, tmp_path)
         sc.run("--pins", str(hp / "pins.toml"), "lock", "--json", cwd=hp, env=henv)
         sc.run("--pins", str(hp / "pins.toml"), "lock", "--check", "--json", cwd=hp, env=henv)
         # failures: an unknown repo (the hub answers 404), a wrong token (401), the hub unreachable
-        (hp / "pins.toml").write_text('format = 1\n[models.m]\nrepo = "org/gone"\nrevision = "main"\n')
+        factory.write_pins(hp, factory.pins(models={"m": factory.model("org/gone")}))
         sc.run("--pins", str(hp / "pins.toml"), "lock", "--json", cwd=hp, env=henv, expect=(1,))
         sc.run(
             "--pins",
@@ -146,7 +146,7 @@ def test_no_secret_in_lock_bundle_verify_ship_or_errors(tmp_path: Path) -> None:
     # a base image at a closed loopback registry port, with the password planted
     bp = tmp_path / "baseproj"
     bp.mkdir()
-    (bp / "pins.toml").write_text('format = 1\n[bases.b]\nref = "127.0.0.1:9/demo/x:v1"\nplatforms = ["linux/arm64"]\n')
+    factory.write_pins(bp, factory.pins(bases={"b": {"ref": "127.0.0.1:9/demo/x:v1", "platforms": ["linux/arm64"]}}))
     sc.run("--pins", str(bp / "pins.toml"), "lock", "--json", cwd=bp, expect=(1,))
     # bundle (key from BUILDER_SIGNING_KEY), verify, ship to a folder: every --json output
     sc.run(*pins, "bundle", "--fleet", bl.FLEET, "--with-models", "--part-size", "4KiB", "--json", cwd=p.root)
@@ -190,9 +190,8 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
     (proj / "images" / "t").mkdir(parents=True)
     (proj / "images" / "t" / "Dockerfile").write_text("FROM scratch\nARG NOTE\nCOPY hello /hello\n")
     (proj / "images" / "t" / "hello").write_text(f"hello {secrets.token_hex(8)}\n")
-    (proj / "pins.toml").write_text(
-        'format = 1\n[images.t]\nrecipe = "images/t"\nplatform = "linux/amd64"\nbuild_args = { NOTE = "x" }\n'
-    )
+    factory.write_pins(proj, factory.pins(
+        images={"t": factory.image("images/t", platform="linux/amd64", build_args={"NOTE": "x"})}))
     pins = ["--pins", str(proj / "pins.toml")]
     sc.run(*pins, "lock", "--json", cwd=proj)
     out = json.loads(sc.run(*pins, "image", "t", "--json", cwd=proj).stdout)
@@ -271,9 +270,8 @@ def test_registry_password_never_printed(tmp_path: Path) -> None:
         sc.secrets["registry-password"] = str(reg.password)
         proj = tmp_path / "proj"
         proj.mkdir()
-        (proj / "pins.toml").write_text(
-            f'format = 1\n[bases.b]\nref = "{reg.addr}/demo/multi:v1"\nplatforms = ["linux/arm64"]\n'
-        )
+        factory.write_pins(proj, factory.pins(
+            bases={"b": {"ref": f"{reg.addr}/demo/multi:v1", "platforms": ["linux/arm64"]}}))
         r = sc.run("--pins", str(proj / "pins.toml"), "lock", "--json", cwd=proj)
         assert idx.digest in (proj / "pins.lock").read_text(), r.stderr
         # a wrong password: refused in one line, neither password printed

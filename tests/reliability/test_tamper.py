@@ -22,9 +22,9 @@ import pytest
 
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.onhost.errors import InstallError
-from builder.onhost.install import install
-from tests.lib import rlib
-from tests.test_gitsrc import Upstream
+from builder.onhost.install import Admission, install
+from tests.lib import factory, rlib
+from tests.lib.gitlib import Upstream
 
 
 def flip_offsets(d: Path, n: int, seed: int) -> list[tuple[str, int]]:
@@ -90,7 +90,7 @@ def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: 
             ctx, "spark-b", BundleOptions(key=p.key, out=tmp_path / "v1", with_image=True, with_models=True)
         ).path
         root = host / "builder"
-        install(str(v1), str(root), trusted_key=p.pub.read_bytes())
+        install(str(v1), str(root), Admission(trusted_key=p.pub.read_bytes()))
         bl.relock(p, streams=5)
         ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
         v2 = make_bundle(
@@ -140,15 +140,10 @@ def _patch_project(base: Path) -> Path:
     )
     (root / "images" / "demo").mkdir(parents=True)
     (root / "images" / "demo" / "Dockerfile").write_text("FROM scratch\n")
-    (root / "pins.toml").write_text(f"""format = 1
-[sources.engine]
-url = "{up.url}"
-ref = "main"
-patches = [{{ file = "patches/0001-fix.patch", reason = "mark the build" }}]
-[images.demo]
-recipe = "images/demo"
-sources = ["engine"]
-""")
+    factory.write_pins(root, factory.pins(
+        sources={"engine": {"url": str(up.url), "ref": "main",
+                            "patches": [{"file": "patches/0001-fix.patch", "reason": "mark the build"}]}},
+        images={"demo": factory.image("images/demo", sources=["engine"])}))
     r = rlib.run_builder("--pins", str(root / "pins.toml"), "lock", cwd=root)
     assert r.returncode == 0, r.stderr
     return root
@@ -289,9 +284,7 @@ def test_lock_update_reports_a_changed_model_file(tmp_path: Path) -> None:
     m.mkdir(parents=True)
     (m / "config.json").write_text("{}\n")
     (m / "w.bin").write_bytes(b"\x01" * 5000)
-    (root / "pins.toml").write_text(
-        f'format = 1\n[models.tiny]\nrepo = "org/tiny"\nrevision = "{"c" * 40}"\nlocal = "models/tiny"\n'
-    )
+    factory.write_pins(root, factory.pins(models={"tiny": factory.model("org/tiny", "c" * 40, local="models/tiny")}))
     assert rlib.run_builder("--pins", str(root / "pins.toml"), "lock", cwd=root).returncode == 0
     before = json.loads((root / "pins.lock").read_text())["models"]["tiny"]["files"]
     old = flip(m / "w.bin", 1234, random.Random(1))
