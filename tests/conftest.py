@@ -1,12 +1,20 @@
-"""Shared test setup: tests never touch the home folder or any network beyond loopback."""
+"""Shared test setup: tests never touch the home folder or any network beyond loopback; the session's
+ziglang wheel (`wheelhouse`) for the tests that build the demo image."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from builder.lockfile import load_lock
+from tests.lib import dockerlib
+from tests.lib.fleetlib import docker_available
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,16 +63,26 @@ def project_root() -> Path:
     return ROOT
 
 
-def docker_available() -> bool:
-    import shutil
-    import subprocess
-
-    if shutil.which("docker") is None:
-        return False
-    try:
-        return subprocess.run(["docker", "info"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+@pytest.fixture(scope="session")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the ziglang wheel the shipped lock pins for this machine's platform."""
+    lock = load_lock(ROOT / "pins.lock")
+    art = lock.toolchains["zig-wheel"].platforms[dockerlib.engine_platform()]
+    assert art.filename
+    for d in [*(x for x in os.environ.get("BUILDER_WHEELHOUSE", "").split(os.pathsep) if x),
+              str(ROOT / ".cache" / "wheelhouse")]:
+        if (Path(d) / art.filename).is_file():
+            return Path(d)
+    wh = tmp_path_factory.mktemp("wheelhouse")
+    mine = ROOT / ".cache" / "builder" / "objects" / art.sha256  # the developer's store, read only
+    if mine.is_file():
+        shutil.copyfile(mine, wh / art.filename)
+        return wh
+    plat = art.filename[:-4].split("-")[-1].split(".")[0]
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--platform", plat, "-d", str(wh), "ziglang==0.17.0"], capture_output=True, text=True)
+    assert r.returncode == 0 and (wh / art.filename).is_file(), r.stderr
+    return wh
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

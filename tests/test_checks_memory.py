@@ -20,7 +20,7 @@ import pytest
 
 from builder import hostfacts as hf
 from builder.hostfacts import memory
-from tests.test_checks_units import checklib_fresh, concerns_for, local_expect
+from tests.lib.checkmods import checklib_fresh, concerns_for, local_expect
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -223,7 +223,7 @@ def test_the_prefetch_runs_the_module_for_real(tmp_path: Path) -> None:
     """hostfacts.memory inside the prefetch's batch on this machine (testinfra local://): one call."""
     import testinfra
 
-    from tests.test_checks_units import count_commands
+    from tests.lib.checkmods import count_commands
 
     cl: Any = checklib_fresh()
     host = testinfra.get_host("local://")

@@ -11,40 +11,7 @@ from typing import Any
 import pytest
 
 from tests.lib import checkmods
-
-
-def checklib_fresh() -> object:
-    """checks/checklib as the per-host pytest imports it, with its per-host caches empty."""
-    checklib: Any = checkmods.checklib()
-    for cache in (checklib.RAN, checklib.APPLIED_CACHE, checklib.EXISTS_CACHE, checklib.LIST_CACHE):
-        cache.clear()
-    checklib.PREFETCHED.clear()
-    return checklib
-
-
-def concerns_for(expect: dict[str, Any]) -> list[Any]:
-    """The CONCERN of each check module `expect` selects, as checks/conftest.py gives them to
-    checklib.prefetch; `expect["containers"]` is set as `builder audit` writes it."""
-    found: list[Any] = [checkmods.check_module(n).CONCERN for n in expect["concerns"]]
-    expect["containers"] = any(c.containers for c in found)
-    return found
-
-
-def local_expect(tmp_path: Path) -> dict[str, object]:
-    root = tmp_path / "models" / "tiny"
-    root.mkdir(parents=True)
-    (root / "w.bin").write_bytes(b"w" * 10)
-    return {
-        "concerns": ["release", "models", "engram", "memory", "storage", "runtime"],
-        "mode": "fast",
-        "phase": "preflight",
-        "host": {"role": "head"},
-        "paths": {"engram": str(tmp_path / "engram"), "models": str(tmp_path / "models")},
-        "applied_path": str(tmp_path / "state" / "applied.json"),
-        "current_path": str(tmp_path / "current"),
-        "models": [{"root": str(root), "files": [{"path": "w.bin", "size": 10, "sha256": "0" * 64}]}],
-        "expect": {"gpu_count": 0, "rdma": False, "nfs_mounts": [], "min_free_disk_gib": 1, "docker": False},
-    }
+from tests.lib.checkmods import checklib_fresh, concerns_for, count_commands, local_expect
 
 
 def test_require_fails_where_or_skip_skips() -> None:
@@ -88,18 +55,6 @@ def test_collection_error_in_one_line() -> None:
     conf.pytest_collectreport(SimpleNamespace(failed=False, nodeid="test_y.py", longrepr=None))
     assert conf._STATE["collect_errors"] == ["checks/test_x.py: ModuleNotFoundError: No module named 'nope'"]
 
-
-def count_commands(host: Any) -> list[str]:
-    """The commands host.run is given from now on (each still runs, on the real host)."""
-    calls: list[str] = []
-    real_run = host.run
-
-    def counting_run(command: str, *args: str) -> Any:
-        calls.append(command)
-        return real_run(command, *args)
-
-    host.run = counting_run
-    return calls
 
 def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> None:
     import testinfra

@@ -16,8 +16,7 @@ import pytest
 from builder.audit import AuditOptions
 from builder.audit.concerns import Concern, declared, read_declaration
 from builder.errors import ConfigError
-from tests.lib.checkmods import CHECKS, check_module
-from tests.test_checks_units import checklib_fresh, concerns_for
+from tests.lib.checkmods import CHECKS, check_module, checklib_fresh, concerns_for
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ("image", "release", "models", "engram", "gpu", "memory", "fabric", "storage", "runtime", "serving")

@@ -198,7 +198,7 @@ def test_unknown_fleet_is_one_line_and_exit_2(tmp_path: Path, project_root: Path
 @pytest.mark.docker
 def test_installer_stages_without_switching_then_switches_and_back(tmp_path: Path) -> None:
     from tests.lib import bundlelib as bl
-    from tests.test_onhost import bundle, install, run_installer
+    from tests.lib.bundlelib import bundle, install, run_installer
 
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")

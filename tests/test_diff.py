@@ -12,7 +12,7 @@ from builder.errors import ConfigError
 from builder.lockfile import load_lock
 from tests.lib import factory
 from tests.lib.gitlib import run_git
-from tests.test_lock import Project
+from tests.lib.lockproject import Project
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,12 +33,12 @@ from builder.lockfile import load_lock
 from builder.pins import load_pins
 from builder.plan import make_plan
 from builder.store import Store
-from tests.conftest import docker_available
 from tests.lib import dockerlib
-from tests.test_plan import (
+from tests.lib.dockerlib import Tags
+from tests.lib.fleetlib import docker_available
+from tests.lib.shipped import (
     NO_DOCKER,
     PATCH_REL,
-    ROOT,
     Result,
     builder,
     copy_project,
@@ -55,30 +54,6 @@ ARCH = {"amd64": ("x86_64-linux-musl", "linux/arm64", "aarch64-linux-musl"),
 # --------------------------------------------------------------------------- session fixtures
 
 
-def _engine_platform() -> str:
-    return dockerio.engine_platform() if docker_available() else "linux/amd64"
-
-
-@pytest.fixture(scope="session")
-def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding the ziglang wheel the shipped lock pins for this machine's platform."""
-    lock = load_lock(ROOT / "pins.lock")
-    art = lock.toolchains["zig-wheel"].platforms[_engine_platform()]
-    assert art.filename
-    for d in [*(x for x in os.environ.get("BUILDER_WHEELHOUSE", "").split(os.pathsep) if x),
-              str(ROOT / ".cache" / "wheelhouse")]:
-        if (Path(d) / art.filename).is_file():
-            return Path(d)
-    wh = tmp_path_factory.mktemp("wheelhouse")
-    mine = ROOT / ".cache" / "builder" / "objects" / art.sha256  # the developer's store, read only
-    if mine.is_file():
-        shutil.copyfile(mine, wh / art.filename)
-        return wh
-    plat = art.filename[:-4].split("-")[-1].split(".")[0]
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--platform", plat, "-d", str(wh), "ziglang==0.17.0"], capture_output=True, text=True)
-    assert r.returncode == 0 and (wh / art.filename).is_file(), r.stderr
-    return wh
 
 
 @dataclass
@@ -89,28 +64,6 @@ class Built:
     first: Result
     rec: dict[str, Any]
     plan: dict[str, Any]
-
-
-class Tags:
-    """Tags a test makes: removed at the end; a tag that existed before is pointed back where it was."""
-
-    def __init__(self) -> None:
-        self.before: dict[str, str | None] = {}
-
-    def watch(self, tag: str) -> str:
-        if tag not in self.before:
-            self.before[tag] = dockerio.image_id(tag)
-        return tag
-
-    def restore(self) -> None:
-        for tag, old in self.before.items():
-            now = dockerio.image_id(tag)
-            if old is None:
-                if now is not None:
-                    dockerio.remove(tag, force=True)
-            elif now != old:
-                repo, _, t = tag.rpartition(":")
-                dockerio.tag(old, repo, t)
 
 
 @pytest.fixture(scope="session")
@@ -458,7 +411,7 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     zig = Path(ziglang.__file__).resolve().parent / "zig"
     d = tmp_path_factory.mktemp("probe")
     (d / "probe.zig").write_text(PROBE_ZIG)
-    target = ARCH[_engine_platform().split("/")[1]][0]
+    target = ARCH[dockerlib.engine_platform().split("/")[1]][0]
     subprocess.run([str(zig), "build-exe", "-OReleaseSmall", "-target", target, "-fstrip", "-fsingle-threaded",
                     "-static", "--cache-dir", str(d / "cache"), f"-femit-bin={d / 'probe'}", str(d / "probe.zig")],
                    env={**os.environ, "ZIG_GLOBAL_CACHE_DIR": str(d / "global")}, cwd=d, check=True,
@@ -475,7 +428,7 @@ def probe_project(tmp_path: Path, probe: Path, conf: str) -> Path:
     (r / "probe.conf").write_text(conf + "\n")
     (r / "Dockerfile").write_text('FROM scratch\nCOPY probe probe.conf /\nRUN ["/probe"]\nENTRYPOINT ["/probe"]\n')
     with open(root / "pins.toml", "a") as f:
-        f.write(f'\n[images.netprobe]\nrecipe = "images/netprobe"\nplatform = "{_engine_platform()}"\n')
+        f.write(f'\n[images.netprobe]\nrecipe = "images/netprobe"\nplatform = "{dockerlib.engine_platform()}"\n')
     relock(root, "netprobe")
     return root
 

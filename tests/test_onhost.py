@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from builder import onhost
-from builder.bundle import BundleOptions, hostpkg, load_bundle_inputs, make_bundle
+from builder.bundle import hostpkg
 from builder.onhost import files as host_files
 from builder.onhost import pack
 from builder.onhost.errors import InstallError
@@ -35,37 +35,18 @@ from builder.onhost.record import release_ok
 from builder.onhost.verify import verify_bundle
 from tests.lib import bundlelib, rlib
 from tests.lib import bundlelib as bl
+from tests.lib.bundlelib import bundle, install, run_installer
 
 SCRIPT = hostpkg.zipapp()
-
-
-def run_installer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """python3 install.pyz ARGS, isolated from this checkout (-I, cwd=/)."""
-    return subprocess.run(
-        [sys.executable, "-I", str(bl.installer_file()), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd="/",
-    )
 
 
 def local_hosts(base: Path) -> list[dict[str, Any]]:
     return bl.local_hosts(base / "host")
 
 
-def bundle(p: bl.Project, out: Path, host: str = "spark-b", **kw: Any) -> Path:
-    ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
-    return make_bundle(ctx, host, BundleOptions(key=p.key, out=out, **kw)).path
-
-
 def snapshot(root: Path) -> dict[str, Any]:
     """Everything under root (files by content, links by target), ignoring the lock file."""
     return bundlelib.snapshot(root, skip=("state/install.lock",))
-
-
-def install(bdir: Path, root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return run_installer("install", str(bdir), "--root", str(root), *extra)
 
 
 # --------------------------------------------------------------------------- fast tier

@@ -9,7 +9,7 @@ from builder.hosts import Host
 from builder.lockfile import LockedModel, load_lock
 from builder.pins import load_pins
 from builder.placement import model_root, owns, place_models, rank_tag
-from tests.conftest import ROOT
+from tests.lib.shipped import ROOT
 
 
 @pytest.mark.parametrize(

@@ -5,94 +5,28 @@ the lock's timestamp) changes the address; an unrelated change (another input's 
 pin elsewhere) does not; the address does not depend on the folder the project sits in. `--plan`
 and `why` need no Docker engine. Bad input (missing, stale or hand-edited lock; a ZIG_TARGET for
 another CPU than the image platform) is one line and exit 2.
-
-The helpers here (copy_project, builder, relock, edit_lock) are shared with test_image.py and test_gc.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from builder.canon import address, canonical_json
-from builder.lockfile import Lock, load_lock, render_lock
-
-ROOT = Path(__file__).resolve().parent.parent
-PROJECT_FILES = ("pins.toml", "pins.lock", "images", "engine-src", "patches", "files", "models")
-PATCH_REL = "patches/demo/0001-version-suffix-patched.patch"
-NO_DOCKER = {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
-
-
-# --------------------------------------------------------------------------- shared helpers
-
-
-def copy_project(dest: Path) -> Path:
-    """A copy of the shipped project (pins, lock, recipes, engine bundle, patches, files, models)."""
-    dest.mkdir(parents=True)
-    for name in PROJECT_FILES:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".zig-cache", "zig-out"))
-        else:
-            shutil.copy2(src, dest / name)
-    return dest
-
-
-@dataclass
-class Result:
-    rc: int
-    out: str
-    err: str
-
-    @property
-    def err_lines(self) -> list[str]:
-        return [ln for ln in self.err.splitlines() if ln.strip()]
-
-    def json(self) -> Any:
-        return json.loads(self.out)
-
-
-def builder(root: Path, *args: str, store: Path | None = None, env: dict[str, str] | None = None,
-            timeout: float = 1800) -> Result:
-    """Run the real CLI on the project at ``root`` (store: ``root/.cache/builder`` unless given)."""
-    e = dict(os.environ)
-    e.update({"NO_COLOR": "1", "COLUMNS": "250", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"})
-    e.update(env or {})
-    cmd = [sys.executable, "-m", "builder", "--pins", str(root / "pins.toml")]
-    if store is not None:
-        cmd += ["--store", str(store)]
-    p = subprocess.run([*cmd, *args], cwd=root, env=e, capture_output=True, text=True, timeout=timeout)
-    return Result(p.returncode, p.stdout, p.stderr)
-
-
-def relock(root: Path, *names: str) -> None:
-    r = builder(root, "lock", "--offline", *(names or ("demo",)))
-    assert r.rc == 0, r.err
-
-
-def edit_lock(root: Path, change: Callable[[dict[str, Any]], None]) -> None:
-    """Change the lock's content and write it the way `builder lock` does (sorted, sealed)."""
-    path = root / "pins.lock"
-    data = json.loads(path.read_text())
-    change(data)
-    data.pop("seal", None)
-    path.write_bytes(render_lock(Lock.model_validate(data)))
-
-
-def plan_of(root: Path) -> dict[str, Any]:
-    r = builder(root, "why", "demo", "--json", env=NO_DOCKER)
-    assert r.rc == 0, r.err
-    return dict(r.json())
+from builder.lockfile import load_lock
+from tests.lib.shipped import (
+    NO_DOCKER,
+    PATCH_REL,
+    builder,
+    copy_project,
+    edit_lock,
+    edit_pins_section,
+    plan_of,
+    relock,
+)
 
 
 @pytest.fixture
@@ -148,18 +82,6 @@ def _patch_byte(root: Path) -> None:
     assert "Subject: [PATCH] " in text
     p.write_text(text.replace("Subject: [PATCH] ", "Subject: [PATCH]  ", 1))  # one byte, still applies
     relock(root)
-
-
-def edit_pins_section(root: Path, header: str, old: str, new: str) -> None:
-    """Replace ``old`` by ``new`` inside one [section] of pins.toml (it must be there)."""
-    p = root / "pins.toml"
-    text = p.read_text()
-    start = text.index(f"\n{header}\n") + 1
-    nxt = text.find("\n[", start + len(header))
-    end = len(text) if nxt < 0 else nxt
-    section = text[start:end]
-    assert old in section, f"{old!r} not in {header} of pins.toml"
-    p.write_text(text[:start] + section.replace(old, new, 1) + text[end:])
 
 
 def _build_arg(root: Path) -> None:

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from tests.lib import projectlib, registrylib
-from tests.test_registry import _skip_without_parts
 
 pytestmark = [pytest.mark.registry, pytest.mark.docker, pytest.mark.build]
 
@@ -58,7 +57,7 @@ class Published:
 
 @pytest.fixture(scope="module")
 def published(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Published]:
-    _skip_without_parts()
+    registrylib.require_parts()
     workdir = tmp_path_factory.mktemp("published")
     # a payload no other image shares: this image's ImageID is this test's alone, so removing it is safe
     root = projectlib.two_layer_project(workdir / "project", secrets.token_bytes(projectlib.PAYLOAD))

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from tests.lib import fleetlib, journeylib, projectlib, registrylib
-from tests.test_registry_fleet import _skip_without_parts
 
 pytestmark = [pytest.mark.registry, pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
 FLEET = "pubfleet"
@@ -36,7 +35,7 @@ def _bad(report: dict[str, object]) -> str:
 
 
 def test_a_fleet_serving_a_published_image_passes_the_audit_and_a_retagged_host_fails(tmp_path: Path) -> None:
-    _skip_without_parts()
+    registrylib.require_parts()
     root = projectlib.two_layer_project(tmp_path / "project", secrets.token_bytes(projectlib.PAYLOAD))
     env = projectlib.env_for(tmp_path)
     env["BUILDER_SSH_DIR"] = str(tmp_path / "ssh")

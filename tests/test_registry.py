@@ -22,13 +22,6 @@ from tests.lib import projectlib, registrylib
 pytestmark = [pytest.mark.registry, pytest.mark.docker, pytest.mark.build]
 
 
-def _skip_without_parts() -> None:
-    if shutil.which(registrylib.REGISTRY_BIN) is None:
-        pytest.skip("docker-registry is not installed (apt-get install docker-registry)")
-    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
-        pytest.skip("no Docker Engine")
-
-
 @dataclass
 class Built:
     root: Path
@@ -48,7 +41,7 @@ class Built:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    _skip_without_parts()
+    registrylib.require_parts()
     workdir = tmp_path_factory.mktemp("push")
     root = projectlib.two_layer_project(workdir / "project")
     env = projectlib.env_for(workdir)

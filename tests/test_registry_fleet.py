@@ -29,13 +29,6 @@ pytestmark = [pytest.mark.registry, pytest.mark.fleet, pytest.mark.docker, pytes
 FLEET = "regfleet"
 
 
-def _skip_without_parts() -> None:
-    if shutil.which(registrylib.REGISTRY_BIN) is None:
-        pytest.skip("docker-registry is not installed (apt-get install docker-registry)")
-    if not fleetlib.docker_available():
-        pytest.skip("no Docker Engine")
-
-
 def _current(fleet: fleetlib.Fleet, h: fleetlib.Host) -> str:
     return fleet.exec(h, f"readlink {journeylib.PATHS['bundles']}/current", check=False).stdout.strip()
 
@@ -68,7 +61,7 @@ def registry_fleet(tmp_path: Path) -> Iterator[RegFleet]:
     """Two test hosts whose dockerd trusts a registry on the fleet's network (TLS, a CA made here), the
     fleet file naming it (fleet.registry, fleet.registry_ca relative to the fleet file), the lane
     locked, fetched and built, and a signing key: nothing installed yet."""
-    _skip_without_parts()
+    registrylib.require_parts()
     root = projectlib.two_layer_project(tmp_path / "project")
     env = projectlib.env_for(tmp_path)
     env["BUILDER_SSH_DIR"] = str(tmp_path / "ssh")

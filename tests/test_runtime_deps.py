@@ -22,10 +22,9 @@ from pathlib import Path
 import pytest
 
 from builder.imagerecord import tag_for
-from tests.conftest import docker_available
-from tests.lib import fleetlib
-from tests.test_image import Tags, wheelhouse  # noqa: F401  (wheelhouse: the ziglang wheel, a fixture)
-from tests.test_plan import ROOT, copy_project
+from tests.lib import dockerlib, fleetlib
+from tests.lib.fleetlib import docker_available
+from tests.lib.shipped import ROOT, copy_project
 
 pytestmark = [pytest.mark.docker, pytest.mark.fleet, pytest.mark.slow]
 
@@ -77,7 +76,7 @@ def _install_without_extras(tmp: Path, houses: list[Path]) -> Path:
     return bin_
 
 
-def test_a_plain_install_builds_on_a_remote_engine_over_ssh(tmp_path: Path, wheelhouse: Path) -> None:  # noqa: F811
+def test_a_plain_install_builds_on_a_remote_engine_over_ssh(tmp_path: Path, wheelhouse: Path) -> None:
     if not docker_available():
         pytest.skip("no Docker engine")
     houses = _wheelhouses()
@@ -101,7 +100,7 @@ def test_a_plain_install_builds_on_a_remote_engine_over_ssh(tmp_path: Path, whee
     assert facts["paramiko"] and not facts["hypothesis"] and not facts["ruff"], facts
 
     proj = copy_project(tmp_path / "proj")
-    tags = Tags()
+    tags = dockerlib.Tags()
     zig = {"BUILDER_WHEELHOUSE": str(wheelhouse)}
 
     def image(store: Path, **env: str) -> subprocess.CompletedProcess[str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder.bundle import hostpkg
+from builder.bundle import BundleOptions, hostpkg, load_bundle_inputs, make_bundle
 from builder.canon import pretty_json
 from builder.imagerecord import ImageRecord, tag_for, write_record
 from builder.onhost.manifest import bundle_id_of, trusted_comment_for
@@ -294,3 +294,25 @@ def local_hosts(host: Path, *, bundles: str = "builder", connection: str | None 
             h["connection"] = connection
         h["paths"] = {"models": str(host / "models"), "engram": str(host / "engram"), "bundles": str(host / bundles)}
     return hs
+
+
+def run_installer(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """python3 install.pyz ARGS, isolated from this checkout (-I, cwd=/)."""
+    return subprocess.run(
+        [sys.executable, "-I", str(installer_file()), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd="/",
+    )
+
+
+def bundle(p: Project, out: Path, host: str = "spark-b", **kw: Any) -> Path:
+    """The project's bundle for `host` in `out` (BundleOptions' `kw`), signed with its key."""
+    ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
+    return make_bundle(ctx, host, BundleOptions(key=p.key, out=out, **kw)).path
+
+
+def install(bdir: Path, root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """The installer's `install` of a bundle folder into `root` (`extra`: its flags)."""
+    return run_installer("install", str(bdir), "--root", str(root), *extra)

@@ -1,6 +1,7 @@
 """Containers from the local Docker Engine, for the tests: run an image to completion, or start one
 detached with published ports, read its logs and remove it. builder itself runs containers only on
-hosts, through start.sh; these go through builder.dockerio's client and error wrapping."""
+hosts, through start.sh; these go through builder.dockerio's client and error wrapping. Also the tags
+a test makes, put back as they were, and the platform of this machine's engine."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 from docker.errors import NotFound
 
+from builder import dockerio
 from builder.dockerio import _call, client
 from builder.errors import BuilderError
 
@@ -122,3 +124,32 @@ def stop(container: str) -> None:
             client().api.remove_container(container, force=True)
 
     _call(f"docker rm -f {container[:12]}", do)
+
+
+def engine_platform() -> str:
+    """The local engine's platform (linux/amd64 where there is no engine)."""
+    from tests.lib.fleetlib import docker_available
+
+    return dockerio.engine_platform() if docker_available() else "linux/amd64"
+
+
+class Tags:
+    """Tags a test makes: removed at the end; a tag that existed before is pointed back where it was."""
+
+    def __init__(self) -> None:
+        self.before: dict[str, str | None] = {}
+
+    def watch(self, tag: str) -> str:
+        if tag not in self.before:
+            self.before[tag] = dockerio.image_id(tag)
+        return tag
+
+    def restore(self) -> None:
+        for tag, old in self.before.items():
+            now = dockerio.image_id(tag)
+            if old is None:
+                if now is not None:
+                    dockerio.remove(tag, force=True)
+            elif now != old:
+                repo, _, t = tag.rpartition(":")
+                dockerio.tag(old, repo, t)

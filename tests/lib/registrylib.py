@@ -45,6 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from tests.lib.fleetlib import docker_available
+
 REGISTRY_BIN = "docker-registry"
 DEFAULT_USER = "builder-test"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -54,6 +58,15 @@ OCI_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
 ACCEPT_ALL = ", ".join([OCI_INDEX, OCI_MANIFEST, DOCKER_LIST, DOCKER_MANIFEST])
+
+def require_parts() -> None:
+    """Skip when docker-registry or the Docker Engine is missing here; under CI, where .ci/run installs
+    both, fail instead."""
+    missing = ("docker-registry is not installed (apt-get install docker-registry)"
+               if shutil.which(REGISTRY_BIN) is None else None if docker_available() else "no Docker Engine")
+    if missing is not None:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(missing)
+
 
 _ACCESS = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[0-9.]+" (?P<status>\d{3}) (?P<size>\d+|-) '
                      r'"[^"]*" "(?P<agent>[^"]*)"')

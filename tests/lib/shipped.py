@@ -1,0 +1,93 @@
+"""The shipped project in a test's folder: a copy of its inputs (pins, lock, recipes, engine source,
+patches, files, models; not hosts/ or tests/), the real CLI run on it, a relock, and edits of its
+pins and lock. (tests.lib.journeylib.project_copy copies a whole fresh clone instead.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from builder.lockfile import Lock, render_lock
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT_FILES = ("pins.toml", "pins.lock", "images", "engine-src", "patches", "files", "models")
+PATCH_REL = "patches/demo/0001-version-suffix-patched.patch"
+NO_DOCKER = {"DOCKER_HOST": "unix:///nonexistent/docker.sock"}
+
+
+def copy_project(dest: Path) -> Path:
+    """A copy of the shipped project (pins, lock, recipes, engine bundle, patches, files, models)."""
+    dest.mkdir(parents=True)
+    for name in PROJECT_FILES:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".zig-cache", "zig-out"))
+        else:
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+@dataclass
+class Result:
+    rc: int
+    out: str
+    err: str
+
+    @property
+    def err_lines(self) -> list[str]:
+        return [ln for ln in self.err.splitlines() if ln.strip()]
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+
+def builder(root: Path, *args: str, store: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 1800) -> Result:
+    """Run the real CLI on the project at ``root`` (store: ``root/.cache/builder`` unless given)."""
+    e = dict(os.environ)
+    e.update({"NO_COLOR": "1", "COLUMNS": "250", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"})
+    e.update(env or {})
+    cmd = [sys.executable, "-m", "builder", "--pins", str(root / "pins.toml")]
+    if store is not None:
+        cmd += ["--store", str(store)]
+    p = subprocess.run([*cmd, *args], cwd=root, env=e, capture_output=True, text=True, timeout=timeout)
+    return Result(p.returncode, p.stdout, p.stderr)
+
+
+def relock(root: Path, *names: str) -> None:
+    r = builder(root, "lock", "--offline", *(names or ("demo",)))
+    assert r.rc == 0, r.err
+
+
+def edit_lock(root: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    """Change the lock's content and write it the way `builder lock` does (sorted, sealed)."""
+    path = root / "pins.lock"
+    data = json.loads(path.read_text())
+    change(data)
+    data.pop("seal", None)
+    path.write_bytes(render_lock(Lock.model_validate(data)))
+
+
+def plan_of(root: Path) -> dict[str, Any]:
+    r = builder(root, "why", "demo", "--json", env=NO_DOCKER)
+    assert r.rc == 0, r.err
+    return dict(r.json())
+
+
+def edit_pins_section(root: Path, header: str, old: str, new: str) -> None:
+    """Replace ``old`` by ``new`` inside one [section] of pins.toml (it must be there)."""
+    p = root / "pins.toml"
+    text = p.read_text()
+    start = text.index(f"\n{header}\n") + 1
+    nxt = text.find("\n[", start + len(header))
+    end = len(text) if nxt < 0 else nxt
+    section = text[start:end]
+    assert old in section, f"{old!r} not in {header} of pins.toml"
+    p.write_text(text[:start] + section.replace(old, new, 1) + text[end:])
