@@ -49,7 +49,7 @@ packages=openssh-server,python3,openssl,iproute2,procps,curl,ca-certificates,ipt
 die() { echo "build-testhost: $*" >&2; exit 1; }
 log() { echo "build-testhost: $*" >&2; }
 
-# The recipe hash covers this script and the entrypoint; tests/fleetlib.py computes the same value.
+# The recipe hash covers this script and the entrypoint; tests/lib/fleetlib.py computes the same value.
 version=$(cat "$here/build-testhost.sh" "$here/entrypoint.sh" | sha256sum | cut -c1-16)
 tag="builder-testhost:$version"
 
