@@ -35,7 +35,7 @@ from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcom
 from builder.errors import BuilderError
 from tests.lib import auditlib, factory, fleetlib
 from tests.lib import deploylib as dl
-from tests.lib.journeylib import PATHS, Journey, journey
+from tests.lib.journeylib import PATHS, Journey, edit_on, journey
 
 # --------------------------------------------------------------------------- fast tier
 
@@ -686,9 +686,7 @@ def test_repair_reinstalls_a_drifted_release_from_its_bundle(j: Journey, bystand
     head, worker = j.fleet.hosts
     root = PATHS_BUNDLES
     j.fleet.exec(worker, f"echo '# edited by hand' >> {root}/current/start.sh")
-    edit = ("import json,sys; p=sys.argv[1]; d=json.load(open(p)); d['manifest_sha256']='0'*64; "
-            "open(p,'w').write(json.dumps(d))")
-    j.fleet.exec(head, ["python3", "-c", edit, f"{root}/state/applied.json"])
+    edit_on(j.fleet, head, op="json_set", path=f"{root}/state/applied.json", key="manifest_sha256", value="0" * 64)
     rc, rep = _deploy(j)
     assert rc == 1 and rep["result"] == "unchanged", rep.get("reason")
     assert "already deployed, but the audit fails" in rep["reason"] and "--repair" in rep["reason"], rep["reason"]

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.lib import fleetlib
-from tests.lib.journeylib import PATHS, Journey, failing, journey
+from tests.lib.journeylib import PATHS, Journey, edit_on, failing, journey
 
 pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
 
@@ -110,33 +110,8 @@ def _msg(report: dict[str, Any], host: fleetlib.Host, check: str) -> str:
     return str(report["hosts"][host.name]["checks"][check]["message"])
 
 
-# The edits below run on the host as root through `docker exec` (the back door): they stand for
-# what goes wrong on a real Spark (bit rot, a hand edit, a copy over the wrong file).
-
-EDIT = r"""
-import base64, json, os, sys
-req = json.loads(sys.argv[1])
-p = req["path"]
-st = os.stat(p)
-if req["op"] == "read":
-    print(json.dumps({"data": base64.b64encode(open(p, "rb").read()).decode(), "mtime_ns": st.st_mtime_ns}))
-elif req["op"] == "write_in_place":  # same inode, same size, mtime put back
-    with open(p, "r+b") as f:
-        f.write(base64.b64decode(req["data"]))
-    os.utime(p, ns=(st.st_atime_ns, req.get("mtime_ns", st.st_mtime_ns)))
-elif req["op"] == "replace":  # the whole file, in place
-    with open(p, "wb") as f:
-        f.write(base64.b64decode(req["data"]))
-elif req["op"] == "touch":
-    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
-elif req["op"] == "set_mtime":
-    os.utime(p, ns=(st.st_atime_ns, req["mtime_ns"]))
-"""
-
-
 def _edit(j: Journey, h: fleetlib.Host, **req: Any) -> dict[str, Any]:
-    r = j.fleet.exec(h, ["python3", "-c", EDIT, json.dumps(req)])
-    return json.loads(r.stdout) if r.stdout.strip() else {}
+    return edit_on(j.fleet, h, **req)
 
 
 def test_preflight_audit_of_the_installed_lane_passes(j: Journey) -> None:

@@ -1,11 +1,9 @@
 """Helpers for the audit tests: a FAKE nvidia-smi replaying a real H200 capture, and small projects.
 
-The fake is a python3 script that prints, verbatim, what a real nvidia-smi printed on an H200
-(tests/data/nvidia-smi/h200-nvidia-smi-probe.txt, copied from the shared reference captures).
-It is a fake: it knows three invocations (the full --query-gpu field list, --version and
---query-compute-apps) and answers anything else like an old driver would ("not a valid field",
-exit 2). Drift is injected through files in its state folder (default /etc/fake-nvidia-smi):
-`query` replaces the --query-gpu output, `apps` is the --query-compute-apps output.
+The fake is tests/lib/fake_nvidia_smi.py, a standalone script that prints, verbatim, what a real
+nvidia-smi printed on an H200 (tests/data/nvidia-smi/h200-nvidia-smi-probe.txt, copied from the shared
+reference captures, given to it as capture.json in its state folder); the script says what it knows
+and how drift is injected.
 """
 
 from __future__ import annotations
@@ -32,45 +30,26 @@ def capture_sections(path: Path = CAPTURE) -> dict[str, str]:
     return {k: "\n".join(v).strip("\n") + "\n" for k, v in out.items()}
 
 
-def fake_nvidia_smi(state_dir: str = "/etc/fake-nvidia-smi") -> str:
-    """The FAKE nvidia-smi script text (python3), replaying the H200 capture."""
+#: the FAKE nvidia-smi, a standalone script installed as `nvidia-smi`
+FAKE = Path(__file__).resolve().parent / "fake_nvidia_smi.py"
+
+
+def capture_json() -> str:
+    """The fake's capture.json: the H200 capture's `csv` reply and --version, and the field list it
+    answers (builder's own, builder.gpu.QUERY_FIELDS)."""
     s = capture_sections()
-    query = s["query csv header"]  # header + one row, with units: as real nvidia-smi prints `csv`
-    version = s["nvidia-smi --version"]
-    return f"""#!/usr/bin/env python3
-# FAKE nvidia-smi (builder tests): replays output captured on a real NVIDIA H200, driver 580.159.04.
-import os, sys
-STATE = os.environ.get("FAKE_NVSMI_DIR", {state_dir!r})
-QUERY_FIELDS = {json.dumps(",".join(G.QUERY_FIELDS))}
-QUERY = {query!r}
-VERSION = {version!r}
-def state(name, default):
-    p = os.path.join(STATE, name)
-    return open(p).read() if os.path.exists(p) else default
-args = sys.argv[1:]
-q = [a for a in args if a.startswith("--query-gpu=")]
-if q:
-    fields = q[0].split("=", 1)[1]
-    if fields != QUERY_FIELDS:
-        bad = [f for f in fields.split(",") if f not in QUERY_FIELDS.split(",")]
-        print('Field "%s" is not a valid field to query.' % (bad[0] if bad else fields))
-        sys.exit(2)
-    sys.stdout.write(state("query", QUERY))
-elif "--version" in args:
-    sys.stdout.write(VERSION)
-elif any(a.startswith("--query-compute-apps=") for a in args):
-    sys.stdout.write(state("apps", ""))
-else:
-    print('Field "%s" is not a valid field to query.' % " ".join(args))
-    sys.exit(2)
-"""
+    return json.dumps({"query_fields": ",".join(G.QUERY_FIELDS), "query": s["query csv header"],
+                       "version": s["nvidia-smi --version"]}, indent=1) + "\n"
 
 
 def install_fake(bin_dir: Path, state_dir: Path) -> Path:
+    """The fake as bin_dir/nvidia-smi with its capture in `state_dir` (run it with FAKE_NVSMI_DIR set
+    to that folder)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "capture.json").write_text(capture_json())
     p = bin_dir / "nvidia-smi"
-    p.write_text(fake_nvidia_smi(str(state_dir)))
+    p.write_bytes(FAKE.read_bytes())
     p.chmod(0o755)
     return p
 
@@ -85,13 +64,12 @@ H200_EXPECT: dict[str, Any] = {
 
 
 def install_fake_on(fleet: Any, h: Any) -> None:
-    """The FAKE nvidia-smi as /usr/local/bin/nvidia-smi on a test fleet host (tests.lib.fleetlib)."""
-    fleet.exec(
-        h,
-        ["sh", "-c", "mkdir -p /etc/fake-nvidia-smi && cat > /usr/local/bin/nvidia-smi && "
-         "chmod 755 /usr/local/bin/nvidia-smi"],
-        input=fake_nvidia_smi(),
-    )
+    """The fake as /usr/local/bin/nvidia-smi on a test fleet host (tests.lib.fleetlib), its capture in
+    /etc/fake-nvidia-smi, the state folder it reads by default."""
+    fleet.exec(h, ["sh", "-c", "mkdir -p /etc/fake-nvidia-smi && cat > /etc/fake-nvidia-smi/capture.json"],
+               input=capture_json())
+    fleet.exec(h, ["sh", "-c", "cat > /usr/local/bin/nvidia-smi && chmod 755 /usr/local/bin/nvidia-smi"],
+               input=FAKE.read_text())
 
 
 # ------------------------------------------------------------------ small projects

@@ -66,6 +66,17 @@ def prepare_host(fleet: fleetlib.Fleet, h: fleetlib.Host) -> None:
     fleet.exec(h, f"install -d -o {h.user} -g {h.user} {' '.join(PATHS.values())}")
 
 
+#: the back door's file edits (a standalone script, run on a host as root)
+HOSTEDIT = Path(__file__).resolve().parent / "hostedit.py"
+
+
+def edit_on(fleet: fleetlib.Fleet, h: fleetlib.Host, **req: Any) -> dict[str, Any]:
+    """One edit of a file on the host as root through `docker exec` (tests/lib/hostedit.py: its ops);
+    `read` returns the file's bytes (base64) and mtime."""
+    r = fleet.exec(h, ["python3", "-", json.dumps(req)], input=HOSTEDIT.read_text())
+    return dict(json.loads(r.stdout)) if r.stdout.strip() else {}
+
+
 @dataclass
 class Journey:
     root: Path  # the project copy

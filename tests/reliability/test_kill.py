@@ -145,17 +145,8 @@ def test_lock_killed_at_random_points(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- store writes
 
-STORE_SCRIPT = r"""
-import shutil, sys
-from pathlib import Path
-from builder.store import Store
-store, mode, src, digest = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), sys.argv[4]
-s = Store(store)
-if mode == "file":
-    s.put_file(src, digest, "blob")
-else:
-    s.put_tree(digest, lambda d: shutil.copytree(src, d, dirs_exist_ok=True), "tree")
-"""
+#: one store write as its own process (tests/lib/storeput.py)
+STORE_PUT = [sys.executable, "-m", "tests.lib.storeput"]
 
 
 def copier(src: Path) -> Callable[[Path], None]:
@@ -203,19 +194,17 @@ def test_store_writes_killed_at_random_points(tmp_path: Path) -> None:
         d.mkdir(parents=True, exist_ok=True)
         (d / f"f{i}.bin").write_bytes(bytes([i % 256]) * 40000)
     tree_sha = sha256_tree(tree)
-    script = tmp_path / "put.py"
-    script.write_text(STORE_SCRIPT)
     spans = {}
     for mode, src, digest in (("file", blob, blob_sha), ("tree", tree, tree_sha)):
         probe = tmp_path / f"probe-{mode}"
-        spans[mode] = rlib.timed([sys.executable, str(script), str(probe), mode, str(src), digest], cwd=tmp_path)
+        spans[mode] = rlib.timed([*STORE_PUT, str(probe), mode, str(src), digest], cwd=tmp_path)
         shutil.rmtree(probe, ignore_errors=True)
     rng = random.Random(rlib.kill_seed(11))
     figures: dict[str, int] = {"complete_after_kill": 0, "absent_after_kill": 0, "staging_left": 0}
     for i in range(rlib.kill_runs()):
         for mode, src, digest in (("file", blob, blob_sha), ("tree", tree, tree_sha)):
             store = tmp_path / f"s{i}-{mode}"
-            proc = rlib.start_killable([sys.executable, str(script), str(store), mode, str(src), digest], cwd=tmp_path)
+            proc = rlib.start_killable([*STORE_PUT, str(store), mode, str(src), digest], cwd=tmp_path)
             time.sleep(kill_delay(rng, spans[mode]))
             rlib.killpg(proc)
             n_obj, n_tree = check_store(store)

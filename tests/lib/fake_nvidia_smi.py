@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""FAKE nvidia-smi (builder tests): replays output captured on a real NVIDIA H200, driver 580.159.04.
+
+A standalone script (standard library only), installed on a test host or in a test's folder as
+`nvidia-smi` by tests.lib.auditlib, beside its state folder (`$FAKE_NVSMI_DIR`, default
+/etc/fake-nvidia-smi). `capture.json` there holds what the real one printed: the `--query-gpu` field
+list it answers, the `csv` reply (header and one row, with units) and `--version`. It knows three
+invocations (that field list, --version and --query-compute-apps) and answers anything else as an
+old driver would ("not a valid field", exit 2). Drift is injected through files in the state folder:
+`query` replaces the --query-gpu reply, `apps` is the --query-compute-apps reply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+STATE = os.environ.get("FAKE_NVSMI_DIR", "/etc/fake-nvidia-smi")
+
+
+def state(name: str, default: str) -> str:
+    p = os.path.join(STATE, name)
+    if not os.path.exists(p):
+        return default
+    with open(p) as f:
+        return f.read()
+
+
+def main(args: list[str]) -> int:
+    with open(os.path.join(STATE, "capture.json")) as f:
+        capture = json.load(f)
+    fields = capture["query_fields"]
+    q = [a for a in args if a.startswith("--query-gpu=")]
+    if q:
+        asked = q[0].split("=", 1)[1]
+        if asked != fields:
+            bad = [x for x in asked.split(",") if x not in fields.split(",")]
+            print(f'Field "{bad[0] if bad else asked}" is not a valid field to query.')
+            return 2
+        sys.stdout.write(state("query", capture["query"]))
+    elif "--version" in args:
+        sys.stdout.write(capture["version"])
+    elif any(a.startswith("--query-compute-apps=") for a in args):
+        sys.stdout.write(state("apps", ""))
+    else:
+        print(f'Field "{" ".join(args)}" is not a valid field to query.')
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
