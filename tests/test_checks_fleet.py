@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import tomllib
 from collections.abc import Iterator
@@ -85,19 +84,7 @@ def test_clean_fleet_passes_fast_and_full(env: dict[str, Any]) -> None:
     assert "spark-test-2" in err and "pass" in err  # the matrix on stderr
 
 
-# A logging `ssh` put first on PATH for one audit: it records each call's arguments, then runs the
-# real ssh. Both the audit (probe, close) and testinfra (every remote command) find ssh on PATH.
-SSH_LOGGER = """#!{python}
-import json, os, sys
-with open({log!r}, "a") as f:
-    f.write(json.dumps(sys.argv[1:]) + "\\n")
-os.execv({ssh!r}, ["ssh"] + sys.argv[1:])
-"""
-
-
 def test_one_connection_and_one_remote_command_per_host(env: dict[str, Any], tmp_path: Path) -> None:
-    import shutil
-
     fleet = env["fleet"]
 
     def accepted(h: Any) -> int:  # connections the host's sshd accepted so far
@@ -105,11 +92,7 @@ def test_one_connection_and_one_remote_command_per_host(env: dict[str, Any], tmp
         return int(r.stdout.strip() or 0)
 
     bindir, log = tmp_path / "bin", tmp_path / "ssh.log"
-    bindir.mkdir()
-    real = shutil.which("ssh")
-    assert real is not None
-    (bindir / "ssh").write_text(SSH_LOGGER.format(python=sys.executable, log=str(log), ssh=real))
-    (bindir / "ssh").chmod(0o755)
+    auditlib.install_ssh_logger(bindir, log)
     before = {h.name: accepted(h) for h in fleet.hosts}
     rc, data, err = audit(env, "--ssh-persist", "0", path_prefix=str(bindir))
     assert rc == 0, err

@@ -33,7 +33,7 @@ from builder.lockfile import load_lock
 from builder.pins import load_pins
 from builder.plan import make_plan
 from builder.store import Store
-from tests.lib import dockerlib
+from tests.lib import dockerlib, factory
 from tests.lib.dockerlib import Tags
 from tests.lib.fleetlib import docker_available
 from tests.lib.shipped import (
@@ -42,7 +42,6 @@ from tests.lib.shipped import (
     Result,
     builder,
     copy_project,
-    edit_pins_section,
     plan_of,
     relock,
 )
@@ -310,8 +309,14 @@ def test_platform_mismatch_needs_emulate(tmp_path: Path, wheelhouse: Path, tags:
     root, store, env = fresh(tmp_path, wheelhouse)
     engine = dockerio.engine_platform()
     here, other, other_target = ARCH[engine.split("/")[1]]
-    edit_pins_section(root, "[images.demo]", f'platform = "{engine}"', f'platform = "{other}"')
-    edit_pins_section(root, "[images.demo]", f'ZIG_TARGET = "{here}"', f'ZIG_TARGET = "{other_target}"')
+    assert factory.read_pins(root)["images"]["demo"]["platform"] == engine
+    assert factory.read_pins(root)["images"]["demo"]["build_args"]["ZIG_TARGET"] == here
+
+    def other_platform(d: dict[str, Any]) -> None:
+        d["images"]["demo"]["platform"] = other
+        d["images"]["demo"]["build_args"]["ZIG_TARGET"] = other_target
+
+    factory.edit_pins(root, other_platform)
     relock(root)
     tag = tags.watch(tag_for("demo", plan_of(root)["input_address"]))
     r = builder(root, "image", "demo", store=store, env=env)
@@ -350,8 +355,8 @@ def probe_project(tmp_path: Path, probe: Path, conf: str) -> Path:
     shutil.copy2(probe, r / "probe")
     (r / "probe.conf").write_text(conf + "\n")
     (r / "Dockerfile").write_text('FROM scratch\nCOPY probe probe.conf /\nRUN ["/probe"]\nENTRYPOINT ["/probe"]\n')
-    with open(root / "pins.toml", "a") as f:
-        f.write(f'\n[images.netprobe]\nrecipe = "images/netprobe"\nplatform = "{dockerlib.engine_platform()}"\n')
+    factory.edit_pins(root, lambda d: d["images"].update(
+        netprobe=factory.image("images/netprobe", platform=dockerlib.engine_platform())))
     relock(root, "netprobe")
     return root
 

@@ -9,6 +9,7 @@ another CPU than the image platform) is one line and exit 2.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -17,13 +18,13 @@ import pytest
 
 from builder.canon import address, canonical_json
 from builder.lockfile import load_lock
+from tests.lib import factory
 from tests.lib.shipped import (
     NO_DOCKER,
     PATCH_REL,
     builder,
     copy_project,
     edit_lock,
-    edit_pins_section,
     plan_of,
     relock,
 )
@@ -85,8 +86,7 @@ def _patch_byte(root: Path) -> None:
 
 
 def _build_arg(root: Path) -> None:
-    edit_pins_section(root, "[images.demo]", 'ZIG_TARGET = "x86_64-linux-musl"',
-                      'ZIG_TARGET = "x86_64-linux-musl", ZIG_OPTIMIZE = "ReleaseFast"')
+    factory.edit_pins(root, lambda d: d["images"]["demo"]["build_args"].update(ZIG_OPTIMIZE="ReleaseFast"))
     relock(root)
 
 
@@ -127,11 +127,8 @@ def test_unrelated_changes_keep_the_address(proj: Path) -> None:
     edit_lock(proj, lambda d: d["models"]["demo-engram"].update(commit="1" * 40))
     # and a new, unrelated pin is added and locked
     (proj / "files" / "unrelated.txt").write_text("not in the demo image\n")
-    import hashlib
-
     h = hashlib.sha256(b"not in the demo image\n").hexdigest()
-    with open(proj / "pins.toml", "a") as f:
-        f.write(f'\n[files.unrelated]\nurl = "files/unrelated.txt"\nsha256 = "{h}"\n')
+    factory.edit_pins(proj, lambda d: d["files"].update(unrelated={"url": "files/unrelated.txt", "sha256": h}))
     relock(proj, "unrelated")
     assert "unrelated" in load_lock(proj / "pins.lock").files
     after = plan_of(proj)
@@ -180,7 +177,7 @@ def test_unknown_image(proj: Path) -> None:
 
 
 def test_zig_target_must_match_the_platform(proj: Path) -> None:
-    edit_pins_section(proj, "[images.demo]", 'platform = "linux/amd64"', 'platform = "linux/arm64"')
+    factory.edit_pins(proj, lambda d: d["images"]["demo"].update(platform="linux/arm64"))
     relock(proj)  # the lock itself is fine: the recipe's build args disagree with its platform
     r = builder(proj, "image", "demo", "--plan", env=NO_DOCKER)
     assert r.rc == 2 and len(r.err_lines) == 1

@@ -94,9 +94,8 @@ def test_full_audit_draws_one_bar_per_host_on_a_terminal_only(tmp_path: Path) ->
 
 
 #: `builder` with its progress bars drawn at once (not after 3 s), for jobs a test keeps short
-NO_DELAY = ("import functools, sys\nfrom builder import output\n"
-            "output.progress = functools.partial(output.progress, delay=0)\n"
-            "sys.argv[0] = 'builder'\nfrom builder.cli import main\nmain()\n")
+#: the builder CLI with its progress drawn at once (tests/lib/builder_now.py)
+NO_DELAY = ["-m", "tests.lib.builder_now"]
 
 
 def _big_local_model(p: bl.Project) -> None:
@@ -112,11 +111,11 @@ def test_lock_hashing_local_models_draws_a_bar_on_a_terminal_only(tmp_path: Path
     p = bl.make_project(tmp_path)
     _big_local_model(p)
     args = ["--pins", str(p.pins), "lock", "--offline", "--update", "demo-model", "--json"]
-    rc, out, tty = _run_on_pty([sys.executable, "-c", NO_DELAY, *args], p.root)
+    rc, out, tty = _run_on_pty([sys.executable, *NO_DELAY, *args], p.root)
     assert rc == 0, tty
     assert json.loads(out)["resolved"] == ["models.demo-model"]  # stdout: one JSON document
     assert "hash models.demo-model" in tty and "MB" in tty and "\x1b[" in tty
-    r = subprocess.run([sys.executable, "-c", NO_DELAY, *args], cwd=p.root, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, *NO_DELAY, *args], cwd=p.root, capture_output=True, text=True,
                        timeout=120, env=dict(os.environ))
     assert r.returncode == 0 and json.loads(r.stdout)["written"] is False, r.stderr
     assert "hash models" not in r.stderr and "\x1b" not in r.stderr and "\r" not in r.stderr, r.stderr
@@ -142,7 +141,7 @@ def test_fetch_names_the_files_in_flight_with_bytes_rate_and_time_left_in_80_col
         lock = subprocess.run([sys.executable, "-m", "builder", "--pins", str(pins), "lock"], capture_output=True,
                               text=True, env=env, timeout=120)
         assert lock.returncode == 0, lock.stderr
-        argv = [sys.executable, "-c", NO_DELAY, "--pins", str(pins), "fetch", "deepseek-v4-flash", "--jobs", "2",
+        argv = [sys.executable, *NO_DELAY, "--pins", str(pins), "fetch", "deepseek-v4-flash", "--jobs", "2",
                 "--json"]
         rc, out, tty = ptylib.run_on_pty(argv, tmp_path, columns=80, env=env)
     assert rc == 0, tty
@@ -162,14 +161,14 @@ def test_verify_of_a_large_bundle_draws_a_bar_by_bytes(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     bl.write_record_for(p.root, p.image_id, p.diff_ids)  # the image, recorded for the new lock
     args = ["--pins", str(p.pins), "bundle", "spark-b", "--with-models", "--key", str(p.key), "--json"]
-    rc, out, tty = ptylib.run_on_pty([sys.executable, "-c", NO_DELAY, *args], p.root, columns=80)
+    rc, out, tty = ptylib.run_on_pty([sys.executable, *NO_DELAY, *args], p.root, columns=80)
     assert rc == 0, tty
     bars = [ln for ln in _one_line_each(tty) if "MB" in ln]
     # the store hashes the model as it takes it in: the bar moves with those bytes, at a rate
     rated = [ln for ln in bars if re.search(r"\d [MG]B/s 0:00:\d\d$", ln)]
     assert any(ln.startswith("bundle testfleet/spark-b") for ln in rated), bars
     args = ["--pins", str(p.pins), "verify", str(p.out("spark-b")), "--key", str(p.pub), "--json"]
-    rc, out, tty = ptylib.run_on_pty([sys.executable, "-c", NO_DELAY, *args], p.root, columns=80)
+    rc, out, tty = ptylib.run_on_pty([sys.executable, *NO_DELAY, *args], p.root, columns=80)
     assert rc == 0 and json.loads(out)["ok"] is True, tty
     bars = [ln for ln in _one_line_each(tty) if "MB" in ln]
     assert any(ln.startswith("verify spark-b") and re.search(r"/5\d\d\.\d MB", ln) for ln in bars), bars

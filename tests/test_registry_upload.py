@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import socket
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -237,39 +236,11 @@ def test_a_link_that_stays_down_fails_in_one_line(reg: registrylib.Registry, lin
 # --------------------------------------------------------------------------- credentials
 
 
-HELPER = """#!{python}
-import json, sys
-if sys.argv[1:] != ["get"]:
-    sys.exit(1)
-server = sys.stdin.read().strip()
-with open({book!r}) as f:
-    book = json.load(f)
-if server not in book:
-    print("credentials not found in native keychain")
-    sys.exit(1)
-with open({asked!r}, "a") as f:
-    f.write(server + "\\n")
-json.dump({{"ServerURL": server, "Username": book[server][0], "Secret": book[server][1]}}, sys.stdout)
-"""
-
-
-def helper(tmp_path: Path, name: str, book: dict[str, list[str]]) -> Path:
-    """``docker-credential-<name>`` in a folder of its own (for PATH); the servers it was asked for go to
-    ``asked`` beside it."""
-    folder = tmp_path / "helpers"
-    folder.mkdir(exist_ok=True)
-    (folder / "book.json").write_text(json.dumps(book))
-    exe = folder / f"docker-credential-{name}"
-    exe.write_text(HELPER.format(python=sys.executable, book=str(folder / "book.json"),
-                                 asked=str(folder / "asked")))
-    exe.chmod(0o755)
-    return folder
-
-
 @pytest.mark.parametrize("how", ["credHelpers", "credsStore"])
 def test_credentials_from_a_credential_helper(reg: registrylib.Registry, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch, how: str) -> None:
-    folder = helper(tmp_path, "buildertest", {reg.addr: [str(reg.username), str(reg.password)]})
+    folder = registrylib.credential_helper(tmp_path / "helpers", "buildertest",
+                                           {reg.addr: [str(reg.username), str(reg.password)]})
     cfg = tmp_path / "docker-config"
     cfg.mkdir()
     doc = {"credHelpers": {reg.addr: "buildertest"}} if how == "credHelpers" else {"credsStore": "buildertest"}
@@ -287,7 +258,7 @@ def test_credentials_from_a_credential_helper(reg: registrylib.Registry, tmp_pat
 
 def test_a_registry_that_asks_nothing_never_runs_the_helper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with registrylib.start_registry(tmp_path / "open") as r:
-        folder = helper(tmp_path, "buildertest", {r.addr: ["u", "p"]})
+        folder = registrylib.credential_helper(tmp_path / "helpers", "buildertest", {r.addr: ["u", "p"]})
         cfg = tmp_path / "docker-config"
         cfg.mkdir()
         (cfg / "config.json").write_text(json.dumps({"credsStore": "buildertest"}))
@@ -309,7 +280,7 @@ def test_a_helper_that_is_missing_or_knows_nothing(reg: registrylib.Registry, tm
         send(reg.addr, data, digest)
     assert str(ei.value).startswith(f"registry {reg.addr}: the docker config's credential helper failed: ")
     assert "docker-credential-nosuchhelper" in str(ei.value) and "\n" not in str(ei.value)
-    folder = helper(tmp_path, "buildertest", {"other.example:5000": ["u", "p"]})
+    folder = registrylib.credential_helper(tmp_path / "helpers", "buildertest", {"other.example:5000": ["u", "p"]})
     (cfg / "config.json").write_text(json.dumps({"credHelpers": {reg.addr: "buildertest"}}))
     monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(ResolveError, match="wants credentials"):

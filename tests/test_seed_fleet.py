@@ -15,14 +15,13 @@ import fnmatch
 import hashlib
 import json
 import re
-import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.lib import fleetlib
+from tests.lib import factory, fleetlib
 from tests.lib.journeylib import Journey, failing, journey
 
 pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build, pytest.mark.slow]
@@ -34,20 +33,8 @@ LANES: dict[str, tuple[int, str, dict[str, Any]]] = {
     "vllm-native": (2, "vllm", {"tensor_parallel": 2}),
     "tensorfold-python-tp2": (2, "tensorfold-python", {}),
 }
-SIM_IMAGE = """recipe = "images/sim"
-sources = ["sim-engine"]
-toolchains = ["zig-wheel"]
-platform = "linux/amd64"
-build_args = { ZIG_TARGET = "x86_64-linux-musl" }
-"""
-
-
-def replace_table(text: str, header: str, body: str) -> str:
-    """`[header]` and its keys replaced by `body` (the table must exist)."""
-    lines = text.split("\n")
-    start = lines.index(f"[{header}]")
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("[")), len(lines))
-    return "\n".join([*lines[: start + 1], body.rstrip("\n"), "", *lines[end:]])
+SIM_IMAGE = factory.image("images/sim", sources=["sim-engine"], toolchains=["zig-wheel"], platform="linux/amd64",
+                          build_args={"ZIG_TARGET": "x86_64-linux-musl"})
 
 
 def snapshot(folder: Path, names: list[str], seed: str) -> None:
@@ -73,61 +60,49 @@ def model_files(include: list[str]) -> list[str]:
 
 def substitute(root: Path, lane: str, image: str, work: Path) -> None:
     """The two substitutions (see the module), in the copy's pins.toml."""
-    path = root / "pins.toml"
-    text = path.read_text()
-    pins = tomllib.loads(text)
-    spec = pins["lanes"][lane]
-    text = replace_table(text, f"images.{image}", SIM_IMAGE)
+    doc = factory.read_pins(root)
+    spec = doc["lanes"][lane]
+    doc["images"][image] = SIM_IMAGE
     for m in spec["models"]:
-        model = pins["models"][m]
+        model = doc["models"][m]
         folder = work / "snapshots" / m
         snapshot(folder, model_files(model.get("include", [])), m)
-        body = (f'repo = "{model["repo"]}"\nrevision = "{hashlib.sha1(m.encode()).hexdigest()}"\n'
-                f'local = "{folder}"\n' + (f'role = "{model["role"]}"\n' if "role" in model else "")
-                + (f"include = {json.dumps(model['include'])}\n" if "include" in model else ""))
-        text = replace_table(text, f"models.{m}", body)
+        doc["models"][m] = factory.model(model["repo"], hashlib.sha1(m.encode()).hexdigest(), local=str(folder),
+                                         **{k: model[k] for k in ("role", "include") if k in model})
     mounted = [m["source"].split(":", 1)[1] for m in
                [*spec.get("mounts", []), *(x for r in spec.get("roles", {}).values() for x in r.get("mounts", []))]
                if m["source"].startswith("input:")]
     for name in mounted:
-        if name in pins.get("kits", {}):
+        if name in doc.get("kits", {}):
             folder = work / "kits" / name
             files = ["aot/aot.json", "cubins/experts.cubin", "engram.json", "vision/gate_bias_vl.safetensors"]
             snapshot(folder, files, name)
             lines = [f"{hashlib.sha256((folder / f).read_bytes()).hexdigest()} {(folder / f).stat().st_size} git - {f}"
                      for f in files]
             (folder / "MANIFEST").write_text("# simulator kit\n" + "\n".join(lines) + "\n")
-            text = replace_table(text, f"kits.{name}", f'local = "{folder}"\nmanifest = "MANIFEST"\n')
-        elif pins["files"][name]["sha256"] == "UNKNOWN":
-            f = work / "files" / name / Path(pins["files"][name]["url"]).name
+            doc["kits"][name] = {"local": str(folder), "manifest": "MANIFEST"}
+        elif doc["files"][name]["sha256"] == "UNKNOWN":
+            f = work / "files" / name / Path(doc["files"][name]["url"]).name
             if f.name == "UNKNOWN":
                 f = f.with_name("chat_template.jinja")
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(f"# stand-in for {name}\n")
-            text = replace_table(text, f"files.{name}",
-                                 f'url = "{f.as_uri()}"\nsha256 = "{hashlib.sha256(f.read_bytes()).hexdigest()}"\n')
-    path.write_text(text)
+            doc["files"][name] = {"url": f.as_uri(), "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    factory.write_pins(root, doc)
 
 
 def set_serve_keys(root: Path, lane: str, values: dict[str, Any]) -> None:
-    path = root / "pins.toml"
-    lines = path.read_text().split("\n")
-    start = lines.index(f"[lanes.{lane}.serve]") + 1
-    for k, v in values.items():
-        i = next(i for i in range(start, len(lines)) if lines[i].split("=", 1)[0].strip() == k)
-        lines[i] = f"{k} = {json.dumps(v)}"
-    path.write_text("\n".join(lines))
+    doc = factory.read_pins(root)
+    doc["lanes"][lane]["serve"].update(values)
+    factory.write_pins(root, doc)
 
 
 def head_args(root: Path, lane: str, extra: list[str]) -> None:
     """Append arguments to the head's args (a flag the engine refuses: a start that fails)."""
-    path = root / "pins.toml"
-    lines = path.read_text().split("\n")
-    start = lines.index(f"[lanes.{lane}.roles.head]") + 1
-    i = next(i for i in range(start, len(lines)) if lines[i].startswith("args = "))
-    args = json.loads(lines[i].split("=", 1)[1])
-    lines[i] = f"args = {json.dumps([*args, *extra])}"
-    path.write_text("\n".join(lines))
+    doc = factory.read_pins(root)
+    head = doc["lanes"][lane]["roles"]["head"]
+    head["args"] = [*head["args"], *extra]
+    factory.write_pins(root, doc)
 
 
 @pytest.fixture(scope="module", params=list(LANES))

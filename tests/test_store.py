@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -78,31 +77,11 @@ def test_a_corrupted_object_is_refused(tmp_path: Path) -> None:
         store.verified("0" * 64, "files.y")
 
 
-WRITER = textwrap.dedent(
-    """
-    import sys, time
-    from pathlib import Path
-    from builder.store import Store
-
-    marker = Path(sys.argv[2])
-
-    def chunks():
-        yield b"a" * 65536
-        marker.write_text("writing")
-        while True:  # stall mid-write until killed
-            time.sleep(0.05)
-            yield b""
-
-    Store(Path(sys.argv[1])).put_stream(chunks(), "{sha}", "files.big")
-    """
-)
-
-
 def test_a_killed_writer_leaves_no_entry_and_the_next_writer_cleans_up(tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
     marker = tmp_path / "marker"
     sha = hashlib.sha256(b"never finished").hexdigest()
-    proc = subprocess.Popen([sys.executable, "-c", WRITER.format(sha=sha), str(store.root), str(marker)])
+    proc = subprocess.Popen([sys.executable, "-m", "tests.lib.storeput", str(store.root), "stall", str(marker), sha])
     try:
         for _ in range(600):
             if marker.exists() or proc.poll() is not None:

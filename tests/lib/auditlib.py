@@ -9,6 +9,7 @@ and how drift is injected.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,17 @@ def install_fake_on(fleet: Any, h: Any) -> None:
                input=capture_json())
     fleet.exec(h, ["sh", "-c", "cat > /usr/local/bin/nvidia-smi && chmod 755 /usr/local/bin/nvidia-smi"],
                input=FAKE.read_text())
+
+
+def install_ssh_logger(bin_dir: Path, log: Path) -> None:
+    """tests/lib/ssh_logger.py as bin_dir/ssh (put bin_dir first on PATH): each ssh call's arguments are
+    appended to `log`, then the real ssh (the one on PATH now) runs."""
+    real = shutil.which("ssh")
+    assert real is not None, "no ssh on PATH"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "ssh-logger.json").write_text(json.dumps({"log": str(log), "ssh": real}))
+    (bin_dir / "ssh").write_bytes((Path(__file__).resolve().parent / "ssh_logger.py").read_bytes())
+    (bin_dir / "ssh").chmod(0o755)
 
 
 # ------------------------------------------------------------------ small projects

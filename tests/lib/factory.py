@@ -12,7 +12,7 @@ import hashlib
 import json
 import re
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,19 @@ def pins(**sections: Mapping[str, Doc]) -> Doc:
     """A pins document: `format = 1` and each section (`images=`, `models=`, `lanes=`, `bases=`, ...)
     as NAME -> entry."""
     return {"format": 1, **{k: dict(v) for k, v in sections.items()}}
+
+
+def read_pins(root: Path) -> Doc:
+    """root/pins.toml as a document, to change and write back with `write_pins` (a copy of the shipped
+    pins, say; its comments are not kept)."""
+    return tomllib.loads((root / "pins.toml").read_text())
+
+
+def edit_pins(root: Path, change: Callable[[Doc], object]) -> Path:
+    """root/pins.toml read, changed in place by `change`, written back."""
+    doc = read_pins(root)
+    change(doc)
+    return write_pins(root, doc)
 
 
 def write_pins(root: Path, doc: Mapping[str, Any]) -> Path:

@@ -7,9 +7,9 @@ registry they push to is tests/lib/registrylib.py's.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from tests.lib import factory, journeylib
 
@@ -46,23 +46,18 @@ def local_fleet(root: Path, tmp: Path, keys: Path, name: str = "thin", lane: str
 
 def engine_change(root: Path, version: str = "0.1.1") -> None:
     """Change only the engine: another ENGINE_VERSION compiled in (the payload layer stays)."""
-    pins = root / "pins.toml"
-    text = pins.read_text()
-    want = f'build_args = {{ ZIG_TARGET = "x86_64-linux-musl", ENGINE_VERSION = "{version}" }}'
-    new, n = re.subn(r'build_args = \{ ZIG_TARGET = "x86_64-linux-musl"(, ENGINE_VERSION = "[^"]*")? \}', want, text,
-                     count=1)
-    assert n == 1, "images.demo.build_args not found in pins.toml"
-    pins.write_text(new)
+    factory.edit_pins(root, lambda d: d["images"]["demo"]["build_args"].update(ENGINE_VERSION=version))
 
 
 def pin_published(root: Path, reference: str) -> None:
     """The demo lane serves `images.pub`, published as ``reference`` (`[images.pub] published = ...`);
     called again, the pin names the new reference."""
-    pins = root / "pins.toml"
-    text = pins.read_text().split("\n# -- published --\n")[0]
-    text = text.replace('[lanes.demo]\nimage = "demo"', '[lanes.demo]\nimage = "pub"', 1)
-    pins.write_text(text + f'\n# -- published --\n[images.pub]\npublished = "{reference}"\n'
-                           'platform = "linux/amd64"\n')
+
+    def publish(d: dict[str, Any]) -> None:
+        d["lanes"]["demo"]["image"] = "pub"
+        d["images"]["pub"] = factory.image(published=reference, platform="linux/amd64")
+
+    factory.edit_pins(root, publish)
 
 
 def env_for(workdir: Path) -> dict[str, str]:

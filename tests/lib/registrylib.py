@@ -68,6 +68,17 @@ def require_parts() -> None:
         (pytest.fail if os.environ.get("CI") else pytest.skip)(missing)
 
 
+def credential_helper(folder: Path, name: str, book: dict[str, list[str]]) -> Path:
+    """The FAKE `docker-credential-NAME` (tests/lib/fake_credential_helper.py) in `folder` (for PATH),
+    answering with `book` (server -> [user, secret]); the servers it is asked for go to folder/asked."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "book.json").write_text(json.dumps(book))
+    exe = folder / f"docker-credential-{name}"
+    exe.write_bytes((Path(__file__).resolve().parent / "fake_credential_helper.py").read_bytes())
+    exe.chmod(0o755)
+    return folder
+
+
 _ACCESS = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[0-9.]+" (?P<status>\d{3}) (?P<size>\d+|-) '
                      r'"[^"]*" "(?P<agent>[^"]*)"')
 

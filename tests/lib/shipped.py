@@ -79,15 +79,3 @@ def plan_of(root: Path) -> dict[str, Any]:
     r = builder(root, "why", "demo", "--json", env=NO_DOCKER)
     assert r.rc == 0, r.err
     return dict(r.json())
-
-
-def edit_pins_section(root: Path, header: str, old: str, new: str) -> None:
-    """Replace ``old`` by ``new`` inside one [section] of pins.toml (it must be there)."""
-    p = root / "pins.toml"
-    text = p.read_text()
-    start = text.index(f"\n{header}\n") + 1
-    nxt = text.find("\n[", start + len(header))
-    end = len(text) if nxt < 0 else nxt
-    section = text[start:end]
-    assert old in section, f"{old!r} not in {header} of pins.toml"
-    p.write_text(text[:start] + section.replace(old, new, 1) + text[end:])
