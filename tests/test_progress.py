@@ -101,8 +101,7 @@ NO_DELAY = ["-m", "tests.lib.builder_now"]
 def _big_local_model(p: bl.Project) -> None:
     """A local model file big enough that hashing it takes a few refreshes of the bar (a plain
     folder, so the pin names its commit)."""
-    pins = p.pins.read_text().replace('revision = "main"', f'revision = "{"a" * 40}"')
-    p.pins.write_text(pins)
+    factory.edit_pins(p.root, lambda d: d["models"]["demo-model"].update(revision="a" * 40))
     with open(p.root / "models" / "demo" / "big.safetensors", "wb") as f:
         f.truncate(512 << 20)
 
