@@ -26,7 +26,7 @@ from builder.imagerecord import ImageRecord, tag_for, write_record
 from builder.onhost.manifest import bundle_id_of, trusted_comment_for
 from builder.pins import load_pins
 from builder.plan import make_plan
-from tests.lib import factory
+from tests.lib import factory, shipped
 
 REPO = Path(__file__).resolve().parents[2]
 LANE = "demo"
@@ -81,16 +81,7 @@ class Project:
     def cli(
         self, *args: str, env: dict[str, str] | None = None, timeout: float = 600, check: bool = False
     ) -> subprocess.CompletedProcess[str]:
-        e = dict(os.environ)
-        e.update(env or {})
-        p = subprocess.run(
-            [sys.executable, "-m", "builder", "--pins", str(self.pins), *args],
-            cwd=self.root,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=e,
-        )
+        p = shipped.run_cli(self.root, *args, env=env, timeout=timeout)
         if check and p.returncode != 0:
             raise AssertionError(f"builder {' '.join(args)}: exit {p.returncode}: {p.stderr}")
         return p

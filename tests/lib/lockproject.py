@@ -5,15 +5,12 @@ real CLI run on it."""
 from __future__ import annotations
 
 import hashlib
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from tests.lib import factory
 from tests.lib.gitlib import Upstream
-from tests.lib.shipped import Result
+from tests.lib.shipped import Result, builder
 
 TINY_COMMIT = "0123456789abcdef0123456789abcdef01234567"
 ZIG_SHA = "a" * 64
@@ -29,6 +26,8 @@ class Project:
     def __init__(self, tmp: Path, *, rev: bool = False) -> None:
         self.tmp = tmp
         self.root = tmp / "proj"
+        self.pins = self.root / "pins.toml"
+        self.lock = self.root / "pins.lock"
         self.up = Upstream(tmp)
         self.c1 = self.up.commit({"README": "engine\n", "src/main.zig": "pub fn main() void {}\n"})
         self.up.push()
@@ -47,14 +46,6 @@ class Project:
         (m / "config.json").write_text('{"hidden": 8}\n')
         self.rev = self.c1 if rev else None
         self.write_pins()
-
-    @property
-    def pins(self) -> Path:
-        return self.root / "pins.toml"
-
-    @property
-    def lock(self) -> Path:
-        return self.root / "pins.lock"
 
     def doc(self, *, patch_reason: str = "fix the readme", **extra: dict[str, Any]) -> dict[str, Any]:
         """The project's pins; `extra`: more entries, section -> name -> entry."""
@@ -81,16 +72,4 @@ class Project:
         factory.write_pins(self.root, self.doc(**kw))
 
     def run(self, *args: str) -> Result:
-        env = dict(os.environ)
-        env.update(
-            {"NO_COLOR": "1", "COLUMNS": "250", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
-        )
-        p = subprocess.run(
-            [sys.executable, "-m", "builder", "--pins", str(self.pins), *args],
-            cwd=self.root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        return Result(p.returncode, p.stdout, p.stderr)
+        return builder(self.root, *args, timeout=300)

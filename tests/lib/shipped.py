@@ -48,16 +48,23 @@ class Result:
         return json.loads(self.out)
 
 
-def builder(root: Path, *args: str, store: Path | None = None, env: dict[str, str] | None = None,
-            timeout: float = 1800) -> Result:
-    """Run the real CLI on the project at ``root`` (store: ``root/.cache/builder`` unless given)."""
+def run_cli(root: Path, *args: str, store: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+    """`python -m builder --pins root/pins.toml ARGS` in ``root`` (store: ``root/.cache/builder`` unless
+    given), with this environment plus ``env``, colour off, wide, and no user or system git config."""
     e = dict(os.environ)
     e.update({"NO_COLOR": "1", "COLUMNS": "250", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"})
     e.update(env or {})
     cmd = [sys.executable, "-m", "builder", "--pins", str(root / "pins.toml")]
     if store is not None:
         cmd += ["--store", str(store)]
-    p = subprocess.run([*cmd, *args], cwd=root, env=e, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*cmd, *args], cwd=root, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def builder(root: Path, *args: str, store: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 1800) -> Result:
+    """`run_cli`, its exit status and output as a Result."""
+    p = run_cli(root, *args, store=store, env=env, timeout=timeout)
     return Result(p.returncode, p.stdout, p.stderr)
 
 
