@@ -16,13 +16,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.lib import fleetlib
+from tests.lib import factory, fleetlib
 from tests.lib.journeylib import PATHS, Journey, edit_on, failing, journey
 
 pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
@@ -42,9 +42,10 @@ OVERLAY = f"{PATHS['models']}/demo-overlay/engram.py"
 MOUNTS = {KIT: "/kit", TEMPLATE: "/templates/chat_template.jinja", OVERLAY: "/overlay/engram.py"}
 
 
-def runtime_inputs(workdir: Path) -> str:
+def runtime_inputs(workdir: Path) -> Callable[[Path], None]:
     """A kit (a folder and its MANIFEST, in the shape of bertholomus-tp4's) and an overlay file in the
-    workdir, and the pins that mount them and the shipped chat template on every rank."""
+    workdir; returned, the change of a project's pins that mounts them and the shipped chat template on
+    every rank."""
     kit = workdir / "demo-kit"
     lines = []
     for rel, data in KIT_FILES.items():
@@ -55,16 +56,19 @@ def runtime_inputs(workdir: Path) -> str:
                                   + "\n".join(lines) + "\n")
     overlay = b"# mounted over the engine's engram.py (an overlay file, as vLLM's boot-10 files)\nENGRAM = 1\n"
     (workdir / "engram.py").write_bytes(overlay)
-    mounts = "[" + ", ".join(
-        f'{{ source = "input:{n}", target = "{MOUNTS[p]}" }}'
-        for n, p in (("demo-kit", KIT), ("demo-chat-template", TEMPLATE), ("demo-overlay", OVERLAY))
-    ) + "]"
-    return (
-        f'[kits.demo-kit]\nlocal = "{kit}"\nexpect_files = {len(KIT_FILES)}\n\n'
-        f'[files.demo-overlay]\nurl = "file://{workdir / "engram.py"}"\n'
-        f'sha256 = "{hashlib.sha256(overlay).hexdigest()}"\n\n'
-        f"[lanes.demo.ranks.0]\nmounts = {mounts}\n\n[lanes.demo.ranks.1]\nmounts = {mounts}\n"
-    )
+    mounts = [{"source": f"input:{n}", "target": MOUNTS[p]}
+              for n, p in (("demo-kit", KIT), ("demo-chat-template", TEMPLATE), ("demo-overlay", OVERLAY))]
+
+    def mount(d: dict[str, Any]) -> None:
+        d.setdefault("kits", {})["demo-kit"] = {"local": str(kit), "expect_files": len(KIT_FILES)}
+        d["files"]["demo-overlay"] = {"url": f"file://{workdir / 'engram.py'}",
+                                      "sha256": hashlib.sha256(overlay).hexdigest()}
+        d["lanes"]["demo"].setdefault("ranks", {}).update({"0": {"mounts": mounts}, "1": {"mounts": mounts}})
+
+    def add(root: Path) -> None:
+        factory.edit_pins(root, mount)
+
+    return add
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +76,7 @@ def j(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Journey]:
     if not fleetlib.docker_available():
         pytest.fail("Docker Engine not reachable: the journey needs it")
     work = tmp_path_factory.mktemp("journey")
-    with journey(work, 2, pins_extra=runtime_inputs(work)) as jj:
+    with journey(work, 2, before_lock=runtime_inputs(work)) as jj:
         yield jj
 
 

@@ -215,19 +215,16 @@ def failing(report: dict[str, Any]) -> set[tuple[str, str]]:
 def journey(
     workdir: Path, n: int, *, lane: str = "demo", name: str = "journey", store: Path | None = None,
     expect: dict[str, Any] = EXPECT, prepare: Callable[[fleetlib.Fleet, fleetlib.Host], None] | None = None,
-    pins_extra: str = "", bundle: bool = True, ship: bool = True, image: str = "demo",
+    bundle: bool = True, ship: bool = True, image: str = "demo",
     before_lock: Callable[[Path], None] | None = None,
 ) -> Iterator[Journey]:
     """n test hosts with the lane installed by the CLI from the shipped pins (not started).
-    ``pins_extra`` is appended to the copy's pins.toml before the lock (e.g. a lane of another size).
     ``bundle=False`` stops after `builder keygen` (no bundle, nothing installed: `builder deploy` makes
     the bundles); ``ship=False`` after `builder bundle` (nothing installed). ``before_lock`` changes the
-    copy (its root) before the lock; ``image`` is the lane's image `builder image` builds."""
+    copy (its root) before the lock (its pins through tests.lib.factory.edit_pins); ``image`` is the
+    lane's image `builder image` builds."""
     workdir.mkdir(parents=True, exist_ok=True)
     root = project_copy(workdir / "project")
-    if pins_extra:
-        with open(root / "pins.toml", "a") as f:
-            f.write("\n" + pins_extra)
     if before_lock is not None:
         before_lock(root)
     keys = workdir / "keys"
