@@ -14,6 +14,7 @@ from docker.errors import NotFound
 from builder import dockerio
 from builder.dockerio import _call, client
 from builder.errors import BuilderError
+from tests.lib.fleetlib import docker_available
 
 
 @dataclass(frozen=True)
@@ -128,8 +129,6 @@ def stop(container: str) -> None:
 
 def engine_platform() -> str:
     """The local engine's platform (linux/amd64 where there is no engine)."""
-    from tests.lib.fleetlib import docker_available
-
     return dockerio.engine_platform() if docker_available() else "linux/amd64"
 
 

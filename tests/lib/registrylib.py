@@ -62,8 +62,11 @@ ACCEPT_ALL = ", ".join([OCI_INDEX, OCI_MANIFEST, DOCKER_LIST, DOCKER_MANIFEST])
 def require_parts() -> None:
     """Skip when docker-registry or the Docker Engine is missing here; under CI, where .ci/run installs
     both, fail instead."""
-    missing = ("docker-registry is not installed (apt-get install docker-registry)"
-               if shutil.which(REGISTRY_BIN) is None else None if docker_available() else "no Docker Engine")
+    missing = None
+    if shutil.which(REGISTRY_BIN) is None:
+        missing = "docker-registry is not installed (apt-get install docker-registry)"
+    elif not docker_available():
+        missing = "no Docker Engine"
     if missing is not None:
         (pytest.fail if os.environ.get("CI") else pytest.skip)(missing)
 

@@ -1,6 +1,7 @@
 """The shipped project in a test's folder: a copy of its inputs (pins, lock, recipes, engine source,
 patches, files, models; not hosts/ or tests/), the real CLI run on it, a relock, and edits of its
-pins and lock. (tests.lib.journeylib.project_copy copies a whole fresh clone instead.)"""
+lock (its pins are edited through tests.lib.factory.edit_pins). tests.lib.journeylib.project_copy
+copies a whole fresh clone instead."""
 
 from __future__ import annotations
 
