@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from builder.errors import BuilderError
 
@@ -52,8 +54,6 @@ def _import_docker() -> Any:
     ssh:// transport. For any other DOCKER_HOST, paramiko is hidden while the SDK loads (the SDK
     then leaves that transport out, as when paramiko is not installed) and visible again after.
     """
-    import sys
-
     if "docker" in sys.modules or "paramiko" in sys.modules or os.environ.get("DOCKER_HOST", "").startswith("ssh://"):
         import docker
 
@@ -98,8 +98,6 @@ def _socket_path(docker_host: str) -> str:
 
 
 def _ssh_hint(docker_host: str) -> str:
-    from urllib.parse import urlsplit
-
     u = urlsplit(docker_host)
     target = f"{u.username}@{u.hostname}" if u.username else str(u.hostname)
     return f"ssh {'-p ' + str(u.port) + ' ' if u.port else ''}{target} docker version"

@@ -15,16 +15,14 @@ import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 from urllib.parse import unquote, urlsplit
 
 from builder.canon import fsync_dir
 from builder.errors import ConfigError, ResolveError, VerifyError
 from builder.hashing import copy_hashed, sha256_file
-
-if TYPE_CHECKING:  # the lock's and pins' models: built only where a file is locked
-    from builder.lockfile import LockedFile
-    from builder.pins import PlainFile
+from builder.lockfile import LockedFile
+from builder.pins import PlainFile
 
 CHUNK = 1024 * 1024
 TIMEOUT = 60.0
@@ -133,8 +131,6 @@ def hash_url(url: str, *, root: Path | None = None, timeout: float = TIMEOUT) ->
 
 def resolve_file(name: str, spec: PlainFile, *, root: Path, offline: bool, spec_hash: str) -> LockedFile:
     """Lock one plain file: hash its real bytes (local, or downloaded when online) against the pin."""
-    from builder.lockfile import LockedFile
-
     where = f"files.{name}"
     if is_remote(spec.url):
         if offline:

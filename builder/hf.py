@@ -59,7 +59,9 @@ def hub_cache() -> Path:
     HF_HUB_CACHE, else HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else
     ~/.cache/huggingface/hub; read once, when huggingface_hub is first imported). The one place builder
     asks: `builder lock --offline` looks here, `builder fetch` imports from and downloads into it."""
-    from huggingface_hub import constants  # (the constants alone: about 2 ms, not the library)
+    # imported at first use, not with this module: huggingface_hub reads its environment once, when its
+    # constants are imported, and the command's environment is the one that counts
+    from huggingface_hub import constants
 
     return Path(constants.HF_HUB_CACHE).expanduser()
 

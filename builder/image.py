@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder import ASSEMBLY_FORMAT, __version__, gitsrc, layers, provenance
+from builder import ASSEMBLY_FORMAT, __version__, dockerio, gitsrc, layers, provenance
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.fetch import scrub_url
 from builder.hashing import recipe_files
@@ -82,8 +82,6 @@ def labels_for(p: Plan, lock: Lock, pins: Pins) -> dict[str, str]:
 
 def up_to_date(store_root: Path, p: Plan, labels: dict[str, str]) -> ImageRecord | None:
     """The record, when the tagged image exists with matching labels and the recorded ImageID."""
-    from builder import dockerio
-
     rec = read_record(store_root, p.address)
     if rec is None:
         return None
@@ -311,8 +309,6 @@ def extract_wheel_folder(wheel: Path, prefix: str, dest: Path, skip: list[str] |
 def build(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offline: bool = False,
           force: bool = False, allow_emulation: bool = False,
           on_log: Callable[[str], None] = lambda s: None) -> ImageResult:
-    from builder import dockerio
-
     pins, lock, root = load_inputs(pins_path, lock_path, name)
     p = make_plan(pins, lock, name, root)
     if p.published is not None:
@@ -342,8 +338,6 @@ def take_published(store_root: Path, p: Plan, *, offline: bool, force: bool = Fa
     """A published image into the engine by its digest (pulled unless the engine holds its ImageID), checked
     against the lock (ImageID, DiffIDs), tagged as a build is and recorded with the same fields: bundles,
     installs and audits take it as they take a built one."""
-    from builder import dockerio
-
     pub = p.published
     assert pub is not None
     tag = tag_for(p.name, p.address)
@@ -389,8 +383,6 @@ def _arch(platform: str) -> str:
 def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, labels: dict[str, str], *,
                 offline: bool, engine: str, on_log: Callable[[str], None], nocache: bool = False,
                 tag: str | None = None) -> ImageRecord:
-    from builder import dockerio
-
     with store.locked():
         store.clean_tmp()
     store.tmp.mkdir(parents=True, exist_ok=True)
@@ -427,8 +419,6 @@ def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, label
 def check_reproducible(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offline: bool = False,
                        on_log: Callable[[str], None] = lambda s: None) -> ImageResult:
     """Build (or reuse) the image, then rebuild it from nothing (no cache) and compare ImageIDs."""
-    from builder import dockerio
-
     pins, lock, root = load_inputs(pins_path, lock_path, name)
     _recipe(pins, name)  # a published image is not built here: nothing to reproduce
     first = build(pins_path, lock_path, store_root, name, offline=offline, on_log=on_log)

@@ -27,16 +27,15 @@ import ssl
 import subprocess
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlencode
 
 from builder.errors import ConfigError, ResolveError
 from builder.fetch import network_reason
-
-if TYPE_CHECKING:  # the lock's and pins' models: built only where a base is resolved (not on a push)
-    from builder.lockfile import LockedBase
-    from builder.pins import BaseImage
+from builder.lockfile import LockedBase
+from builder.pins import BaseImage
 
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
@@ -130,8 +129,7 @@ def docker_config_credentials(registry: str) -> tuple[str, str] | None:
     helper protocol: where nvcr.io's and cloud registries' tokens live), else its ``auths`` entry, as
     ``docker login`` writes it. None when it has none. The secret is kept in memory only: never
     written or printed. ResolveError naming the helper when it fails."""
-    import warnings
-
+    # the SDK (a quarter of a second to load) only here, where a registry has asked for credentials
     from docker import auth, errors
 
     where = f"registry {registry}"
@@ -360,7 +358,6 @@ def resolve_registry(name: str, spec: BaseImage, spec_hash: str) -> LockedBase:
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise ResolveError(f"{where}: cannot reach {ref.registry} for {spec.ref}: {network_reason(e)}") from None
     _check_pins(where, spec, index_digest, platforms)
-    from builder.lockfile import LockedBase
 
     return LockedBase(spec_hash=spec_hash, ref=spec.ref, index_digest=index_digest, platforms=platforms,
                       source="registry", config_env=env)
@@ -437,7 +434,6 @@ def resolve_local(name: str, spec: BaseImage, spec_hash: str) -> LockedBase:
     if spec.digest is not None and index_digest != spec.digest:
         raise ResolveError(f"{where}: the local image {spec.ref} does not carry the pinned digest "
                            f"{spec.digest}")
-    from builder.lockfile import LockedBase
 
     return LockedBase(spec_hash=spec_hash, ref=spec.ref, index_digest=index_digest, platforms=platforms,
                       source="local", config_env=env)

@@ -2,7 +2,6 @@
 
 Data goes to stdout (JSON with --json); status, progress and tables for people go to
 stderr through rich. Colour is off when stderr is not a terminal or NO_COLOR is set.
-rich is imported lazily so `builder --help` stays fast.
 """
 
 from __future__ import annotations
@@ -13,10 +12,20 @@ import re
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from rich.console import Console
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    ProgressColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Column, Table
+from rich.text import Text
 
 _console: Console | None = None
 
@@ -29,8 +38,6 @@ def console() -> Console:
     """The stderr console (created on first use)."""
     global _console
     if _console is None:
-        from rich.console import Console
-
         _console = Console(
             stderr=True,
             no_color=not color_enabled(),
@@ -48,15 +55,14 @@ def reset() -> None:
 
 
 def _plain(line: str) -> None:
-    # Without colour a line is just its text: rich (~60 ms to import) is not needed for it.
+    # Without colour a line is just its text, written as given: no markup, wrapping or highlighting.
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
 def status(message: str) -> None:
-    """A status line for people, on stderr. It has no style, so even in colour it is its plain text:
-    a command that prints only status lines never imports rich. (While bars are drawn, rich's live
-    display has sys.stderr, and prints the line above them.)"""
+    """A status line for people, on stderr. It has no style, so even in colour it is its plain text.
+    (While bars are drawn, rich's live display has sys.stderr, and prints the line above them.)"""
     _plain(message)
 
 
@@ -96,8 +102,6 @@ def data_json(obj: Any) -> None:
 
 def table(title: str | None, columns: list[str], rows: list[list[str]]) -> None:
     """A table for people, on stderr."""
-    from rich.table import Table
-
     t = Table(title=title, show_lines=False)
     for c in columns:
         t.add_column(c, overflow="fold")
@@ -175,17 +179,6 @@ ITEMS_COLUMNS = (7,)
 def _columns(unit: str, width: int) -> tuple[Any, ...]:
     """rich columns that keep one bar on one line of a terminal ``width`` columns wide (at 80: a label
     of 30 columns, a bar of 14, then bytes, rate and time left)."""
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        ProgressColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-    from rich.table import Column
-    from rich.text import Text
-
     class Label(ProgressColumn):
         def __init__(self, cols: int) -> None:
             super().__init__(table_column=Column(width=cols, no_wrap=True, overflow="crop"))
@@ -242,7 +235,6 @@ class _Deferred:
         with self._lock:
             if self._closed:
                 return
-            from rich.progress import Progress
 
             bar = Progress(
                 *_columns(self._unit, console().width),

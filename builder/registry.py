@@ -18,11 +18,14 @@ registry and never written or printed.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.client
+import io
 import ipaddress
 import os
 import re
 import tempfile
+import time
 import urllib.error
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,10 +33,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from builder import oci
+from builder import dockerio, layers, oci
 from builder.canon import canonical_json, file_lock
 from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
 from builder.fetch import network_reason
+from builder.hosts import fleet_registry_ca  # (the inventory's models: only a fleet's push loads them)
 from builder.imagerecord import ImageRecord, read_record, write_record
 from builder.layers.spooled import MEDIA_CONFIG, MEDIA_LAYER, MEDIA_MANIFEST
 
@@ -137,8 +141,6 @@ def manifest_of(rec: ImageRecord) -> bytes | None:
 
 
 def _sha(data: bytes) -> str:
-    import hashlib
-
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
@@ -195,8 +197,6 @@ class _Client:
         midway) a new one starts from the blob's first byte. RETRIES tries in a row that bring nothing
         further, then BuilderError; ``on_bytes``: told each number of bytes sent (negative when the
         registry kept fewer than were sent)."""
-        import time
-
         told = [0]  # the bytes on_bytes was told so far
 
         def tell(n: int) -> None:
@@ -404,8 +404,6 @@ def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: s
                       progress: PushProgress | None = None) -> tuple[bytes, int, int, dict[str, Any]]:
     """The image's bytes from the engine (spooled: the config and its layers), the missing blobs sent.
     Returns (manifest, blobs sent, bytes sent, the record's size fields)."""
-    from builder import dockerio, layers
-
     if not dockerio.image_exists(rec.image_id):
         raise ConfigError(f"images.{rec.name}: image {rec.image_id[:19]} is not in the Docker Engine "
                           f"(run `builder image {rec.name}`)")
@@ -445,8 +443,6 @@ class _BytesBody(contextlib.AbstractContextManager["_BytesBody"]):
     """Bytes as a seekable body for a retried PUT."""
 
     def __init__(self, data: bytes) -> None:
-        import io
-
         self._f = io.BytesIO(data)
 
     def read(self, n: int = -1) -> bytes:
@@ -474,8 +470,6 @@ def fleet_pull_reference(store: Path, fleet_path: Path, fleet: Fleet, rec: Image
 
     ``push``: push it first (what the registry holds is not sent), so the reference is there to pull;
     else the reference recorded by an earlier push, or None when it was never pushed there."""
-    from builder.hosts import fleet_registry_ca  # (the inventory's models: only a fleet's push loads them)
-
     if fleet.fleet.registry is None:
         return None
     target = parse_target(fleet.fleet.registry, f"{fleet_path}: fleet.registry", fleet_registry_ca(fleet_path, fleet))

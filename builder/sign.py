@@ -23,14 +23,14 @@ import secrets
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from builder.canon import atomic_write
 from builder.errors import ConfigError, VerifyError
 from builder.onhost import minisign as mv
-
-if TYPE_CHECKING:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 PublicKey = mv.PublicKey
 Signature = mv.Signature
@@ -63,14 +63,10 @@ class SecretKey:
 
 
 def _ed25519() -> type[Ed25519PrivateKey]:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     return Ed25519PrivateKey
 
 
 def _public_from_seed(seed: bytes) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
     priv = _ed25519().from_private_bytes(seed)
     return priv.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
@@ -214,7 +210,6 @@ def generate_keypair(
                 raise ConfigError(f"{p}: already exists; refusing to overwrite a key (use --force)")
     kid = _parse_key_id(key_id)
     priv = _ed25519().generate()
-    from cryptography.hazmat.primitives import serialization
 
     seed = priv.private_bytes(
         serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
@@ -358,9 +353,6 @@ def verify(
 def _verify(
     data_or_path: DataOrPath, minisig_text: str | bytes, public_key_text: str | bytes | PublicKey
 ) -> str:
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
     sig, key = _parse_both(minisig_text, public_key_text)
     message = _message(sig.algorithm, data_or_path)
     try:
@@ -404,9 +396,6 @@ def sign_raw(message: bytes, secret_key: SecretKey) -> bytes:
 
 def verify_raw(message: bytes, signature: bytes, key: PublicKey, *, source: str | None = None) -> None:
     """Check a plain Ed25519 signature of ``message``; one-line VerifyError when it does not match."""
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
     where = f"{source}: " if source else ""
     try:
         Ed25519PublicKey.from_public_bytes(key.key).verify(signature, message)

@@ -18,12 +18,15 @@ fleet's ssh_config says; nothing here switches that off.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import ipaddress
 import os
 import re
+import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
@@ -259,8 +262,6 @@ _WATCHDOG = (
 def tied(command: str) -> str:
     """`command` (a shell command line for a host) run so that it ends once nobody reads its output: its
     ssh channel closed (see above). The host needs python3 (as the installer and the lane's steps do)."""
-    import shlex
-
     return f"exec python3 -c {shlex.quote(_WATCHDOG)} {shlex.quote(command)}"
 
 
@@ -268,9 +269,6 @@ def die_with_parent() -> None:
     """A `preexec_fn`: this child gets SIGKILL when the thread that started it ends (Linux; elsewhere
     nothing). Its own children do not inherit it: a ControlMaster that ssh forks keeps living, as it
     should (it ends by itself once unused)."""
-    import ctypes
-    import signal
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

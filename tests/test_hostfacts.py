@@ -78,27 +78,12 @@ def test_files_stats_hashes_and_lists(tmp_path: Path) -> None:
 
 
 def test_files_hashes_in_threads_only_what_is_worth_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A few KiB (a release's launch files) are hashed in one thread, without importing
-    concurrent.futures; from THREADS_FROM bytes on, in `jobs` threads, with the same answers."""
+    """A few KiB (a release's launch files) are hashed in one thread; from THREADS_FROM bytes on,
+    in `jobs` threads, with the same answers."""
     paths = []
     for i in range(3):
         (tmp_path / str(i)).write_bytes(bytes([i]) * (1000 + i))
         paths.append(str(tmp_path / str(i)))
-    req = hf.dumps({"paths": paths, "hash": True, "jobs": 4})
-    # files.py as the host runs it, then the modules it imported
-    probe = "\n".join([
-        "import sys",
-        "src = sys.argv.pop(1)",
-        "try:",
-        "    exec(compile(src, '<string>', 'exec'), {'__name__': '__main__'})",
-        "except SystemExit:",
-        "    pass",
-        "print('\\nimported:', *sorted(m for m in sys.modules if m.startswith('concurrent')))",
-    ])
-    r = subprocess.run([sys.executable, "-I", "-S", "-c", probe, hf.FILES, req], capture_output=True, text=True,
-                       check=True)
-    answer, imported = r.stdout.split("\nimported:")
-    assert json.loads(answer)[paths[0]]["size"] == 1000 and imported.strip() == ""  # no concurrent.futures
     threads: list[int] = []
     real = files.stat_file
     monkeypatch.setattr(files, "stat_file", lambda *a: threads.append(threading.get_ident()) or real(*a))

@@ -30,44 +30,23 @@ place), ``parts`` (the streaming part writer), ``archive``
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
 from builder.bundle.keys import keygen, public_key_for, read_public_key, signing_key_path
+from builder.bundle.parts import WrittenFile, write_bytes, write_stream
+from builder.bundle.render import (
+    BundleInputs,
+    BundleOptions,
+    BundleResult,
+    RankLaunch,
+    check_lane,
+    load_bundle_inputs,
+    make_bundle,
+    make_fleet_bundles,
+    parse_size,
+    rank_launch,
+    rank_models,
+    render_bundle,
+)
 from builder.bundle.verify import crypto_sig_check, verify_dir, verify_with_key
-
-if TYPE_CHECKING:
-    from builder.bundle.parts import WrittenFile, write_bytes, write_stream
-    from builder.bundle.render import (
-        BundleInputs,
-        BundleOptions,
-        BundleResult,
-        RankLaunch,
-        check_lane,
-        load_bundle_inputs,
-        make_bundle,
-        make_fleet_bundles,
-        parse_size,
-        rank_launch,
-        rank_models,
-        render_bundle,
-    )
-
-#: names imported on first use: writing a bundle needs the lock, pins, plan and model store, which
-#: checking or shipping one does not (``builder ship`` starts without them)
-_LATER = {
-    **dict.fromkeys(("WrittenFile", "write_bytes", "write_stream"), "builder.bundle.parts"),
-    **dict.fromkeys(("BundleInputs", "BundleOptions", "BundleResult", "RankLaunch", "check_lane",
-                     "load_bundle_inputs", "make_bundle", "make_fleet_bundles", "parse_size", "rank_launch",
-                     "rank_models", "render_bundle"), "builder.bundle.render"),
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _LATER:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_LATER[name]), name)
-
 
 __all__ = [
     "BundleInputs",

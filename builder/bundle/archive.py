@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from builder import layers
+from builder import dockerio, layers
 from builder.canon import ChunkReader
 from builder.errors import ConfigError, VerifyError
 from builder.hashing import READ_SIZE
@@ -24,7 +24,6 @@ def image_archive(
     layers untouched, every DiffID checked; spooled through ``work``).
     """
     # Imported here for start-up time: builder.dockerio loads the Docker SDK, which only --with-image needs.
-    from builder import dockerio
 
     if not dockerio.image_exists(image_id):
         raise ConfigError(

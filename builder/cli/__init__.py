@@ -1,8 +1,8 @@
-"""The `builder` command: a click group whose subcommands load lazily.
+"""The `builder` command: a click group that imports a subcommand's module when it runs.
 
 Each subcommand lives in its own module under builder/cli/, parses its flags, calls one
-core function and prints through builder.output. Heavy imports (docker, pydantic models,
-huggingface_hub, rich) happen inside those modules so `builder --help` starts fast.
+core function and prints through builder.output. The group names each command and its one-line
+help in ``COMMANDS``, so `builder --help` lists them without importing their stages.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from typing import Any
 
 import click
 
-from builder import __version__
+from builder import __version__, output
 from builder.cli.options import file_option, folder_option
+from builder.errors import EXIT_INTERRUPTED, BuilderError
 
 # name -> (module, attribute, one-line help). The help is here so --help needs no import.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -99,13 +100,9 @@ def get_ctx() -> Ctx:
 
 def main(argv: list[str] | None = None) -> Any:
     """Entry point: expected failures become one line on stderr and an exit code."""
-    from builder.errors import EXIT_INTERRUPTED, BuilderError
-
     try:
         rv = cli.main(args=argv, prog_name="builder", standalone_mode=False)
     except BuilderError as e:
-        from builder import output
-
         output.error(str(e))
         sys.exit(e.exit_code)
     except click.exceptions.Abort:

@@ -8,6 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from builder import audit as core
+from builder import output
+from builder.audit import select_targets
+from builder.audit.concerns import declared
+from builder.audit.options import PACKAGE_CHECKS
 from builder.cli import get_ctx
 from builder.cli.options import (
     checks_option,
@@ -19,6 +24,7 @@ from builder.cli.options import (
     mode_option,
     ssh_persist_option,
 )
+from builder.errors import BuilderError
 
 if TYPE_CHECKING:
     from builder.audit import AuditOptions
@@ -27,9 +33,6 @@ if TYPE_CHECKING:
 
 def only_help() -> str:
     """--only's help, naming the concerns the check modules beside this package declare."""
-    from builder.audit.concerns import declared
-    from builder.audit.options import PACKAGE_CHECKS
-
     names = [c.name for c in declared(PACKAGE_CHECKS)] if PACKAGE_CHECKS.is_dir() else []
     return "Comma-separated concerns" + (f": {', '.join(names)}." if names else " (the checks folder's test_NAME.py).")
 
@@ -77,9 +80,6 @@ def audit(
 
     Exit 0 all pass, 1 drift, 2 usage or configuration error (no host contacted), 3 a host unreachable.
     """
-    from builder import audit as core
-    from builder import output
-
     c = get_ctx()
     opts = core.AuditOptions(
         root=c.root,
@@ -133,9 +133,6 @@ def audit(
 def _targets(opts: AuditOptions) -> list[FleetHost]:
     """The hosts the audit will reach, for their progress bars; none when the selection is wrong
     (run_audit then names the problem, in its own order of checks)."""
-    from builder.audit import select_targets
-    from builder.errors import BuilderError
-
     try:
         return select_targets(opts.hosts_dir or opts.root / "hosts", opts.names, opts.fleet)
     except BuilderError:

@@ -6,8 +6,12 @@ from pathlib import Path
 
 import click
 
+from builder import bundle as core
+from builder import output
+from builder.bundle.thin import read_have
 from builder.cli import get_ctx
 from builder.cli.options import file_option, fleet_option, folder_option, json_option, part_size_option
+from builder.errors import ConfigError
 
 
 @click.command()
@@ -16,9 +20,6 @@ from builder.cli.options import file_option, fleet_option, folder_option, json_o
 @json_option()
 def keygen(out: Path | None, force: bool, as_json: bool) -> int:
     """Make an Ed25519 key pair (minisign-compatible): builder.key (mode 0600) and builder.pub."""
-    from builder import bundle as core
-    from builder import output
-
     sk, pk, key_id = core.keygen(out, force=force)
     if as_json:
         output.data_json({"secret_key": str(sk), "public_key": str(pk), "key_id": key_id})
@@ -52,16 +53,11 @@ def bundle(
     as_json: bool,
 ) -> int:
     """Render a signed, deterministic launch bundle for HOST (or every host of --fleet)."""
-    from builder import bundle as core
-    from builder import output
-    from builder.errors import ConfigError
-
     if (host is None) == (fleet is None):
         raise ConfigError("give a HOST or --fleet NAME (one of them)")
     c = get_ctx()
     if thin != (have is not None) or (thin and not with_image):
         raise ConfigError("--thin needs --with-image and --have FILE (the host's layer list)")
-    from builder.bundle.thin import read_have
 
     opts = core.BundleOptions(
         out=out, key=key, with_image=with_image, with_models=with_models, part_size=core.parse_size(part_size),
@@ -103,9 +99,6 @@ def bundle(
 @json_option()
 def verify(bundle_dir: Path, key: Path | None, as_json: bool) -> int:
     """Check a bundle folder: the signature, then every file's hash (extra, missing, changed: exit 1)."""
-    from builder import bundle as core
-    from builder import output
-
     c = get_ctx()
     pub = core.public_key_for(bundle_dir, key, c.root)
     total = sum(p.stat().st_size for p in bundle_dir.rglob("*") if p.is_file()) if bundle_dir.is_dir() else 0

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from builder import output
 from builder.cli import get_ctx
 from builder.cli.options import (
     checks_option,
@@ -20,6 +21,9 @@ from builder.cli.options import (
     ssh_persist_option,
     together,
 )
+from builder.deploy import rollout, startstop
+from builder.deploy.fleetwork import DeployOptions
+from builder.deploy.status import fleet_status, rows
 
 
 def _stop_timeout_option(what: str) -> Callable[[Any], Any]:
@@ -58,21 +62,15 @@ _run_options = together(
 
 
 def _options(**kw: Any) -> Any:
-    from builder.deploy.fleetwork import DeployOptions
-
     c = get_ctx()
     return DeployOptions(root=c.root, pins=c.pins, lock=c.lock, store=c.store, **kw)
 
 
 def _say(line: str) -> None:
-    from builder import output
-
     output.status(line)
 
 
 def _print(rep: Any, as_json: bool) -> int:
-    from builder import output
-
     rows = []
     for h in rep.hosts:
         rows.append([
@@ -129,15 +127,13 @@ def deploy(
     Exit 0 deployed (or nothing to do and the audit passes), 1 refused, rolled back or failed,
     2 configuration error (nothing changed), 3 a host could not be reached.
     """
-    from builder.deploy import rollout as core
-
     opts = _options(
         fleet=fleet, checks_dir=checks_dir, key=key, with_image=with_image, with_models=with_models,
         part_size=part_size, dry_run=dry_run, parallel=parallel, connect_timeout=connect_timeout,
         timeout=timeout, start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout, audit_mode=mode,
         ssh_persist=ssh_persist, insecure=insecure, repair=repair,
     )
-    return _print(core.deploy(opts, _say), as_json)
+    return _print(rollout.deploy(opts, _say), as_json)
 
 
 @click.command()
@@ -151,13 +147,11 @@ def start(
     (it refuses while another GPU workload runs), then the ranks in the lane's order, each until ready;
     wait for the API; the serving audit. A fleet partly up is stopped first (the head, then the
     workers)."""
-    from builder.deploy import startstop as core
-
     opts = _options(
         fleet=fleet, checks_dir=checks_dir, connect_timeout=connect_timeout, timeout=timeout,
         start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout, audit_mode=mode, ssh_persist=ssh_persist,
     )
-    return _print(core.start(opts, _say), as_json)
+    return _print(startstop.start(opts, _say), as_json)
 
 
 @click.command()
@@ -167,13 +161,11 @@ def stop(
     fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, stop_timeout: int
 ) -> int:
     """Stop fleet NAME's lane: the head first, then the workers; only the lane's own containers."""
-    from builder.deploy import startstop as core
-
     opts = _options(
         fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, stop_timeout=stop_timeout,
         ssh_persist=ssh_persist,
     )
-    return _print(core.stop(opts, _say), as_json)
+    return _print(startstop.stop(opts, _say), as_json)
 
 
 @click.command()
@@ -183,9 +175,6 @@ def status(fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_
 
     Exit 0 every rank up on the lock, 1 not (a rank down, another lock, a deploy or rollback that did
     not finish), 3 a host could not be reached."""
-    from builder import output
-    from builder.deploy.status import fleet_status, rows
-
     st = fleet_status(_options(fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, ssh_persist=ssh_persist))
     cols, body = rows(st)
     output.table(f"fleet {st.fleet} (lane {st.lane}, lock {st.lock_hash[:12]})", cols, body)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from builder import diff as core
+from builder import output
 from builder.cli import get_ctx
 
 
@@ -18,9 +20,6 @@ def diff(old: str | None, new: str | None, as_json: bool, exit_code: bool) -> in
     OLD and NEW are lock files or REV:path (a git revision of a lock, e.g. HEAD~1:pins.lock).
     NEW defaults to the current lock; OLD defaults to HEAD:<the current lock>.
     """
-    from builder import diff as core
-    from builder import output
-
     c = get_ctx()
     current = str(c.lock)
     old_spec = old if old is not None else f"HEAD:{current}"

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import click
 
+from builder import output
 from builder.cli import get_ctx
+from builder.lockfile import load_lock
+from builder.models import fetch as core
+from builder.models.store import Wanted
+from builder.pins import load_pins
 
 
 @click.command()
@@ -17,12 +22,6 @@ from builder.cli import get_ctx
 def fetch(names: tuple[str, ...], offline: bool, jobs: int, verify: bool, as_json: bool) -> int:
     """Put the locked files hosts get (model files, kit files, runtime plain files) of the named lanes,
     models, kits or files (default: every lane's) into the store."""
-    from builder import output
-    from builder.lockfile import load_lock
-    from builder.models import fetch as core
-    from builder.models.store import Wanted
-    from builder.pins import load_pins
-
     c = get_ctx()
     pins, lock = load_pins(c.pins), load_lock(c.lock)
     total = core.bytes_to_bring(pins, lock, c.root, c.store, list(names), verify=verify)

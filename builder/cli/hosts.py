@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from builder import hosts as core
+from builder import output
 from builder.cli import get_ctx
 from builder.cli.options import file_option, fleet_option, hosts_dir_option, json_option
 
@@ -18,9 +20,6 @@ from builder.cli.options import file_option, fleet_option, hosts_dir_option, jso
 @hosts_dir_option
 def hosts(fleet: str | None, as_json: bool, ansible: Path | None, hosts_dir: Path | None) -> int:
     """List the fleets and hosts of hosts/*.toml (validated), or write them as an Ansible inventory."""
-    from builder import hosts as core
-    from builder import output
-
     c = get_ctx()
     hdir = hosts_dir or c.root / "hosts"
     if ansible is not None:

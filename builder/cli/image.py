@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import click
 
+from builder import image as core
+from builder import output, registry
 from builder.cli import get_ctx
+from builder.cli.push import target_from
+from builder.gc import collect
+from builder.plan import plan
 
 
 @click.command()
@@ -20,20 +28,12 @@ from builder.cli import get_ctx
 def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, force: bool, emulate: bool,
           as_json: bool, push_to: str | None, ca: str | None) -> int:
     """Build the locked closure of image NAME into a content-addressed, reproducible image."""
-    from builder import image as core
-    from builder import output
-
     c = get_ctx()
     target = None
     if push_to is not None:  # a bad URL is refused before anything is built
-        from pathlib import Path
-
-        from builder.cli.push import target_from
 
         target = target_from(push_to, Path(ca) if ca else None, None, c.root / "hosts")
     if plan_only:
-        from builder.plan import plan
-
         p = plan(c.pins, c.lock, name)
         _print_plan(core.describe(p), as_json)
         return 0
@@ -66,8 +66,6 @@ def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, f
     if res.reproducible:
         output.status(f"{rec.tag}: reproducible: a rebuild from nothing gave the same ImageID {rec.image_id[:19]}")
     if target is not None:
-        from builder import registry
-
         assert isinstance(target, registry.Target)
         with output.progress() as bar:
             pushed, _ = registry.push(c.store, rec, target,
@@ -78,10 +76,6 @@ def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, f
 
 
 def _print_plan(d: dict[str, object], as_json: bool) -> None:
-    import json
-
-    from builder import output
-
     if as_json:
         output.data_json(d)
         return
@@ -94,10 +88,7 @@ def _print_plan(d: dict[str, object], as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON on stdout.")
 def why(name: str, as_json: bool) -> int:
     """Print image NAME's closure (what goes in) and its input address, without building."""
-    from builder import image as core
-
     c = get_ctx()
-    from builder.plan import plan
 
     _print_plan(core.describe(plan(c.pins, c.lock, name)), as_json)
     return 0
@@ -109,11 +100,8 @@ def why(name: str, as_json: bool) -> int:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def gc(dry_run: bool, verify: bool, as_json: bool) -> int:
     """Remove store entries that no lock refers to (the current lock, plus locks given in BUILDER_KEEP_LOCKS)."""
-    from builder import gc as core
-    from builder import output
-
     c = get_ctx()
-    rep = core.collect(c.pins, c.lock, c.store, dry_run=dry_run, verify=verify)
+    rep = collect(c.pins, c.lock, c.store, dry_run=dry_run, verify=verify)
     if as_json:
         output.data_json({"removed": rep.removed, "kept": rep.kept, "freed_bytes": rep.freed_bytes,
                           "dry_run": dry_run})

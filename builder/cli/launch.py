@@ -7,8 +7,12 @@ from pathlib import Path
 
 import click
 
+from builder import output
 from builder.cli import get_ctx
 from builder.cli.options import fleet_option, hosts_dir_option, json_option
+from builder.errors import ConfigError
+from builder.launch.preview import LaunchOptions
+from builder.launch.preview import launch as core
 
 
 @click.command()
@@ -23,11 +27,6 @@ def launch(host: str | None, fleet: str | None, lane: str | None, as_json: bool,
     For HOST (or fleet/host), or every host of --fleet: the `docker run` exactly as start.sh runs it,
     the container's environment, its mounts and readiness, and the lane's start order.
     """
-    from builder import output
-    from builder.errors import ConfigError
-    from builder.launch.preview import LaunchOptions
-    from builder.launch.preview import launch as core
-
     if (host is None) == (fleet is None):
         raise ConfigError("builder launch: name a HOST or --fleet NAME (one of them)")
     c = get_ctx()

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import click
 
+from builder import output
+from builder import resolve as core
 from builder.cli import get_ctx
+from builder.lockfile import check_lock
 
 
 @click.command()
@@ -20,12 +25,9 @@ def lock(names: tuple[str, ...], offline: bool, update: tuple[str, ...], check: 
     Inputs whose pin did not change keep their locked entry; --update NAME re-resolves one.
     """
     # The core loads inside the command for start-up time: --check needs only the lock, not the resolvers.
-    from builder import output
 
     c = get_ctx()
     if check:
-        from builder.lockfile import check_lock
-
         res = check_lock(c.pins, c.lock, list(names) or None)
         if as_json:
             output.data_json({"ok": res.ok, "problems": res.problems})
@@ -34,9 +36,6 @@ def lock(names: tuple[str, ...], offline: bool, update: tuple[str, ...], check: 
         if res.ok:
             output.status(f"{c.lock}: up to date" + (f" for {', '.join(names)}" if names else ""))
         return 0 if res.ok else 1
-    import threading
-
-    from builder import resolve as core
 
     opts = core.ResolveOptions(offline=offline, update=set(update), names=list(names) or None, cache=c.store)
     with output.progress() as bar:

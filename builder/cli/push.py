@@ -6,20 +6,22 @@ from pathlib import Path
 
 import click
 
+from builder import output
+from builder import registry as reg
 from builder.cli import get_ctx
+from builder.errors import ConfigError
+from builder.hosts import find_fleet, fleet_registry_ca  # the inventory's models: only for --fleet
+from builder.imagerecord import require_record
+from builder.plan import plan
 
 
 def target_from(registry: str | None, ca: Path | None, fleet: str | None, hosts_dir: Path) -> object:
     """The registry to push to: ``--registry URL`` (with ``--ca``), or the fleet's ``fleet.registry``."""
-    from builder import registry as reg
-    from builder.errors import ConfigError
-
     if (registry is None) == (fleet is None):
         raise ConfigError("builder push: give --registry URL or --fleet NAME (one of them)")
     if registry is not None:
         return reg.parse_target(registry, "--registry", ca)
     assert fleet is not None
-    from builder.hosts import find_fleet, fleet_registry_ca  # the inventory's models: only for --fleet
 
     path, f = find_fleet(hosts_dir, fleet)
     if f.fleet.registry is None:
@@ -28,11 +30,6 @@ def target_from(registry: str | None, ca: Path | None, fleet: str | None, hosts_
 
 
 def push_image(name: str, target: object, as_json: bool) -> int:
-    from builder import output
-    from builder import registry as reg
-    from builder.imagerecord import require_record
-    from builder.plan import plan
-
     assert isinstance(target, reg.Target)
     c = get_ctx()
     address = plan(c.pins, c.lock, name).address  # a stale lock is refused here, before any request

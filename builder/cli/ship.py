@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from builder import output
+from builder import ship as core
 from builder.cli import get_ctx
 from builder.cli.options import file_option, folder_option, insecure_option, json_option
 
@@ -32,9 +34,6 @@ def ship(
     as_json: bool,
 ) -> int:
     """Copy HOST's bundle to it over SSH (resuming) and install it; or copy it to a folder with --to."""
-    from builder import output
-    from builder import ship as core
-
     c = get_ctx()
     opts = core.ShipOptions(
         bundle=bundle_dir, to=to, key=key, signing_key=signing_key, timeout=timeout, insecure=insecure

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder.bundle import hostpkg
+from builder.bundle import BundleOptions, crypto_sig_check, hostpkg, make_bundle, parse_size, rank_launch
 from builder.hosts import Fleet, Host
 from builder.onhost.errors import InstallError
 from builder.onhost.manifest import MANIFEST, check_manifest
 from builder.onhost.verify import verify_bundle
+from builder.ship import ShipOptions, trusted_key_bytes
 
 
 @dataclass
@@ -48,8 +50,6 @@ def bundle_dir(root: Path, fleet: Fleet, host: Host) -> Path:
 
 def expected(ctx: Any, fleet: Fleet, host: Host) -> dict[str, Any]:
     """What a bundle of this host made now must hold (all but the archive and the model bytes)."""
-    from builder.bundle import rank_launch
-
     lane_name = fleet.fleet.lane
     rl = rank_launch(ctx, fleet, host, lane_name)
     files = {
@@ -95,8 +95,6 @@ def current_bundle(out: Path, key: bytes, want: dict[str, Any], with_image: bool
 ]:
     """The bundle at out when it is current and its signature checks (sizes, not hashes); else None
     and why."""
-    from builder.bundle import crypto_sig_check
-
     if not (out / MANIFEST).is_file():
         return None, "no bundle yet"
     try:
@@ -122,11 +120,6 @@ def ensure_bundles(
     say: Any = None,
 ) -> dict[str, FleetBundle | str]:
     """host -> its bundle (made again where stale); with dry_run, host -> why it would be made."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from builder.bundle import BundleOptions, make_bundle, parse_size
-    from builder.ship import ShipOptions, trusted_key_bytes
-
     def one(h: Host) -> FleetBundle | str:
         bdir = bundle_dir(ctx.root, fleet, h)
         want = expected(ctx, fleet, h)

@@ -5,22 +5,27 @@ fleet's audits over those connections.
 
 from __future__ import annotations
 
+import stat
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
+from builder.audit import AuditOptions, run_audit
+from builder.bundle import check_lane, load_bundle_inputs
 from builder.deploy.fleetlock import fleet_lock
+from builder.deploy.hoststate import HostOps, HostState
 from builder.deploy.report import DeployReport, HostOutcome
 from builder.errors import BuilderError
+from builder.hosts import Host, check_against_pins, find_fleet
+from builder.launch import container_name
+from builder.launch.order import start_groups, stop_groups
+from builder.ship import Remote
 from builder.ssh import ControlSockets
-
-if TYPE_CHECKING:  # (loaded where used: the likely no-op's audit starts before they are imported)
-    from builder.deploy.hoststate import HostOps, HostState
-    from builder.hosts import Host
 
 T = TypeVar("T")
 Say = Callable[[str], None]
@@ -94,9 +99,6 @@ class Fleetwork:
         """`strict`: the lane must be locked as pinned (what a deploy or start needs); otherwise it
         need only exist in the pins and the lock (what `builder status` needs to compare).
         `sockets`: the command's connections, when it made them already (see `command_sockets`)."""
-        from builder.bundle import check_lane, load_bundle_inputs
-        from builder.hosts import check_against_pins, find_fleet
-
         self.opts, self.say = opts, say
         self.ctx = load_bundle_inputs(opts.pins, opts.lock, opts.store)
         self.fleet_path, self.fleet = find_fleet(self.ctx.hosts_dir, opts.fleet)
@@ -119,9 +121,6 @@ class Fleetwork:
         return self.fleet.fleet.name
 
     def op(self, h: Host) -> HostOps:
-        from builder.deploy.hoststate import HostOps
-        from builder.ship import Remote
-
         if h.name not in self.ops:
             # (the command's sockets: its audits and ships use this host's one connection too)
             remote = Remote(self.fleet_path, self.fleet, h, self.opts.connect_timeout, sockets=self.shared)
@@ -166,8 +165,6 @@ class Fleetwork:
     def stop_all(self, only: set[str] | None = None) -> dict[str, str]:
         """Stop the lane's containers in the lane's stop order (builder.launch.order: the head first,
         then the workers), of `only` when given. host -> why not (empty: all stopped)."""
-        from builder.launch.order import stop_groups
-
         failed: dict[str, str] = {}
 
         def stop(h: Host) -> None:
@@ -187,9 +184,6 @@ class Fleetwork:
         """Start the installed release in the lane's start order (builder.launch.order): each group's
         start.sh at once, each returning once its rank is ready by the lane's rule; then wait for the
         head's health. BuilderError naming the first rank that did not come up."""
-        from builder.launch import container_name
-        from builder.launch.order import start_groups
-
         s = self.lane.serve
         t = self.opts.start_timeout or float(self.lane.start_timeout)
 
@@ -248,9 +242,6 @@ def shared_view(sockets: ControlSockets) -> ControlSockets:
 def close_sockets(sockets: ControlSockets) -> None:
     """Close the command's own connections (every ControlMaster in its folder) and remove the folder;
     kept ones (--ssh-persist > 0) stay for the next command."""
-    import stat
-    import subprocess
-
     if sockets.shared:
         return
     try:
@@ -282,8 +273,6 @@ def run_fleet_audit(
 ) -> Any:
     """`builder audit --fleet F --phase PHASE` over the command's connections (`snapshot`: against the
     pins and lock kept there, for a rolled-back release)."""
-    from builder.audit import AuditOptions, run_audit
-
     ao = AuditOptions(
         root=snapshot or opts.root,
         pins=(snapshot / "pins.toml") if snapshot else opts.pins,

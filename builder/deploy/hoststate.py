@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from builder.bundle import hostpkg
 from builder.errors import BuilderError
 from builder.hostfacts import source
+from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK, stop_lane_command
 
 if TYPE_CHECKING:
     from builder.ship import Remote
@@ -132,8 +133,6 @@ class HostOps:
         return out
 
     def state(self, lane: str, health_port: int | None) -> HostState:
-        from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
-
         req = {
             "do": "state",
             "root": self.root,
@@ -192,8 +191,6 @@ class HostOps:
 
     def stop(self, lane: str, has_release: bool, stop_timeout: int = 30) -> None:
         """Stop and remove this lane's containers of this rank (only those)."""
-        from builder.launch import stop_lane_command
-
         env = f"BUILDER_STOP_TIMEOUT={int(stop_timeout)}"
         if has_release:
             cmd = f"{env} {shlex.quote(self.root + '/current/stop.sh')}"

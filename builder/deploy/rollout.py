@@ -35,6 +35,7 @@ import re
 import time
 
 from builder.deploy import journal as J
+from builder.deploy.bundles import FleetBundle, ensure_bundles
 from builder.deploy.deployment import Deployment
 from builder.deploy.derivations import make_all
 from builder.deploy.fleetlock import fleet_lock
@@ -86,8 +87,6 @@ def deploy(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
 
 def run(d: Deployment) -> DeployReport:
     """The deploy, from the bundles to the serving audit (or the rollback)."""
-    from builder.deploy.bundles import FleetBundle, ensure_bundles
-
     w, opts, rep = d.w, d.opts, d.rep
     made = ensure_bundles(
         w.ctx, w.fleet_path, w.fleet, key=opts.key, with_image=opts.with_image, with_models=opts.with_models,

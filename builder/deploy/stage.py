@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from builder.deploy.deployment import Deployment
 from builder.deploy.fleetwork import each, explain, short
 from builder.errors import BuilderError, UnreachableError
+from builder.ship import ShipOptions, ship
 
 if TYPE_CHECKING:
     from builder.hosts import Host
@@ -27,7 +28,6 @@ def stage(d: Deployment) -> bool:
                 raise
             except BuilderError as e:
                 d.say(f"{h.name}: {e}; shipping the bundle instead")
-        from builder.ship import ShipOptions, ship
 
         r = ship(
             d.opts.root,

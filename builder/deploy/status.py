@@ -22,6 +22,8 @@ from builder.deploy import journal as J
 from builder.deploy.fleetwork import DeployOptions, Fleetwork
 from builder.deploy.hoststate import HostState
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+from builder.imagerecord import read_record
+from builder.plan import make_plan
 
 
 @dataclass
@@ -96,9 +98,6 @@ class FleetStatus:
 
 
 def _image_id(w: Fleetwork) -> str | None:
-    from builder.imagerecord import read_record
-    from builder.plan import make_plan
-
     try:
         plan = make_plan(w.ctx.pins, w.ctx.lock, w.lane.image, w.ctx.root)
     except Exception:

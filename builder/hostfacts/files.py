@@ -21,9 +21,11 @@ Standard library only: it runs as ``python3 -I -S -c SOURCE ARG`` (builder.hostf
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -60,8 +62,6 @@ def stat_file(path: str, want_hash: bool, tick: Callable[[], None]) -> dict[str,
         return {"error": "not a regular file"}
     out: dict[str, object] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
     if want_hash:
-        import hashlib
-
         h = hashlib.sha256()
         try:
             with open(path, "rb", buffering=0) as f:
@@ -75,7 +75,7 @@ def stat_file(path: str, want_hash: bool, tick: Callable[[], None]) -> dict[str,
 
 
 #: the fewest bytes to hash for which threads pay: below it (a release's launch files, a few KiB)
-#: importing concurrent.futures and starting the threads costs more CPU than the hashing they share
+#: starting the threads costs more CPU than the hashing they share
 THREADS_FROM = 64 << 20
 
 
@@ -92,8 +92,6 @@ def total_size(paths: list[str]) -> int:
 
 def stat_files(paths: list[str], want_hash: bool, jobs: int, tick: Callable[[], None]) -> dict[str, object]:
     if want_hash and jobs > 1 and len(paths) > 1 and total_size(paths) >= THREADS_FROM:
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(jobs) as ex:
             return dict(zip(paths, ex.map(lambda p: stat_file(p, True, tick), paths), strict=True))
     # stat only, or little to hash: no threads, which would cost more to start than they save

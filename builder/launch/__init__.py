@@ -32,6 +32,7 @@ from typing import Any
 
 from builder.canon import pretty_json
 from builder.hosts import Fleet, Host
+from builder.launch.derive import derivation_runs, derived_paths, render_plan
 from builder.launch.rank import (
     BUNDLE_ID,
     CONFIG_IN_CONTAINER,
@@ -164,8 +165,6 @@ def render_launch(
 ) -> dict[str, tuple[bytes, str]]:
     """path -> (bytes, mode) of this rank's launch files; ``image`` names the built image by its ImageID
     (and its input address, which addresses the lane's derivations)."""
-    from builder.launch.derive import derivation_runs, derived_paths, render_plan
-
     runs = derivation_runs(pins, lock, fleet, host, lane_name, image["image_id"], image.get("input_address"))
     cmd = rank_command(pins, fleet, host, lane_name, image["image_id"], derived_paths(runs))
     extra: dict[str, tuple[bytes, str]] = {}

@@ -8,6 +8,7 @@ import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+from builder import dockerio
 from builder.errors import BuilderError
 from builder.layers.read import normalize_image, read_image
 from builder.layers.spooled import SpooledImage
@@ -30,8 +31,6 @@ def normalize_and_load(
 
     Raises BuilderError if the engine reports a different image ID than the one computed.
     """
-    from builder import dockerio
-
     with _workdir(workdir) as work:
         record = normalize_image(
             dockerio.save(ref),
@@ -55,8 +54,6 @@ def save_archive(
     workdir: str | os.PathLike[str] | None = None,
 ) -> tuple[SpooledImage, str]:
     """A deterministic ``docker save``: (record, archive sha256 hex) for an image in the engine."""
-    from builder import dockerio
-
     with _workdir(workdir) as work:
         record = read_image(dockerio.save(ref), work)
         digest = write_archive(record, dest, repo_tags=repo_tags, mtime=mtime)

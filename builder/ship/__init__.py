@@ -36,6 +36,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from builder import sign
 from builder.bundle import public_key_for, read_public_key, signing_key_path, verify_with_key
 from builder.errors import ConfigError, VerifyError
 from builder.hosts import Fleet, Host, find_host
@@ -64,8 +65,6 @@ def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
 
 def trusted_key_bytes(root: Path, fleet: Fleet, bundle_dir: Path, opts: ShipOptions) -> bytes:
     """The public key the host is told to trust: --key, else fleet.trusted_key, else the signing key's."""
-    from builder import sign
-
     if opts.key is not None or fleet.fleet.trusted_key:
         return read_public_key(public_key_for(bundle_dir, opts.key, root))
     sk = sign.load_secret_key(signing_key_path(opts.signing_key))

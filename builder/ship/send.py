@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from builder import sign
 from builder.bundle import hostpkg
 from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
 from builder.hosts import Host
@@ -27,8 +28,6 @@ SEND_CHUNK = 8 * MiB
 
 
 def key_line(key: bytes) -> str:
-    from builder import sign
-
     return sign.parse_public_key(key).base64
 
 
