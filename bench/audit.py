@@ -72,6 +72,7 @@ from bench.common import (
     wheels_in_env,
 )
 from bench.data import model_folder
+from builder.hostfacts import FILES as FILES_SCRIPT
 
 NAME = "audit"
 SIZES = (1, 2, 4, 8)
@@ -381,8 +382,6 @@ class _Audit:
 
 
 def _host_hashing(cfg: Config) -> list[Row]:
-    from builder.hostfacts import FILES as FILES_SCRIPT
-
     mf = model_folder(cfg)
     warm(mf.paths)
     paths = [str(p) for p in mf.paths]

@@ -39,7 +39,21 @@ from bench.common import (
     warm,
 )
 from bench.data import model_folder
+from builder import __version__, sign
 from builder.bundle import hostpkg
+from builder.canon import atomic_write
+from builder.hashing import hash_files, recipe_files
+from builder.lockfile import (
+    Lock,
+    LockedImage,
+    LockedLane,
+    LockedModel,
+    LockedModelFile,
+    render_lock,
+    spec_hash,
+)
+from builder.pins import load_pins
+from tests.lib import bundlelib
 
 NAME = "bundle"
 MEM_LIMIT = 200 * MiB
@@ -51,21 +65,6 @@ def _project(base: Path, files: dict[str, Path], hosts_root: Path, *, hosts: lis
     """A bundle project whose one model is `files` (name -> path, linked, not copied); its fleet is
     `hosts` (default: the bundle tests' two, with their folders under hosts_root), the lane's
     tensor parallelism their number."""
-    from builder import __version__, sign
-    from builder.canon import atomic_write
-    from builder.hashing import hash_files, recipe_files
-    from builder.lockfile import (
-        Lock,
-        LockedImage,
-        LockedLane,
-        LockedModel,
-        LockedModelFile,
-        render_lock,
-        spec_hash,
-    )
-    from builder.pins import load_pins
-    from tests.lib import bundlelib
-
     root = base / "proj"
     (root / "images" / "tiny").mkdir(parents=True)
     (root / "images" / "tiny" / "Dockerfile").write_text("FROM scratch\n")

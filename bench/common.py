@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -106,8 +110,6 @@ def run_measured(argv: Sequence[str], *, cwd: Path | None = None, env: dict[str,
     process) and its %M is read; without /usr/bin/time, wait4()'s rusage of the direct child is used
     (an upper bound: it includes this process's RSS at the fork).
     """
-    import tempfile
-
     gnu_time = Path("/usr/bin/time")
     rss_file = None
     cmd = list(argv)
@@ -189,10 +191,6 @@ def wheelhouse(image_name: str, workdir: Path) -> tuple[Path | None, str]:
     left it; else downloaded with `pip download` into workdir/wheelhouse (PyPI, or pip's own cache of
     the wheel `pip install -e '.[dev]'` installed). The files are linked into workdir/wheelhouse.
     """
-    import hashlib
-    import json
-    import tomllib
-
     # read the files themselves (not builder's loaders): the benchmark needs two fields of each
     try:
         img = tomllib.loads((REPO / "pins.toml").read_text())["images"][image_name]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import Config, GiB, MiB, warm, write_data_file
+from builder.hashing import hash_files
 
 
 @dataclass
@@ -33,8 +34,6 @@ def model_folder(cfg: Config) -> ModelFolder:
     root = cfg.workdir / "model"
     if root in _CACHE:
         return _CACHE[root]
-    from builder.hashing import hash_files
-
     each = 32 * MiB if cfg.quick else 512 * MiB
     names = [f"model-{i + 1:05d}-of-00008.safetensors" for i in range(8)]
     for i, n in enumerate(names):

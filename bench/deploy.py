@@ -32,9 +32,11 @@ import os
 import statistics
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
+from bench.audit import _hosts_cpu, _machine_cpu, lane_for
 from bench.common import Config, Row, judge, median_interleaved, secs, skipped, wheelhouse, wheels_in_env
 
 NAME = "deploy"
@@ -83,8 +85,6 @@ def _first(j: Any) -> list[str]:
 
 
 def _measure(cfg: Config, work: Path, code: Path, stack: contextlib.ExitStack[Any], journeylib: Any) -> list[Row]:
-    from bench.audit import lane_for
-
     store = work / "store"
     js: dict[int, Any] = {}
     args: dict[int, list[str]] = {}
@@ -127,8 +127,6 @@ _context = itertools.count(5000, 16)
 
 
 def _scale(cfg: Config, js: dict[int, Any], args: dict[int, list[str]]) -> list[Row]:
-    from bench.audit import _hosts_cpu, _machine_cpu
-
     timings: dict[int, list[float]] = {n: [] for n in SIZES}
     cpu: dict[int, list[tuple[float, float]]] = {n: [] for n in SIZES}
 
@@ -171,7 +169,5 @@ def _scale(cfg: Config, js: dict[int, Any], args: dict[int, list[str]]) -> list[
 
 
 def _lane(j: Any) -> str:
-    import tomllib
-
     text = (j.root / "hosts" / f"{j.name}.toml").read_text()
     return str(tomllib.loads(text)["fleet"]["lane"])

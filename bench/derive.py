@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Config, MiB, Row, judge, median_interleaved, secs
+from builder.hostfacts import derive
 
 NAME = "derive"
 
@@ -26,8 +27,6 @@ def _rchar() -> int:
 
 
 def run(cfg: Config) -> list[Row]:
-    from builder.hostfacts import derive
-
     files, size = (8, 8 * MiB) if cfg.quick else (16, 64 * MiB)
     total = files * size
     root = cfg.workdir / "derive"

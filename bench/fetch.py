@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import time
 
 from bench.common import Config, GiB, MiB, Row, gib_s, have, judge, secs, skipped
 from bench.common import run as run_cmd
+from tests.lib.fakehub import FakeHub  # a fake named as such: the Hub's HTTP protocol on 127.0.0.1
 
 NAME = "fetch"
 
 
 def run(cfg: Config) -> list[Row]:
-    from tests.lib.fakehub import FakeHub  # a fake named as such: the Hub's HTTP protocol on 127.0.0.1
-
     if not have("hf"):
         return [skipped(NAME, "fetch vs hf download", "huggingface_hub's `hf` CLI not on PATH", ">= 1.0")]
     total = (256 * MiB) if cfg.quick else 4 * GiB
@@ -53,8 +53,6 @@ def run(cfg: Config) -> list[Row]:
                          "--max-workers", "8"], env=env)
                 times[tool].append(time.perf_counter() - t)
                 shutil.rmtree(out, ignore_errors=True)
-    import statistics
-
     b, h = statistics.median(times["builder"]), statistics.median(times["hf"])
     ratio = h / b
     note = f"{nfiles} files, {total / GiB:.2f} GiB, every byte sha256-verified by builder"

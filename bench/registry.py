@@ -25,12 +25,15 @@ import ipaddress
 import json
 import secrets
 import shutil
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from bench.common import Config, Row, judge, skipped, wheelhouse
+from tests.lib import fleetlib, projectlib, registrylib
 
 NAME = "registry"
 FIG_REG = "top-layer update via the registry: bytes to a host / changed layers"
@@ -40,8 +43,6 @@ FIG_PUSH_SENT = "builder push vs docker push, image already in the registry (wri
 
 
 def _helpers() -> tuple[Any, Any, Any]:
-    from tests.lib import fleetlib, projectlib, registrylib
-
     return fleetlib, projectlib, registrylib
 
 
@@ -146,9 +147,6 @@ def _thin(root: Path, work: Path, builder: Any, old: dict[str, Any], changed: in
 
 
 def _push(cfg: Config, projectlib: Any, registrylib: Any, work: Path, builder: Any, new: dict[str, Any]) -> list[Row]:
-    import statistics
-    import time
-
     with registrylib.start_registry(work / "reg-open") as reg:
         builder("push", "demo", "--registry", reg.url)  # the first push, not timed
         ref = f"{reg.addr}/docker-push/demo:bench"

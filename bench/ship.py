@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.bundle import _project, docker_ok, install_pyz
-from bench.common import Config, GiB, MiB, Row, builder_argv, gib_s, judge, secs, skipped
+from bench.common import Config, GiB, MiB, Row, builder_argv, gib_s, judge, secs, skipped, write_data_file
 from bench.data import model_folder
+from tests.lib import ptylib
 
 NAME = "ship"
 _IMAGES: list[str] = []
@@ -140,8 +141,6 @@ def _fleet_bundle(cfg: Config, base: Path) -> list[Row]:
 
 def _on_pty(argv: list[str]) -> int:
     """Run argv with stderr on a pseudo-terminal (as a user at a terminal sees it); the bytes drawn there."""
-    from tests.lib import ptylib
-
     rc, _, drawn = ptylib.run_on_pty(argv)
     if rc != 0:
         raise RuntimeError(f"{' '.join(argv[:4])}... on a pty: exit {rc}")
@@ -244,8 +243,6 @@ def _ship(cfg: Config, base: Path) -> list[Row]:
         return [skipped(NAME, fig, "no Docker engine or no test-host image", "<= 1.3")]
     size = 64 * MiB if cfg.quick else 1 * GiB
     data = base / "data" / "weights.safetensors"
-    from bench.common import write_data_file
-
     write_data_file(data, size, seed=42)
     base.mkdir(parents=True, exist_ok=True)
     with fleetlib.start_fleet(1, base / "fleet") as fleet:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from bench.common import Config, Row, gib_s, have, judge, median_interleaved, secs, skipped, warm
 from bench.data import model_folder
+from builder import hashing
 
 NAME = "verify"
 
@@ -16,8 +17,6 @@ def _tool(argv: list[str]) -> None:
 
 
 def run(cfg: Config) -> list[Row]:
-    from builder import hashing
-
     mf = model_folder(cfg)
     warm(mf.paths)
     paths = [str(p) for p in mf.paths]

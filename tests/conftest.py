@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 
 from builder.lockfile import load_lock
 from tests.lib import dockerlib
-from tests.lib.fleetlib import docker_available
+from tests.lib.fleetlib import close_kept_connections, docker_available
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,10 +49,6 @@ def _ssh_connections(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The ssh connections a test's audits keep open (`--ssh-persist`) live in a folder of that test's
     own, so no test reuses another's, and are closed when the test ends. (/tmp and a short name:
     unix socket paths are limited to 108 bytes.)"""
-    import tempfile
-
-    from tests.lib.fleetlib import close_kept_connections
-
     folder = Path(tempfile.mkdtemp(prefix="bS-", dir="/tmp"))
     monkeypatch.setenv("BUILDER_SSH_DIR", str(folder))
     yield

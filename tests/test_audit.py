@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 
 from builder import audit as core
 from builder.audit import runner
+from builder.lockfile import load_lock
 from tests.lib import auditlib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,8 +215,6 @@ def test_matrix_json_junit_exit() -> None:
     j = rep.to_json()
     assert j["hosts"]["a"]["message"] == "gpu::name: GPU 0 name: expected 'X', found 'Y'"
     assert j["hosts"]["b"]["status"] == "unreachable" and j["exit"] == 3
-    import xml.etree.ElementTree as ET
-
     root = ET.fromstring(core.junit_xml(rep))
     suites = {s.get("name"): s for s in root}
     assert suites["a"].get("failures") == "1" and suites["a"].get("skipped") == "1"
@@ -337,8 +337,6 @@ def test_local_missing_inputs_fail_rather_than_skip(tmp_path: Path) -> None:
     """With a lock: no build record for its image, and an apply record without `files` or
     `manifest_sha256`, fail saying what was expected (a real Spark has them)."""
     root, env = local_project(tmp_path, {"docker": False, "gpu_count": 0})
-    from builder.lockfile import load_lock
-
     lock_hash = load_lock(root / "pins.lock").lock_hash()
     rec = {"host": "me", "fleet": "l", "lane": "demo", "rank": 0, "lock_hash": lock_hash, "image": {}}
     (tmp_path / "b" / "state").mkdir(parents=True)

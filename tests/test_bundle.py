@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import random
@@ -9,10 +11,12 @@ import shutil
 import stat
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
+from builder import sign
 from builder.bundle import (
     BundleOptions,
     hostpkg,
@@ -24,6 +28,7 @@ from builder.bundle import (
     write_stream,
 )
 from builder.errors import BuilderError, ConfigError, VerifyError
+from builder.hashing import READ_SIZE
 from builder.onhost.manifest import bundle_id_of
 from tests.lib import bundlelib as bl
 from tests.lib import factory
@@ -177,8 +182,6 @@ def test_a_store_object_changed_behind_builders_back_is_named(proj: Project) -> 
 
 
 def test_write_stream_splits_exactly(tmp_path: Path) -> None:
-    import io
-
     for size, part in [(0, 4), (4, 4), (5, 4), (8, 4), (9, 4)]:
         d = tmp_path / f"{size}-{part}"
         d.mkdir()
@@ -193,11 +196,6 @@ def test_write_stream_splits_exactly(tmp_path: Path) -> None:
 
 def test_write_stream_hashes_each_part_and_the_whole_across_short_reads(tmp_path: Path) -> None:
     """Two whole reads, short reads from a "pipe", a part boundary inside a read and a short tail."""
-    import hashlib
-    import io
-
-    from builder.hashing import READ_SIZE
-
     data = os.urandom(READ_SIZE * 2 + 5000)
     part_size = READ_SIZE + 4096
     dest = tmp_path / "b"
@@ -317,8 +315,6 @@ def test_tamper_200_offsets(proj: Project) -> None:
 
 
 def test_missing_signature_unknown_key_extra_missing(proj: Project, tmp_path: Path) -> None:
-    from builder import sign
-
     d = _bundle(proj, with_models=True, part_size=5000)
     other = tmp_path / "other"
     other.mkdir()
@@ -385,8 +381,6 @@ def test_errors_are_builder_errors(proj: Project, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_peak_memory_with_a_4gib_file(tmp_path: Path) -> None:
     """A 4 GiB model file (sparse zeros) is linked into the bundle and verified with flat memory."""
-    import hashlib
-
     proj = make_project(tmp_path)
     big = proj.root / "models" / "demo" / "weights-r1of2.bin"
     size = 4 * 1024**3
@@ -441,8 +435,6 @@ def test_peak_memory_with_a_4gib_file(tmp_path: Path) -> None:
 @pytest.mark.docker
 def test_image_archive_is_deterministic(tmp_path: Path) -> None:
     """--with-image twice gives the same bytes; the archive is a docker-load archive of that ImageID."""
-    import tarfile
-
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
     p = make_project(tmp_path, docker_image=True, marker=f"determinism-{tmp_path}")

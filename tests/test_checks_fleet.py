@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import threading
 import time
 import tomllib
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
 from tests.lib import auditlib, factory, fleetlib
 from tests.lib.journeylib import PATHS, Journey, journey
 
@@ -138,8 +141,6 @@ def test_the_next_audit_reuses_each_hosts_connection(env: dict[str, Any], tmp_pa
 def test_two_audits_at_once_open_one_connection_per_host(env: dict[str, Any]) -> None:
     """Both find no connection and open one at the same moment: the per-host lock lets one open it
     and the other reuse it, instead of leaving a second connection behind in the background."""
-    import threading
-
     folder = Path(os.environ["BUILDER_SSH_DIR"])
     codes: list[int] = []
 
@@ -240,8 +241,6 @@ def test_cut_host_is_unreachable_rest_audited(env: dict[str, Any], tmp_path: Pat
 
 
 def test_ansible_backend(env: dict[str, Any], tmp_path: Path) -> None:
-    import shutil
-
     if shutil.which("ansible-inventory") is None:
         pytest.fail("ansible-core is not installed (pip install -e '.[dev]' installs it)")
     j: Journey = env["j"]
@@ -341,8 +340,6 @@ def test_the_memory_the_lanes_own_container_holds_counts_as_available(
     installed bundle) holds, the check passes; the same memory held by another container fails, named
     with what it holds. On a GPU whose memory is the host's (FAKE nvidia-smi reporting no memory of its
     own, as a DGX Spark's GB10 does), the lane's GPU processes' memory counts too."""
-    from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
-
     j: Journey = env["j"]
     fleet = env["fleet"]
     h = fleet.hosts[1]  # rank 1, a worker

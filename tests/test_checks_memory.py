@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import testinfra
 
 from builder import hostfacts as hf
 from builder.hostfacts import memory
-from tests.lib.checkmods import checklib_fresh, concerns_for, local_expect
+from tests.lib import fleetlib
+from tests.lib.checkmods import checklib_fresh, concerns_for, count_commands, local_expect
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -221,10 +223,6 @@ def test_the_holders_and_the_lanes_facts_are_prefetched_with_a_minimum_only(tmp_
 
 def test_the_prefetch_runs_the_module_for_real(tmp_path: Path) -> None:
     """hostfacts.memory inside the prefetch's batch on this machine (testinfra local://): one call."""
-    import testinfra
-
-    from tests.lib.checkmods import count_commands
-
     cl: Any = checklib_fresh()
     host = testinfra.get_host("local://")
     expect = local_expect(tmp_path)
@@ -240,8 +238,6 @@ def test_the_prefetch_runs_the_module_for_real(tmp_path: Path) -> None:
 def test_a_containers_memory_from_its_cgroup_on_this_machine() -> None:
     """Against this machine's real engine and kernel: a container holding 200 MiB of shm (written
     into its /dev/shm, charged to its cgroup) is found, with its pid, holding at least that much."""
-    from tests.lib import fleetlib
-
     if not fleetlib.docker_available():
         pytest.skip("Docker engine not reachable")
     image = fleetlib.tiny_image("builder-test-tiny:1")

@@ -3,14 +3,19 @@ in one remote call, and the results the checks report; run for real on this mach
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import json
 import os
+import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import testinfra
 
-from tests.lib import checkmods
+from tests.lib import checkmods, fleetlib
 from tests.lib.checkmods import checklib_fresh, concerns_for, count_commands, local_expect
 
 
@@ -36,9 +41,6 @@ def test_a_missing_image_record_fails_with_a_lock_and_skips_without() -> None:
 
 
 def test_collection_error_in_one_line() -> None:
-    import importlib.util
-    from types import SimpleNamespace
-
     checkmods.checklib()  # checks/conftest.py imports it as `checklib`
     spec = importlib.util.spec_from_file_location("builder_checks_conftest", checkmods.CHECKS / "conftest.py")
     assert spec is not None and spec.loader is not None
@@ -57,8 +59,6 @@ def test_collection_error_in_one_line() -> None:
 
 
 def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> None:
-    import testinfra
-
     cl: Any = checklib_fresh()
     host = testinfra.get_host("local://")
     expect = local_expect(tmp_path)
@@ -84,10 +84,6 @@ def test_prefetch_answers_the_checks_commands_from_one_call(tmp_path: Path) -> N
 def test_release_files_come_with_the_record_in_the_prefetch(tmp_path: Path) -> None:
     """The release files' hashes are in the one prefetch call (the host reads the record's file list
     itself); a check whose record names other files than the host's answer covers asks for its own."""
-    import hashlib
-
-    import testinfra
-
     cl: Any = checklib_fresh()
     host = testinfra.get_host("local://")
     expect = local_expect(tmp_path)
@@ -110,8 +106,6 @@ def test_release_files_come_with_the_record_in_the_prefetch(tmp_path: Path) -> N
 def test_prefetch_that_fails_leaves_each_check_to_run_its_own_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import testinfra
-
     cl: Any = checklib_fresh()
     host = testinfra.get_host("local://")
     expect = local_expect(tmp_path)
@@ -124,8 +118,6 @@ def test_prefetch_that_fails_leaves_each_check_to_run_its_own_command(
 
 def test_a_hung_tool_costs_its_own_fact_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """FAKE nvidia-smi (test only: no GPU here) that hangs, as a wedged driver's does."""
-    import testinfra
-
     cl: Any = checklib_fresh()
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()
@@ -157,10 +149,6 @@ def test_docker_facts_come_from_the_docker_cli() -> None:
 @pytest.mark.docker
 def test_inspect_images_answers_found_and_missing_images_in_one_call() -> None:
     """Against this machine's real Docker Engine, through testinfra's local backend as a check runs it."""
-    import testinfra
-
-    from tests.lib import fleetlib
-
     if not fleetlib.docker_available():
         pytest.skip("Docker engine not reachable")
     cl: Any = checklib_fresh()
@@ -183,8 +171,6 @@ def test_the_image_and_the_ranks_containers_are_one_docker_inspect(monkeypatch: 
     """One docker CLI call answers the image checks and the container checks; docker's answer is
     taken apart by what it says (containers have a State, images are in the order asked, less those
     it names as not found), and an answer it cannot take apart leaves each image to its own call."""
-    from types import SimpleNamespace
-
     cl: Any = checklib_fresh()
     both = cl.docker_objects_command(docker_expect(["image", "runtime"]))
     assert both[0].endswith("docker inspect %s %s $ids") and both[1:] == ("demo", "1", "sha256:ab", "builder/demo:1")
@@ -220,12 +206,6 @@ def test_the_image_and_the_ranks_containers_are_one_docker_inspect(monkeypatch: 
 def test_docker_inspect_of_images_and_containers_against_the_engine() -> None:
     """`docker_objects` against this machine's real Docker Engine: a labelled container of the lane
     and rank, the image by ID and a tag that does not exist."""
-    import subprocess
-
-    import testinfra
-
-    from tests.lib import fleetlib
-
     if not fleetlib.docker_available():
         pytest.skip("Docker engine not reachable")
     cl: Any = checklib_fresh()

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from builder import hostfacts as hf
 from builder.audit import AuditOptions
 from builder.audit.concerns import Concern, declared, read_declaration
 from builder.errors import ConfigError
@@ -83,8 +84,6 @@ def variant(name: str) -> dict[str, Any]:
 
 def shown(cmd: tuple[str, ...]) -> list[str]:
     """A command with each fact module's source as its name (the plans stay a few KiB)."""
-    from builder import hostfacts as hf
-
     names = {getattr(hf, n): f"<{n}>" for n in ("BATCH", "FILES", "FABRIC", "SERVE", "MEMORY", "DERIVE")}
     return [names.get(a, a) for a in cmd]
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ziglang
 
 from builder import dockerio, layers
 from tests.lib import dockerlib
@@ -45,8 +46,6 @@ def git(*args: str, cwd: Path | None = None) -> str:
 
 
 def zig_dir() -> Path:
-    import ziglang
-
     return Path(ziglang.__file__).resolve().parent
 
 

@@ -32,9 +32,13 @@ from builder.deploy.bundles import stale
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.hoststate import Container, HostState
 from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcome, Side
+from builder.deploy.status import FleetStatus, HostStatus
 from builder.errors import BuilderError
+from builder.ssh import tied
 from tests.lib import auditlib, factory, fleetlib
+from tests.lib import bundlelib as bl
 from tests.lib import deploylib as dl
+from tests.lib.bundlelib import bundle, install, run_installer
 from tests.lib.journeylib import PATHS, Journey, edit_on, journey
 
 # --------------------------------------------------------------------------- fast tier
@@ -115,8 +119,6 @@ def test_journal_round_trip_and_snapshot(tmp_path: Path) -> None:
 
 
 def test_status_counts_an_unfinished_deploy_as_not_deployed() -> None:
-    from builder.deploy.status import FleetStatus, HostStatus
-
     st = FleetStatus(fleet="f", lane="l", lock_hash="a" * 64, image_id=None)
     st.hosts = [HostStatus("h0", 0, "head", up=True, on_lock=True),
                 HostStatus("h1", 1, "worker", up=True, on_lock=True)]
@@ -131,8 +133,6 @@ def test_status_counts_an_unfinished_deploy_as_not_deployed() -> None:
 
 def test_a_step_ends_with_its_command(tmp_path: Path) -> None:
     """builder.ssh.tied + die_with_parent: a command killed alone (SIGKILL) ends its steps' children."""
-    from builder.ssh import tied
-
     mark = tmp_path / "mark"
     ok = subprocess.run(["sh", "-c", tied("echo out; echo err >&2; exit 3")], capture_output=True, text=True)
     assert (ok.returncode, ok.stdout, ok.stderr) == (3, "out\n", "err\n")
@@ -197,9 +197,6 @@ def test_unknown_fleet_is_one_line_and_exit_2(tmp_path: Path, project_root: Path
 
 @pytest.mark.docker
 def test_installer_stages_without_switching_then_switches_and_back(tmp_path: Path) -> None:
-    from tests.lib import bundlelib as bl
-    from tests.lib.bundlelib import bundle, install, run_installer
-
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
     p = bl.make_project(tmp_path, hosts=bl.local_hosts(tmp_path / "host"), docker_image=True, marker="deploy-stage")

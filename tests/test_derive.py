@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
+from builder.errors import ConfigError
 from builder.hosts import Fleet
 from builder.launch.derive import derivation_runs
 from builder.loader import validate
-from builder.lockfile import Lock
+from builder.lockfile import Lock, spec_hash
 from builder.pins import Pins
 
 DERIVE = Path(__file__).resolve().parents[1] / "builder" / "hostfacts" / "derive.py"
@@ -127,8 +128,6 @@ def _pins_fleet(command: list[str]) -> tuple[Pins, Fleet, Lock]:
     fleet = validate(Fleet, {"fleet": {"name": "f", "lane": "l"}, "hosts": [
         {"name": f"s{r}", "ssh": f"s{r}", "rank": r, "role": "head" if r == 0 else "worker",
          "address": f"192.0.2.{r + 1}"} for r in range(2)]}, "t")
-    from builder.lockfile import spec_hash
-
     def files(sha: str) -> list[dict[str, Any]]:
         return [{"path": "config.json", "size": 2, "sha256": sha * 64},
                 {"path": "w-r0of2.bin", "size": 1, "sha256": "1" * 64},
@@ -162,8 +161,6 @@ def test_the_address_follows_the_inputs_the_rank_and_the_command() -> None:
 
 @pytest.mark.parametrize("bad", [{"output": "relative"}, {"mounts": [{"source": "state:x", "target": "/x"}]}])
 def test_bad_derivations_are_refused(bad: dict[str, Any]) -> None:
-    from builder.errors import ConfigError
-
     with pytest.raises(ConfigError):
         validate(Pins, {"format": 1, "images": {"tiny": {"recipe": "images/tiny"}}, "lanes": {"l": {
             "image": "tiny", "serve": {"tensor_parallel": 1, "context": 1, "streams": 1, "port": 1,

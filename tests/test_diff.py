@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from builder.diff import Change, diff_locks, read_lock
+from builder.diff import Change, _base, diff_locks, read_lock
 from builder.errors import ConfigError
-from builder.lockfile import load_lock
+from builder.lockfile import LockedBase, load_lock
 from tests.lib import factory
 from tests.lib.gitlib import run_git
 from tests.lib.lockproject import Project
@@ -87,8 +87,6 @@ def test_added_removed_and_patch_series(tmp_path: Path) -> None:
 
 
 def test_digest_changes_are_named_by_platform() -> None:
-    from builder.lockfile import LockedBase
-
     a = LockedBase(
         spec_hash="0" * 64,
         ref="r:1",
@@ -104,8 +102,6 @@ def test_digest_changes_are_named_by_platform() -> None:
             "config_env": {"linux/arm64": ["A=1", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1"]},
         }
     )
-    from builder.diff import _base
-
     assert _base(a, b) == [
         "index digest changed sha256:111111111111 -> sha256:444444444444",
         "digest changed linux/arm64 sha256:222222222222 -> sha256:555555555555",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import tarfile
@@ -13,6 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from docker.errors import DockerException
+from requests.exceptions import ConnectionError as RequestsConnectionError
+from urllib3.exceptions import ProtocolError
 
 from builder import dockerio, layers
 from builder.errors import BuilderError
@@ -28,8 +32,6 @@ def test_no_engine_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_no_engine_on_tcp_says_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import socket
-
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -43,10 +45,6 @@ def test_no_engine_on_tcp_says_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 def _sdk_error(inner: BaseException) -> BaseException:
     """An error shaped as the SDK raises it: DockerException from requests' ConnectionError, carrying
     urllib3's ProtocolError('Connection aborted.', OSError)."""
-    from docker.errors import DockerException
-    from requests.exceptions import ConnectionError as RequestsConnectionError
-    from urllib3.exceptions import ProtocolError
-
     req = RequestsConnectionError(ProtocolError("Connection aborted.", inner))
     try:
         try:
@@ -73,8 +71,6 @@ def test_engine_problems_are_plain(host: str, inner: BaseException, want: str) -
 
 
 def test_a_missing_paramiko_is_named() -> None:
-    from docker.errors import DockerException
-
     msg = dockerio.engine_problem("ssh://op@spark-head:2222", DockerException(
         "Install paramiko package to enable ssh:// support"))
     assert msg == ("no Docker engine: ssh://op@spark-head:2222 (DOCKER_HOST): the Docker SDK's ssh:// transport "

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from builder import gitsrc
+from builder import gitsrc, resolve
 from builder.canon import sha256_tree
 from builder.errors import ResolveError
-from builder.lockfile import LockedSource
+from builder.lockfile import LockedSource, load_lock
 from builder.pins import GitSource
 from tests.lib import factory
 from tests.lib.gitlib import BASE_TIME, Upstream, git_env, run_git
@@ -320,9 +320,6 @@ def test_rev_not_on_the_pull_ref_is_refused(story: DeletedBranch, tmp_path: Path
 
 
 def test_builder_lock_records_the_pull_ref(story: DeletedBranch, tmp_path: Path) -> None:
-    from builder import resolve
-    from builder.lockfile import load_lock
-
     story.force_push_merge_delete()
     proj = tmp_path / "proj"
     proj.mkdir()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import http.server
 import json
 import os
 import subprocess
@@ -19,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from builder import hostfacts as hf
-from builder.hostfacts import batch, fabric, files
+from builder.hostfacts import batch, fabric, files, serve
+from tests.lib import fleetlib
 
 HOST_MODULES = ("batch", "files", "fabric", "serve", "lane")
 
@@ -200,11 +202,6 @@ NO_PROXY_REACHABLE = {**{k: v for k, v in os.environ.items() if k.lower() != "no
 
 
 def test_serve_answers_each_call_or_says_why(tmp_path: Path) -> None:
-    import http.server
-    import threading
-
-    from builder.hostfacts import serve
-
     class API(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
             code = 200 if self.path == "/health" else 404
@@ -423,8 +420,6 @@ def test_lane_state_reads_links_releases_and_the_apply_record(tmp_path: Path) ->
 def test_lane_wait_says_a_container_the_engine_does_not_have_is_gone() -> None:
     """This machine's real docker CLI and engine: a name that is no container is "missing" (the rank's
     container is gone), not "unknown" (no answer from the engine)."""
-    from tests.lib import fleetlib
-
     if not fleetlib.docker_available():
         pytest.skip("no Docker engine here")
     name = f"builder-test-no-such-{os.getpid()}"

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from builder.bundle.keys import fleet_trusted_key as project_trusted_key
 from builder.errors import ConfigError
-from builder.hosts import load_fleet
+from builder.hosts import fleet_registry_ca, fleet_trusted_key, load_fleet, ssh_config_file
 from builder.ssh import parse_target
 from tests.lib import auditlib, factory
 
@@ -125,9 +126,6 @@ def test_cli_hosts_and_audit_exit_2_with_one_line(tmp_path: Path, target: str) -
 def test_every_file_a_fleet_names_is_taken_from_the_fleet_files_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from builder.bundle.keys import fleet_trusted_key as project_trusted_key
-    from builder.hosts import fleet_registry_ca, fleet_trusted_key, ssh_config_file
-
     hosts = tmp_path / "hosts"
     (hosts / "keys").mkdir(parents=True)
     for name in ("fleet.pub", "ssh_config", "ca.pem"):

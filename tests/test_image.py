@@ -19,12 +19,15 @@ import shutil
 import subprocess
 import time
 import uuid
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import docker
 import pytest
+import ziglang
 
 from builder import dockerio
 from builder import image as core
@@ -146,8 +149,6 @@ def test_dockerignore_literals_and_skipped_extraction(tmp_path: Path) -> None:
     assert core.dockerignore_literals(ctx) == ["zig/lib/libc", "zig/docs"]
     (ctx / ".dockerignore").write_text("zig/lib/libc\n!zig/lib/libc/keep\n")
     assert core.dockerignore_literals(ctx) == []  # exceptions: leave it all to Docker
-    import zipfile
-
     whl = tmp_path / "t.whl"
     with zipfile.ZipFile(whl, "w") as z:
         z.writestr("pkg/zig", b"\x7fELF")
@@ -334,8 +335,6 @@ PROBE_ZIG = Path(__file__).resolve().parent / "data" / "netprobe" / "probe.zig"
 @pytest.fixture(scope="session")
 def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny static network probe, compiled by the pinned Zig (the installed ziglang package)."""
-    import ziglang
-
     zig = Path(ziglang.__file__).resolve().parent / "zig"
     d = tmp_path_factory.mktemp("probe")
     shutil.copyfile(PROBE_ZIG, d / "probe.zig")
@@ -383,8 +382,6 @@ def test_build_sees_no_network_interface_but_lo(tmp_path: Path, probe: Path, tag
 
 @pytest.mark.docker
 def test_recipe_that_needs_the_network_fails(tmp_path: Path, probe: Path, built: Built, tags: Tags) -> None:
-    import docker
-
     # a server the test starts: the demo image, on the default bridge
     cid = dockerlib.start(built.rec["tag"], ["serve", "--host", "0.0.0.0", "--port", "8080"])
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
@@ -361,8 +362,6 @@ def test_read_image_passes_through(tmp_path: Path) -> None:
 
 
 def test_gzip_base_layer_is_decompressed_and_checked(tmp_path: Path) -> None:
-    import gzip
-
     base = make_tar([{"name": "lib/base.so", "data": b"base"}])
     arch = docker_archive([base])
     # Replace the layer bytes with their gzip form (as newer engines may write); the DiffID stays.

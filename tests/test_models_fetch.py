@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from builder.models import fetch as core
+from builder.models import store as store_mod
 from builder.models.store import ModelStore, Wanted
 from tests.lib import factory
 from tests.lib.fakehub import FakeHub
@@ -287,10 +289,6 @@ def test_the_demo_lanes_local_files_are_imported_by_hard_link(tmp_path: Path) ->
 
 def test_a_symlinked_snapshot_is_imported_as_the_file_it_names(tmp_path: Path) -> None:
     """An HF cache's snapshot is symbolic links to its blobs: the store links the blob, never the link."""
-    import hashlib
-
-    from builder.models.store import ModelStore, Wanted
-
     blob = tmp_path / "hf" / "blobs" / "abc"
     blob.parent.mkdir(parents=True)
     blob.write_bytes(b"weights" * 1000)
@@ -344,9 +342,6 @@ def test_a_download_is_hashed_as_it_lands_and_not_read_again(tmp_path: Path, hub
     """The bytes huggingface_hub writes are hashed behind it (builder.models.hub._Follower): the store
     takes the file without a second full read; a small file (no LFS sha256 to find it by) is read once."""
     import huggingface_hub.constants as hc
-
-    from builder.models import fetch as core
-    from builder.models import store as store_mod
 
     data = os.urandom(1 << 20) * 24
     commit = hub.add_repo("org/big", {"w.safetensors": data, "c.json": b"{}"}, lfs={"w.safetensors"})

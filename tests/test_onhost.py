@@ -15,6 +15,7 @@ import random
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from builder import onhost
+from builder import onhost, sign
 from builder.bundle import hostpkg
 from builder.onhost import files as host_files
 from builder.onhost import pack
@@ -97,8 +98,6 @@ def test_first_install_needs_a_trusted_key(tmp_path: Path) -> None:
     assert r.returncode == 2 and "no trusted key" in r.stderr and r.stderr.count("\n") == 1
     other = tmp_path / "o"
     other.mkdir()
-    from builder import sign
-
     sign.generate_keypair(other / "k", other / "k.pub")
     r = install(d, root, "--trusted-key", str(other / "k.pub"))
     assert r.returncode == 1 and "not the trusted key" in r.stderr
@@ -360,8 +359,6 @@ _json = st.recursive(
 
 
 def _valid_manifest() -> dict[str, Any]:
-    import tempfile
-
     base = Path(tempfile.mkdtemp(prefix="bt-hyp-"))
     try:
         p = bl.make_project(base)

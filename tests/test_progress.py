@@ -9,8 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from builder.output import fit
+from tests.lib import auditlib, factory, ptylib
 from tests.lib import bundlelib as bl
-from tests.lib import factory, ptylib
+from tests.lib.fakehub import FakeHub
 
 
 def _run_on_pty(argv: list[str], cwd: Path) -> tuple[int, str, str]:
@@ -68,8 +70,6 @@ def test_progress_without_a_terminal_draws_nothing() -> None:
 def _slow_unreachable_fleet(tmp_path: Path) -> Path:
     """An audit project whose two hosts take 4 s to turn out unreachable (their ssh ProxyCommand
     waits, then fails): a full-mode audit that lasts past the bars' delay without any host."""
-    from tests.lib import auditlib
-
     paths = auditlib.make_project(tmp_path / "proj")
     cfg = tmp_path / "ssh_config"
     cfg.write_text("Host *\n  ProxyCommand sh -c 'sleep 4; exit 1'\n")
@@ -127,8 +127,6 @@ def _one_line_each(tty: bytes | str, columns: int = 80) -> list[str]:
 
 
 def test_fetch_names_the_files_in_flight_with_bytes_rate_and_time_left_in_80_columns(tmp_path: Path) -> None:
-    from tests.lib.fakehub import FakeHub
-
     files = {f"model-{i:05d}-of-00004.safetensors": os.urandom(1 << 20) * 40 for i in range(4)}
     repo = "deepseek-ai/DeepSeek-V4-Flash-Base"
     pins = factory.write_pins(tmp_path, factory.pins(models={"deepseek-v4-flash": factory.model(repo)}))
@@ -173,8 +171,6 @@ def test_verify_of_a_large_bundle_draws_a_bar_by_bytes(tmp_path: Path) -> None:
 
 
 def test_labels_keep_the_verb_the_count_and_the_files_own_name() -> None:
-    from builder.output import fit
-
     text = "get deepseek-v4-flash/model-00001-of-00163.safetensors +3"
     assert fit(text, 80) == text
     assert fit(text, 30) == "get model-00001-of-…tensors +3"

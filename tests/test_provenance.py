@@ -13,12 +13,29 @@ import json
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cyclonedx.schema import SchemaVersion
+from cyclonedx.validation.json import JsonStrictValidator
+from google.protobuf import json_format
+from in_toto_attestation.predicates.provenance.v1 import provenance_pb2
+from in_toto_attestation.v1 import statement_pb2
+from in_toto_attestation.v1.resource_descriptor import ResourceDescriptor
+from in_toto_attestation.v1.statement import Statement
+from packageurl import PackageURL
+from securesystemslib.dsse import Envelope
+from securesystemslib.exceptions import VerificationError
+from securesystemslib.signer import CryptoSigner, SSlibKey
 
 from builder import provenance, sign
+from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
 from builder.errors import VerifyError
-from builder.imagerecord import ImageRecord, tag_for
+from builder.imagerecord import ImageRecord, read_record, tag_for
+from builder.lockfile import load_lock
+from builder.pins import load_pins
 from builder.plan import Plan
+from builder.plan import make_plan as plan_of
 from builder.plan import plan as make_plan
+from tests.lib import bundlelib as bl
 
 ROOT = Path(__file__).resolve().parent.parent
 H = "sha256:" + "ab" * 32
@@ -36,21 +53,12 @@ def _record(p: Plan) -> ImageRecord:
 
 
 def _cyclonedx_errors(data: bytes) -> str | None:
-    from cyclonedx.schema import SchemaVersion
-    from cyclonedx.validation.json import JsonStrictValidator
-
     err = JsonStrictValidator(SchemaVersion.V1_5).validate_str(data.decode())
     return None if err is None else str(err.data.message)
 
 
 def _intoto_check(data: bytes) -> None:
     """Parse with the official bindings (strict: unknown fields raise) and validate()."""
-    from google.protobuf import json_format
-    from in_toto_attestation.predicates.provenance.v1 import provenance_pb2
-    from in_toto_attestation.v1 import statement_pb2
-    from in_toto_attestation.v1.resource_descriptor import ResourceDescriptor
-    from in_toto_attestation.v1.statement import Statement
-
     doc = json.loads(data)
     st = Statement.copy_from_pb(json_format.Parse(data, statement_pb2.Statement()))
     st.validate()
@@ -84,8 +92,6 @@ def test_documents_pass_their_validators(which: str) -> None:
 
 def test_the_validators_refuse_a_broken_document() -> None:
     """The validators are not lenient: a wrong field is caught by each."""
-    from google.protobuf import json_format
-
     p = _plan()
     bom = provenance.sbom(p, _record(p))
     bom["components"][0]["type"] = "engine"
@@ -173,8 +179,6 @@ def _purls(bom: dict) -> dict[str, str]:  # type: ignore[type-arg]
 def test_every_sbom_component_has_a_canonical_purl(which: str) -> None:
     """Each component's purl parses with packageurl-python, is already in its canonical form, and says what
     the component's hash says."""
-    from packageurl import PackageURL
-
     p = _plan() if which == "demo" else _with_base()
     bom = provenance.sbom(p, _record(p))
     purls = _purls(bom)
@@ -212,8 +216,6 @@ def test_every_sbom_component_has_a_canonical_purl(which: str) -> None:
     ("engine-src/demo-engine.bundle", "pkg:generic/eng@{c}"),
 ])
 def test_source_purls(url: str, want: str) -> None:
-    from packageurl import PackageURL
-
     c = "0123456789abcdef0123456789abcdef01234567"
     got = provenance.source_purl("eng", url, c)
     assert got == want.format(c=c) and "secret" not in got
@@ -228,8 +230,6 @@ def test_source_purls(url: str, want: str) -> None:
     ("localhost:5000/builder/demo:1", "localhost:5000/builder/demo", "1"),
 ])
 def test_oci_purls(ref: str, repo: str, tag: str) -> None:
-    from packageurl import PackageURL
-
     u = PackageURL.from_string(provenance.oci_purl(ref, H, "linux/arm64"))
     assert (u.type, u.name, u.version) == ("oci", repo.rsplit("/", 1)[-1], H)
     assert u.qualifiers == {"arch": "arm64", "repository_url": repo, **({"tag": tag} if tag else {})}
@@ -254,9 +254,6 @@ def _bundle_with_provenance(tmp_path: Path) -> tuple[Path, dict, bytes, sign.Sec
 def _sslib_verify(envelope_line: bytes, public: sign.PublicKey) -> bytes:
     """securesystemslib's DSSE: parse the envelope, verify it with the Ed25519 public key (threshold 1),
     return the payload."""
-    from securesystemslib.dsse import Envelope
-    from securesystemslib.signer import SSlibKey
-
     key = SSlibKey(keyid=public.key_id_hex, keytype="ed25519", scheme="ed25519",
                    keyval={"public": public.key.hex()})
     env = Envelope.from_dict(json.loads(envelope_line))
@@ -266,8 +263,6 @@ def _sslib_verify(envelope_line: bytes, public: sign.PublicKey) -> bytes:
 
 
 def test_the_dsse_envelope_verifies_with_securesystemslib(tmp_path: Path) -> None:
-    from securesystemslib.exceptions import VerificationError
-
     bundle, _, _, secret = _bundle_with_provenance(tmp_path)
     d = bundle / provenance.BUNDLE_DIR
     data = (d / provenance.ENVELOPE).read_bytes()
@@ -287,9 +282,6 @@ def test_the_dsse_envelope_verifies_with_securesystemslib(tmp_path: Path) -> Non
     with pytest.raises(VerificationError):
         _sslib_verify(data, other.public_key)
     env["payloadType"] = "application/json"
-    from securesystemslib.dsse import Envelope
-    from securesystemslib.signer import SSlibKey
-
     key = SSlibKey(keyid=secret.public_key.key_id_hex, keytype="ed25519", scheme="ed25519",
                    keyval={"public": secret.public.hex()})
     with pytest.raises(VerificationError):
@@ -299,10 +291,6 @@ def test_the_dsse_envelope_verifies_with_securesystemslib(tmp_path: Path) -> Non
 def test_an_envelope_securesystemslib_signs_opens_here(tmp_path: Path) -> None:
     """The other way round: an envelope signed by securesystemslib's own signer, with the bundle key,
     is opened by builder's check (the two implementations agree on PAE and encoding)."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-    from securesystemslib.dsse import Envelope
-    from securesystemslib.signer import CryptoSigner
-
     sign.generate_keypair(tmp_path / "k.key", tmp_path / "k.pub")
     secret = sign.load_secret_key(tmp_path / "k.key")
     signer = CryptoSigner(Ed25519PrivateKey.from_private_bytes(secret.seed))
@@ -343,13 +331,6 @@ def test_builder_verify_checks_the_envelope(tmp_path: Path) -> None:
 def test_a_rendered_bundle_carries_the_envelope_and_builder_verify_checks_it(tmp_path: Path) -> None:
     """`builder bundle` on a project whose store holds its image's provenance: the bundle carries the
     envelope, `builder verify` passes, and the envelope verifies with securesystemslib on its own."""
-    from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
-    from builder.imagerecord import read_record
-    from builder.lockfile import load_lock
-    from builder.pins import load_pins
-    from builder.plan import make_plan as plan_of
-    from tests.lib import bundlelib as bl
-
     proj = bl.make_project(tmp_path)
     p = plan_of(load_pins(proj.pins), load_lock(proj.root / "pins.lock"), "tiny", proj.root)
     rec = read_record(proj.store, p.address)

@@ -11,7 +11,7 @@ import pytest
 
 from builder import gc, published, resolve
 from builder.errors import ResolveError
-from builder.lockfile import LockedPublishedImage, check_lock, load_lock
+from builder.lockfile import LockedPublishedImage, check_lock, load_lock, spec_hash
 from builder.pins import PublishedImage, load_pins
 from builder.plan import make_plan
 from tests.lib import journeylib
@@ -57,8 +57,6 @@ def test_bad_published_pins_are_one_line(project: Path, entry: str, says: str) -
 
 
 def _locked(spec: PublishedImage, source: str = "registry") -> LockedPublishedImage:
-    from builder.lockfile import spec_hash
-
     return LockedPublishedImage(spec_hash=spec_hash(spec), published=spec.published, manifest_digest=DIGEST,
                                 image_id=IMAGE_ID, diff_ids=DIFF_IDS, platform=spec.platform,
                                 source=source)  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from builder import sign
 from builder.bundle import hostpkg
 from builder.onhost.manifest import MANIFEST, SIGNATURE
 from builder.onhost.receive import RECEIVE_MAGIC
@@ -61,8 +62,6 @@ def _cut_receive(p: bl.Project, bdir: Path, keep: int) -> tuple[list[Any], subpr
     prog = p.root.parent / hostpkg.NAME
     prog.write_bytes(hostpkg.zipapp())
     mbytes, sbytes = (bdir / MANIFEST).read_bytes(), (bdir / SIGNATURE).read_bytes()
-    from builder import sign
-
     key = sign.parse_public_key(p.pub.read_bytes()).base64
     proc = subprocess.Popen(
         [sys.executable, "-I", str(prog), "receive", "--root", str(_root(p)), "--trusted-key-base64", key],

@@ -4,6 +4,7 @@ log tells what was sent."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -17,6 +18,8 @@ import pytest
 
 from builder import registry as reg
 from builder.errors import ConfigError
+from builder.imagerecord import tag_for
+from builder.onhost.engine import pulled_tag
 from tests.lib import projectlib, registrylib
 
 pytestmark = [pytest.mark.registry, pytest.mark.docker, pytest.mark.build]
@@ -123,8 +126,6 @@ def test_docker_pulls_what_was_pushed_by_digest(built: Built, tmp_path: Path) ->
 
 
 def test_credentials_from_the_docker_config(built: Built, registry: registrylib.Registry) -> None:
-    import base64
-
     cfg = built.workdir / "docker-config"
     cfg.mkdir(exist_ok=True)
     auth = base64.b64encode(f"{registry.username}:{registry.password}".encode()).decode()
@@ -201,9 +202,6 @@ def test_bad_registry_urls_are_refused_before_anything(built: Built) -> None:
 
 
 def test_the_installer_tags_a_pulled_image_as_a_build_does() -> None:
-    from builder.imagerecord import tag_for
-    from builder.onhost.engine import pulled_tag
-
     assert pulled_tag({"name": "demo", "input_address": "ab" * 32}) == tag_for("demo", "ab" * 32)
 
 

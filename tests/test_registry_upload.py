@@ -8,6 +8,7 @@ stdin and prints ``{"ServerURL", "Username", "Secret"}``), here a small script i
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import socket
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from builder import registry
-from builder.errors import ResolveError
+from builder.errors import BuilderError, ResolveError
 from tests.lib import registrylib
 
 pytestmark = [pytest.mark.registry]
@@ -155,8 +156,6 @@ def blob(n: int = 10 * MiB) -> tuple[bytes, str]:
 
 
 def send(addr: str, data: bytes, digest: str, told: list[int] | None = None) -> None:
-    import io
-
     client = registry._Client(registry.parse_target(f"http://{addr}", "test"), "builder/blob")
     client.upload(digest, len(data), lambda: io.BytesIO(data), (told.append if told is not None else None))
 
@@ -222,8 +221,6 @@ def test_a_chunk_cut_midway_is_sent_again_and_the_blob_lands_whole(
 
 
 def test_a_link_that_stays_down_fails_in_one_line(reg: registrylib.Registry, link: Link, creds: None) -> None:
-    from builder.errors import BuilderError
-
     data, digest = blob(5 * MiB)
     link.cut_at(MiB, then_down=1000)
     with pytest.raises(BuilderError) as ei:

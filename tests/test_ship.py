@@ -19,6 +19,7 @@ from builder.bundle import hostpkg
 from builder.placement import kept_installer
 from builder.ssh import parse_target
 from tests.lib import bundlelib as bl
+from tests.lib import fleetlib
 
 # --------------------------------------------------------------------------- fast tier
 
@@ -82,8 +83,6 @@ def test_ship_refuses_a_tampered_bundle_before_sending(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fleet2(request: pytest.FixtureRequest) -> Any:
-    from tests.lib import fleetlib
-
     return fleetlib.fleet_fixture(request, 2, skip_if_unavailable=not os.environ.get("CI"))
 
 

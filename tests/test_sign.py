@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -210,8 +212,6 @@ def test_bad_comments_are_refused(keys: tuple[Path, Path, sign.PublicKey]) -> No
 
 def test_legacy_ed_signatures_verify(keys: tuple[Path, Path, sign.PublicKey]) -> None:
     """minisign -l writes 'Ed' signatures over the raw data; both verifiers accept them."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     key = sign.load_secret_key(keys[0])
     priv = Ed25519PrivateKey.from_private_bytes(key.seed)
     data = b"legacy data"
@@ -311,9 +311,6 @@ def test_the_minisign_verifier_runs_as_a_standalone_script(
 
 
 def test_pem_from_raw_key_matches_cryptography(keys: tuple[Path, Path, sign.PublicKey]) -> None:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
     pk = keys[2]
     ours = mv.ed25519_public_pem(pk.key)
     theirs = Ed25519PublicKey.from_public_bytes(pk.key).public_bytes(
@@ -333,11 +330,7 @@ def test_openssl_missing_is_a_verify_error(keys: tuple[Path, Path, sign.PublicKe
 
 def _fixed_material() -> tuple[str, str, str, bytes]:
     """One real key, signature and data, made once (hypothesis re-runs the test body)."""
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
     priv = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
-    from cryptography.hazmat.primitives import serialization
-
     pub = priv.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     key = sign.SecretKey(key_id=b"\x01\x02\x03\x04\x05\x06\x07\x08", seed=bytes(range(32)), public=pub)
     data = b"fuzz payload\n"

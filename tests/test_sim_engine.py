@@ -18,11 +18,16 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import ziglang
+
+from builder import dockerio
+from tests.lib import dockerlib
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAIN = ROOT / "engine-src" / "sim-engine"
@@ -46,8 +51,6 @@ def git(*args: str, cwd: Path | None = None) -> str:
 
 
 def zig_dir() -> Path:
-    import ziglang
-
     return Path(ziglang.__file__).resolve().parent
 
 
@@ -776,10 +779,6 @@ def test_pack_engram(sim_bin: Path, tmp_path: Path) -> None:
 def sim_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """images/sim built from nothing on the engine, with the context `builder image sim` lays out:
     the recipe folder, the wheel's ziglang/ folder at zig/, the bundle's main at src/."""
-    import uuid
-
-    from builder import dockerio
-
     ctx = tmp_path_factory.mktemp("sim-image") / "ctx"
     shutil.copytree(ROOT / "images" / "sim", ctx)
 
@@ -808,9 +807,6 @@ def sim_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, s
 
 @pytest.mark.docker
 def test_sim_image_has_every_engine_path(sim_image: tuple[str, str]) -> None:
-    from builder import dockerio
-    from tests.lib import dockerlib
-
     tag, _ = sim_image
     info = dockerio.image_inspect(tag)
     assert info is not None

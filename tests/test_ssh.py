@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import testinfra
 
 from builder import ssh
 from builder.audit import AuditOptions
@@ -19,6 +20,7 @@ from builder.errors import ConfigError
 from builder.hosts import FleetHost, fleet_hosts, load_fleet
 from builder.ship import Remote
 from tests.lib import auditlib
+from tests.lib import bundlelib as bl
 
 TARGETS = [
     ("spark-a", ["--", "spark-a"]),
@@ -100,8 +102,6 @@ def test_testinfra_runs_ssh_with_dashdash_before_the_host(tmp_path: Path) -> Non
     """What testinfra's ssh backend really runs with the audit's options: `ssh OURS -- HOST CMD`,
     testinfra adding no option of its own after ours (it puts the host after its options without
     `--`; the audit gives it the host alone and ends ssh_extra_args with `--`)."""
-    import testinfra
-
     _, targets = _project(tmp_path)
     sockets = ssh.ControlSockets(tmp_path, True, 60)
     for t, (_, tail) in zip(targets, TARGETS, strict=True):
@@ -154,8 +154,6 @@ def test_ship_and_audit_take_a_relative_ssh_config_from_the_fleet_files_folder(
 def test_ship_cli_uses_the_fleet_relative_ssh_config(tmp_path: Path) -> None:
     """`builder ship` end to end: the relative ssh_config beside the inventory is the one ssh reads
     (its ProxyCommand leaves a marker)."""
-    from tests.lib import bundlelib as bl
-
     p = bl.make_project(tmp_path, ssh_config="ssh/config")
     marker = tmp_path / "contacted"
     (p.root / "hosts" / "ssh").mkdir()

@@ -6,10 +6,12 @@ Real files, real processes (a writer is SIGKILLed mid-write), real git for a tre
 from __future__ import annotations
 
 import hashlib
+import http.server
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -171,9 +173,6 @@ def test_wheel_from_a_wheelhouse_is_verified(tmp_path: Path) -> None:
 
 def test_fetch_url_from_project_path_file_url_and_loopback_http(tmp_path: Path) -> None:
     """One fetch step for toolchains and files: a project path, file://, or a real HTTP download."""
-    import http.server
-    import threading
-
     root = tmp_path / "proj"
     (root / "files").mkdir(parents=True)
     (root / "files" / "a.bin").write_bytes(DATA)

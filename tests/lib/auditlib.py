@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from builder import gpu as G
+from builder.lockfile import load_lock
+from builder.pins import load_pins
+from builder.plan import make_plan
 from tests.lib import factory
 
 CAPTURE = Path(__file__).resolve().parents[1] / "data" / "nvidia-smi" / "h200-nvidia-smi-probe.txt"
@@ -132,10 +135,6 @@ def make_project(
 
 
 def plan_address(paths: dict[str, Path]) -> str:
-    from builder.lockfile import load_lock
-    from builder.pins import load_pins
-    from builder.plan import make_plan
-
     return make_plan(load_pins(paths["pins"]), load_lock(paths["lock"]), "demo", paths["pins"].parent).address
 
 

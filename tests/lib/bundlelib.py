@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from builder import sign
 from builder.bundle import BundleOptions, hostpkg, load_bundle_inputs, make_bundle
 from builder.canon import pretty_json
 from builder.imagerecord import ImageRecord, tag_for, write_record
+from builder.lockfile import load_lock
 from builder.onhost.manifest import bundle_id_of, trusted_comment_for
 from builder.pins import load_pins
 from builder.plan import make_plan
-from tests.lib import factory, shipped
+from tests.lib import factory, fleetlib, shipped
 
 REPO = Path(__file__).resolve().parents[2]
 LANE = "demo"
@@ -125,8 +127,6 @@ DEFAULT_HOSTS: list[dict[str, Any]] = [
 
 def build_tiny_image(marker: str) -> tuple[str, list[str]]:
     """A FROM-scratch busybox image serving /www/health; ``marker`` makes its ImageID unique."""
-    from tests.lib import fleetlib
-
     tag = f"builder-test-bundle:{hashlib.sha256(marker.encode()).hexdigest()[:12]}"
     image_id = fleetlib.tiny_image(tag, files={"/www/health": b"ok\n", "/www/marker": marker.encode()})
     out = subprocess.run(
@@ -144,8 +144,6 @@ def write_lock(root: Path) -> None:
 
 
 def write_record_for(root: Path, image_id: str, diff_ids: list[str]) -> None:
-    from builder.lockfile import load_lock
-
     pins = load_pins(root / "pins.toml")
     lock = load_lock(root / "pins.lock")
     plan = make_plan(pins, lock, "tiny", root)
@@ -178,8 +176,6 @@ def make_project(
     streams: int = 2,
     port: int = PORT,
 ) -> Project:
-    from builder import sign
-
     root = base / "proj"
     (root / "images" / "tiny").mkdir(parents=True)
     (root / "images" / "tiny" / "Dockerfile").write_text("FROM scratch\n")
@@ -246,8 +242,6 @@ def manifest(d: Path) -> dict[str, Any]:
 
 def resign(d: Path, key: Path, obj: dict[str, Any], *, fix_id: bool = True) -> None:
     """Rewrite a bundle's manifest (recomputing its id) and sign it again with the real key."""
-    from builder import sign
-
     if fix_id:
         obj["bundle_id"] = bundle_id_of(obj)
     data = pretty_json(obj)

@@ -45,7 +45,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import bcrypt  # distribution's htpasswd accepts bcrypt only; bcrypt comes with paramiko
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from tests.lib.fleetlib import docker_available
 
@@ -408,18 +413,11 @@ def _deterministic_tar(files: Mapping[str, bytes]) -> bytes:
 
 
 def _htpasswd_line(user: str, password: str) -> str:
-    import bcrypt  # distribution's htpasswd accepts bcrypt only; bcrypt comes with paramiko
-
     return f"{user}:{bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=5)).decode()}\n"
 
 
 def make_ca(folder: Path, ip: str) -> tuple[Path, Path, Path]:
     """(ca.crt, server.crt, server.key): a CA made here and a server certificate for ``ip`` signed by it."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
     folder.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())

@@ -17,15 +17,22 @@ import json
 import math
 import re
 import shutil
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import testinfra
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from builder import sign
+from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle, verify_with_key
 from builder.errors import BuilderError
+from builder.hosts import Fleet, load_fleet
+from builder.loader import known_keys
+from builder.lockfile import check_lock, load_lock, render_lock
 from builder.onhost.errors import InstallError as InstallError
 from builder.onhost.manifest import (
     MANIFEST,
@@ -39,6 +46,9 @@ from builder.onhost.record import model_cached, write_record
 from builder.onhost.release import status
 from builder.onhost.root import Root
 from builder.onhost.verify import check_signature_form, verify_bundle
+from builder.pins import Pins, load_pins
+from builder.resolve import ResolveOptions, resolve
+from tests.lib import bundlelib as bl
 from tests.lib import checkmods, factory, rlib
 
 FUZZ = settings(
@@ -251,8 +261,6 @@ def draw_document(data: st.DataObject, seeds: list[bytes], parse: Any, dump: Any
 
 
 def _toml_load(b: bytes) -> Any:
-    import tomllib
-
     return tomllib.loads(b.decode("utf-8"))
 
 
@@ -343,8 +351,6 @@ FLEET_SEEDS = [p.read_bytes() for p in sorted((rlib.REPO / "hosts").glob("*.toml
 @pytest.fixture(scope="module")
 def lock_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A project whose lock resolves offline (a local file, a local model, a recipe); returns its root."""
-    from builder.resolve import ResolveOptions, resolve
-
     root = tmp_path_factory.mktemp("lockproj") / "proj"
     (root / "images" / "demo").mkdir(parents=True)
     (root / "images" / "demo" / "Dockerfile").write_text("FROM scratch\n")
@@ -370,9 +376,6 @@ def lock_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A real signed bundle (no image) and its public key."""
-    from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
-    from tests.lib import bundlelib as bl
-
     base = tmp_path_factory.mktemp("bundleproj")
     p = bl.make_project(base)
     ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
@@ -386,8 +389,6 @@ def bundle_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @FUZZ
 @given(data=st.data())
 def test_pins_parser(tmp_path: Path, data: st.DataObject) -> None:
-    from builder.pins import load_pins
-
     def check(pins: Any) -> None:
         for kind in pins.all_inputs().values():
             assert isinstance(kind, set)
@@ -403,8 +404,6 @@ def test_pins_parser(tmp_path: Path, data: st.DataObject) -> None:
 @FUZZ
 @given(data=st.data())
 def test_lock_parser_and_check(lock_project: Path, data: st.DataObject) -> None:
-    from builder.lockfile import check_lock, load_lock, render_lock
-
     good = (lock_project / "pins.lock").read_bytes()
     work = lock_project.parent / "work"
     if not work.exists():
@@ -440,8 +439,6 @@ def test_lock_parser_and_check(lock_project: Path, data: st.DataObject) -> None:
 @FUZZ
 @given(data=st.data())
 def test_fleet_parser(tmp_path: Path, data: st.DataObject) -> None:
-    from builder.hosts import load_fleet
-
     def check(fleet: Any) -> None:
         ranks = [h.rank for h in fleet.by_rank()]
         assert ranks == list(range(len(ranks))) and fleet.head().role == "head"
@@ -454,8 +451,6 @@ def test_fleet_parser(tmp_path: Path, data: st.DataObject) -> None:
 
 def _schema_keys(doc: Any, model: Any) -> list[tuple[tuple[Any, ...], str]]:
     """(parent path, key) for every key of doc that the schema knows (not a name the user chose)."""
-    from builder.loader import known_keys
-
     return [(path[:-1], path[-1]) for path in _paths(doc)
             if path and isinstance(path[-1], str) and path[-1] in known_keys(model, path[:-1])]
 
@@ -478,8 +473,6 @@ def check_misspelt_key(data: st.DataObject, seed: bytes, model: Any, load: Calla
                        ) -> None:
     """A valid document with one schema key misspelt: the error is one line naming the file and the
     misspelt key (before any "missing" message), with the closest known key as its suggestion."""
-    from builder.loader import known_keys
-
     doc = _toml_load(seed)
     parent, key = data.draw(st.sampled_from(_schema_keys(doc, model)), label="key")
     known = known_keys(model, parent)
@@ -511,16 +504,12 @@ def check_misspelt_key(data: st.DataObject, seed: bytes, model: Any, load: Calla
 @FUZZ
 @given(data=st.data())
 def test_pins_misspelt_key(tmp_path: Path, data: st.DataObject) -> None:
-    from builder.pins import Pins, load_pins
-
     check_misspelt_key(data, data.draw(st.sampled_from(PINS_SEEDS)), Pins, load_pins, tmp_path / "pins.toml")
 
 
 @FUZZ
 @given(data=st.data())
 def test_fleet_misspelt_key(tmp_path: Path, data: st.DataObject) -> None:
-    from builder.hosts import Fleet, load_fleet
-
     check_misspelt_key(data, data.draw(st.sampled_from(FLEET_SEEDS)), Fleet, load_fleet, tmp_path / "fleet.toml")
 
 
@@ -565,8 +554,6 @@ def test_manifest_structure(bundle_dir: tuple[Path, Path], data: st.DataObject) 
 @given(data=st.data())
 def test_manifest_and_signature_files(bundle_dir: tuple[Path, Path], data: st.DataObject) -> None:
     """A bundle whose manifest or signature bytes changed: verify refuses in one line, writes nothing."""
-    from builder.bundle import verify_with_key
-
     src, pub = bundle_dir
     work = src.parent / "fuzz-bundle"
     if not work.exists():
@@ -605,8 +592,6 @@ def test_manifest_and_signature_files(bundle_dir: tuple[Path, Path], data: st.Da
 @FUZZ
 @given(data=st.data())
 def test_key_and_signature_parsers(bundle_dir: tuple[Path, Path], data: st.DataObject) -> None:
-    from builder import sign
-
     _, pub = bundle_dir
     seeds = [pub.read_bytes(), (pub.parent / "builder.key").read_bytes()]
     text = (
@@ -643,8 +628,6 @@ def applied_seed(tmp_path_factory: pytest.TempPathFactory, bundle_dir: tuple[Pat
 def test_apply_record_readers(tmp_path: Path, applied_seed: bytes, data: st.DataObject) -> None:
     """The audit's reader (checks/checklib.py, through a real testinfra local host) and the installer's
     status: never raise on any record."""
-    import testinfra
-
     checklib: Any = checkmods.checklib()
 
     text = draw_document(data, [applied_seed], _json_load, to_json)
@@ -712,9 +695,6 @@ def test_cli_hosts_on_fuzzed_inventories(tmp_path: Path, data: st.DataObject) ->
 @given(data=st.data())
 def test_cli_hosts_on_a_misspelt_inventory_key(tmp_path: Path, data: st.DataObject) -> None:
     """`builder hosts`: exit 2, one `error:` line naming the file and the misspelt key, no traceback."""
-    from builder.hosts import Fleet
-    from builder.loader import known_keys
-
     work = tmp_path / "proj"
     (work / "hosts").mkdir(parents=True, exist_ok=True)
     (work / "pins.toml").write_bytes(PINS_SEEDS[0])

@@ -22,6 +22,14 @@ from typing import Any
 
 import pytest
 
+from builder.bundle import verify_dir
+from builder.canon import sha256_tree
+from builder.hashing import sha256_file
+from builder.lockfile import check_lock, load_lock
+from builder.onhost.errors import InstallError
+from builder.onhost.verify import verify_bundle
+from builder.store import Store
+from tests.lib import bundlelib as bl
 from tests.lib import factory, rlib
 from tests.lib.gitlib import Upstream
 
@@ -85,8 +93,6 @@ def lock_pins(bare: Path, tpl: bytes, reason: str, extra_model: bool = False) ->
 
 
 def test_lock_killed_at_random_points(tmp_path: Path) -> None:
-    from builder.lockfile import check_lock, load_lock
-
     base = make_lock_project(tmp_path)
     bare = tmp_path / "up.git"
     assert rlib.run_builder("--pins", str(base / "pins.toml"), "lock", cwd=base).returncode == 0
@@ -166,9 +172,6 @@ def rmtree_ro(path: Path) -> None:
 
 def check_store(store: Path) -> tuple[int, int]:
     """Every visible entry is complete and verified; returns (objects, trees)."""
-    from builder.canon import sha256_tree
-    from builder.hashing import sha256_file
-
     objs = sorted((store / "objects").iterdir()) if (store / "objects").is_dir() else []
     for p in objs:
         assert p.is_file() and sha256_file(p)[0] == p.name, f"partial object visible: {p.name}"
@@ -179,10 +182,6 @@ def check_store(store: Path) -> tuple[int, int]:
 
 
 def test_store_writes_killed_at_random_points(tmp_path: Path) -> None:
-    from builder.canon import sha256_tree
-    from builder.hashing import sha256_file
-    from builder.store import Store
-
     blob = tmp_path / "blob.bin"
     with open(blob, "wb") as f:
         for i in range(48):
@@ -244,9 +243,6 @@ def parted_bundle_args(p: Any) -> list[str]:
 
 
 def test_bundle_killed_at_random_points(tmp_path: Path) -> None:
-    from builder.bundle import verify_dir
-    from tests.lib import bundlelib as bl
-
     p = bl.make_project(tmp_path)
     args = parted_bundle_args(p)
     r = rlib.run_builder(*args, cwd=p.root)
@@ -291,11 +287,6 @@ def test_bundle_killed_at_random_points(tmp_path: Path) -> None:
 
 
 def test_ship_to_folder_killed_at_random_points(tmp_path: Path) -> None:
-    from builder.bundle import verify_dir
-    from builder.onhost.errors import InstallError
-    from builder.onhost.verify import verify_bundle
-    from tests.lib import bundlelib as bl
-
     p = bl.make_project(tmp_path)
     r = rlib.run_builder(*parted_bundle_args(p), cwd=p.root)
     assert r.returncode == 0, r.stderr

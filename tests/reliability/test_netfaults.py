@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.lib import rlib
+from tests.lib import auditlib, fleetlib, rlib
+from tests.lib import bundlelib as bl
 
 pytestmark = [pytest.mark.fleet, pytest.mark.docker]
 
@@ -34,15 +35,11 @@ FLEET_PATHS = {
 
 @pytest.fixture(scope="module")
 def fleet2(request: pytest.FixtureRequest) -> Any:
-    from tests.lib import fleetlib
-
     return fleetlib.fleet_fixture(request, 2, skip_if_unavailable=not os.environ.get("CI"))
 
 
 @pytest.fixture(scope="module")
 def shipproj(fleet2: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from tests.lib import bundlelib as bl
-
     base = tmp_path_factory.mktemp("netship")
     hosts = [
         {
@@ -113,8 +110,6 @@ def one_line_naming(r: subprocess.CompletedProcess[str], host: str) -> str:
 
 
 def test_cable_pulled_mid_transfer_then_rerun_resumes(fleet2: Any, shipproj: Any) -> None:
-    from tests.lib import bundlelib as bl
-
     fleet, p = fleet2, shipproj
     h = fleet.hosts[1]
     reset_host(fleet, h)
@@ -183,8 +178,6 @@ def test_cable_pulled_mid_transfer_then_rerun_resumes(fleet2: Any, shipproj: Any
 
 
 def test_slow_link_ship_completes_or_gives_up_naming_the_host(fleet2: Any, shipproj: Any) -> None:
-    from tests.lib import bundlelib as bl
-
     fleet, p = fleet2, shipproj
     h = fleet.hosts[0]
     reset_host(fleet, h)
@@ -221,8 +214,6 @@ def test_slow_link_ship_completes_or_gives_up_naming_the_host(fleet2: Any, shipp
 
 
 def test_slow_link_audit_completes_or_names_the_unreachable_host(fleet2: Any, tmp_path: Path) -> None:
-    from tests.lib import auditlib
-
     fleet = fleet2
     ap = auditlib.make_project(tmp_path / "audit", tp=2)
     hosts = [
@@ -254,8 +245,6 @@ def test_slow_link_audit_completes_or_names_the_unreachable_host(fleet2: Any, tm
         )
         assert "Traceback" not in r.stderr, r.stderr
         return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else {}), r.stderr
-
-    from tests.lib import fleetlib
 
     # The audits keep each host's connection (--ssh-persist 60) in this test's own
     # $BUILDER_SSH_DIR (tests/conftest.py); fleet.close_connection closes only the fleet's own

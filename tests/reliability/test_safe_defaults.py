@@ -18,11 +18,18 @@ from typing import Any
 
 import pytest
 
+from builder import layers, sign
+from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle, verify_dir
 from builder.errors import BuilderError, ConfigError, VerifyError
+from builder.hosts import load_fleet
+from builder.image import extract_wheel_folder
 from builder.onhost.errors import EXIT_CONFIG, InstallError
 from builder.onhost.manifest import MANIFEST, SIGNATURE
 from builder.onhost.verify import verify_bundle
-from tests.lib import rlib
+from builder.ship import Remote
+from builder.ssh import ssh_options
+from tests.lib import auditlib, fleetlib, rlib
+from tests.lib import bundlelib as bl
 
 # --------------------------------------------------------------------------- ssh host keys
 
@@ -59,17 +66,11 @@ def test_no_code_path_switches_host_key_checking_off() -> None:
                     hits.append(f"{p.relative_to(rlib.REPO)}: {why}: {m.group(0)!r}")
     assert not hits, hits
     # and what ship and audit actually pass to ssh
-    from builder.ssh import ssh_options
-
     opts = " ".join(ssh_options(8, "/nonexistent/%C", 60))
     assert "StrictHostKeyChecking" not in opts and "KnownHosts" not in opts and "BatchMode=yes" in opts
 
 
 def test_ship_ssh_argv_keeps_host_key_checking(tmp_path: Path) -> None:
-    from builder.hosts import load_fleet
-    from builder.ship import Remote
-    from tests.lib import bundlelib as bl
-
     p = bl.make_project(tmp_path)
     fleet = load_fleet(p.root / "hosts" / "test.toml")
     argv = Remote(p.root / "hosts" / "test.toml", fleet, fleet.hosts[1]).argv("true")
@@ -80,8 +81,6 @@ def test_ship_ssh_argv_keeps_host_key_checking(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fleet2(request: pytest.FixtureRequest) -> Any:
-    from tests.lib import fleetlib
-
     return fleetlib.fleet_fixture(request, 2, skip_if_unavailable=not os.environ.get("CI"), dockerd=False)
 
 
@@ -104,9 +103,6 @@ def wrong_known_hosts_config(fleet: Any, tmp: Path) -> Path:
 @pytest.mark.fleet
 @pytest.mark.docker
 def test_ship_and_audit_refuse_a_host_whose_key_does_not_match(fleet2: Any, tmp_path: Path) -> None:
-    from tests.lib import auditlib
-    from tests.lib import bundlelib as bl
-
     fleet = fleet2
     cfg = wrong_known_hosts_config(fleet, tmp_path)
     paths = {"models": "/home/spark/models", "engram": "/home/spark/engram", "bundles": "/home/spark/builder"}
@@ -177,8 +173,6 @@ def test_ship_and_audit_refuse_a_host_whose_key_does_not_match(fleet2: Any, tmp_
 
 
 def test_signatures_are_required_unless_insecure_is_given(tmp_path: Path) -> None:
-    from tests.lib import bundlelib as bl
-
     p = bl.make_project(tmp_path)
     pins = ["--pins", str(p.pins)]
     assert rlib.run_builder(*pins, "bundle", "spark-b", "--key", str(p.key), cwd=p.root).returncode == 0
@@ -228,17 +222,12 @@ def test_signatures_are_required_unless_insecure_is_given(tmp_path: Path) -> Non
 
 
 def _bundle_with(tmp_path: Path) -> tuple[Any, Path]:
-    from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
-    from tests.lib import bundlelib as bl
-
     p = bl.make_project(tmp_path)
     ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
     return p, make_bundle(ctx, "spark-b", BundleOptions(key=p.key, out=tmp_path / "b")).path
 
 
 def test_bundle_refuses_fifos_devices_and_links(tmp_path: Path) -> None:
-    from builder.bundle import verify_dir
-
     p, d = _bundle_with(tmp_path)
     verify_dir(d, p.pub)
     os.mkfifo(d / "fifo")
@@ -259,8 +248,6 @@ def test_bundle_refuses_fifos_devices_and_links(tmp_path: Path) -> None:
     # a signed manifest naming a device path for a model is refused too
     m = json.loads((d / MANIFEST).read_text())
     m["models"][0]["path"] = "/dev/sda"
-    from tests.lib import bundlelib as bl
-
     bl.resign(d, p.key, m)
     with pytest.raises(VerifyError, match="outside paths.models"):
         verify_dir(d, p.pub)
@@ -276,8 +263,6 @@ def _tar(entries: list[tarfile.TarInfo], data: dict[str, bytes]) -> bytes:
 
 @pytest.mark.parametrize("name", ["../escape", "/etc/cron.d/x", "a/../../b", "./../x"])
 def test_layer_normalisation_refuses_escapes(tmp_path: Path, name: str) -> None:
-    from builder import layers
-
     ti = tarfile.TarInfo(name)
     ti.size = 1
     src = tmp_path / "l.tar"
@@ -288,8 +273,6 @@ def test_layer_normalisation_refuses_escapes(tmp_path: Path, name: str) -> None:
 
 
 def test_layer_normalisation_drops_devices_and_fifos(tmp_path: Path) -> None:
-    from builder import layers
-
     dev = tarfile.TarInfo("dev/sda")
     dev.type = tarfile.BLKTYPE
     fifo = tarfile.TarInfo("run/fifo")
@@ -306,8 +289,6 @@ def test_layer_normalisation_drops_devices_and_fifos(tmp_path: Path) -> None:
 
 
 def test_wheel_extraction_refuses_escapes(tmp_path: Path) -> None:
-    from builder.image import extract_wheel_folder
-
     whl = tmp_path / "x.whl"
     with zipfile.ZipFile(whl, "w") as z:
         z.writestr("ziglang/zig", b"ok")
@@ -321,8 +302,6 @@ def test_wheel_extraction_refuses_escapes(tmp_path: Path) -> None:
 
 
 def test_private_keys_are_0600_and_refused_when_others_can_read_them(tmp_path: Path) -> None:
-    from builder import sign
-
     r = rlib.run_builder("keygen", "--out", str(tmp_path / "k"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     sk = tmp_path / "k" / "builder.key"
@@ -359,8 +338,6 @@ def test_nothing_from_the_bundle_runs_before_or_during_install(tmp_path: Path) -
     """A validly re-signed bundle whose start.sh, stop.sh and install.pyz are canaries: `builder ship` (local
     connection) installs it with its own trusted installer and runs none of them; a tampered, not
     re-signed one is refused before anything is copied."""
-    from tests.lib import bundlelib as bl
-
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
     host = tmp_path / "host"

@@ -21,7 +21,10 @@ from typing import Any
 
 import pytest
 
+from tests.lib import bundlelib as bl
 from tests.lib import factory, rlib
+from tests.lib.fakehub import FakeHub
+from tests.lib.registrylib import registry_available, start_registry
 
 HF_TOKEN = "hf_FAKEplanted" + secrets.token_hex(12)
 REG_PASSWORD = "regPW-planted-" + secrets.token_hex(12)
@@ -112,9 +115,6 @@ def hub_env(hub: Any, tmp: Path) -> dict[str, str]:
 
 
 def test_no_secret_in_lock_bundle_verify_ship_or_errors(tmp_path: Path) -> None:
-    from tests.lib import bundlelib as bl
-    from tests.lib.fakehub import FakeHub
-
     p = bl.make_project(tmp_path)
     keys = keygen(tmp_path)
     sc = Scanner(tmp_path, keys)
@@ -180,8 +180,6 @@ def test_no_secret_in_lock_bundle_verify_ship_or_errors(tmp_path: Path) -> None:
 
 @pytest.mark.docker
 def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_path: Path) -> None:
-    from tests.lib import bundlelib as bl
-
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
     keys = keygen(tmp_path)
@@ -254,8 +252,6 @@ def test_no_secret_in_image_layers_labels_archive_bundle_or_apply_record(tmp_pat
 
 @pytest.mark.registry
 def test_registry_password_never_printed(tmp_path: Path) -> None:
-    from tests.lib.registrylib import registry_available, start_registry
-
     if not registry_available():
         pytest.skip("docker-registry is not installed")
     keys = keygen(tmp_path)

@@ -10,6 +10,7 @@ model files against the lock (bundle --with-models, lock --update) and the audit
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -20,10 +21,17 @@ from typing import Any
 
 import pytest
 
+from builder import image
+from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
+from builder.canon import sha256_tree
 from builder.errors import BuilderError, ConfigError, VerifyError
+from builder.hashing import sha256_file
+from builder.lockfile import load_lock
 from builder.onhost.errors import InstallError
 from builder.onhost.install import Admission, install
-from tests.lib import factory, rlib
+from builder.store import Store
+from tests.lib import auditlib, factory, rlib
+from tests.lib import bundlelib as bl
 from tests.lib.gitlib import Upstream
 
 
@@ -76,9 +84,6 @@ def unflip(path: Path, off: int, old: bytes) -> None:
 @pytest.mark.docker
 @pytest.mark.slow
 def test_installer_refuses_220_offsets_across_a_bundle_with_its_image(tmp_path: Path) -> None:
-    from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
-    from tests.lib import bundlelib as bl
-
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
     host = tmp_path / "host"
@@ -150,8 +155,6 @@ def _patch_project(base: Path) -> Path:
 
 
 def test_image_refuses_a_patch_that_no_longer_matches_the_lock(tmp_path: Path) -> None:
-    from builder import image
-
     root = _patch_project(tmp_path)
     patch = root / "patches" / "0001-fix.patch"
     image.load_inputs(root / "pins.toml", root / "pins.lock", "demo")  # intact: accepted
@@ -176,9 +179,6 @@ def test_image_refuses_a_patch_that_no_longer_matches_the_lock(tmp_path: Path) -
 
 def test_store_refuses_a_patch_blob_changed_in_the_store(tmp_path: Path) -> None:
     """Second line of defence: the patch's store object is re-hashed before it goes into a build context."""
-    from builder.lockfile import load_lock
-    from builder.store import Store
-
     root = _patch_project(tmp_path)
     lp = load_lock(root / "pins.lock").sources["engine"].patches[0]
     store = Store(root / ".cache" / "builder")
@@ -199,10 +199,6 @@ def test_store_refuses_a_patch_blob_changed_in_the_store(tmp_path: Path) -> None
 
 
 def test_store_objects_and_trees_refuse_any_changed_byte(tmp_path: Path) -> None:
-    from builder.canon import sha256_tree
-    from builder.hashing import sha256_file
-    from builder.store import Store
-
     store = Store(tmp_path / "store")
     src = tmp_path / "blob"
     src.write_bytes(os.urandom(200_000))
@@ -249,9 +245,6 @@ def test_store_objects_and_trees_refuse_any_changed_byte(tmp_path: Path) -> None
 
 
 def test_bundle_with_models_refuses_a_model_file_changed_since_the_lock(tmp_path: Path) -> None:
-    from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
-    from tests.lib import bundlelib as bl
-
     p = bl.make_project(tmp_path)
     ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
     out = tmp_path / "b"
@@ -277,8 +270,6 @@ def test_bundle_with_models_refuses_a_model_file_changed_since_the_lock(tmp_path
 
 def test_lock_update_reports_a_changed_model_file(tmp_path: Path) -> None:
     """`lock --check` does not re-hash model files; `--update` does, and reports the move."""
-    import hashlib
-
     root = tmp_path / "proj"
     m = root / "models" / "tiny"
     m.mkdir(parents=True)
@@ -302,8 +293,6 @@ def test_lock_update_reports_a_changed_model_file(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_audit_full_mode_names_every_model_file_with_a_changed_byte(tmp_path: Path) -> None:
     """The audit (testinfra, local backend) against the lock: one flipped byte per file, each named."""
-    from tests.lib import auditlib
-
     paths = auditlib.make_project(tmp_path / "proj", tp=1)
     mroot = tmp_path / "m" / "tiny"
     mroot.mkdir(parents=True)
