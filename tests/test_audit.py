@@ -17,13 +17,10 @@ import pytest
 from builder import audit as core
 from builder.audit import runner
 from builder.lockfile import load_lock
-from tests.lib import auditlib
+from tests.lib import auditlib, factory
 
 ROOT = Path(__file__).resolve().parent.parent
-HOSTS = [
-    {"name": "a", "ssh": "node-a", "rank": 0, "role": "head"},
-    {"name": "b", "ssh": "node-b", "rank": 1, "role": "worker"},
-]
+HOSTS = [factory.host("a", 0, ssh="node-a"), factory.host("b", 1, ssh="node-b")]
 
 
 def cli(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -133,11 +130,8 @@ def test_hosts_json_and_ansible_inventories(tmp_path: Path) -> None:
     (root / "hosts" / "g.toml").write_text(
         auditlib.fleet_toml(
             "g",
-            [
-                {"name": "c", "ssh": "ops@192.0.2.7:2222", "rank": 0, "role": "head"},
-                {"name": "d", "ssh": "ctr-d", "connection": "docker", "rank": 1, "role": "worker"},
-                {"name": "e", "ssh": "localhost", "connection": "local", "rank": 2, "role": "worker"},
-            ],
+            [factory.host("c", 0, ssh="ops@192.0.2.7:2222"), factory.host("d", 1, ssh="ctr-d", connection="docker"),
+             factory.host("e", 2, ssh="localhost", connection="local")],
         )
     )
     r = cli(root, "hosts", "--json")

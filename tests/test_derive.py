@@ -18,9 +18,11 @@ from builder.errors import ConfigError
 from builder.hosts import Fleet
 from builder.launch.derive import derivation_runs
 from builder.loader import validate
-from builder.lockfile import Lock, spec_hash
+from builder.lockfile import Lock, LockedModelFile
 from builder.pins import Pins
+from tests.lib import factory
 
+SERVE = {"tensor_parallel": 2, "context": 1, "streams": 1, "port": 8000, "served_name": "m"}
 DERIVE = Path(__file__).resolve().parents[1] / "builder" / "hostfacts" / "derive.py"
 
 
@@ -118,27 +120,20 @@ def test_drift_is_named(tmp_path: Path) -> None:
 
 
 def _pins_fleet(command: list[str]) -> tuple[Pins, Fleet, Lock]:
-    pins = validate(Pins, {"format": 1, "images": {"tiny": {"recipe": "images/tiny"}},
-                           "models": {"m": {"repo": "o/m", "revision": "main"}},
-                           "lanes": {"l": {"image": "tiny", "models": ["m"], "serve": {
-                               "tensor_parallel": 2, "context": 1, "streams": 1, "port": 8000, "served_name": "m"},
-                               "mounts": [{"source": "derived:cache", "target": "/cache"}],
-                               "derivations": {"cache": {"command": command, "output": "/cache", "mounts": [
-                                   {"source": "model:m", "target": "/model"}]}}}}}, "t")
-    fleet = validate(Fleet, {"fleet": {"name": "f", "lane": "l"}, "hosts": [
-        {"name": f"s{r}", "ssh": f"s{r}", "rank": r, "role": "head" if r == 0 else "worker",
-         "address": f"192.0.2.{r + 1}"} for r in range(2)]}, "t")
-    def files(sha: str) -> list[dict[str, Any]]:
-        return [{"path": "config.json", "size": 2, "sha256": sha * 64},
-                {"path": "w-r0of2.bin", "size": 1, "sha256": "1" * 64},
-                {"path": "w-r1of2.bin", "size": 1, "sha256": "2" * 64}]
-
-    lock = validate(Lock, {
-        "format": 1, "builder": "t", "inputs_hash": "0" * 64, "inputs": {},
-        "models": {"m": {"spec_hash": spec_hash(pins.models["m"]), "repo": "o/m", "revision": "main",
-                         "commit": "c" * 40, "source": "local", "files": files("3"), "total_size": 4}},
-        "images": {}, "lanes": {}}, "t")
-    return pins, fleet, lock
+    pins = validate(Pins, factory.pins(
+        images={"tiny": factory.image("images/tiny")},
+        models={"m": factory.model("o/m")},
+        lanes={"l": factory.lane(
+            "tiny", ["m"], serve=SERVE, mounts=[{"source": "derived:cache", "target": "/cache"}],
+            derivations={"cache": {"command": command, "output": "/cache",
+                                   "mounts": [{"source": "model:m", "target": "/model"}]}})},
+    ), "t")
+    fleet = validate(Fleet, factory.fleet("f", "l", [factory.host(f"s{r}", r, address=f"192.0.2.{r + 1}")
+                                                     for r in range(2)]), "t")
+    files = [LockedModelFile(path="config.json", size=2, sha256="3" * 64),
+             LockedModelFile(path="w-r0of2.bin", size=1, sha256="1" * 64),
+             LockedModelFile(path="w-r1of2.bin", size=1, sha256="2" * 64)]
+    return pins, fleet, factory.lock(models={"m": factory.locked_model(pins.models["m"], files, commit="c" * 40)})
 
 
 def test_the_address_follows_the_inputs_the_rank_and_the_command() -> None:
@@ -161,11 +156,13 @@ def test_the_address_follows_the_inputs_the_rank_and_the_command() -> None:
 
 @pytest.mark.parametrize("bad", [{"output": "relative"}, {"mounts": [{"source": "state:x", "target": "/x"}]}])
 def test_bad_derivations_are_refused(bad: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError):
-        validate(Pins, {"format": 1, "images": {"tiny": {"recipe": "images/tiny"}}, "lanes": {"l": {
-            "image": "tiny", "serve": {"tensor_parallel": 1, "context": 1, "streams": 1, "port": 1,
-                                       "served_name": "m"},
-            "derivations": {"d": {"command": ["x"], "output": "/o", **bad}}}}}, "t")
+    def pins(**change: Any) -> Pins:
+        return validate(Pins, factory.pins(images={"tiny": factory.image("images/tiny")}, lanes={"l": factory.lane(
+            "tiny", [], serve=SERVE, derivations={"d": {"command": ["x"], "output": "/o", **change}})}), "t")
+
+    assert pins().lanes["l"].derivations
+    with pytest.raises(ConfigError, match=f"^t: lanes.l.derivations.d.{next(iter(bad))}: "):
+        pins(**bad)
 
 
 def test_a_drifted_folder_is_made_again(tmp_path: Path) -> None:

@@ -18,52 +18,38 @@ from builder.launch import host_address, rank_command, render_launch
 from builder.launch.order import start_groups, stop_groups
 from builder.loader import validate
 from builder.pins import Pins
+from tests.lib import factory
 
 IMAGE = {"name": "tiny", "input_address": "1" * 64, "image_id": "sha256:" + "2" * 64, "diff_ids": []}
 
 
 def fleet(n: int = 2, gpu: bool = False, **head_fabric: object) -> Fleet:
-    hosts = []
-    for r in range(n):
-        h: dict[str, object] = {
-            "name": f"s{r}",
-            "ssh": f"spark@192.0.2.{10 + r}",
-            "rank": r,
-            "role": "head" if r == 0 else "worker",
-            "address": f"192.0.2.{10 + r}",
-            "fabric": {
-                "rdma_devices": ["rocep1s0f0", "roceP2p1s0f0"],
-                "interfaces": ["enp1s0f0np0"],
-                "gid_index": 3 if r else "auto",
-            },
-            "expect": {"gpu_count": 1 if gpu else 0},
-        }
-        if r == 0 and head_fabric:
-            h["fabric"] = head_fabric
-        hosts.append(h)
-    return validate(Fleet, {"fleet": {"name": "f", "lane": "l"}, "hosts": hosts}, "test")
+    fabric = {"rdma_devices": ["rocep1s0f0", "roceP2p1s0f0"], "interfaces": ["enp1s0f0np0"]}
+    hosts = [factory.host(f"s{r}", r, ssh=f"spark@192.0.2.{10 + r}", address=f"192.0.2.{10 + r}",
+                          fabric=head_fabric if r == 0 and head_fabric else {**fabric, "gid_index": 3 if r else "auto"},
+                          expect={"gpu_count": 1 if gpu else 0})
+             for r in range(n)]
+    return validate(Fleet, factory.fleet("f", "l", hosts), "test")
 
 
 def pins(tp: int = 2, **lane: Any) -> Pins:
     """Pins with one model `m` and lane `l` (its keys overridden by `lane`)."""
-    spec: dict[str, Any] = {
-        "image": "tiny",
-        "models": ["m"],
-        "serve": {"tensor_parallel": tp, "context": 8192, "streams": 4, "port": 8000, "served_name": "m",
-                  "rendezvous_port": 29760},
-        "env": {"NCCL_IB_HCA": "{rdma_devices}", "NCCL_IB_GID_INDEX": "{gid_index}", "X_FLAG": "1"},
-        "mounts": [{"source": "model:m", "target": "/model"}, {"source": "state:logs", "target": "/logs",
-                                                               "writable": True}],
-        "roles": {
+    spec = factory.lane(
+        "tiny", ["m"],
+        serve={"tensor_parallel": tp, "context": 8192, "streams": 4, "port": 8000, "served_name": "m",
+               "rendezvous_port": 29760},
+        env={"NCCL_IB_HCA": "{rdma_devices}", "NCCL_IB_GID_INDEX": "{gid_index}", "X_FLAG": "1"},
+        mounts=[{"source": "model:m", "target": "/model"}, {"source": "state:logs", "target": "/logs",
+                                                            "writable": True}],
+        roles={
             "head": {"args": ["serve", "--port", "{port}", "--rank", "{rank}"], "ready": {"health": "/health"},
                      "env": {"TF_TP_MASTER": "{master_addr}"}},
             "worker": {"entrypoint": ["/engine/follow", "--x"], "args": ["{rank}", "{world_size}", "{master_addr}"],
                        "ready": {"port": "{rendezvous_port}"}},
         },
-        **lane,
-    }
-    return validate(Pins, {"format": 1, "images": {"tiny": {"recipe": "images/tiny"}},
-                           "models": {"m": {"repo": "o/m", "revision": "main"}}, "lanes": {"l": spec}}, "test")
+    ) | lane
+    return validate(Pins, factory.pins(images={"tiny": factory.image("images/tiny")},
+                                       models={"m": factory.model("o/m")}, lanes={"l": spec}), "test")
 
 
 def test_each_role_runs_its_own_command() -> None:
@@ -150,34 +136,13 @@ def test_start_order_is_the_lanes() -> None:
 
 
 def test_head_address_falls_back_to_rail_then_ssh_ip() -> None:
-    f = validate(
-        Fleet,
-        {
-            "fleet": {"name": "f", "lane": "l"},
-            "hosts": [
-                {"name": "a", "ssh": "spark@192.0.2.5:2222", "rank": 0, "role": "head"},
-                {
-                    "name": "b",
-                    "ssh": "b-alias",
-                    "rank": 1,
-                    "role": "worker",
-                    "fabric": {"rails": ["198.51.100.9"]},
-                },
-            ],
-        },
-        "t",
-    )
+    f = validate(Fleet, factory.fleet("f", "l", [factory.host("a", 0, ssh="spark@192.0.2.5:2222"),
+                                                 factory.host("b", 1, ssh="b-alias",
+                                                              fabric={"rails": ["198.51.100.9"]})]), "t")
     assert host_address(f, f.host("a")) == "192.0.2.5"
     assert host_address(f, f.host("b")) == "198.51.100.9"
-    g = validate(
-        Fleet,
-        {
-            "fleet": {"name": "f", "lane": "l"},
-            "hosts": [{"name": "a", "ssh": "a-alias", "rank": 0, "role": "head"},
-                      {"name": "b", "ssh": "b-alias", "rank": 1, "role": "worker", "address": "192.0.2.9"}],
-        },
-        "t",
-    )
+    g = validate(Fleet, factory.fleet("f", "l", [factory.host("a", 0, ssh="a-alias"),
+                                                 factory.host("b", 1, ssh="b-alias", address="192.0.2.9")]), "t")
     with pytest.raises(ConfigError, match="fleet f: host a: no address for the other ranks"):
         host_address(g, g.host("a"))
 
@@ -185,8 +150,7 @@ def test_head_address_falls_back_to_rail_then_ssh_ip() -> None:
 def test_a_one_host_fleet_needs_no_address() -> None:
     """tensor_parallel = 1 on one host: no other rank needs its address, so none is asked for; the rank
     (--network host) reaches itself on the loopback. An address given is still used."""
-    one = {"fleet": {"name": "f", "lane": "l"},
-           "hosts": [{"name": "a", "ssh": "a-alias", "rank": 0, "role": "head", "expect": {"gpu_count": 0}}]}
+    one = factory.fleet("f", "l", [factory.host("a", 0, ssh="a-alias", expect={"gpu_count": 0})])
     f = validate(Fleet, one, "t")
     assert host_address(f, f.host("a")) == "127.0.0.1"
     p = pins(tp=1)
@@ -196,7 +160,7 @@ def test_a_one_host_fleet_needs_no_address() -> None:
     assert "MASTER_ADDR=127.0.0.1" in files["start.sh"][0].decode()
     cmd = rank_command(p, f, f.host("a"), "l", IMAGE["image_id"])
     assert cmd.env["TF_TP_MASTER"] == "127.0.0.1"
-    one["hosts"][0]["address"] = "192.0.2.5"  # type: ignore[index]
+    one["hosts"][0]["address"] = "192.0.2.5"
     g = validate(Fleet, one, "t")
     assert host_address(g, g.host("a")) == "192.0.2.5"
 

@@ -129,8 +129,8 @@ def make_project(
     if not lock:
         return out
     factory.write_lock(root, image="demo", model="tiny", lane="demo",
-                     files=model_files if model_files is not None else MODEL_FILES, repo="test/tiny",
-                     platform="linux/arm64", builder="test")
+                       files=model_files if model_files is not None else MODEL_FILES,
+                       platform="linux/arm64", builder="test")
     return out
 
 
@@ -155,11 +155,5 @@ def fleet_toml(
 
 def local_host(base: Path) -> dict[str, Any]:
     """One head audited on this machine (testinfra's local backend), its folders under `base`."""
-    return {
-        "name": "me",
-        "ssh": "localhost",
-        "connection": "local",
-        "rank": 0,
-        "role": "head",
-        "paths": {"models": str(base / "m"), "engram": str(base / "e"), "bundles": str(base / "b")},
-    }
+    return factory.host("me", 0, ssh="localhost", connection="local",
+                        paths={"models": str(base / "m"), "engram": str(base / "e"), "bundles": str(base / "b")})

@@ -139,8 +139,7 @@ def build_tiny_image(marker: str) -> tuple[str, list[str]]:
 
 
 def write_lock(root: Path) -> None:
-    factory.write_lock(root, image="tiny", model="demo-model", lane=LANE, files=MODEL_FILES,
-                     repo="demo/tiny-model", platform="linux/amd64")
+    factory.write_lock(root, image="tiny", model="demo-model", lane=LANE, files=MODEL_FILES, platform="linux/amd64")
 
 
 def write_record_for(root: Path, image_id: str, diff_ids: list[str]) -> None:

@@ -28,7 +28,7 @@ from builder.lockfile import (
     render_lock,
     spec_hash,
 )
-from builder.pins import load_pins
+from builder.pins import HfModel, load_pins
 
 Doc = dict[str, Any]
 
@@ -165,6 +165,18 @@ def write_fleet(root: Path, doc: Mapping[str, Any], file: str | None = None) -> 
 # --------------------------------------------------------------------------- locks
 
 
+def lock(**sections: Any) -> Lock:
+    """A lock of a project that resolves nothing else: its format, builder and inputs filled in,
+    `sections` (`models=`, `images=`, `lanes=`, ...) as NAME -> locked entry, and `builder=` to name another."""
+    return Lock(**{"format": 1, "builder": __version__, "inputs_hash": "0" * 64, "inputs": {}, **sections})
+
+
+def locked_model(pinned: HfModel, files: Sequence[LockedModelFile], *, commit: str = "a" * 40) -> LockedModel:
+    """A `[models.NAME]` pin as `builder lock` records it from a local copy at `commit`."""
+    return LockedModel(spec_hash=spec_hash(pinned), repo=pinned.repo, revision=pinned.revision, commit=commit,
+                       source="local", files=list(files), total_size=sum(f.size for f in files))
+
+
 def write_lock(
     root: Path,
     *,
@@ -172,21 +184,17 @@ def write_lock(
     model: str,
     lane: str,
     files: dict[str, bytes],
-    repo: str,
     platform: str,
     builder: str = __version__,
 ) -> Path:
     """root/pins.lock for root/pins.toml's image `image` (recipe images/IMAGE), model `model`
-    (`files`: path -> bytes, at commit a*40 of `repo`) and lane `lane`, each entry as `builder lock`
+    (`files`: path -> bytes, at commit a*40) and lane `lane`, each entry as `builder lock`
     writes it (the pins' spec hashes, the recipe folder's file hashes); returns its path."""
     pinned = load_pins(root / "pins.toml")
     locked = [LockedModelFile(path=p, size=len(b), sha256=hashlib.sha256(b).hexdigest())
               for p, b in sorted(files.items())]
-    lock = Lock(
-        format=1,
+    out = lock(
         builder=builder,
-        inputs_hash="0" * 64,
-        inputs={},
         images={
             image: LockedImage(
                 spec_hash=spec_hash(pinned.images[image]),
@@ -196,19 +204,9 @@ def write_lock(
                 source_date_epoch=0,
             )
         },
-        models={
-            model: LockedModel(
-                spec_hash=spec_hash(pinned.models[model]),
-                repo=repo,
-                revision="main",
-                commit="a" * 40,
-                source="local",
-                files=locked,
-                total_size=sum(f.size for f in locked),
-            )
-        },
+        models={model: locked_model(pinned.models[model], locked)},
         lanes={lane: LockedLane(spec_hash=spec_hash(pinned.lanes[lane]), image=image, models=[model])},
     )
     path = root / "pins.lock"
-    atomic_write(path, render_lock(lock))
+    atomic_write(path, render_lock(out))
     return path

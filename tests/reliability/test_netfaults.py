@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.lib import auditlib, fleetlib, rlib
+from tests.lib import auditlib, factory, fleetlib, rlib
 from tests.lib import bundlelib as bl
 
 pytestmark = [pytest.mark.fleet, pytest.mark.docker]
@@ -41,17 +41,7 @@ def fleet2(request: pytest.FixtureRequest) -> Any:
 @pytest.fixture(scope="module")
 def shipproj(fleet2: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     base = tmp_path_factory.mktemp("netship")
-    hosts = [
-        {
-            "name": h.name,
-            "ssh": h.name,
-            "rank": i,
-            "role": "head" if i == 0 else "worker",
-            "address": h.ip,
-            "paths": FLEET_PATHS,
-        }
-        for i, h in enumerate(fleet2.hosts)
-    ]
+    hosts = [factory.host(h.name, i, address=h.ip, paths=FLEET_PATHS) for i, h in enumerate(fleet2.hosts)]
     p = bl.make_project(
         base,
         hosts=hosts,
@@ -216,10 +206,7 @@ def test_slow_link_ship_completes_or_gives_up_naming_the_host(fleet2: Any, shipp
 def test_slow_link_audit_completes_or_names_the_unreachable_host(fleet2: Any, tmp_path: Path) -> None:
     fleet = fleet2
     ap = auditlib.make_project(tmp_path / "audit", tp=2)
-    hosts = [
-        {"name": h.name, "ssh": h.name, "rank": i, "role": "head" if i == 0 else "worker"}
-        for i, h in enumerate(fleet.hosts)
-    ]
+    hosts = [factory.host(h.name, i) for i, h in enumerate(fleet.hosts)]
     (ap["hosts"] / "t.toml").write_text(
         auditlib.fleet_toml("t", hosts, ssh_config=str(fleet.plain_ssh_config),
                             expect={"docker": False, "gpu_count": 0})

@@ -28,7 +28,7 @@ from builder.onhost.manifest import MANIFEST, SIGNATURE
 from builder.onhost.verify import verify_bundle
 from builder.ship import Remote
 from builder.ssh import ssh_options
-from tests.lib import auditlib, fleetlib, rlib
+from tests.lib import auditlib, factory, fleetlib, rlib
 from tests.lib import bundlelib as bl
 
 # --------------------------------------------------------------------------- ssh host keys
@@ -106,17 +106,7 @@ def test_ship_and_audit_refuse_a_host_whose_key_does_not_match(fleet2: Any, tmp_
     fleet = fleet2
     cfg = wrong_known_hosts_config(fleet, tmp_path)
     paths = {"models": "/home/spark/models", "engram": "/home/spark/engram", "bundles": "/home/spark/builder"}
-    hosts = [
-        {
-            "name": h.name,
-            "ssh": h.name,
-            "rank": i,
-            "role": "head" if i == 0 else "worker",
-            "address": h.ip,
-            "paths": paths,
-        }
-        for i, h in enumerate(fleet.hosts)
-    ]
+    hosts = [factory.host(h.name, i, address=h.ip, paths=paths) for i, h in enumerate(fleet.hosts)]
     p = bl.make_project(tmp_path / "ship", hosts=hosts, ssh_config=str(cfg))
     assert (
         rlib.run_builder(
@@ -138,10 +128,7 @@ def test_ship_and_audit_refuse_a_host_whose_key_does_not_match(fleet2: Any, tmp_
     (ap["hosts"] / "t.toml").write_text(
         auditlib.fleet_toml(
             "t",
-            [
-                {"name": h.name, "ssh": h.name, "rank": i, "role": "head" if i == 0 else "worker"}
-                for i, h in enumerate(fleet.hosts)
-            ],
+            [factory.host(h.name, i) for i, h in enumerate(fleet.hosts)],
             ssh_config=str(cfg),
             expect={"docker": False, "gpu_count": 0},
         )
