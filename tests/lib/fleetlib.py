@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 FLEET_DIR = Path(__file__).resolve().parents[1] / "fleet"
 RECIPE_FILES = ("build-testhost.sh", "entrypoint.sh")
 IMAGE_REPO = "builder-testhost"
@@ -756,8 +758,6 @@ def fleet_fixture(request: Any, n: int, *, skip_if_unavailable: bool = False, **
     """For a pytest fixture: start n hosts in a fresh tmp dir and tear them down when the fixture's scope
     ends. ``request`` is the fixture's pytest request (any scope). With ``skip_if_unavailable`` the test
     is skipped (not failed) when Docker or the test host image is missing."""
-    import pytest
-
     if skip_if_unavailable:
         if not docker_available():
             pytest.skip("Docker Engine not reachable")
