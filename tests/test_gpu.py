@@ -211,9 +211,12 @@ def test_event_reasons() -> None:
     assert gpu.decode_event_reasons(0) == []
     assert gpu.decode_event_reasons(0x1FF) == list(gpu.EVENT_REASON_BITS)
     assert gpu.decode_event_reasons(0x1 | 0x400) == ["gpu_idle", "unknown_0x400"]
-    assert not gpu.is_throttled(0x1) and not gpu.is_throttled(0x2) and not gpu.is_throttled(0x10)
-    for bit in (0x4, 0x8, 0x20, 0x40, 0x80):
-        assert gpu.is_throttled(bit | 0x1)
+    # the software power cap is a healthy GPU at full load, not trouble
+    for fine in (0x1, 0x2, 0x4, 0x10, 0x4 | 0x10):
+        assert not gpu.is_throttled(fine)
+    for bit in (0x8, 0x20, 0x40, 0x80):
+        assert gpu.is_throttled(bit | 0x4)
+    assert gpu.trouble_reasons(0x4 | 0x8 | 0x40) == ["hw_slowdown", "hw_thermal_slowdown"]
     for bad in (-1, 1 << 64, "1", 1.0, True):
         with pytest.raises(gpu.GpuParseError):
             gpu.decode_event_reasons(bad)  # type: ignore[arg-type]

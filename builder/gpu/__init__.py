@@ -18,7 +18,7 @@ Facts this package relies on (lessons.md §9.1, captured on an H200 with driver 
 
 from __future__ import annotations
 
-from builder.gpu.events import EVENT_REASON_BITS, THROTTLE_MASK, decode_event_reasons, is_throttled
+from builder.gpu.events import EVENT_REASON_BITS, THROTTLE_MASK, decode_event_reasons, is_throttled, trouble_reasons
 from builder.gpu.fields import COMPUTE_APPS_FIELDS, FALLBACK_FIELDS, QUERY_FIELDS
 from builder.gpu.models import ComputeApp, GpuInfo, GpuReport
 from builder.gpu.parse import (
@@ -35,5 +35,5 @@ __all__ = [
     "COMPUTE_APPS_FIELDS", "EVENT_REASON_BITS", "FALLBACK_FIELDS", "QUERY_FIELDS", "THROTTLE_MASK", "ComputeApp",
     "GpuError", "GpuInfo", "GpuParseError", "GpuReport", "Runner", "compute_apps_command", "decode_event_reasons",
     "is_throttled", "local_runner", "parse_compute_apps", "parse_query", "parse_version", "probe", "probe_commands",
-    "probe_local", "query_command",
+    "probe_local", "query_command", "trouble_reasons",
 ]

@@ -11,6 +11,9 @@ tests import and call them directly too.
 * ``fabric``: RDMA devices and network interfaces in sysfs;
 * ``serve``: the lane's API (/health, /v1/models, a one-token completion);
 * ``memory``: who holds the host's memory (each running container's cgroup, the biggest processes);
+* ``burn``: the burn gate's load, run bounded, with the GPUs sampled while it runs;
+* ``gpuprocs``: the lane each GPU compute process belongs to, from its environment;
+* ``matmul``: the burn's default load, a timed matrix product (needs torch: it runs in the lane's image);
 * ``lane``: the lane's releases and containers on the host, and the wait for its rank to answer
   (builder.deploy.hoststate; sent over stdin as ``python3 - REQUEST``).
 
@@ -44,6 +47,9 @@ FABRIC = source("fabric")
 SERVE = source("serve")
 MEMORY = source("memory")
 DERIVE = source("derive")
+BURN = source("burn")
+GPUPROCS = source("gpuprocs")
+MATMUL = source("matmul")
 
 # ----------------------------------------------------------------------------- the batch
 
