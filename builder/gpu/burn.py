@@ -118,12 +118,13 @@ def load_report(stdout: str) -> dict[str, Any]:
 
 
 def loaded_samples(facts: dict[str, Any], index: int = 0) -> tuple[list[GpuInfo], list[str]]:
-    """GPU `index` in each sample taken while the load ran (t >= 1 s: past the warm-up), and one line
-    per sample that could not be read."""
+    """GPU `index` in each sample taken while the load kept it busy, and one line per sample that could
+    not be read. Busy: utilization at 50% or more where the GPU reports it, else no idle bit; the
+    load's own start (importing torch takes seconds) and end are the GPU at rest, not under load."""
     gpus: list[GpuInfo] = []
     bad: list[str] = []
     for s in facts.get("samples") or []:
-        if float(s.get("t", -1)) < 1.0:
+        if float(s.get("t", -1)) < 0:
             continue
         if s.get("rc") != 0:
             bad.append(f"t={s.get('t')}: exit {s.get('rc')}: {str(s.get('out', '')).strip()[:80]}")
@@ -133,8 +134,14 @@ def loaded_samples(facts: dict[str, Any], index: int = 0) -> tuple[list[GpuInfo]
         except GpuError as e:
             bad.append(f"t={s.get('t')}: {e}")
             continue
-        gpus += [g for g in rows if g.index == index]
+        gpus += [g for g in rows if g.index == index and busy(g)]
     return gpus, bad
+
+
+def busy(g: GpuInfo) -> bool:
+    if g.utilization_pct is not None:
+        return g.utilization_pct >= 50
+    return g.event_reasons is not None and not g.event_reasons & 0x1
 
 
 def _median(values: list[float]) -> float | None:
@@ -183,7 +190,7 @@ def judge(facts: dict[str, Any], band: Band, index: int = 0) -> BurnResult:
     res.tflops = float(doc["tflops"])
     if not gpus:
         why = f" ({bad[0]})" if bad else ""
-        res.message = f"burn: no sample of GPU {index} was read while the load ran{why}"
+        res.message = f"burn: no sample showed GPU {index} busy while the load ran{why}"
         return res
     trouble = trouble_reasons(mask)
     if trouble:

@@ -1,0 +1,150 @@
+"""The burn gate's judgment (builder.gpu.burn) and its host side (builder.hostfacts.burn, gpuprocs,
+matmul), replaying the H200 captures of 2026-12-04 (tests/data/gpu-states) and the latched GB10 and
+thermally throttled H200 built from the recipes' figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from builder import gpu
+from builder.gpu import burn as B
+from builder.hostfacts import burn as hburn
+from builder.hostfacts import gpuprocs, matmul
+
+DATA = Path(__file__).parent / "data" / "gpu-states"
+H200 = DATA / "h200-2026-12-04"
+
+
+def _facts(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def test_h200_burn_passes_at_its_power_cap() -> None:
+    res = B.judge(_facts(H200 / "burn-facts.json"), B.BANDS["NVIDIA H200"])
+    assert res.verdict == "pass", res.message
+    assert res.tflops == pytest.approx(628.97)
+    # the sustained clock and power under load, not the idle start (torch's import) or the end
+    assert 1395 <= (res.clock_mhz or 0) <= 1485 and 680 <= (res.power_w or 0) <= 695
+    assert res.reasons == ["sw_power_cap"] and res.samples >= 20
+    alone = [json.loads((H200 / f"alone-{i}.json").read_text())["tflops"] for i in (1, 2)]
+    for a in alone:  # the burn's figure is the matmul's own, timed alone in the same run
+        assert abs(res.tflops - a) / a < 0.15
+
+
+def test_latched_gb10_fails_naming_the_fix() -> None:
+    res = B.judge(_facts(DATA / "built" / "gb10-latched-burn.json"), B.BANDS["NVIDIA GB10"])
+    assert res.verdict == "latched"
+    assert (res.clock_mhz or 0) < 1000 and (res.power_w or 99) < 20
+    assert "clock latch" in res.message and "unplugged for 30 to 60 s" in res.message
+    assert "reboot does not clear" in res.fix
+
+
+def test_healthy_gb10_passes() -> None:
+    res = B.judge(_facts(DATA / "built" / "gb10-healthy-burn.json"), B.BANDS["NVIDIA GB10"])
+    assert res.verdict == "pass", res.message
+    assert res.clock_mhz is not None and res.clock_mhz > 2100
+
+
+def test_thermal_throttle_fails_naming_every_bit() -> None:
+    res = B.judge(_facts(DATA / "built" / "h200-thermal-burn.json"), B.BANDS["NVIDIA H200"])
+    assert res.verdict == "throttled"
+    assert "sw_thermal_slowdown" in res.message and "hw_thermal_slowdown" in res.message
+    assert "sw_power_cap" not in res.message.split(":")[1]  # the power cap is not named as trouble
+    assert res.fix == B.THROTTLE_FIX
+
+
+def test_slow_but_not_latched() -> None:
+    facts = _facts(H200 / "burn-facts.json")
+    facts["stdout"] = json.dumps({"tflops": 300.0})
+    res = B.judge(facts, B.BANDS["NVIDIA H200"])
+    assert res.verdict == "slow" and "expected >= 450" in res.message and not res.fix
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"timed_out": True, "rc": None}, "did not finish"),
+        ({"stdout": "", "stderr": "docker: Error response from daemon: no such image\n", "rc": 125}, "no such image"),
+        ({"stdout": json.dumps({"error": "torch sees no CUDA device"}), "rc": 1}, "torch sees no CUDA device"),
+        ({"samples": [{"t": 2.0, "rc": 9, "out": "NVIDIA-SMI has failed"}]}, "no sample showed GPU 0 busy"),
+    ],
+)
+def test_burn_errors_say_why(change: dict, says: str) -> None:
+    facts = _facts(H200 / "burn-facts.json") | change
+    res = B.judge(facts, B.BANDS["NVIDIA H200"])
+    assert res.verdict == "error" and says in res.message
+
+
+def test_band_for_and_profile_floor() -> None:
+    assert B.band_for("NVIDIA GB10") == B.BANDS["NVIDIA GB10"]
+    assert B.band_for("NVIDIA A100") is None
+    own = B.band_for("NVIDIA A100", 200)
+    assert own is not None and own.min_tflops == 200 and own.latch_clock_mhz == 0
+    assert B.band_for("NVIDIA H200", 500.0).min_tflops == 500.0  # type: ignore[union-attr]
+
+
+def test_fleet_outliers_name_the_slow_host() -> None:
+    out = B.fleet_outliers({"spark1": 82.0, "spark2": 80.5, "spark3": 31.2, "spark4": 84.0})
+    assert list(out) == ["spark3"] and "median" in out["spark3"]
+    assert B.fleet_outliers({"a": 80.0}) == {}
+    assert B.fleet_outliers({"a": 80.0, "b": 79.0, "c": 81.0}) == {}
+
+
+def test_captured_states_read_rightly() -> None:
+    """Idle: low clocks, the idle bit; busy (foreign or the lane's own): the power cap, no trouble."""
+    for state, clock_max, cap in (("idle", 400, False), ("foreign", 1980, True), ("own", 1980, True)):
+        (g,) = gpu.parse_query((H200 / f"{state}-query.txt").read_text())
+        assert g.name == "NVIDIA H200" and (g.clocks_sm_mhz or 0) <= clock_max
+        assert not g.throttled, state
+        assert ("sw_power_cap" in g.event_reason_names) is cap
+        (s,) = gpu.parse_query((H200 / f"{state}-sample.txt").read_text(), B.SAMPLE_FIELDS)
+        assert B.busy(s) is cap
+    assert gpu.parse_compute_apps((H200 / "idle-apps.txt").read_text()) == []
+    (foreign,) = gpu.parse_compute_apps((H200 / "foreign-apps.txt").read_text())
+    assert json.loads((H200 / "foreign-procs.json").read_text())["pids"][str(foreign.pid)] == {}
+    (own,) = gpu.parse_compute_apps((H200 / "own-apps.txt").read_text())
+    env = json.loads((H200 / "own-procs.json").read_text())["pids"][str(own.pid)]
+    assert env["BUILDER_LANE"] == "demo" and env["BUILDER_RANK"] == "0"
+
+
+def test_sampler_runs_a_real_load(tmp_path: Path) -> None:
+    """builder.hostfacts.burn: a real process as the load, a real executable answering the samples."""
+    smi = tmp_path / "smi"
+    row = "0, NVIDIA H200, 1440, 1980, 690.00, 700.00, 63, 99, 0x0000000000000004, 723"
+    smi.write_text(f"#!/bin/sh\necho '{row}'\n")
+    smi.chmod(0o755)
+    load = [sys.executable, "-c", "import time, json; time.sleep(1.6); print(json.dumps({'tflops': 600.0}))"]
+    facts = hburn.run({"command": load, "timeout": 20, "interval": 0.25, "query": [str(smi)]})
+    assert facts["rc"] == 0 and not facts["timed_out"] and facts["samples"][0]["t"] == -1.0
+    assert len(facts["samples"]) >= 4
+    res = B.judge(facts, B.BANDS["NVIDIA H200"])
+    assert res.verdict == "pass" and res.tflops == 600.0 and res.clock_mhz == 1440
+
+
+def test_sampler_kills_a_hung_load(tmp_path: Path) -> None:
+    facts = hburn.run({"command": [sys.executable, "-c", "import time; time.sleep(60)"], "timeout": 0.6,
+                       "interval": 0.2, "query": ["true"]})
+    assert facts["timed_out"] and facts["rc"] is None and facts["seconds"] < 5
+    missing = hburn.run({"command": [str(tmp_path / "nope")], "timeout": 5, "query": ["true"]})
+    assert missing["rc"] == 127
+
+
+def test_gpuprocs_reads_the_builder_variables() -> None:
+    env = gpuprocs.builder_env(b"PATH=/bin\0BUILDER_LANE=demo\0BUILDER_RANK=1\0X=BUILDER_LANE=no\0")
+    assert env == {"BUILDER_LANE": "demo", "BUILDER_RANK": "1"}
+    got = gpuprocs.read([os.getpid(), 2**22 + 7])
+    assert isinstance(got["pids"][str(os.getpid())], dict)
+    assert got["pids"][str(2**22 + 7)] is None and got["why"][str(2**22 + 7)]
+
+
+def test_matmul_request_and_arithmetic() -> None:
+    assert matmul.request(["x"])["size"] == 4096
+    assert matmul.tflops(4096, 54880, 12.003) == pytest.approx(628.4, rel=1e-3)  # alone-1.json's figures
+    for bad in ('{"dtype": "int8"}', '{"seconds": 0}', '{"size": 3}'):
+        with pytest.raises(ValueError):
+            matmul.request(["x", bad])
