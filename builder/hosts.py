@@ -57,6 +57,22 @@ class Paths(Strict):
         return v
 
 
+class Burn(Strict):
+    """The burn gate of a host (checks/test_burn.py): a short bounded load on its GPU, sampled, judged
+    against the GPU model's health band (builder.gpu.burn.BANDS, or `min_tflops` here).
+
+    `command` is the load's argv, run on the host; it prints one JSON line with its ``tflops``
+    (builder.hostfacts.matmul does). Placeholders: ``{matmul}`` that module's source, ``{request}``
+    its JSON request (``seconds``), ``{image}`` the lane's image (its ID from the build record), so
+    a Spark runs ``docker run --rm --gpus all ... {image} python3 -c {matmul} {request}``."""
+
+    enabled: bool = Field(default=True, description="false: the opt-out (the burn check skips, saying so)")
+    command: list[str] = Field(min_length=1)
+    seconds: float = Field(default=12.0, ge=1, le=60, description="the load's length (recipes.md §14 #5: 10-15 s)")
+    timeout_s: float = Field(default=120.0, ge=5, le=600, description="the load is killed past this")
+    min_tflops: float | None = Field(default=None, gt=0, description="the floor, where the band's is not wanted")
+
+
 class Expect(Strict):
     """What the audit expects of the host (never read from the host itself)."""
 
@@ -74,6 +90,10 @@ class Expect(Strict):
     docker: bool = True
     nvidia_runtime: bool = True
     rdma: bool = True
+    memory_wait_s: float = Field(
+        default=0, ge=0, le=600,
+        description="how long the memory gate waits, after a page-cache drop, for min_free_memory_gib")
+    burn: Burn | None = None
 
 
 class Host(Strict):

@@ -15,7 +15,18 @@ from typing import Any
 import pytest
 
 from builder.audit.concerns import Cmd, Concern
-from builder.hostfacts import BATCH, DERIVE, FILES, MEMORY, batch_groups, batches, dumps, parse_batch
+from builder.hostfacts import (
+    BATCH,
+    BURN,
+    DERIVE,
+    FILES,
+    GPUPROCS,
+    MEMORY,
+    batch_groups,
+    batches,
+    dumps,
+    parse_batch,
+)
 from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
 
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
@@ -384,3 +395,58 @@ def listing(host: Any, expect: dict[str, Any], root: str) -> Any:
             roots.append(root)
         LIST_CACHE.update(json_output(run(host, *listing_command(roots))))
     return LIST_CACHE[root]
+
+
+def gpu_report(host: Any) -> Any:
+    """builder.gpu's probe of the host (through the prefetch); GpuError when nvidia-smi fails."""
+    from builder import gpu as G
+
+    def runner(argv: list[str]) -> tuple[int, str, str]:
+        r = run(host, *argv_command(argv))
+        return r.rc, r.stdout, r.stderr
+
+    return G.probe(runner)
+
+
+def gpu_process_owners(host: Any, pids: list[int]) -> dict[str, Any]:
+    """builder.hostfacts.gpuprocs on the host: each pid's BUILDER_* variables (None: unreadable)."""
+    return dict(remote_json(host, GPUPROCS, dumps({"pids": sorted(pids)})))
+
+
+def own_gpu_pids(host: Any, expect: dict[str, Any], pids: list[int]) -> tuple[set[int], str]:
+    """Which of the GPU's compute processes are the lane's own, and a word on what could not be told.
+
+    A process is the lane's own when its environment names this lane, fleet and rank (the variables
+    every rank's container gets, builder.launch.rank; seen from the host's /proc, with or without
+    Docker), or, where Docker is expected, when it runs in this rank's container of the installed
+    release (`docker top`). A process whose environment is unreadable is not the lane's."""
+    if not pids:
+        return set(), ""
+    own: set[int] = set()
+    notes: list[str] = []
+    try:
+        facts = gpu_process_owners(host, pids)
+    except (RuntimeError, ValueError) as e:
+        facts, notes = {"pids": {}}, [f"the processes' environments are unknown: {e}"]
+    want = {"BUILDER_LANE": expect["lane"], "BUILDER_FLEET": expect["fleet"],
+            "BUILDER_RANK": str(expect["host"]["rank"])}
+    for pid, env in (facts.get("pids") or {}).items():
+        if isinstance(env, dict) and all(env.get(k) == v for k, v in want.items()):
+            own.add(int(pid))
+    unread = sorted(facts.get("why") or {})
+    if unread:
+        notes.append(f"environment unreadable for pid {', '.join(unread[:3])} ({facts['why'][unread[0]]})")
+    if expect["expect"].get("docker"):
+        ours, _ = lane_owns_running_release(host, expect)
+        if ours:
+            c, _ = lane_container(host, expect)
+            r = run(host, *container_pids(str((c or {}).get("Id"))))
+            if r.rc == 0:
+                own |= {int(w) for w in r.stdout.split() if w.isdigit()}
+    return own & set(pids), "; ".join(notes)
+
+
+def burn_facts(host: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """builder.hostfacts.burn on the host: run the load, sample the GPUs (not prefetched: it takes
+    the load's seconds, and runs after the checks that tell whether the GPU is free)."""
+    return dict(json_output(host.run("python3 -I -S -c %s %s", BURN, dumps(request))))

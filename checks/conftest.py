@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 from checklib import Concern, prefetch, read_applied
 
-_STATE: dict[str, Any] = {"unreachable": None, "results": {}, "order": [], "collect_errors": [], "root": "checks"}
+_STATE: dict[str, Any] = {"unreachable": None, "results": {}, "order": [], "collect_errors": [], "root": "checks",
+                          "data": {}}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -91,6 +92,19 @@ def applied(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
     if rec is None:
         pytest.skip(why)
     return rec
+
+
+@pytest.fixture
+def finding(request: pytest.FixtureRequest) -> Any:
+    """finding(key, value): a figure or a kind this check reports beside its outcome (the burn's TFLOPS,
+    clock and power; ``kind="hardware"`` for a GPU that is unhealthy rather than drifted), written to
+    the results as the check's ``data``."""
+    cid = _check_id(request.node)
+
+    def put(key: str, value: Any) -> None:
+        _STATE["data"].setdefault(cid, {})[key] = value
+
+    return put
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -237,7 +251,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     data = {
         "unreachable": _STATE["unreachable"],
-        "checks": [_STATE["results"][c] for c in _STATE["order"]],
+        "checks": [_STATE["results"][c] | ({"data": _STATE["data"][c]} if c in _STATE["data"] else {})
+                   for c in _STATE["order"]],
         "collect_errors": _STATE["collect_errors"],
         "exitstatus": int(exitstatus),
     }

@@ -1,6 +1,9 @@
 """GPU: count, name, compute capability, driver and CUDA versions, persistence mode, clocks and
-clock-event reasons, and no other compute process. One nvidia-smi call per query, parsed here
-with builder.gpu. Where no GPU is expected (gpu_count = 0) and none is found, the checks skip."""
+clock-event reasons, the clock latch, and no other compute process. One nvidia-smi call per query,
+parsed here with builder.gpu. Where no GPU is expected (gpu_count = 0) and none is found, the checks
+skip. A busy, healthy GPU passes: the software power cap (0x4) is what a GPU at full load shows, and
+the lane's own processes are the lane's. What is wrong with the GPU itself (a slowdown bit, the latch)
+is reported as a hardware finding (the host is `unhealthy`, not drifted)."""
 
 from __future__ import annotations
 
@@ -11,13 +14,12 @@ from checklib import (
     Cmd,
     Concern,
     argv_command,
-    container_pids,
     exists,
     gpu_commands,
-    lane_container,
+    gpu_report,
     lane_docker,
-    lane_owns_running_release,
     or_skip,
+    own_gpu_pids,
     run,
 )
 
@@ -27,7 +29,11 @@ if TYPE_CHECKING:  # builder.gpu imports pydantic: only load it where a host has
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:
     """This rank's containers (where docker is expected) and nvidia-smi's queries (where GPUs are)."""
-    return lane_docker(expect) + (gpu_commands() if expect["expect"].get("gpu_count") else [])
+    if not expect["expect"].get("gpu_count"):
+        return lane_docker(expect)
+    from builder.gpu.burn import sample_command
+
+    return lane_docker(expect) + gpu_commands() + [argv_command(sample_command())]
 
 
 CONCERN = Concern(name="gpu", order=50, phase="preflight", containers=True, prefetch=planned)
@@ -41,14 +47,10 @@ def report(host: Any, expect: dict[str, Any]) -> G.GpuReport:
             pytest.skip("no GPU expected on this host and no nvidia-smi found")
         pytest.fail(f"nvidia-smi: expected on PATH ({want} GPU(s) expected), found none")
 
-    def runner(argv: list[str]) -> tuple[int, str, str]:
-        r = run(host, *argv_command(argv))
-        return r.rc, r.stdout, r.stderr
-
     from builder import gpu as G
 
     try:
-        return G.probe(runner)
+        return gpu_report(host)  # type: ignore[no-any-return]
     except G.GpuError as e:
         pytest.fail(f"nvidia-smi: expected a readable report, found: {e}")
 
@@ -107,28 +109,72 @@ def test_clock_ceiling(report: G.GpuReport, expect: dict[str, Any]) -> None:
         )
 
 
-def test_clock_event_reasons(report: G.GpuReport) -> None:
-    for g in _gpus(report):
-        if g.event_reasons is None:
-            pytest.skip(f"GPU {g.index}: clock event reasons not reported by this driver")
-        assert not g.throttled, (
-            f"GPU {g.index} clock event reasons: expected no power/thermal limit, found "
-            f"{', '.join(g.event_reason_names)} ({g.event_reasons:#x})"
-        )
+def test_clock_event_reasons(report: G.GpuReport, finding: Any) -> None:
+    """No hardware slowdown, thermal slowdown or power brake (0x8, 0x20, 0x40, 0x80) on any GPU; the
+    software power cap (0x4) of a GPU at full load is healthy (lessons.md §9.1)."""
+    from builder import gpu as G
+
+    gpus = _gpus(report)
+    if all(g.event_reasons is None for g in gpus):
+        pytest.skip("clock event reasons not reported by this driver")
+    bad = [f"GPU {g.index}: {', '.join(G.trouble_reasons(g.event_reasons))} ({g.event_reasons:#x})"
+           for g in gpus if g.event_reasons is not None and g.throttled]
+    if bad:
+        finding("kind", "hardware")
+    assert not bad, (
+        f"clock event reasons: expected no hardware, thermal or power-brake slowdown, found {'; '.join(bad)} "
+        "(check the cooling and the power supply)"
+    )
+
+
+@pytest.fixture(scope="module")
+def samples(host: Any) -> list[G.GpuInfo]:
+    """Each GPU's clock, power and load now (builder.gpu.burn.SAMPLE_FIELDS)."""
+    from builder import gpu as G
+    from builder.gpu.burn import SAMPLE_FIELDS, sample_command
+
+    r = run(host, *argv_command(sample_command()))
+    try:
+        if r.rc != 0:
+            G.parse_query(r.stdout + r.stderr, SAMPLE_FIELDS)  # (the failure's own words)
+            raise G.GpuError(f"exit status {r.rc}")
+        return G.parse_query(r.stdout, SAMPLE_FIELDS)
+    except G.GpuError as e:
+        pytest.skip(f"clock, power and load not readable on this driver: {e}")
+
+
+def test_clock_latch(report: G.GpuReport, samples: list[G.GpuInfo], finding: Any) -> None:
+    """A busy GPU at low clocks and low power is the latch (recipes.md §14 #5: a GB10 at 630-950 MHz
+    and about 18 W under load; no reason bit names it). Low clocks on an idle GPU are its rest."""
+    from builder.gpu.burn import LATCH_FIX, band_for, busy
+
+    bad, busy_seen = [], False
+    for s in samples:
+        band = band_for(s.name)
+        if band is None or not band.latch_clock_mhz or not busy(s):
+            continue
+        busy_seen = True
+        if s.clocks_sm_mhz is None or s.power_draw_w is None:
+            continue
+        if s.clocks_sm_mhz <= band.latch_clock_mhz and s.power_draw_w <= band.latch_power_w:
+            bad.append(f"GPU {s.index} busy ({s.utilization_pct}%) at {s.clocks_sm_mhz} MHz and {s.power_draw_w:g} W "
+                       f"(healthy {band.healthy})")
+    if bad:
+        finding("kind", "hardware")
+    assert not bad, f"clock latch: expected a busy GPU at its clocks, found {'; '.join(bad)}; fix: {LATCH_FIX}"
+    if not busy_seen:
+        names = sorted({str(s.name) for s in samples})
+        if not any(band_for(n) for n in names):
+            pytest.skip(f"no health band for {', '.join(names)} (builder.gpu.burn.BANDS)")
 
 
 def test_no_other_compute_process(host: Any, report: G.GpuReport, expect: dict[str, Any]) -> None:
-    """No compute process on the GPU but the lane's own: before start none at all; once the lane
-    serves, only processes of this rank's container running the installed release."""
-    apps = report.compute_apps
-    if apps and expect["expect"]["docker"]:
-        ours, _ = lane_owns_running_release(host, expect)
-        if ours:
-            c, _ = lane_container(host, expect)
-            r = run(host, *container_pids(str((c or {}).get("Id"))))
-            pids = {int(w) for w in r.stdout.split() if w.isdigit()} if r.rc == 0 else set()
-            apps = [a for a in apps if a.pid not in pids]
-    shown_apps = [f"pid {a.pid} {a.process_name}" for a in apps]
+    """No compute process on the GPU but the lane's own (its environment names this lane, fleet and
+    rank, or it runs in this rank's container of the installed release): before start none at all."""
+    own, note = own_gpu_pids(host, expect, [a.pid for a in report.compute_apps])
+    apps = [a for a in report.compute_apps if a.pid not in own]
+    shown_apps = [f"pid {a.pid} {a.process_name} ({a.used_memory_mib} MiB)" for a in apps]
     assert not shown_apps, (
         f"compute processes: expected none but the lane's own, found {len(shown_apps)}: {', '.join(shown_apps[:3])}"
+        + (f" ({note})" if note else "")
     )

@@ -257,26 +257,77 @@ def test_local_gpu_checks_on_h200_capture(tmp_path: Path) -> None:
         "persistence_mode",
         "clock_ceiling",
         "clock_event_reasons",
+        "clock_latch",
         "no_other_compute_process",
     ):
         assert checks[f"gpu::{c}"]["status"] == "pass", (c, checks[f"gpu::{c}"])
 
 
+def test_local_busy_healthy_gpu_passes_and_slowdowns_are_unhealthy(tmp_path: Path) -> None:
+    """The H200 at its power cap under load (0x4, the captured burn sample) passes; a thermal slowdown
+    and a latch fail as hardware findings (the host `unhealthy`, every failing reason shown)."""
+    root, env = local_project(tmp_path, H200)
+    busy = auditlib.busy_sample()
+    (tmp_path / "nvstate" / "sample").write_text(busy)
+    q = auditlib.capture_sections()["query csv header"].replace("0x0000000000000001", "0x0000000000000004")
+    (tmp_path / "nvstate" / "query").write_text(q)
+    rc, data, err = run_local(root, env, "--only", "gpu")
+    assert rc == 0 and data["hosts"]["me"]["status"] == "pass", err
+    (tmp_path / "nvstate" / "query").write_text(q.replace("0x0000000000000004", "0x0000000000000064"))
+    latched = busy.replace(", 1440, 1980, 690.", ", 690, 1980, 150.")
+    assert latched != busy
+    (tmp_path / "nvstate" / "sample").write_text(latched)
+    rc, data, err = run_local(root, env, "--only", "gpu")
+    host = data["hosts"]["me"]
+    assert rc == 1 and host["status"] == "unhealthy", err
+    bad = {k: v["message"] for k, v in host["checks"].items() if v["status"] != "pass"}
+    assert set(bad) == {"gpu::clock_event_reasons", "gpu::clock_latch"}, bad
+    assert "sw_thermal_slowdown, hw_thermal_slowdown (0x64)" in bad["gpu::clock_event_reasons"]
+    assert "power-cycle" in bad["gpu::clock_latch"] and "690 MHz" in bad["gpu::clock_latch"]
+    # the host's line names both, not only the first
+    assert "gpu::clock_event_reasons" in host["message"] and "gpu::clock_latch" in host["message"]
+
+
+def test_local_burn_reports_its_figures(tmp_path: Path) -> None:
+    """`--only burn` with the FAKE load (the fake nvidia-smi's --fake-burn): TFLOPS, clock, power and
+    the verdict in the JSON; a latched GPU fails naming the fix; no burn in the profile skips."""
+    smi = str(tmp_path / "bin" / "nvidia-smi")
+    burn = {"command": [smi, "--fake-burn", "1.2"], "seconds": 1}
+    root, env = local_project(tmp_path, H200 | {"burn": burn})
+    rc, data, err = run_local(root, env, "--only", "burn")
+    check = data["hosts"]["me"]["checks"]["burn::gpu"]
+    assert rc == 0 and check["status"] == "pass", err
+    figures = check["data"]["burn"]
+    assert figures["verdict"] == "pass" and figures["tflops"] == 628.97 and figures["clock_mhz"] == 1440
+    assert data["burn"]["hosts"]["me"]["tflops"] == 628.97
+    (tmp_path / "nvstate" / "sample-busy").write_text(
+        auditlib.busy_sample().replace(", 1440, 1980, 690.", ", 690, 1980, 150."))
+    (tmp_path / "nvstate" / "tflops").write_text("210.5")
+    rc, data, err = run_local(root, env, "--only", "burn")
+    host = data["hosts"]["me"]
+    assert rc == 1 and host["status"] == "unhealthy", err
+    assert host["checks"]["burn::gpu"]["data"]["burn"]["verdict"] == "latched"
+    assert "unplugged for 30 to 60 s" in host["message"] and "latched" in err
+    root2, env2 = local_project(tmp_path / "none", H200)
+    rc, data, err = run_local(root2, env2, "--only", "burn")
+    assert rc == 0 and data["hosts"]["me"]["checks"]["burn::gpu"]["status"] == "skip"
+
+
 def test_local_gpu_drift_expected_vs_found(tmp_path: Path) -> None:
     wrong = H200 | {"gpu_name": "NVIDIA GB10", "compute_cap": "12.1", "gpu_clock_mhz": 2200}
     root, env = local_project(tmp_path, wrong)
-    q = auditlib.capture_sections()["query csv header"].replace("0x0000000000000001", "0x0000000000000004")
-    (tmp_path / "nvstate" / "query").write_text(q)  # SW power cap holding the clocks
+    q = auditlib.capture_sections()["query csv header"].replace("0x0000000000000001", "0x0000000000000044")
+    (tmp_path / "nvstate" / "query").write_text(q)  # the power cap (healthy) and a hardware thermal slowdown
     rc, data, err = run_local(root, env, "--only", "gpu")
-    assert rc == 1
+    assert rc == 1 and data["hosts"]["me"]["status"] == "unhealthy"
     checks = data["hosts"]["me"]["checks"]
     bad = {k: v["message"] for k, v in checks.items() if v["status"] != "pass"}
     assert bad == {
         "gpu::name": "GPU 0 name: expected 'NVIDIA GB10', found 'NVIDIA H200'",
         "gpu::compute_capability": "GPU 0 compute capability: expected 12.1, found 9.0",
         "gpu::clock_ceiling": "GPU 0 max SM clock: expected >= 2200 MHz, found 1980 MHz",
-        "gpu::clock_event_reasons": "GPU 0 clock event reasons: expected no power/thermal limit, found "
-        "sw_power_cap (0x4)",
+        "gpu::clock_event_reasons": "clock event reasons: expected no hardware, thermal or power-brake slowdown, "
+        "found GPU 0: hw_thermal_slowdown (0x44) (check the cooling and the power supply)",
     }, err
     assert "gpu::name" in err and "FAIL" in err
 

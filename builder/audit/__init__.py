@@ -27,7 +27,15 @@ from pathlib import Path
 from builder.audit.concerns import Concern, declared
 from builder.audit.expect import build_expectations, load_lane_inputs
 from builder.audit.options import AuditOptions, parse_only, select_targets
-from builder.audit.report import AuditReport, CheckOutcome, HostResult, junit_xml, matrix_rows, write_junit
+from builder.audit.report import (
+    AuditReport,
+    CheckOutcome,
+    HostResult,
+    burn_rows,
+    junit_xml,
+    matrix_rows,
+    write_junit,
+)
 from builder.audit.runner import run_host
 from builder.ssh import ControlSockets
 
@@ -39,6 +47,7 @@ __all__ = [
     "HostResult",
     "declared",
     "junit_xml",
+    "burn_rows",
     "matrix_rows",
     "parse_only",
     "run_audit",

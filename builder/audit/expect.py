@@ -189,6 +189,6 @@ def build_expectations(
             exp["models"] = models
             exp["models_reason"] = "" if models else f"lane {lane_name!r} has no models"
         exp["derivations"], exp["derivations_reason"] = derivation_expectation(opts, inputs, f, h, lane_name)
-    if "image" in concerns or "release" in concerns:
+    if "image" in concerns or "release" in concerns or "burn" in concerns:  # (a burn may run in the image)
         exp["image"], exp["image_reason"] = image_expectation(opts, inputs, lane_name)
     return exp

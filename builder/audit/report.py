@@ -18,24 +18,27 @@ class CheckOutcome:
     concern: str
     status: str  # pass | fail | skip | error
     message: str = ""
+    #: what the check reported beside its outcome (the burn's figures; kind "hardware")
+    data: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class HostResult:
     name: str
     fleet: str
-    status: str  # pass | drift | unreachable | error
+    status: str  # pass | drift | unhealthy (a hardware finding) | unreachable | error
     message: str = ""
     checks: list[CheckOutcome] = field(default_factory=list)
     seconds: float = 0.0
 
     def first_problem(self) -> str:
+        """Every failing check's message, hardware findings first (named `first_problem` for what
+        callers print: the one line that says why the host did not pass)."""
         if self.status in ("unreachable", "error"):
             return self.message
-        for c in self.checks:
-            if c.status in ("fail", "error"):
-                return f"{c.check}: {c.message}"
-        return ""
+        bad = [c for c in self.checks if c.status in ("fail", "error")]
+        bad.sort(key=lambda c: c.data.get("kind") != "hardware")
+        return "; ".join(f"{c.check}: {c.message}" for c in bad)
 
 
 @dataclass
@@ -48,15 +51,27 @@ class AuditReport:
 
     @property
     def exit_code(self) -> int:
-        """0 all pass, 1 drift (or a check errored), 3 a host unreachable (wins over 1)."""
+        """0 all pass, 1 drift or an unhealthy GPU (or a check errored), 3 a host unreachable (wins over 1)."""
         if any(h.status == "unreachable" for h in self.hosts):
             return EXIT_UNREACHABLE
-        if any(h.status in ("drift", "error") for h in self.hosts):
+        if any(h.status in ("drift", "unhealthy", "error") for h in self.hosts):
             return EXIT_FAILED
         return EXIT_OK
 
+    def burn(self) -> dict[str, Any]:
+        """The burn's figures per host (the `burn::gpu` check's) and the hosts well under the fleet's
+        median TFLOPS (builder.gpu.burn.fleet_outliers); {} when no burn ran."""
+        from builder.gpu.burn import fleet_outliers
+
+        hosts = {h.name: c.data["burn"] for h in self.hosts for c in h.checks if "burn" in c.data}
+        if not hosts:
+            return {}
+        tflops = {n: float(b["tflops"]) for n, b in hosts.items() if b.get("tflops") is not None}
+        return {"hosts": hosts, "outliers": fleet_outliers(tflops)}
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        burn = self.burn()
+        return ({"burn": burn} if burn else {}) | {
             **attrs(self, "mode", "phase", "concerns"),
             "exit": self.exit_code,
             "seconds": round(self.seconds, 3),
@@ -66,7 +81,8 @@ class AuditReport:
                     "status": h.status,
                     "message": h.message or h.first_problem(),
                     "seconds": round(h.seconds, 3),
-                    "checks": {c.check: {"status": c.status, "message": c.message} for c in h.checks},
+                    "checks": {c.check: {"status": c.status, "message": c.message} | ({"data": c.data} if c.data else {})
+                               for c in h.checks},
                 }
                 for h in self.hosts
             },
@@ -74,6 +90,19 @@ class AuditReport:
 
 
 CELL = {"pass": "pass", "fail": "FAIL", "skip": "skip", "error": "ERROR"}
+
+
+def burn_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
+    """host x (TFLOPS, clock, power, temperature, verdict, against the fleet's median)."""
+    burn = report.burn()
+    cols = ["host", "TFLOPS", "clock MHz", "power W", "max C", "verdict", "fleet"]
+    rows = []
+    for name, b in (burn.get("hosts") or {}).items():
+        def cell(k: str, fmt: str = "{:.0f}") -> str:
+            return "?" if b.get(k) is None else fmt.format(b[k])
+        rows.append([name, cell("tflops", "{:.1f}"), cell("clock_mhz"), cell("power_w"), cell("temperature_c"),
+                     str(b.get("verdict")), "SLOW" if name in burn["outliers"] else "ok"])
+    return cols, rows
 
 
 def _concern_order(concerns: list[str], check_id: str) -> int:
@@ -120,7 +149,8 @@ def junit_xml(report: AuditReport) -> bytes:
             tc = ET.SubElement(s, "testcase", classname=f"{h.fleet}.{h.name}", name=c.check)
             counts["tests"] += 1
             if c.status == "fail":
-                ET.SubElement(tc, "failure", message=c.message, type="drift")
+                ET.SubElement(tc, "failure", message=c.message,
+                              type="unhealthy" if c.data.get("kind") == "hardware" else "drift")
                 counts["failures"] += 1
             elif c.status == "error":
                 ET.SubElement(tc, "error", message=c.message, type="error")

@@ -117,6 +117,10 @@ def audit(
         report = core.run_audit(opts, on_host=on_host)
     cols, rows = core.matrix_rows(report)
     output.table(f"audit ({report.mode}, {report.phase})", cols, rows)
+    if report.burn():
+        output.table("burn", *core.burn_rows(report))
+        for name, why in report.burn()["outliers"].items():
+            output.status(f"{name}: burn: {why}")
     for h in report.hosts:
         problem = h.message if h.status in ("unreachable", "error") else h.first_problem()
         if problem:

@@ -20,6 +20,14 @@ from builder.plan import make_plan
 from tests.lib import factory
 
 CAPTURE = Path(__file__).resolve().parents[1] / "data" / "nvidia-smi" / "h200-nvidia-smi-probe.txt"
+#: the H200 at rest and under the burn's matmul, 2026-12-04 (tests/data/gpu-states/README.md)
+STATES = Path(__file__).resolve().parents[1] / "data" / "gpu-states" / "h200-2026-12-04"
+
+
+def busy_sample() -> str:
+    """One sample of the H200 under the fp16 matmul (the burn's sample at t = 10 s)."""
+    facts = json.loads((STATES / "burn-facts.json").read_text())
+    return next(s["out"] for s in facts["samples"] if s["t"] >= 10)
 
 
 def capture_sections(path: Path = CAPTURE) -> dict[str, str]:
@@ -40,10 +48,15 @@ FAKE = Path(__file__).resolve().parent / "fake_nvidia_smi.py"
 
 def capture_json() -> str:
     """The fake's capture.json: the H200 capture's `csv` reply and --version, and the field list it
-    answers (builder's own, builder.gpu.QUERY_FIELDS)."""
+    answers (builder's own, builder.gpu.QUERY_FIELDS); the burn's sample fields and the H200's
+    replies to them at rest and under load."""
+    from builder.gpu.burn import SAMPLE_FIELDS
+
     s = capture_sections()
     return json.dumps({"query_fields": ",".join(G.QUERY_FIELDS), "query": s["query csv header"],
-                       "version": s["nvidia-smi --version"]}, indent=1) + "\n"
+                       "version": s["nvidia-smi --version"], "sample_fields": ",".join(SAMPLE_FIELDS),
+                       "sample": (STATES / "idle-sample.txt").read_text(), "sample_busy": busy_sample()},
+                      indent=1) + "\n"
 
 
 def install_fake(bin_dir: Path, state_dir: Path) -> Path:

@@ -4,10 +4,17 @@
 A standalone script (standard library only), installed on a test host or in a test's folder as
 `nvidia-smi` by tests.lib.auditlib, beside its state folder (`$FAKE_NVSMI_DIR`, default
 /etc/fake-nvidia-smi). `capture.json` there holds what the real one printed: the `--query-gpu` field
-list it answers, the `csv` reply (header and one row, with units) and `--version`. It knows three
-invocations (that field list, --version and --query-compute-apps) and answers anything else as an
-old driver would ("not a valid field", exit 2). Drift is injected through files in the state folder:
-`query` replaces the --query-gpu reply, `apps` is the --query-compute-apps reply.
+list it answers, the `csv` reply (header and one row, with units) and `--version`. It knows four
+invocations (that field list, the burn's sample field list, --version and --query-compute-apps) and
+answers anything else as an old driver would ("not a valid field", exit 2). Drift is injected through
+files in the state folder: `query` replaces the --query-gpu reply, `apps` is the --query-compute-apps
+reply, `sample` the sample reply (captured on the H200 at rest).
+
+It is also a FAKE GPU load, the stand-in for the burn's matmul on a host with no GPU: run as
+`nvidia-smi --fake-burn SECONDS`, it marks the GPU busy for SECONDS (while it runs, the sample reply is
+`sample-busy`, by default the H200 under a fp16 matmul, 2026-12-04) and prints the load's JSON line
+with `tflops` (the state file `tflops`, by default that run's 628.97). A latched or throttled GPU is
+made by writing `sample-busy` and `tflops`.
 """
 
 from __future__ import annotations
@@ -27,12 +34,32 @@ def state(name: str, default: str) -> str:
         return f.read()
 
 
+def fake_burn(seconds: float) -> int:
+    import time
+
+    mark = os.path.join(STATE, "burning")
+    with open(mark, "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        time.sleep(seconds)
+    finally:
+        os.unlink(mark)
+    print(json.dumps({"tflops": float(state("tflops", "628.97")), "iters": 0, "seconds": seconds, "size": 4096,
+                      "dtype": "fp16", "device_name": "FAKE"}))
+    return 0
+
+
 def main(args: list[str]) -> int:
+    if args[:1] == ["--fake-burn"]:
+        return fake_burn(float(args[1]))
     with open(os.path.join(STATE, "capture.json")) as f:
         capture = json.load(f)
     fields = capture["query_fields"]
     q = [a for a in args if a.startswith("--query-gpu=")]
-    if q:
+    if q and q[0].split("=", 1)[1] == capture.get("sample_fields"):
+        busy = os.path.exists(os.path.join(STATE, "burning"))
+        sys.stdout.write(state("sample-busy", capture["sample_busy"]) if busy else state("sample", capture["sample"]))
+    elif q:
         asked = q[0].split("=", 1)[1]
         if asked != fields:
             bad = [x for x in asked.split(",") if x not in fields.split(",")]
