@@ -22,7 +22,7 @@ import testinfra
 from builder import hostfacts as hf
 from builder.hostfacts import memory
 from tests.lib import fleetlib
-from tests.lib.checkmods import checklib_fresh, concerns_for, count_commands, local_expect
+from tests.lib.checkmods import check_module, checklib_fresh, concerns_for, count_commands, local_expect
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -260,3 +260,36 @@ def test_a_containers_memory_from_its_cgroup_on_this_machine() -> None:
         assert all(p["pid"] != int(pid) for p in got["processes"])  # a container's process is not the host's
     finally:
         subprocess.run(["docker", "rm", "-f", cid], capture_output=True)
+
+
+class _FreeingHost:
+    """A host (testinfra's run/backend interface) whose MemAvailable rises by `step` GiB on each read
+    after a page-cache drop, as on a Spark whose last rank is still giving its memory back; `drop_rc`
+    is the drop's exit status (1: not root)."""
+
+    def __init__(self, start_gib: float, step_gib: float, drop_rc: int = 0) -> None:
+        self.gib, self.step, self.drop_rc, self.ran = start_gib, step_gib, drop_rc, []
+        self.backend = testinfra.get_host("local://").backend  # (quoting and decoding only)
+
+    def run(self, command: str, *args: str) -> Any:
+        self.ran.append(command)
+        if "drop_caches" in command:
+            return self.backend.result(self.drop_rc, command.encode(), b"", b"sh: permission denied\n")
+        self.gib += self.step
+        text = f"MemTotal: {128 << 20} kB\nMemAvailable: {int(self.gib * (1 << 20))} kB\n"
+        return self.backend.result(0, command.encode(), text.encode(), b"")
+
+
+def test_memory_gate_drops_the_cache_then_waits_for_the_floor() -> None:
+    mem = check_module("memory")
+    host = _FreeingHost(80.0, 5.0)
+    t = time.monotonic()
+    available, said = mem._drop_and_wait(host, 100.0, 30.0)
+    assert available >= 100 * (1 << 20) and "page-cache drop" in said and time.monotonic() - t < 20
+    assert any("drop_caches" in c for c in host.ran)
+    # bounded: a floor never reached gives up after the wait, and a refused drop says so
+    host = _FreeingHost(10.0, 0.0, drop_rc=1)
+    t = time.monotonic()
+    available, said = mem._drop_and_wait(host, 100.0, 1.0)
+    assert 0.9 <= time.monotonic() - t < 5 and available == 10 * (1 << 20)
+    assert "could not be dropped: sh: permission denied" in said and "1 s of waiting" in said
