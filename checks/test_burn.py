@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import Cmd, Concern, argv_command, burn_facts, exists, gpu_commands, gpu_report, own_gpu_pids
+from checklib import Cmd, Concern, burn_facts, exists, gpu_commands, gpu_report, own_gpu_pids
 
 from builder.hostfacts import MATMUL, dumps
 

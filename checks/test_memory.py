@@ -5,9 +5,8 @@ host's `memory_wait_s` for the floor, before it refuses."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import time
+from typing import Any
 
 import pytest
 from checklib import (
@@ -84,7 +83,8 @@ def test_available(host: Any, meminfo: dict[str, int], expect: dict[str, Any]) -
             used = ("the GPU reports no memory of its own (memory.total [N/A], unified memory): its processes' "
                     "memory is read from --query-compute-apps as the host's")
             mine, containers, processes = memory_holders(facts, own, apps)
-            message = memory_shortfall(available, want, mine, containers, processes, "; ".join(filter(None, [note, used])))
+            said = "; ".join(filter(None, [note, used]))
+            message = memory_shortfall(available, want, mine, containers, processes, said)
     assert not message, message + waited
 
 

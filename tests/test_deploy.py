@@ -39,7 +39,7 @@ from tests.lib import auditlib, factory, fleetlib
 from tests.lib import bundlelib as bl
 from tests.lib import deploylib as dl
 from tests.lib.bundlelib import bundle, install, run_installer
-from tests.lib.journeylib import PATHS, Journey, edit_on, journey
+from tests.lib.journeylib import PATHS, Journey, edit_on, fleet_toml, journey
 
 # --------------------------------------------------------------------------- fast tier
 
@@ -417,6 +417,42 @@ def test_refused_while_another_gpu_workload_runs(j: Journey, bystanders: None) -
         assert not [c for h in j.fleet.hosts for c in dl.lane_containers(j, h)]
     finally:
         j.fleet.exec(worker, f"rm -f {APPS}")
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_refused_on_a_latched_gpu_naming_the_host_and_the_fix(j: Journey) -> None:
+    """The burn in the gate: the worker's FAKE GPU (tests/lib/fake_nvidia_smi.py) runs its load at a
+    latched GB10's figures (low clock at low power, few TFLOPS): the deploy switches nothing and names
+    the host, the latch and the power cycle that fixes it; the head's healthy burn passes."""
+    good = _good(j)
+    worker = j.fleet.hosts[1]
+    inventory = j.root / "hosts" / f"{j.name}.toml"
+    before = inventory.read_text()
+    burn = {"command": ["/usr/local/bin/nvidia-smi", "--fake-burn", "1"], "seconds": 1}
+    latched = auditlib.busy_sample().replace(", 1440, 1980, 690.", ", 690, 1980, 18.")
+    state = "/etc/fake-nvidia-smi"
+    try:
+        inventory.write_text(fleet_toml(j.name, "demo", j.fleet, j.keys, GPU_EXPECT | {"burn": burn}))
+        for h in j.fleet.hosts:  # (the load marks the GPU busy in the fake's state folder, as the ssh user)
+            j.fleet.exec(h, f"chmod 1777 {state}")
+        j.fleet.exec(worker, ["sh", "-c", f"cat > {state}/sample-busy && echo 31.2 > {state}/tflops"],
+                     input=latched)
+        _new_release(j)
+        rc, rep = _deploy(j)
+        assert rc == 1 and rep["result"] == "refused", rep.get("reason")
+        msg = rep["hosts"][worker.name]["message"]
+        assert "burn::gpu" in msg and "clock latch" in msg and "unplugged for 30 to 60 s" in msg, rep["hosts"]
+        assert worker.name in rep["reason"]
+        burned = rep["audit"]["burn"]["hosts"]
+        assert burned[worker.name]["verdict"] == "latched" and burned[j.fleet.hosts[0].name]["verdict"] == "pass"
+        assert rep["audit"]["hosts"][worker.name]["status"] == "unhealthy"
+        assert all(r["result"] == "not-switched" for r in rep["hosts"].values())
+        dl.assert_on(j, good)
+    finally:
+        inventory.write_text(before)
+        j.fleet.exec(worker, f"rm -f {state}/sample-busy {state}/tflops")
 
 
 @pytest.mark.fleet

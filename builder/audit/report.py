@@ -81,8 +81,8 @@ class AuditReport:
                     "status": h.status,
                     "message": h.message or h.first_problem(),
                     "seconds": round(h.seconds, 3),
-                    "checks": {c.check: {"status": c.status, "message": c.message} | ({"data": c.data} if c.data else {})
-                               for c in h.checks},
+                    "checks": {c.check: {"status": c.status, "message": c.message}
+                               | ({"data": c.data} if c.data else {}) for c in h.checks},
                 }
                 for h in self.hosts
             },
@@ -98,10 +98,9 @@ def burn_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
     cols = ["host", "TFLOPS", "clock MHz", "power W", "max C", "verdict", "fleet"]
     rows = []
     for name, b in (burn.get("hosts") or {}).items():
-        def cell(k: str, fmt: str = "{:.0f}") -> str:
-            return "?" if b.get(k) is None else fmt.format(b[k])
-        rows.append([name, cell("tflops", "{:.1f}"), cell("clock_mhz"), cell("power_w"), cell("temperature_c"),
-                     str(b.get("verdict")), "SLOW" if name in burn["outliers"] else "ok"])
+        cells = ["?" if b.get(k) is None else fmt.format(b[k]) for k, fmt in (
+            ("tflops", "{:.1f}"), ("clock_mhz", "{:.0f}"), ("power_w", "{:.0f}"), ("temperature_c", "{:.0f}"))]
+        rows.append([name, *cells, str(b.get("verdict")), "SLOW" if name in burn["outliers"] else "ok"])
     return cols, rows
 
 

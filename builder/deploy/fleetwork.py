@@ -205,9 +205,11 @@ class Fleetwork:
 
     # ------------------------------------------------------------------ audits
 
-    def audit(self, phase: str, *, release: str = "current", snapshot: Path | None = None) -> Any:
+    def audit(
+        self, phase: str, *, release: str = "current", snapshot: Path | None = None, only: list[str] | None = None
+    ) -> Any:
         return run_fleet_audit(self.opts, self.shared, self.say, phase, release=release, snapshot=snapshot,
-                               hosts_dir=self.ctx.hosts_dir)
+                               hosts_dir=self.ctx.hosts_dir, only=only)
 
 
 @contextmanager
@@ -269,7 +271,7 @@ def close_sockets(sockets: ControlSockets) -> None:
 
 def run_fleet_audit(
     opts: DeployOptions, shared: ControlSockets, say: Say, phase: str, *, release: str = "current",
-    snapshot: Path | None = None, hosts_dir: Path | None = None,
+    snapshot: Path | None = None, hosts_dir: Path | None = None, only: list[str] | None = None,
 ) -> Any:
     """`builder audit --fleet F --phase PHASE` over the command's connections (`snapshot`: against the
     pins and lock kept there, for a rolled-back release)."""
@@ -288,6 +290,7 @@ def run_fleet_audit(
         # (the command's folder, "kept" for the audit's length: the command closes them)
         control_dir=shared.folder,
         ssh_persist=shared.persist,
+        only=only,
     )
     what = {"preflight": "preflight audit (the gate)", "serving": "serving audit", "all": "audit"}[phase]
     say(f"{what} of fleet {opts.fleet}{' (the staged release)' if release == 'staged' else ''}")

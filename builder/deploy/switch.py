@@ -55,6 +55,7 @@ def forward(d: Deployment) -> None:
         o = d.out(h)
         if o.result not in outcomes("switched", "repaired"):
             o.result, o.on = "unchanged", "new"
+    burn_window(d)
     d.phase("starting")
     for h in w.hosts:
         st = w.states[h.name]
@@ -66,3 +67,19 @@ def forward(d: Deployment) -> None:
     if report.exit_code != 0:
         raise BuilderError(f"the serving audit failed: {problems(report)}")
 
+
+
+def burn_window(d: Deployment) -> None:
+    """The burn (checks/test_burn.py) on the hosts whose gate skipped it because the lane's running
+    release held the GPU: run now, every rank stopped and none started, seconds against a boot of
+    minutes. BuilderError when a GPU fails it (the deploy then rolls back; the message names the host
+    and the fix, a power cycle for a latched GPU)."""
+    gate = (d.rep.audit or {}).get("hosts") or {}
+    waiting = [n for n, h in gate.items()
+               if (h.get("checks") or {}).get("burn::gpu", {}).get("status") == "skip"
+               and "lane's own release" in str(h["checks"]["burn::gpu"].get("message"))]
+    if not waiting:
+        return
+    report = d.w.audit("preflight", only=["burn"])
+    if report.exit_code != 0:
+        raise BuilderError(f"the burn failed with the GPUs free: {problems(report)}")
