@@ -263,6 +263,38 @@ def test_local_gpu_checks_on_h200_capture(tmp_path: Path) -> None:
         assert checks[f"gpu::{c}"]["status"] == "pass", (c, checks[f"gpu::{c}"])
 
 
+@pytest.mark.parametrize("state", ["idle", "foreign", "own"])
+def test_local_gpu_checks_replay_the_h200_states(tmp_path: Path, state: str) -> None:
+    """The H200's replies of 2026-12-04 in each state (tests/data/gpu-states), through the same checks:
+    idle and busy with the lane's own process pass, a foreign process is named. The compute process is
+    a real process here, started with (own) or without (foreign) the BUILDER_* variables of a rank."""
+    root, env = local_project(tmp_path, H200)
+    nv = tmp_path / "nvstate"
+    (nv / "query").write_text((auditlib.STATES / f"{state}-query.txt").read_text())
+    (nv / "sample").write_text((auditlib.STATES / f"{state}-sample.txt").read_text())
+    apps = (auditlib.STATES / f"{state}-apps.txt").read_text()
+    own = {"BUILDER_LANE": "demo", "BUILDER_FLEET": "l", "BUILDER_HOST": "me", "BUILDER_RANK": "0"}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
+                            | (own if state == "own" else {}))
+    try:
+        if apps.strip():
+            (nv / "apps").write_text(f"{proc.pid}," + apps.split(",", 1)[1])
+        rc, data, err = run_local(root, env, "--only", "gpu")
+    finally:
+        proc.kill()
+        proc.wait()
+    checks = data["hosts"]["me"]["checks"]
+    bad = {k: v["message"] for k, v in checks.items() if v["status"] not in ("pass", "skip")}
+    if state == "foreign":
+        assert rc == 1 and set(bad) == {"gpu::no_other_compute_process"}, err
+        assert f"pid {proc.pid} python3 (103402 MiB)" in bad["gpu::no_other_compute_process"]
+        assert data["hosts"]["me"]["status"] == "drift"
+    else:
+        assert rc == 0 and bad == {}, err
+        assert checks["gpu::clock_event_reasons"]["status"] == "pass"  # 0x4 under load (foreign, own)
+
+
 def test_local_busy_healthy_gpu_passes_and_slowdowns_are_unhealthy(tmp_path: Path) -> None:
     """The H200 at its power cap under load (0x4, the captured burn sample) passes; a thermal slowdown
     and a latch fail as hardware findings (the host `unhealthy`, every failing reason shown)."""
