@@ -20,7 +20,7 @@ from builder.errors import ConfigError
 from tests.lib.checkmods import CHECKS, check_module, checklib_fresh, concerns_for
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ("image", "release", "models", "engram", "gpu", "memory", "fabric", "storage", "runtime", "serving")
+NAMES = ("image", "release", "models", "engram", "gpu", "burn", "memory", "fabric", "storage", "runtime", "serving")
 
 
 def test_every_check_module_declares_its_concern_readably() -> None:
@@ -50,7 +50,7 @@ def test_the_phases_select_what_they_did() -> None:
     assert selected("serving", ["storage", "gpu"]) == ["gpu", "storage"]  # (--only: in the concerns' order)
     with pytest.raises(ConfigError, match=r"--only: unknown concern 'bogus' \(have: image, release, "):
         selected("preflight", ["gpu", "bogus"])
-    assert {c.name for c in have if c.containers} == {"runtime", "serving", "gpu", "memory"}
+    assert {c.name for c in have if c.containers} == {"runtime", "serving", "gpu", "burn", "memory"}
 
 
 # Each host's expectations with every want on ("full", "hashing": --mode full) or off ("bare"), and
