@@ -148,3 +148,19 @@ def test_matmul_request_and_arithmetic() -> None:
     for bad in ('{"dtype": "int8"}', '{"seconds": 0}', '{"size": 3}'):
         with pytest.raises(ValueError):
             matmul.request(["x", bad])
+
+
+def test_matmul_needs_torch_alone_and_is_sent_as_it_is() -> None:
+    """The load runs in the lane's image: its top level is the standard library; torch only in burn()."""
+    import ast
+
+    from builder import hostfacts as hf
+
+    src = hf.source("matmul")
+    assert src == hf.MATMUL
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    tree = ast.parse(src)
+    top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    assert all((getattr(n, "module", None) or n.names[0].name).split(".")[0] in stdlib for n in top)
+    inner = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) and n not in top for a in n.names}
+    assert inner == {"torch"}

@@ -23,7 +23,7 @@ from builder import hostfacts as hf
 from builder.hostfacts import batch, fabric, files, serve
 from tests.lib import fleetlib
 
-HOST_MODULES = ("batch", "files", "fabric", "serve", "lane")
+HOST_MODULES = ("batch", "files", "fabric", "serve", "lane", "burn", "gpuprocs")
 
 
 def batch_run(items: list[object], seconds: float = 1) -> tuple[dict[str, tuple[int, bytes, bytes]], float]:
