@@ -196,6 +196,27 @@ def _report() -> core.AuditReport:
     return core.AuditReport([a, b], "fast", "preflight", ["gpu", "memory", "fabric"], 1.0)
 
 
+def test_burn_figures_and_the_fleets_median() -> None:
+    """Each host's burn figures in the JSON and the burn table; a host under 85% of the fleet's median
+    TFLOPS is flagged, and a hardware finding fails as `unhealthy` (JUnit type too)."""
+    def host(name: str, tflops: float, verdict: str = "pass") -> core.HostResult:
+        data = {"burn": {"tflops": tflops, "clock_mhz": 2171, "power_w": 86.0, "temperature_c": 60, "verdict": verdict}}
+        status = "fail" if verdict != "pass" else "pass"
+        if verdict != "pass":
+            data["kind"] = "hardware"
+        return core.HostResult(name, "f", "unhealthy" if verdict != "pass" else "pass",
+                               checks=[core.CheckOutcome("burn::gpu", "burn", status, "m", data)])
+    rep = core.AuditReport([host("s1", 82.0), host("s2", 80.5), host("s3", 31.2, "latched"), host("s4", 84.0)],
+                           "fast", "preflight", ["burn"])
+    j = rep.to_json()
+    assert j["exit"] == 1 and list(j["burn"]["outliers"]) == ["s3"]
+    assert j["hosts"]["s1"]["checks"]["burn::gpu"]["data"]["burn"]["tflops"] == 82.0
+    cols, rows = core.burn_rows(rep)
+    assert cols[1] == "TFLOPS" and rows[2] == ["s3", "31.2", "2171", "86", "60", "latched", "SLOW"]
+    assert b'type="unhealthy"' in core.junit_xml(rep)
+    assert core.AuditReport([core.HostResult("a", "f", "pass")], "fast", "preflight", []).to_json().get("burn") is None
+
+
 def test_matrix_json_junit_exit() -> None:
     rep = _report()
     assert rep.exit_code == 3
@@ -343,6 +364,10 @@ def test_local_burn_reports_its_figures(tmp_path: Path) -> None:
     root2, env2 = local_project(tmp_path / "none", H200)
     rc, data, err = run_local(root2, env2, "--only", "burn")
     assert rc == 0 and data["hosts"]["me"]["checks"]["burn::gpu"]["status"] == "skip"
+    root3, env3 = local_project(tmp_path / "off", H200 | {"burn": burn | {"enabled": False}})
+    rc, data, err = run_local(root3, env3, "--only", "burn")
+    check = data["hosts"]["me"]["checks"]["burn::gpu"]
+    assert rc == 0 and check["status"] == "skip" and "enabled = false" in check["message"]
 
 
 def test_local_gpu_drift_expected_vs_found(tmp_path: Path) -> None:

@@ -80,6 +80,33 @@ def test_the_documented_results_are_the_reports_values() -> None:
     assert documented("The fleet's `result`") == list(get_args(FleetResult))
 
 
+def test_the_burn_window_runs_only_where_the_gate_could_not_burn() -> None:
+    """builder.deploy.switch.burn_window: the hosts whose gate skipped the burn because the lane held
+    the GPU get it between stop and start (`--only burn`); a failing GPU raises, naming it."""
+    from types import SimpleNamespace
+
+    from builder.audit import AuditReport, CheckOutcome, HostResult
+    from builder.deploy.switch import burn_window
+
+    asked: list[list[str] | None] = []
+    latched = HostResult("s2", "f", "unhealthy", checks=[
+        CheckOutcome("burn::gpu", "burn", "fail", "GPU 0 clock latch: ...; fix: power-cycle", {"kind": "hardware"})])
+
+    def deployment(message: str, result: HostResult) -> Any:
+        def audit(phase: str, only: list[str] | None = None) -> AuditReport:
+            asked.append(only)
+            return AuditReport([result], "fast", phase, ["burn"])
+        gate = {"hosts": {"s2": {"checks": {"burn::gpu": {"status": "skip", "message": message}}}}}
+        return SimpleNamespace(rep=SimpleNamespace(audit=gate), w=SimpleNamespace(audit=audit))
+
+    burn_window(deployment("no burn in the host's profile ([hosts.expect.burn])", latched))
+    assert asked == []
+    with pytest.raises(BuilderError, match=r"the burn failed with the GPUs free: s2: burn::gpu: GPU 0 clock latch"):
+        burn_window(deployment("the lane's own release is on the GPU: the burn runs on a free GPU", latched))
+    assert asked == [["burn"]]
+    burn_window(deployment("the lane's own release is on the GPU", HostResult("s2", "f", "pass")))
+
+
 def test_fleet_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> None:
     with fleet_lock(tmp_path, "f", "deploy"):
         code = (
