@@ -164,3 +164,21 @@ def test_matmul_needs_torch_alone_and_is_sent_as_it_is() -> None:
     assert all((getattr(n, "module", None) or n.names[0].name).split(".")[0] in stdlib for n in top)
     inner = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) and n not in top for a in n.names}
     assert inner == {"torch"}
+
+
+def test_the_profiles_command_is_filled_in_one_pass() -> None:
+    """checks/test_burn.py fills {image}, {matmul} and {request}; the matmul's source is not searched again."""
+    from tests.lib.checkmods import check_module
+
+    burn = check_module("burn")
+    spark = ["docker", "run", "--rm", "--gpus", "all", "{image}", "python3", "-c", "{matmul}", "{request}"]
+    argv = burn.command({"command": spark, "seconds": 12}, {"image": {"image_id": "sha256:ab"}})
+    assert argv[5] == "sha256:ab" and argv[8] == hostfacts_source("matmul") and json.loads(argv[9]) == {"seconds": 12}
+    with pytest.raises(pytest.fail.Exception, match="the lane's image is unknown: no lock"):
+        burn.command({"command": spark, "seconds": 12}, {"image": None, "image_reason": "no lock"})
+
+
+def hostfacts_source(name: str) -> str:
+    from builder import hostfacts as hf
+
+    return hf.source(name)
