@@ -94,19 +94,29 @@ def test_persistence_mode(report: G.GpuReport, expect: dict[str, Any]) -> None:
     want = expect["expect"].get("persistence_mode")
     if want is None:
         pytest.skip("persistence_mode not set in the host's expectations")
-    for g in _gpus(report):
-        found = "unknown" if g.persistence_mode is None else ("on" if g.persistence_mode else "off")
-        assert g.persistence_mode == want, (
-            f"GPU {g.index} persistence mode: expected {'on' if want else 'off'}, found {found}"
+    gpus = _gpus(report)
+    unknown = [g.index for g in gpus if g.persistence_mode is None]
+    for g in gpus:
+        assert g.persistence_mode in (want, None), (
+            f"GPU {g.index} persistence mode: expected {'on' if want else 'off'}, found "
+            f"{'on' if g.persistence_mode else 'off'}"
         )
+    if unknown:  # ([N/A] or [Not Supported]: unknown, never a pass or a failure)
+        pytest.skip(f"GPU {', '.join(map(str, unknown))}: persistence mode not reported ([N/A]); "
+                    "nothing stands in for it")
 
 
 def test_clock_ceiling(report: G.GpuReport, expect: dict[str, Any]) -> None:
     want = or_skip(expect["expect"].get("gpu_clock_mhz"), "no gpu_clock_mhz target in the host's expectations")
-    for g in _gpus(report):
-        assert g.clocks_max_sm_mhz is not None and g.clocks_max_sm_mhz >= want, (
+    gpus = _gpus(report)
+    for g in gpus:
+        assert g.clocks_max_sm_mhz is None or g.clocks_max_sm_mhz >= want, (
             f"GPU {g.index} max SM clock: expected >= {want} MHz, found {g.clocks_max_sm_mhz} MHz"
         )
+    unknown = [g.index for g in gpus if g.clocks_max_sm_mhz is None]
+    if unknown:  # ([N/A]: unknown, never a pass or a failure)
+        pytest.skip(f"GPU {', '.join(map(str, unknown))}: max SM clock not reported ([N/A]); the clock is judged "
+                    "under load instead (gpu::clock_latch, burn::gpu)")
 
 
 def test_clock_event_reasons(report: G.GpuReport, finding: Any) -> None:

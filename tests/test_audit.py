@@ -614,3 +614,21 @@ def test_results_problem_from_the_exit_status_alone(tmp_path: Path) -> None:
     (tmp_path / "log").write_text("x\nINTERNALERROR> boom\n")
     got = runner.results_problem(3, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log")
     assert got == "the checks stopped (pytest exit 3): INTERNALERROR> boom"
+
+
+def test_local_fields_a_gpu_does_not_report_are_unknown(tmp_path: Path) -> None:
+    """[N/A] (as GB10 reports fields it does not have) is neither a pass nor a failure: the check skips
+    and says what is used instead."""
+    root, env = local_project(tmp_path, H200)
+    q = auditlib.capture_sections()["query csv header"]
+    head, row = q.strip().splitlines()
+    cols, names = row.split(", "), [c.split(" [")[0] for c in head.split(", ")]
+    for field in ("persistence_mode", "clocks.max.sm"):
+        cols[names.index(field)] = "[N/A]"
+    (tmp_path / "nvstate" / "query").write_text(f"{head}\n{', '.join(cols)}\n")
+    rc, data, err = run_local(root, env, "--only", "gpu")
+    checks = data["hosts"]["me"]["checks"]
+    assert rc == 0, err
+    ceiling, persistence = checks["gpu::clock_ceiling"], checks["gpu::persistence_mode"]
+    assert ceiling["status"] == "skip" and "judged under load" in ceiling["message"]
+    assert persistence["status"] == "skip" and "[N/A]" in persistence["message"]
