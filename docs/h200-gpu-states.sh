@@ -4,7 +4,8 @@
 # 1 idle; 2 busy with a foreign process (a bf16 8192² matmul holding 100 GiB, plain environment);
 # 3 busy with the lane's own process (the same load with the BUILDER_* variables a rank's container has);
 # 4 the burn: builder.hostfacts.burn running the fp16 4096² matmul (builder.hostfacts.matmul) and sampling,
-#   between two runs of the same matmul timed on its own.
+#   between two runs of the same matmul timed on its own; with `audit`, `--only burn`, then the GPU checks
+#   during a second burn (state `burning`).
 # Each state writes STATE-query.txt (builder.gpu.QUERY_FIELDS), STATE-sample.txt (builder.gpu.burn.SAMPLE_FIELDS),
 # STATE-apps.txt, STATE-nvml.json and, with a load, STATE-procs.json (builder.hostfacts.gpuprocs);
 # with `audit`, STATE-audit.json and STATE-audit.txt (builder audit --fleet h200-local, exit status in the file).
@@ -91,5 +92,12 @@ EOF
 if [ -n "$audit" ]; then  # the burn through the audit, the GPU free
   python3 -m builder audit --fleet h200-local --only burn --json >"$out/burn-audit.json" 2>"$out/burn-audit.txt"
   echo "exit $?" >>"$out/burn-audit.txt"
+  # the GPU checks during a burn (a second one, so the timed burn above is undisturbed): the load is
+  # builder's, run by hand, so it is a process outside the lane, as another operator's burn would be
+  python3 -I -S builder/hostfacts/burn.py "$req" >"$out/burning-facts.json" 2>&1 &
+  bp=$!
+  sleep 9
+  keep=$only; only=gpu; capture burning; only=$keep
+  wait "$bp"
 fi
 echo done
