@@ -284,16 +284,19 @@ def test_local_gpu_checks_on_h200_capture(tmp_path: Path) -> None:
         assert checks[f"gpu::{c}"]["status"] == "pass", (c, checks[f"gpu::{c}"])
 
 
-@pytest.mark.parametrize("state", ["idle", "foreign", "own"])
+@pytest.mark.parametrize("state", ["idle", "foreign", "own", "final/burning"])
 def test_local_gpu_checks_replay_the_h200_states(tmp_path: Path, state: str) -> None:
     """The H200's replies of 2026-12-04 in each state (tests/data/gpu-states), through the same checks:
-    idle and busy with the lane's own process pass, a foreign process is named. The compute process is
-    a real process here, started with (own) or without (foreign) the BUILDER_* variables of a rank."""
+    idle and busy with the lane's own process pass, a foreign process (another load, a burn run by
+    hand) is named. The compute process is a real process here, started with (own) or without the
+    BUILDER_* variables of a rank."""
     root, env = local_project(tmp_path, H200)
     nv = tmp_path / "nvstate"
-    (nv / "query").write_text((auditlib.STATES / f"{state}-query.txt").read_text())
-    (nv / "sample").write_text((auditlib.STATES / f"{state}-sample.txt").read_text())
-    apps = (auditlib.STATES / f"{state}-apps.txt").read_text()
+    folder = auditlib.STATES.with_name(auditlib.STATES.name + "-final") if "/" in state else auditlib.STATES
+    state = state.split("/")[-1]
+    (nv / "query").write_text((folder / f"{state}-query.txt").read_text())
+    (nv / "sample").write_text((folder / f"{state}-sample.txt").read_text())
+    apps = (folder / f"{state}-apps.txt").read_text()
     own = {"BUILDER_LANE": "demo", "BUILDER_FLEET": "l", "BUILDER_HOST": "me", "BUILDER_RANK": "0"}
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                             env={k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
@@ -307,9 +310,10 @@ def test_local_gpu_checks_replay_the_h200_states(tmp_path: Path, state: str) -> 
         proc.wait()
     checks = data["hosts"]["me"]["checks"]
     bad = {k: v["message"] for k, v in checks.items() if v["status"] not in ("pass", "skip")}
-    if state == "foreign":
+    if state in ("foreign", "burning"):
         assert rc == 1 and set(bad) == {"gpu::no_other_compute_process"}, err
-        assert f"pid {proc.pid} python3 (103402 MiB)" in bad["gpu::no_other_compute_process"]
+        used = apps.split(",")[2].strip()
+        assert f"pid {proc.pid} python3 ({used} MiB)" in bad["gpu::no_other_compute_process"]
         assert data["hosts"]["me"]["status"] == "drift"
     else:
         assert rc == 0 and bad == {}, err

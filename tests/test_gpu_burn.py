@@ -182,3 +182,31 @@ def hostfacts_source(name: str) -> str:
     from builder import hostfacts as hf
 
     return hf.source(name)
+
+
+@pytest.mark.parametrize("run", ["h200-2026-12-04-audit", "h200-2026-12-04-final"])
+def test_the_recorded_h200_audits_say_what_the_docs_say(run: str) -> None:
+    """docs/burn-h200.md's figures are these files': idle and the lane's own load pass, the foreign load
+    is named (and refuses the burn), and the burn is within 15% of the matmul timed alone."""
+    d = DATA / run
+
+    def audit(state: str) -> dict:
+        assert (d / f"{state}-audit.txt").read_text().rstrip().endswith("exit " + ("1" if state in (
+            "foreign", "burning") else "0"))
+        return json.loads((d / f"{state}-audit.json").read_text())
+
+    assert audit("idle")["hosts"]["h200"]["status"] == "pass"
+    own = audit("own")["hosts"]["h200"]
+    assert own["status"] == "pass" and own["checks"]["burn::gpu"]["status"] == "skip"
+    foreign = audit("foreign")["hosts"]["h200"]
+    (pid,) = [a.pid for a in gpu.parse_compute_apps((d / "foreign-apps.txt").read_text())]
+    assert foreign["status"] == "drift" and f"pid {pid} python3" in foreign["message"]
+    bad = {k for k, v in foreign["checks"].items() if v["status"] == "fail"}
+    assert bad == {"gpu::no_other_compute_process", "burn::gpu"}
+    assert foreign["checks"]["gpu::clock_event_reasons"]["status"] == "pass"  # 0x4 at full load
+    burned = audit("burn")["burn"]["hosts"]["h200"]
+    alone = [json.loads((d / f"alone-{i}.json").read_text())["tflops"] for i in (1, 2)]
+    assert burned["verdict"] == "pass" and all(abs(burned["tflops"] - a) / a < 0.15 for a in alone)
+    if (d / "burning-audit.json").exists():
+        busy = audit("burning")["hosts"]["h200"]["checks"]
+        assert busy["gpu::clock_latch"]["status"] == busy["gpu::clock_event_reasons"]["status"] == "pass"
