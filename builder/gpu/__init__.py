@@ -1,5 +1,6 @@
 """nvidia-smi output parsing and a GPU probe (a package: ``values``, ``events``, ``models``, ``fields``,
-``parse``, ``probe``; everything public is here).
+``parse``, ``probe``; everything public is here), and the burn gate's judgment (``burn``, imported as
+``builder.gpu.burn``: the audit's side only).
 
 Only text in, models out: the parsers never raise anything but a BuilderError subclass
 (one line) whatever the text, so the audit can report garbage from a host as a finding.
