@@ -284,6 +284,7 @@ def test_local_gpu_checks_on_h200_capture(tmp_path: Path) -> None:
         assert checks[f"gpu::{c}"]["status"] == "pass", (c, checks[f"gpu::{c}"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state", ["idle", "foreign", "own", "final/burning"])
 def test_local_gpu_checks_replay_the_h200_states(tmp_path: Path, state: str) -> None:
     """The H200's replies of 2026-12-04 in each state (tests/data/gpu-states), through the same checks:
@@ -345,6 +346,7 @@ def test_local_busy_healthy_gpu_passes_and_slowdowns_are_unhealthy(tmp_path: Pat
     assert "gpu::clock_event_reasons" in host["message"] and "gpu::clock_latch" in host["message"]
 
 
+@pytest.mark.slow
 def test_local_burn_reports_its_figures(tmp_path: Path) -> None:
     """`--only burn` with the FAKE load (the fake nvidia-smi's --fake-burn): TFLOPS, clock, power and
     the verdict in the JSON; a latched GPU fails naming the fix; no burn in the profile skips."""

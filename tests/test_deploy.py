@@ -462,8 +462,6 @@ def test_refused_on_a_latched_gpu_naming_the_host_and_the_fix(j: Journey) -> Non
     state = "/etc/fake-nvidia-smi"
     try:
         inventory.write_text(fleet_toml(j.name, "demo", j.fleet, j.keys, GPU_EXPECT | {"burn": burn}))
-        for h in j.fleet.hosts:  # (the load marks the GPU busy in the fake's state folder, as the ssh user)
-            j.fleet.exec(h, f"chmod 1777 {state}")
         j.fleet.exec(worker, ["sh", "-c", f"cat > {state}/sample-busy && echo 31.2 > {state}/tflops"],
                      input=latched)
         _new_release(j)

@@ -83,8 +83,9 @@ H200_EXPECT: dict[str, Any] = {
 def install_fake_on(fleet: Any, h: Any) -> None:
     """The fake as /usr/local/bin/nvidia-smi on a test fleet host (tests.lib.fleetlib), its capture in
     /etc/fake-nvidia-smi, the state folder it reads by default."""
-    fleet.exec(h, ["sh", "-c", "mkdir -p /etc/fake-nvidia-smi && cat > /etc/fake-nvidia-smi/capture.json"],
-               input=capture_json())
+    # (1777: the FAKE GPU load marks the GPU busy there as whichever user runs the burn)
+    fleet.exec(h, ["sh", "-c", "mkdir -p /etc/fake-nvidia-smi && chmod 1777 /etc/fake-nvidia-smi && "
+                   "cat > /etc/fake-nvidia-smi/capture.json"], input=capture_json())
     fleet.exec(h, ["sh", "-c", "cat > /usr/local/bin/nvidia-smi && chmod 755 /usr/local/bin/nvidia-smi"],
                input=FAKE.read_text())
 
