@@ -452,7 +452,9 @@ def test_refused_while_another_gpu_workload_runs(j: Journey, bystanders: None) -
 def test_refused_on_a_latched_gpu_naming_the_host_and_the_fix(j: Journey) -> None:
     """The burn in the gate: the worker's FAKE GPU (tests/lib/fake_nvidia_smi.py) runs its load at a
     latched GB10's figures (low clock at low power, few TFLOPS): the deploy switches nothing and names
-    the host, the latch and the power cycle that fixes it; the head's healthy burn passes."""
+    the host, the latch and the power cycle that fixes it; the head's healthy burn passes. With the
+    lane's engines on the GPUs the gate cannot burn: the burn runs once they are stopped, before the
+    new release starts, and the latched worker rolls the deploy back."""
     good = _good(j)
     worker = j.fleet.hosts[1]
     inventory = j.root / "hosts" / f"{j.name}.toml"
@@ -475,9 +477,18 @@ def test_refused_on_a_latched_gpu_naming_the_host_and_the_fix(j: Journey) -> Non
         assert rep["audit"]["hosts"][worker.name]["status"] == "unhealthy"
         assert all(r["result"] == "not-switched" for r in rep["hosts"].values())
         dl.assert_on(j, good)
+        for rank, h in enumerate(j.fleet.hosts):  # the engines on the GPUs: the gate's burn skips
+            pid = j.fleet.exec(h, f"docker inspect -f '{{{{.State.Pid}}}}' builder-demo-r{rank}").stdout.strip()
+            j.fleet.exec(h, f"echo '{pid}, demo-engine, 1024' > {state}/apps-live")
+        rc, rep = _deploy(j)
+        assert rc == 1 and rep["result"] == "rolled-back", rep.get("reason")
+        assert "the burn failed with the GPUs free" in rep["reason"] and worker.name in rep["reason"]
+        assert "clock latch" in rep["reason"] and "power-cycle" in rep["reason"]
+        dl.assert_on(j, good)  # back on the old release, serving
     finally:
         inventory.write_text(before)
-        j.fleet.exec(worker, f"rm -f {state}/sample-busy {state}/tflops")
+        for h in j.fleet.hosts:
+            j.fleet.exec(h, f"rm -f {state}/sample-busy {state}/tflops {state}/apps-live")
 
 
 @pytest.mark.fleet

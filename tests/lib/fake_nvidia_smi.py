@@ -8,7 +8,8 @@ list it answers, the `csv` reply (header and one row, with units) and `--version
 invocations (that field list, the burn's sample field list, --version and --query-compute-apps) and
 answers anything else as an old driver would ("not a valid field", exit 2). Drift is injected through
 files in the state folder: `query` replaces the --query-gpu reply, `apps` is the --query-compute-apps
-reply, `sample` the sample reply (captured on the H200 at rest).
+reply, `apps-live` more of it, each line only while its pid lives (as the real one lists only live
+processes), `sample` the sample reply (captured on the H200 at rest).
 
 It is also a FAKE GPU load, the stand-in for the burn's matmul on a host with no GPU: run as
 `nvidia-smi --fake-burn SECONDS`, it marks the GPU busy for SECONDS (while it runs, the sample reply is
@@ -70,6 +71,10 @@ def main(args: list[str]) -> int:
         sys.stdout.write(capture["version"])
     elif any(a.startswith("--query-compute-apps=") for a in args):
         sys.stdout.write(state("apps", ""))
+        # as the real one, which lists only live processes: each line of `apps-live` while its pid lives
+        for line in state("apps-live", "").splitlines(keepends=True):
+            if os.path.exists(f"/proc/{line.split(',')[0].strip()}"):
+                sys.stdout.write(line)
     else:
         print(f'Field "{" ".join(args)}" is not a valid field to query.')
         return 2
