@@ -92,7 +92,7 @@ class Expect(Strict):
     rdma: bool = True
     memory_wait_s: float = Field(
         default=0, ge=0, le=600,
-        description="how long the memory gate waits, after a page-cache drop, for min_free_memory_gib")
+        description="short of min_free_memory_gib: drop the page cache and wait this long for it (0: refuse at once)")
     burn: Burn | None = None
 
 
