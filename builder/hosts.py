@@ -64,7 +64,7 @@ class Burn(Strict):
     `command` is the load's argv, run on the host; it prints one JSON line with its ``tflops``
     (builder.hostfacts.matmul does). Placeholders: ``{matmul}`` that module's source, ``{request}``
     its JSON request (``seconds``), ``{image}`` the lane's image (its ID from the build record), so
-    a Spark runs ``docker run --rm --gpus all ... {image} python3 -c {matmul} {request}``."""
+    a Spark runs ``docker run --rm --gpus all --entrypoint python3 {image} -c {matmul} {request}``."""
 
     enabled: bool = Field(default=True, description="false: the opt-out (the burn check skips, saying so)")
     command: list[str] = Field(min_length=1)
