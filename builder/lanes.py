@@ -69,6 +69,9 @@ class Mount(Strict):
     source: str = Field(min_length=1)
     target: str = Field(min_length=2)
     writable: bool = False
+    #: the target is a path of the image that this mount replaces (a patched file over the engine's
+    #: own): the image must have it, or the mount silently adds a file instead (builder.launch.targets)
+    replaces: bool = False
 
     @field_validator("source")
     @classmethod
@@ -284,6 +287,14 @@ class Lane(Strict):
             out.append(("roles.worker", self.roles.worker))
         out += [(f"ranks.{k}", r) for k, r in sorted(self.ranks.items(), key=lambda kv: int(kv[0]))]
         return out
+
+    def replaced_targets(self) -> list[str]:
+        """The image paths this lane's mounts replace (``replaces = true``), in order of first mention."""
+        seen: list[str] = []
+        for m in [*self.mounts, *(m for _, r in self.runs() for m in r.mounts)]:
+            if m.replaces and m.target not in seen:
+                seen.append(m.target)
+        return seen
 
     def inputs(self) -> list[str]:
         """The runtime inputs (``input:NAME``) any rank mounts, in order of first mention."""

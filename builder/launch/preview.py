@@ -16,7 +16,7 @@ from typing import Any
 from builder.errors import ConfigError
 from builder.hosts import Fleet, Host, find_fleet, find_host
 from builder.imagerecord import read_record, tag_for
-from builder.launch import memory_floor
+from builder.launch import memory_floor, targets
 from builder.launch.derive import derivation_runs, derived_paths
 from builder.launch.order import start_order, stop_groups
 from builder.launch.rank import rank_command
@@ -84,6 +84,8 @@ def launch(opts: LaunchOptions) -> dict[str, Any]:
         lock = load_lock(opts.lock)
     image, why = image_reference(pins, lock, lane.image, opts.root, opts.store)
     unresolved += why
+    rec = read_record(opts.store, image["input_address"]) if image["state"] == "built" else None
+    mount_targets = targets.check(pins, lane_name, rec)  # (ConfigError: a mount that would add a file)
     if lock is not None:
         for kind, names in pins.closure([lane_name]).items():
             for n in sorted(names):
@@ -108,6 +110,7 @@ def launch(opts: LaunchOptions) -> dict[str, Any]:
         "image": image,
         "hosts": out_hosts,
         "derivations": {n: d.model_dump(mode="json") for n, d in lane.derivations.items()},
+        "mount_targets": mount_targets,
         "unresolved": unresolved,
         "unknown": list(lane.unknown),
     }
