@@ -148,6 +148,9 @@ def test_first_deploy_in_the_lanes_order_then_audits_pass(seed: Journey) -> None
         assert rc == 0, (mode, failing(report))
     # every rank runs exactly what `builder launch` showed (the bundle id and ImageID filled in)
     launch = json.loads(j.builder("launch", "--fleet", j.name, "--json").stdout)
+    # the mounts that replace image paths found them in the built image (its record lists them)
+    replaces = any(m.get("replaces") for m in factory.read_pins(j.root)["lanes"][launch["lane"]].get("mounts", []))
+    assert launch["mount_targets"]["state"] == ("passed" if replaces else "none"), launch["mount_targets"]
     for h, want in zip(j.fleet.hosts, launch["hosts"], strict=True):
         got = json.loads(j.fleet.exec(h, f"docker inspect {want['container']}").stdout)[0]["Config"]
         argv = want["argv"]
