@@ -11,7 +11,7 @@ or when its stamp (the release and the requirements below) differs, reused other
 sibling folder and renamed into place, so a half-made venv is never used. vLLM is installed without
 its dependencies, then its own requirements (as its METADATA states them) less `LEFT_OUT`: the GPU
 kernels, their compilers and the media decoders, which nothing here loads. Cold, on this machine
-(2026-12-04): about 2.5 minutes and 6.2 GB (torch's CUDA wheels are most of it); warm: a stamp
+(2026-12-04, 2 cores shared): 268 s and 6.2 GB (torch's CUDA wheels are most of it); warm: a stamp
 check. `python3 -m tests.lib.vllmconf` makes it (.ci/run does).
 """
 
