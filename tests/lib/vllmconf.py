@@ -17,6 +17,7 @@ check. `python3 -m tests.lib.vllmconf` makes it (.ci/run does).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -86,6 +87,14 @@ def ensure_venv(log: Any = sys.stderr) -> Path:
         return python()
     root, final = cache_root(), venv_dir()
     root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{VLLM_RELEASE}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (two test workers: one installs, the other waits and reuses)
+        if ready():
+            return python()
+        return _install(root, final, log)
+
+
+def _install(root: Path, final: Path, log: Any) -> Path:
     # (a venv works from another folder when run as bin/python -m ...: it is made aside, then renamed)
     work = Path(tempfile.mkdtemp(prefix=f".{VLLM_RELEASE}-", dir=root))
     t0 = time.monotonic()
