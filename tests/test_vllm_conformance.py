@@ -105,9 +105,12 @@ def test_a_misspelt_flag_and_a_changed_env_name_fail(
                                                  for a in head["argv"]])
     bad_value = dict(head, name="bad-mode", argv=[a.replace("FULL_AND_PIECEWISE", "FULL_AND_PIECEWIZE")
                                                   for a in head["argv"]])
-    out = vllmconf.run_checker([typo, renamed, bad_json, bad_value], list(FORK_ONLY), tmp_path)
+    bad_method = dict(head, name="bad-method", argv=[a.replace('"method":"dspark"', '"method":"dsparks"')
+                                                     for a in head["argv"]])
+    out = vllmconf.run_checker([typo, renamed, bad_json, bad_value, bad_method], list(FORK_ONLY), tmp_path)
     res = {r["name"]: r for r in out["ranks"]}
     assert not res["typo"]["accepted"] and "--max-num-batch-tokens" in res["typo"]["error"]
     assert res["renamed-env"]["accepted"] and res["renamed-env"]["env_unknown"] == ["VLLM_ENGINE_READY_TIMEOUT"]
     assert not res["bad-spec"]["accepted"] and "draft_sampling" in res["bad-spec"]["error"]
-    assert not res["bad-mode"]["accepted"]
+    assert not res["bad-mode"]["accepted"] and "FULL_AND_PIECEWIZE" in res["bad-mode"]["error"]
+    assert not res["bad-method"]["accepted"] and "dsparks" in res["bad-method"]["error"]

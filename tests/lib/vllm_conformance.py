@@ -137,7 +137,7 @@ def check_schema(cls_path: str, value: Any, option: str) -> None:
     """Each key of ``value`` a field of the release's config class, each value valid for its type."""
     import importlib
 
-    from pydantic import TypeAdapter
+    from pydantic import TypeAdapter, ValidationError
 
     mod, _, name = cls_path.rpartition(".")
     cls = getattr(importlib.import_module(mod), name)
@@ -150,7 +150,10 @@ def check_schema(cls_path: str, value: Any, option: str) -> None:
     for k, v in value.items():
         if k not in fields:
             raise ValueError(f"{option}: {name} has no field {k!r}")
-        TypeAdapter(hints[k]).validate_python(v, strict=False)
+        try:
+            TypeAdapter(hints[k]).validate_python(v, strict=False)
+        except ValidationError as e:
+            raise ValueError(f"{option}: {k}={v!r} is not a valid {name}.{k} ({e.errors()[0]['msg'][:200]})") from None
 
 
 def configure(parser: Any, cmds: dict[str, Any], argv: list[str], stub: Path) -> None:
