@@ -10,7 +10,9 @@ iterator of chunks without reading it into memory, ``build`` hands log lines to 
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import re
 import sys
@@ -388,3 +390,31 @@ def remove(ref: str, *, force: bool = False) -> bool:
             return False
 
     return bool(_call(f"docker rmi {ref}", do))
+
+
+def path_kinds(image: str, paths: Sequence[str]) -> dict[str, str]:
+    """What each path is in the image's filesystem: ``file``, ``dir``, ``link`` or ``missing``, from the
+    engine's stat of a created (never started) container (``HEAD /containers/ID/archive``): nothing in
+    the image runs, nothing is copied out."""
+
+    def do() -> dict[str, str]:
+        api = client().api
+        cid = api.create_container(image, entrypoint=["/builder-path-probe"], command=[],
+                                   network_disabled=True)["Id"]
+        try:
+            out: dict[str, str] = {}
+            for p in paths:
+                # (the SDK has no stat-only call; its client is a requests session on the engine's API)
+                res = api.head(api._url("/containers/{0}/archive", cid), params={"path": p})
+                if res.status_code == 404:
+                    out[p] = "missing"
+                    continue
+                res.raise_for_status()
+                stat = json.loads(base64.b64decode(res.headers.get("X-Docker-Container-Path-Stat") or "e30="))
+                mode = int(stat.get("mode", 0))
+                out[p] = "dir" if mode & (1 << 31) else "link" if mode & (1 << 27) else "file"
+            return out
+        finally:
+            api.remove_container(cid, force=True)
+
+    return dict(_call(f"docker container create {image} (to stat paths)", do))

@@ -26,6 +26,7 @@ from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.fetch import scrub_url
 from builder.hashing import recipe_files
 from builder.imagerecord import ImageRecord, read_record, tag_for, write_record
+from builder.launch import targets
 from builder.lockfile import Lock
 from builder.pins import ImageRecipe, Pins
 from builder.plan import Plan, load_inputs, make_plan
@@ -322,12 +323,16 @@ def build(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offl
         rec = up_to_date(store_root, p, labels)
         if rec is not None:
             provenance.ensure(store_root, p, rec)  # a record without its provenance documents gets them here
-            return ImageResult(record=rec, built=False)
+            listed = targets.record_paths(pins, rec)  # (a record from before a lane's mounts changed)
+            if listed != rec:
+                write_record(store_root, listed)
+            return ImageResult(record=listed, built=False)
     rec = _build_once(pins, lock, p, root, Store(store_root), labels, offline=offline, engine=engine,
                       on_log=on_log)
     old = read_record(store_root, p.address)
     if old is not None and old.image_id == rec.image_id:
         rec = rec.model_copy(update={"pushed": old.pushed})  # the same image is still in those registries
+    rec = targets.record_paths(pins, rec)
     write_record(store_root, rec)
     provenance.write(store_root, p, rec)
     return ImageResult(record=rec, built=True)

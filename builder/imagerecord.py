@@ -41,6 +41,9 @@ class ImageRecord(Strict):
     pushed: dict[str, str] = {}
     # A published image (pins' `published`): the reference by digest it was pulled by. None when built.
     published: str | None = None
+    # The image paths its lanes' mounts replace, and the parents of a missing one up to the nearest that
+    # exists: path -> file, dir, link or missing (builder.launch.targets). Absent in older records.
+    paths: dict[str, str] = {}
 
 
 def tag_for(name: str, input_address: str) -> str:

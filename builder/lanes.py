@@ -32,6 +32,7 @@ from builder.schema import Name, Strict
 PLACEHOLDERS = (
     "host", "port", "served_name", "context", "streams", "tensor_parallel", "rank", "world_size",
     "master_addr", "rendezvous_port", "lane", "address", "rdma_devices", "interfaces", "interface", "gid_index",
+    "speculative_tokens", "cudagraph_capture_sizes",
 )
 ENV_NAME_RE = re.compile(r"[A-Z_][A-Z0-9_]*")
 MOUNT_KINDS = ("model", "input", "derived", "state")
@@ -48,6 +49,17 @@ class Serve(Strict):
     served_name: str = Field(min_length=1)
     rendezvous_port: int = Field(default=29760, ge=1, le=65535)
     host: str = "0.0.0.0"
+    #: tokens a speculative draft proposes per step (vLLM's num_speculative_tokens, the recipes' k)
+    speculative_tokens: int | None = Field(default=None, ge=1, le=64)
+
+    def capture_sizes(self) -> list[int]:
+        """The CUDA-graph capture sizes of a speculative lane (recipes.md §10.6): the sorted union of
+        the multiples of k up to k·streams and of k+1 up to (k+1)·streams, k the draft length (a step
+        verifies k or k+1 tokens per stream)."""
+        k = self.speculative_tokens
+        if k is None:
+            return []
+        return sorted({m * i for m in (k, k + 1) for i in range(1, self.streams + 1)})
 
 
 class Mount(Strict):
@@ -57,6 +69,9 @@ class Mount(Strict):
     source: str = Field(min_length=1)
     target: str = Field(min_length=2)
     writable: bool = False
+    #: the target is a path of the image that this mount replaces (a patched file over the engine's
+    #: own): the image must have it, or the mount silently adds a file instead (builder.launch.targets)
+    replaces: bool = False
 
     @field_validator("source")
     @classmethod
@@ -100,6 +115,11 @@ class Options(Strict):
     gpus: str | None = Field(default=None, pattern=r"^(all|\d+|device=[0-9,]+)$")
     ipc: Literal["host", "private", "shareable"] | None = None
     shm_size: str | None = Field(default=None, pattern=r"^\d+[bkmg]?$")
+    #: the container's memory limit (``--memory``) and memory plus swap (``--memory-swap``)
+    memory: str | None = Field(default=None, pattern=r"^\d+[bkmg]?$")
+    memory_swap: str | None = Field(default=None, pattern=r"^(-1|\d+[bkmg]?)$")
+    #: the kernel's OOM score adjustment for the container's processes (``--oom-score-adj``)
+    oom_score_adj: int | None = Field(default=None, ge=-1000, le=1000)
     ulimits: dict[str, str] = {}
     cap_add: list[str] = []
     devices: list[Device] = []
@@ -209,6 +229,9 @@ class Derivation(Strict):
 
 
 class Lane(Strict):
+    #: the lane whose keys this one starts from (tables merged key by key, anything else replaced;
+    #: builder.pins.expand_lanes)
+    based_on: Name | None = None
     image: Name
     models: list[Name] = []
     serve: Serve
@@ -221,6 +244,9 @@ class Lane(Strict):
     start_timeout: int = Field(default=600, ge=1, le=7200)
     health: str = Field(default="/health", pattern=r"^/[A-Za-z0-9_./-]*$")
     derivations: dict[Name, Derivation] = {}
+    #: before a rank starts on a GPU host: sync, drop the page cache, and refuse while MemAvailable is
+    #: below this many GiB (the vLLM launcher's MIN_AVAIL_GB)
+    min_available_gib: int | None = Field(default=None, ge=1, le=4096)
     #: what the recipe does not say (shown by `builder launch`; never filled in with a guess)
     unknown: list[str] = []
     note: str | None = None
@@ -261,6 +287,14 @@ class Lane(Strict):
             out.append(("roles.worker", self.roles.worker))
         out += [(f"ranks.{k}", r) for k, r in sorted(self.ranks.items(), key=lambda kv: int(kv[0]))]
         return out
+
+    def replaced_targets(self) -> list[str]:
+        """The image paths this lane's mounts replace (``replaces = true``), in order of first mention."""
+        seen: list[str] = []
+        for m in [*self.mounts, *(m for _, r in self.runs() for m in r.mounts)]:
+            if m.replaces and m.target not in seen:
+                seen.append(m.target)
+        return seen
 
     def inputs(self) -> list[str]:
         """The runtime inputs (``input:NAME``) any rank mounts, in order of first mention."""

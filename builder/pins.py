@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
@@ -344,9 +344,43 @@ class _Ref(ValueError):
         super().__init__(f"{where}: {name!r} is not defined in [{kind}]")
 
 
+def _merge(base: Any, own: Any) -> Any:
+    if isinstance(base, dict) and isinstance(own, dict):
+        return {**base, **{k: _merge(base.get(k), v) for k, v in own.items()}}
+    return own
+
+
+def expand_lanes(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Each lane with ``based_on = "X"`` becomes lane X's table with its own keys merged over it: a table
+    key by key, anything else (a list, a string) replaced. Variants of one recipe (vLLM's 128k, 300k and
+    1m lanes) then state only what differs."""
+    lanes = raw.get("lanes")
+    if not isinstance(lanes, dict):
+        return raw
+    done: dict[str, Any] = {}
+
+    def resolve(name: str, chain: tuple[str, ...]) -> Any:
+        if name in done:
+            return done[name]
+        own = lanes[name]
+        base = own.get("based_on") if isinstance(own, dict) else None
+        if base is None:
+            done[name] = own
+            return own
+        if not isinstance(base, str) or base not in lanes:
+            raise ConfigError(f"{path}: lanes.{name}.based_on: no lane named {base!r}")
+        if base in chain:
+            raise ConfigError(f"{path}: lanes.{name}.based_on: a cycle ({' -> '.join((*chain, name, base))})")
+        merged = _merge({k: v for k, v in resolve(base, (*chain, name)).items() if k != "based_on"}, own)
+        done[name] = merged
+        return merged
+
+    return {**raw, "lanes": {n: resolve(n, ()) for n in lanes}}
+
+
 def load_pins(path: Path) -> Pins:
     """Load and validate pins.toml; every problem is one ConfigError line naming file and key."""
-    raw = read_toml(path)
+    raw = expand_lanes(read_toml(path), path)
     try:
         return validate(Pins, raw, path)
     except ConfigError as e:

@@ -263,3 +263,22 @@ def test_start_fails_when_the_rank_never_gets_ready(tmp_path: Path) -> None:
     finally:
         closed.close()
     assert pr.returncode == 1 and f"port {port} did not answer within 2 s" in pr.stderr
+
+
+def test_the_memory_floor_refuses_a_rank_that_cannot_fit(tmp_path: Path) -> None:
+    """A lane's min_available_gib on a host that expects GPUs: start.sh syncs, drops the page cache and
+    exits 4 before any docker run when MemAvailable is below it; a host without GPUs has no floor."""
+    f, _, _ = local_fleet(tmp_path)
+    gpu = validate(Fleet, {**f.model_dump(mode="json"), "hosts": [
+        {**h.model_dump(mode="json"), "expect": {"gpu_count": 1}} for h in f.hosts]}, "t")
+    avail_gib = next(int(ln.split()[1]) for ln in Path("/proc/meminfo").read_text().splitlines()
+                     if ln.startswith("MemAvailable:")) // 1048576
+    p = pins(min_available_gib=avail_gib + 1000)
+    for fl, floor in ((gpu, str(avail_gib + 1000)), (f, "")):
+        script = render_launch(p, fl, fl.host("s1"), "l", IMAGE, [])["start.sh"][0].decode()
+        assert f"\nMIN_AVAIL_GIB={floor or chr(39) * 2}\n" in script
+    rel, log, env = _release(tmp_path, render_launch(p, gpu, gpu.host("s1"), "l", IMAGE, []))
+    pr = subprocess.run(["bash", str(rel / "start.sh")], capture_output=True, text=True, env=env, timeout=60)
+    assert pr.returncode == 4, pr.stderr
+    assert f"below the lane's {avail_gib + 1000} GiB" in pr.stderr
+    assert not any(ln.startswith("run ") for ln in log.read_text().splitlines())

@@ -134,3 +134,25 @@ def test_missing_patch_file_names_the_key(tmp_path: Path) -> None:
     (tmp_path / "patches").mkdir()
     (tmp_path / "patches" / "0001-x.patch").write_text("x")
     check_patch_files(pins, tmp_path, p)
+
+
+def test_a_lane_based_on_another_states_only_what_differs() -> None:
+    pins = load_pins(Path(__file__).resolve().parents[1] / "pins.toml")
+    base, eager = pins.lanes["vllm-native"], pins.lanes["vllm-native-1m"]
+    assert eager.based_on == "vllm-native" and eager.serve.context == 1048576
+    assert eager.serve.streams == base.serve.streams and eager.mounts == base.mounts  # taken from the base
+    assert eager.env["VLLM_CACHE_ROOT"] == "/cache/vllm-1m" and eager.env["MAX_JOBS"] == "2"  # tables merge
+    assert eager.roles.head.args is not None and "--enforce-eager" in eager.roles.head.args  # lists replace
+    assert base.roles.head.args is not None and "--enforce-eager" not in base.roles.head.args
+
+
+@pytest.mark.parametrize(("lanes", "needle"), [
+    ({"b": {"based_on": "nope"}}, "lanes.b.based_on: no lane named 'nope'"),
+    ({"a": {"based_on": "b"}, "b": {"based_on": "a"}}, "based_on: a cycle (a -> b -> a)"),
+])
+def test_bad_based_on_is_one_line(tmp_path: Path, lanes: dict[str, dict[str, str]], needle: str) -> None:
+    text = "format = 1\n" + "".join(f'[lanes.{n}]\nbased_on = "{b["based_on"]}"\n' for n, b in lanes.items())
+    (tmp_path / "pins.toml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_pins(tmp_path / "pins.toml")
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

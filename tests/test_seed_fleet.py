@@ -6,7 +6,8 @@ Two substitutions only, made in the test project's copy of pins.toml (`substitut
 - its models (and kit, and runtime files whose bytes nobody has published) are small snapshots with
   the same file names, in local folders instead of the Hub.
 Everything else is the shipped lane: what each rank runs, its env, mounts, start order, readiness and
-derivations. The vLLM lane runs on 2 hosts (tensor_parallel = 2) to keep the fleet small.
+derivations. The vLLM lanes (300k with CUDA graphs, 1m eager) run on 2 hosts (tensor_parallel = 2) to
+keep the fleet small.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from builder.pins import expand_lanes
 from tests.lib import factory, fleetlib
 from tests.lib.journeylib import Journey, failing, journey
 
@@ -31,6 +33,7 @@ LANES: dict[str, tuple[int, str, dict[str, Any]]] = {
     "tensorfold-tp4": (4, "tensorfold", {}),
     "tensorfold-tp2": (2, "tensorfold-tp2", {}),
     "vllm-native": (2, "vllm", {"tensor_parallel": 2}),
+    "vllm-native-1m": (2, "vllm", {"tensor_parallel": 2}),  # (the eager lane: its own command line)
     "tensorfold-python-tp2": (2, "tensorfold-python", {}),
 }
 SIM_IMAGE = factory.image("images/sim", sources=["sim-engine"], toolchains=["zig-wheel"], platform="linux/amd64",
@@ -61,7 +64,7 @@ def model_files(include: list[str]) -> list[str]:
 def substitute(root: Path, lane: str, image: str, work: Path) -> None:
     """The two substitutions (see the module), in the copy's pins.toml."""
     doc = factory.read_pins(root)
-    spec = doc["lanes"][lane]
+    spec = expand_lanes(doc, root / "pins.toml")["lanes"][lane]  # (a lane based_on another: its whole table)
     doc["images"][image] = SIM_IMAGE
     for m in spec["models"]:
         model = doc["models"][m]
@@ -148,6 +151,10 @@ def test_first_deploy_in_the_lanes_order_then_audits_pass(seed: Journey) -> None
         assert rc == 0, (mode, failing(report))
     # every rank runs exactly what `builder launch` showed (the bundle id and ImageID filled in)
     launch = json.loads(j.builder("launch", "--fleet", j.name, "--json").stdout)
+    # the mounts that replace image paths found them in the built image (its record lists them)
+    spec = expand_lanes(factory.read_pins(j.root), j.root / "pins.toml")["lanes"][launch["lane"]]
+    replaces = any(m.get("replaces") for m in spec.get("mounts", []))
+    assert launch["mount_targets"]["state"] == ("passed" if replaces else "none"), launch["mount_targets"]
     for h, want in zip(j.fleet.hosts, launch["hosts"], strict=True):
         got = json.loads(j.fleet.exec(h, f"docker inspect {want['container']}").stdout)[0]["Config"]
         argv = want["argv"]

@@ -153,30 +153,115 @@ def test_tp2_seed_003() -> None:
     assert mounts(head)["/templates/chat_template.jinja"][0].endswith("/dsv41-1017-chat-template/UNKNOWN")
 
 
-def test_vllm_native_seed_000() -> None:
-    out = launch("--fleet", "spark-tp4", "--lane", "vllm-native")
-    assert out["lane"] == "vllm-native" and out["start_timeout"] >= 11 * 60  # boot 10: 11 min to serving
+#: recipes.md §10.6, "Env, every rank" (graphs on, disk Engram on): name -> value
+VLLM_ENV_10_6 = {
+    "VLLM_ENGINE_READY_TIMEOUT_S": "3600", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1800",
+    "HF_HOME": "/cache/huggingface", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    "TILELANG_CACHE_DIR": "/cache/tilelang", "TRITON_CACHE_DIR": "/cache/triton", "VLLM_USE_RUST_FRONTEND": "0",
+    "VLLM_HAS_FLASHINFER_CUBIN": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0", "TORCH_CUDA_ARCH_LIST": "12.1a",
+    "FLASHINFER_CUDA_ARCH_LIST": "12.1a", "FLASHINFER_DISABLE_VERSION_CHECK": "1", "MAX_JOBS": "2",
+    "FLASHINFER_NVCC_THREADS": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_NET": "IB",
+    "NCCL_IB_DISABLE": "0", "NCCL_IB_ROCE_VERSION_NUM": "2", "NCCL_IB_ADDR_FAMILY": "AF_INET", "NCCL_CROSS_NIC": "1",
+    "NCCL_IB_MERGE_NICS": "0", "NCCL_IB_SUBNET_AWARE_ROUTING": "1", "NCCL_IB_TC": "106", "NCCL_NET_PLUGIN": "none",
+    "NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_ENABLE": "0", "NCCL_IGNORE_CPU_AFFINITY": "1", "NCCL_DEBUG": "WARN",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "DSV41_ENGRAM_DISK": "1", "DSV41_ENGRAM_DISK_THREADS": "32",
+    "DSV41_ENGRAM_DISK_CHUNK": "16",
+}
+#: §10.6 lanes: DSV41_LANE -> (builder lane, max-model-len, eager)
+VLLM_LANES_10_6 = {"128k": ("vllm-native-128k", 131072, False), "300k": ("vllm-native", 300000, False),
+                   "1m": ("vllm-native-1m", 1048576, True)}
+VLLM_PKG = "/usr/local/lib/python3.12/dist-packages/vllm/"
+#: §2.2: the seven boot-10 files, mounted over these paths of the package (all seven: disk Engram is on)
+BOOT10_TARGETS = {VLLM_PKG + p for p in (
+    "models/deepseek_v4_1/common/engram.py", "models/deepseek_v4_1/nvidia/model_state.py",
+    "model_executor/model_loader/weight_utils.py", "models/deepseek_v4_1/attention.py",
+    "models/deepseek_v4_1/nvidia/flashinfer_sparse.py", "v1/attention/backends/mla/sparse_swa.py",
+    "model_executor/layers/sparse_attn_indexer.py")}
+
+
+def option(c: list[str], flag: str) -> str:
+    assert c.count(flag) == 1, (flag, c)
+    return c[c.index(flag) + 1]
+
+
+@pytest.mark.parametrize("dsv41_lane", sorted(VLLM_LANES_10_6))
+def test_vllm_native_lanes_as_the_launcher_runs_them(dsv41_lane: str) -> None:
+    """Each rank of each §10.6 lane, fact by fact: argv, env, container flags, mounts, order, memory prelude."""
+    lane, max_len, eager = VLLM_LANES_10_6[dsv41_lane]
+    out = launch("--fleet", "spark-tp4", "--lane", lane)
+    assert out["lane"] == lane and out["start_timeout"] >= 11 * 60  # boot 10: 11 min to serving
+    # order: stop every rank, head first; then each worker (headless), then the head
+    assert out["stop_order"][0] == "spark-a" and set(out["stop_order"]) == {"spark-a", "spark-b", "spark-c", "spark-d"}
+    assert out["start"] == "workers-first" and out["start_order"][-1] == "spark-a"
+    k, seqs = 5, 8  # DSpark k = 5, --max-num-seqs 8
+    sizes = sorted({m * i for m in (k, k + 1) for i in range(1, seqs + 1)})
+    assert sizes == [5, 6, 10, 12, 15, 18, 20, 24, 25, 30, 35, 36, 40, 42, 48]  # the recipe's own list
     for r in range(4):
         h = rank(out, r)
         c = command(h)
+        # serve arguments, every rank, in the launcher's order
         assert c[:3] == ["vllm", "serve", "/model"]
-        # §10.4: NODE_RANK, VLLM_HOST_IP and --node-rank per rank, --headless on workers
-        assert c[c.index("--node-rank") + 1] == str(r) and h["env"]["NODE_RANK"] == str(r)
-        assert h["env"]["VLLM_HOST_IP"] == f"192.0.2.11{r}"
-        assert ("--headless" in c) == (r > 0)
-        assert c[c.index("--tensor-parallel-size") + 1] == "4"
-        # §11.3: MASTER_PORT=29541, GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME
-        assert c[c.index("--master-port") + 1] == "29541" and c[c.index("--master-addr") + 1] == "192.0.2.110"
-        assert h["env"]["GLOO_SOCKET_IFNAME"] == "enp1s0f0np0"
-        # §2.2: seven boot-10 files bind-mounted read-only over the vllm package
-        pkg = "/usr/local/lib/python3.12/dist-packages/vllm/"
-        over = {t for t, (_, w) in mounts(h).items() if t.startswith(pkg) and not w}
-        assert over == {pkg + p for p in (
-            "models/deepseek_v4_1/common/engram.py", "models/deepseek_v4_1/nvidia/model_state.py",
-            "model_executor/model_loader/weight_utils.py", "models/deepseek_v4_1/attention.py",
-            "models/deepseek_v4_1/nvidia/flashinfer_sparse.py", "v1/attention/backends/mla/sparse_swa.py",
-            "model_executor/layers/sparse_attn_indexer.py")}
+        assert option(c, "--served-model-name") == "deepseek-v4.1-flash"
+        assert option(c, "--host") == "0.0.0.0" and option(c, "--port") == "8000"
+        assert option(c, "--tensor-parallel-size") == "4" and option(c, "--pipeline-parallel-size") == "1"
+        assert option(c, "--max-model-len") == str(max_len)
+        assert option(c, "--max-num-seqs") == "8" and option(c, "--max-num-batched-tokens") == "8192"
+        assert option(c, "--gpu-memory-utilization") == "0.80" and option(c, "--block-size") == "128"
+        assert json.loads(option(c, "--engram-config")) == {"cpu_offload": False}
+        assert json.loads(option(c, "--default-chat-template-kwargs")) == {"thinking": False}
+        assert option(c, "--distributed-executor-backend") == "mp"
+        assert json.loads(option(c, "--speculative-config")) == {
+            "method": "dspark", "num_speculative_tokens": 5, "draft_sample_method": "probabilistic",
+            "rejection_sample_method": "block", "enable_adaptive_verification": False}
+        assert json.loads(option(c, "--limit-mm-per-prompt")) == {"image": 4}
+        assert option(c, "--mm-processor-cache-gb") == "1"
+        assert option(c, "--tool-call-parser") == "deepseek_v41" and option(c, "--reasoning-parser") == "deepseek_v41"
+        assert "--enable-auto-tool-choice" in c
+        if eager:
+            assert "--enforce-eager" in c and "--compilation-config" not in c
+        else:
+            assert "--enforce-eager" not in c
+            assert json.loads(option(c, "--compilation-config")) == {
+                "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": sizes}
+        assert option(c, "--nnodes") == "4" and option(c, "--node-rank") == str(r)
+        assert option(c, "--master-addr") == "192.0.2.110" and option(c, "--master-port") == "29541"
+        assert ("--headless" in c) == (r > 0) and (r == 0 or c[-1] == "--headless")
+        # the overlay image rejects --tokenizer-mode (only the day-0 *deepseekv41-flash-0909* images take it)
+        assert "--tokenizer-mode" not in c
+        order = [c.index(f) for f in ("--served-model-name", "--engram-config", "--speculative-config",
+                                      "--limit-mm-per-prompt", "--tool-call-parser",
+                                      "--enforce-eager" if eager else "--compilation-config", "--nnodes")]
+        assert order == sorted(order)
+        # env, every rank
+        env = h["env"]
+        for name, value in VLLM_ENV_10_6.items():
+            assert env.get(name) == value, name
+        assert env["VLLM_CACHE_ROOT"] == f"/cache/vllm-{dsv41_lane}"
+        assert env.get("VLLM_USE_BREAKABLE_CUDAGRAPH") == (None if eager else "1")  # graphs on only
+        assert env["NCCL_IB_HCA"] == "rocep1s0f0" and env["NCCL_SOCKET_IFNAME"] == "enp1s0f0np0"
+        assert env["GLOO_SOCKET_IFNAME"] == env["TP_SOCKET_IFNAME"] == "enp1s0f0np0"
+        # per rank (§10.4, §10.6)
+        assert env["VLLM_HOST_IP"] == f"192.0.2.11{r}" and env["NODE_RANK"] == str(r)
+        assert env["MASTER_ADDR"] == "192.0.2.110"
+        # container
+        argv = h["argv"]
+        pairs = flag_pairs(argv)
+        assert ("--gpus", "all") in pairs and ("--network", "host") in pairs and ("--ipc", "host") in pairs
+        assert ("--cap-add", "IPC_LOCK") in pairs and ("--device", "/dev/infiniband") in pairs
+        assert ("--ulimit", "memlock=-1:-1") in pairs and ("--ulimit", "nofile=65536:65536") in pairs
+        assert option(argv, "--shm-size") == "32g" and option(argv, "--memory") == "112g"
+        assert option(argv, "--memory-swap") == "112g" and option(argv, "--oom-score-adj") == "500"
+        # mounts: weights at /model (ro), the cache folder at /cache (rw), each patch file read-only
+        m = mounts(h)
+        assert m["/model"] == ("/srv/models/dsv41-1017", False) and m["/cache"][1] is True
+        assert {t for t, (_, w) in m.items() if t.startswith(VLLM_PKG) and not w} == BOOT10_TARGETS
+        # before each rank: sync, drop the page cache, refuse below MIN_AVAIL_GB (100)
+        assert h["min_available_gib"] == 100
     assert rank(out, 0)["ready"]["kind"] == "health" and rank(out, 1)["ready"] == {"kind": "running"}
+    # the image (a GB10 build) is not built here: its mount targets could not be checked, never "passed"
+    assert out["mount_targets"]["state"] == "not run"
+    # what §10.6 answers is no longer unknown
+    assert not any("300K" in u or "max-model-len" in u or "speculative" in u for u in out["unknown"])
 
 
 def test_python_engine_starts_rank_0_first() -> None:

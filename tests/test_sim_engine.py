@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -675,6 +676,40 @@ def test_vllm_refusals(sim_bin: Path, model: Path) -> None:
         assert r.returncode == 1 and needle in r.stderr, (needle, r.stderr)
     r = run(sim_bin, "vllm", *vllm_args(model.parent / "nowhere", 0, 2, mp, port))
     assert r.returncode == 1 and "model:" in r.stderr
+
+
+def shipped_vllm_argv(lane: str, rank: int, model: Path, port: int, mp: int) -> list[str]:
+    """Rank `rank` of the shipped lane as `builder launch` renders it (after ``vllm``), on loopback ports."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
+    p = subprocess.run([sys.executable, "-m", "builder", "launch", "--fleet", "spark-tp4", "--lane", lane, "--json"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    argv = next(h for h in json.loads(p.stdout)["hosts"] if h["rank"] == rank)["argv"]
+    out = argv[argv.index("--entrypoint") + 3:]
+    out[1] = str(model)
+    for flag, value in (("--host", "127.0.0.1"), ("--port", str(port)), ("--master-addr", "127.0.0.1"),
+                        ("--master-port", str(mp))):
+        out[out.index(flag) + 1] = value
+    return out
+
+
+@pytest.mark.build
+@pytest.mark.parametrize("lane", ["vllm-native", "vllm-native-1m"])
+def test_vllm_takes_the_shipped_lanes_command_lines(procs: Procs, sim_bin: Path, model: Path, lane: str) -> None:
+    mp, port = free_port(), free_port()
+    head = procs.start("vllm", *shipped_vllm_argv(lane, 0, model, port, mp), tag="n0")
+    assert wait_health(port, 503) == {"status": "loading", "joined": 1, "world": 4}  # (the head counts)
+    worker = shipped_vllm_argv(lane, 1, model, port, mp)
+    w1 = procs.start("vllm", *worker, tag="n1")
+    w1.wait_log("joined head")
+    assert wait_health(port, 503) == {"status": "loading", "joined": 2, "world": 4}
+    assert head.p.poll() is None
+    # still refused: an unknown flag, and a config option whose value is not a JSON object
+    bad = run(sim_bin, "vllm", *worker, "--max-num-batch-tokens", "8192")
+    assert bad.returncode == 2 and "unrecognized arguments: --max-num-batch-tokens 8192" in bad.stderr
+    spec = worker.index("--speculative-config") + 1
+    bad = run(sim_bin, "vllm", *worker[:spec], "dspark", *worker[spec + 1:])
+    assert bad.returncode == 2 and "--speculative-config: not a JSON object" in bad.stderr
 
 
 @pytest.mark.build

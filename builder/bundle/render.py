@@ -26,7 +26,7 @@ from builder.canon import canonical_json, file_lock, fsync_dir, pretty_json
 from builder.errors import ConfigError
 from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
 from builder.imagerecord import ImageRecord, require_record
-from builder.launch import render_launch
+from builder.launch import render_launch, targets
 from builder.lockfile import Lock, load_lock, spec_hash
 from builder.models.fetch import in_store, wanted_for
 from builder.models.store import ModelStore
@@ -137,6 +137,7 @@ def rank_launch(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> 
     lane = ctx.pins.lanes[lane_name]
     plan = make_plan(ctx.pins, ctx.lock, lane.image, ctx.root)
     rec = require_record(ctx.store, lane.image, plan.address)
+    targets.check(ctx.pins, lane_name, rec)  # a mount over a path the image lacks: refused, bundle and deploy
     placed = host_files(ctx.pins, ctx.lock, lane_name, host)
     models = [_entry(f) for f in placed]
     image = {

@@ -39,9 +39,12 @@ def launch(host: str | None, fleet: str | None, lane: str | None, as_json: bool,
     output.data(f"# fleet {out['fleet']}, lane {out['lane']}: image {img['name']} ({img['state']}) {img['ref']}")
     output.data(f"# start order ({out['start']}): {' -> '.join(out['start_order'])}; the lane is ready when "
                 f"{out['health']['path']} answers on port {out['health']['port']} "
-                f"(at most {out['start_timeout']} s a rank)")
+                f"(at most {out['start_timeout']} s a rank); stop order: {' -> '.join(out['stop_order'])}")
+    if out["mount_targets"]["state"] != "none":
+        output.data(f"# mount targets: {out['mount_targets']['state']} ({out['mount_targets']['why']})")
     for h in out["hosts"]:
-        output.data(f"\n# {h['host']}: rank {h['rank']} ({h['role']}), ready: {h['ready']}")
+        floor = f", refused below {h['min_available_gib']} GiB MemAvailable" if h["min_available_gib"] else ""
+        output.data(f"\n# {h['host']}: rank {h['rank']} ({h['role']}), ready: {h['ready']}{floor}")
         for k, v in h["env"].items():
             output.data(f"#   {k}={v}")
         output.data(shlex.join(h["argv"]))

@@ -32,6 +32,7 @@ from typing import Any
 
 from builder.canon import pretty_json
 from builder.hosts import Fleet, Host
+from builder.lanes import Lane
 from builder.launch.derive import derivation_runs, derived_paths, render_plan
 from builder.launch.rank import (
     BUNDLE_ID,
@@ -123,6 +124,15 @@ def _labels() -> dict[str, str]:
     return {"LABEL_LANE": LABEL_LANE, "LABEL_RANK": LABEL_RANK, "LABEL_BUNDLE": LABEL_BUNDLE}
 
 
+def memory_floor(lane: Lane, host: Host) -> str:
+    """The GiB of MemAvailable below which start.sh refuses this rank (after a sync and a page-cache
+    drop), or "" for none: the lane's ``min_available_gib`` on a host that expects GPUs (a Spark); a
+    host that expects none (the test fleet's) has no model to fit."""
+    if lane.min_available_gib is None or host.expect.gpu_count == 0:
+        return ""
+    return str(lane.min_available_gib)
+
+
 def render_start(pins: Pins, fleet: Fleet, host: Host, lane_name: str, cmd: RankCommand) -> bytes:
     lane = pins.lanes[lane_name]
     s = lane.serve
@@ -131,7 +141,7 @@ def render_start(pins: Pins, fleet: Fleet, host: Host, lane_name: str, cmd: Rank
         "ORDER": lane.start, "MASTER_ADDR": host_address(fleet, fleet.head()), "SERVE_PORT": str(s.port),
         "RDZV_PORT": str(s.rendezvous_port), "WORLD_SIZE": str(len(fleet.hosts)),
         "START_TIMEOUT": str(lane.start_timeout), "READY": json.dumps(cmd.ready, sort_keys=True),
-        "BUNDLE_ID_TOKEN": BUNDLE_ID, **_labels(),
+        "BUNDLE_ID_TOKEN": BUNDLE_ID, "MIN_AVAIL_GIB": memory_floor(lane, host), **_labels(),
     }
     arrays = {
         "NEED": [src for src, _, _, kind in cmd.mounts if kind in ("model", "input", "derived", "host")],

@@ -16,8 +16,9 @@ from typing import Any
 from builder.errors import ConfigError
 from builder.hosts import Fleet, Host, find_fleet, find_host
 from builder.imagerecord import read_record, tag_for
+from builder.launch import memory_floor, targets
 from builder.launch.derive import derivation_runs, derived_paths
-from builder.launch.order import start_order
+from builder.launch.order import start_order, stop_groups
 from builder.launch.rank import rank_command
 from builder.lockfile import Lock, load_lock
 from builder.pins import Pins, PublishedImage, load_pins
@@ -83,6 +84,8 @@ def launch(opts: LaunchOptions) -> dict[str, Any]:
         lock = load_lock(opts.lock)
     image, why = image_reference(pins, lock, lane.image, opts.root, opts.store)
     unresolved += why
+    rec = read_record(opts.store, image["input_address"]) if image["state"] == "built" else None
+    mount_targets = targets.check(pins, lane_name, rec)  # (ConfigError: a mount that would add a file)
     if lock is not None:
         for kind, names in pins.closure([lane_name]).items():
             for n in sorted(names):
@@ -93,6 +96,7 @@ def launch(opts: LaunchOptions) -> dict[str, Any]:
         runs = derivation_runs(pins, lock, fleet, h, lane_name, image["ref"], image.get("input_address"))
         cmd = rank_command(pins, fleet, h, lane_name, image["ref"], derived_paths(runs))
         out_hosts.append({"host": h.name, "rank": h.rank, "role": h.role, **cmd.to_json(),
+                          "min_available_gib": int(memory_floor(lane, h) or 0) or None,
                           "derivations": [r.to_json() for r in runs]})
     shown = {h.name for h in hosts}
     return {
@@ -100,11 +104,13 @@ def launch(opts: LaunchOptions) -> dict[str, Any]:
         "lane": lane_name,
         "start": lane.start,
         "start_order": [h.name for h in start_order(fleet, lane) if h.name in shown],
+        "stop_order": [h.name for g in stop_groups(fleet) for h in g if h.name in shown],
         "start_timeout": lane.start_timeout,
         "health": {"path": lane.health, "port": lane.serve.port},
         "image": image,
         "hosts": out_hosts,
         "derivations": {n: d.model_dump(mode="json") for n, d in lane.derivations.items()},
+        "mount_targets": mount_targets,
         "unresolved": unresolved,
         "unknown": list(lane.unknown),
     }

@@ -120,12 +120,22 @@ def substitutions(fleet: Fleet, host: Host, lane_name: str, lane: Lane) -> dict[
         "interfaces": ",".join(fab.interfaces),
         "interface": fab.interfaces[0] if fab.interfaces else "",
         "gid_index": "" if fab.gid_index == "auto" else str(fab.gid_index),
+        # (a lane without a draft length has neither: using them is refused in fill, naming the key)
+        "speculative_tokens": "" if s.speculative_tokens is None else str(s.speculative_tokens),
+        "cudagraph_capture_sizes": ",".join(str(n) for n in s.capture_sizes()),
     }
     assert set(subs) == set(PLACEHOLDERS)
     return subs
 
 
+#: placeholders that have a value only when ``serve.speculative_tokens`` is set
+NEEDS_DRAFT = ("speculative_tokens", "cudagraph_capture_sizes")
+
+
 def fill(text: str, subs: dict[str, str], where: str) -> str:
+    for k in NEEDS_DRAFT:
+        if "{" + k + "}" in text and subs[k] == "":
+            raise ConfigError(f"{where}: {{{k}}} needs serve.speculative_tokens (the draft length k)")
     try:
         return text.format_map(subs)
     except (KeyError, ValueError, IndexError) as e:
@@ -227,6 +237,12 @@ def container_options(lane: Lane, host: Host) -> list[str]:
         out += ["--ipc", o.ipc]
     if o.shm_size:
         out += ["--shm-size", o.shm_size]
+    if o.memory:
+        out += ["--memory", o.memory]
+    if o.memory_swap:
+        out += ["--memory-swap", o.memory_swap]
+    if o.oom_score_adj is not None:
+        out += ["--oom-score-adj", str(o.oom_score_adj)]
     for k, v in o.ulimits.items():
         out += ["--ulimit", f"{k}={v}"]
     for c in o.cap_add:

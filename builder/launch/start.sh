@@ -1,5 +1,6 @@
 # start.sh's body (builder/launch/start.sh): `builder bundle` puts the rank's settings above it.
 # Settings: LANE RANK ROLE NAME IMAGE ORDER MASTER_ADDR SERVE_PORT RDZV_PORT WORLD_SIZE START_TIMEOUT,
+# MIN_AVAIL_GIB (the memory floor, GiB; empty for none; below it start.sh exits 4 as the vLLM launcher does),
 # READY (this rank's readiness, JSON), BUNDLE_ID_TOKEN, the labels LABEL_LANE LABEL_RANK LABEL_BUNDLE,
 # and the arrays NEED (host paths the mounts read: each must be there), MAKE (the lane's state folders,
 # made here) and RUN (the rendered `docker run`, exactly as `builder launch` shows it).
@@ -29,6 +30,20 @@ docker image inspect "$IMAGE" >/dev/null 2>&1 || die "image $IMAGE is not loaded
 for path in "${NEED[@]}"; do
     [ -e "$path" ] || die "$path is missing (a mounted input of this rank: install the bundle, or make its derivation)"
 done
+if [ -n "$MIN_AVAIL_GIB" ]; then
+    # the launcher's memory prelude: flush, drop the page cache, and refuse to start a rank that cannot fit
+    sync
+    if ! { echo 3 > /proc/sys/vm/drop_caches; } 2>/dev/null; then
+        echo "start.sh: cannot drop the page cache (not root); MemAvailable is read as it is" >&2
+    fi
+    avail_kib=$(awk '/^MemAvailable:/ {print $2}' /proc/meminfo)
+    [ -n "$avail_kib" ] || die "cannot read MemAvailable from /proc/meminfo"
+    if (( avail_kib / 1048576 < MIN_AVAIL_GIB )); then
+        echo "start.sh ($LANE rank $RANK): MemAvailable is $(( avail_kib / 1048576 )) GiB, below the lane's" \
+            "$MIN_AVAIL_GIB GiB: free memory first" >&2
+        exit 4
+    fi
+fi
 for dir in "${MAKE[@]}"; do
     mkdir -p "$dir" || die "cannot make $dir"
 done

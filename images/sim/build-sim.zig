@@ -11,7 +11,7 @@
 //!
 //! (build.zig's flags: strip unless Debug, static; not single-threaded, since a head accepts its
 //! followers while it serves its API). Then it copies the one binary to every path the seed lanes
-//! run, and writes the two placeholder files:
+//! run, and writes the placeholder files:
 //!
 //!   OUT_TREE/engine/{tensorfold-native,tensorfold,tf-dsv41-lanes,tf-dsv41-rank-cache}
 //!   OUT_TREE/usr/local/bin/{tensorfold,vllm,python3}   OUT_TREE/usr/bin/python3
@@ -20,6 +20,8 @@
 //!                                                       checks that it exists
 //!   OUT_TREE/opt/tensorfold/scripts/pack_engram.py      a marker: python3 (the simulator) checks
 //!                                                       the script exists, then simulates it
+//!   OUT_TREE/usr/local/lib/python3.12/dist-packages/vllm/<7 paths>   markers: the vLLM tree's files the
+//!                                                       vllm-native lanes mount their patches over
 //!
 //! Environment: ENGINE_COMMIT (40 hex, required), ENGINE_VERSION (default 0.1.0), ZIG_TARGET
 //! (default x86_64-linux-musl), ZIG_OPTIMIZE (default ReleaseSmall).
@@ -55,6 +57,11 @@ const binary_paths = [_][]const u8{
     "usr/bin/python3",
 };
 
+/// The vLLM tree's files that the vllm-native lanes bind-mount their boot-10 patches over (recipes.md
+/// §2.2): the real image (the e47aa780 tree) has them, so a stand-in image must too, or builder's
+/// mount-target check refuses the lanes.
+const vllm_tree_marker = "# MARKER: stands in for the vLLM tree's file at this path (the vllm-native lanes mount a patched copy over it).\n";
+
 const placeholders = [_]struct { path: []const u8, data: []const u8 }{
     .{
         .path = "engine/rdma_gather.fatbin",
@@ -63,6 +70,34 @@ const placeholders = [_]struct { path: []const u8, data: []const u8 }{
     .{
         .path = "opt/tensorfold/scripts/pack_engram.py",
         .data = "# MARKER: sim-engine's python3 checks that this script exists, then simulates pack_engram.py itself.\n",
+    },
+    .{
+        .path = "usr/local/lib/python3.12/dist-packages/vllm/models/deepseek_v4_1/common/engram.py",
+        .data = vllm_tree_marker,
+    },
+    .{
+        .path = "usr/local/lib/python3.12/dist-packages/vllm/models/deepseek_v4_1/nvidia/model_state.py",
+        .data = vllm_tree_marker,
+    },
+    .{
+        .path = "usr/local/lib/python3.12/dist-packages/vllm/model_executor/model_loader/weight_utils.py",
+        .data = vllm_tree_marker,
+    },
+    .{
+        .path = "usr/local/lib/python3.12/dist-packages/vllm/models/deepseek_v4_1/attention.py",
+        .data = vllm_tree_marker,
+    },
+    .{
+        .path = "usr/local/lib/python3.12/dist-packages/vllm/models/deepseek_v4_1/nvidia/flashinfer_sparse.py",
+        .data = vllm_tree_marker,
+    },
+    .{
+        .path = "usr/local/lib/python3.12/dist-packages/vllm/v1/attention/backends/mla/sparse_swa.py",
+        .data = vllm_tree_marker,
+    },
+    .{
+        .path = "usr/local/lib/python3.12/dist-packages/vllm/model_executor/layers/sparse_attn_indexer.py",
+        .data = vllm_tree_marker,
     },
 };
 

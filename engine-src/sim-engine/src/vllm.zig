@@ -3,6 +3,12 @@
 //!   vllm serve MODEL --served-model-name N [--host H] [--port P] --tensor-parallel-size T
 //!       --nnodes K --node-rank R --master-addr A --master-port MP [--max-model-len L]
 //!       [--gpu-memory-utilization F] [--block-size B] [--quantization Q] [--headless]
+//!       and the boot-10 launcher's: [--pipeline-parallel-size N] [--max-num-seqs N]
+//!       [--max-num-batched-tokens N] [--mm-processor-cache-gb N] [--engram-config J]
+//!       [--default-chat-template-kwargs J] [--speculative-config J] [--limit-mm-per-prompt J]
+//!       [--compilation-config J] (J: a JSON object, taken as text) [--distributed-executor-backend B]
+//!       [--tool-call-parser P] [--reasoning-parser P] [--tokenizer-mode M] [--enable-auto-tool-choice]
+//!       [--enforce-eager]
 //!
 //! Node rank 0 (without --headless) listens on MP (all addresses) for the other nodes and serves the
 //! API on host:port, /health ok once K-1 headless nodes have joined. A --headless node dials A:MP
@@ -19,13 +25,28 @@ const eql = common.eql;
 
 pub const usage = "usage: vllm serve MODEL [--served-model-name NAME] [--host HOST] [--port PORT] " ++
     "[--tensor-parallel-size T] [--nnodes K] [--node-rank R] [--master-addr A] [--master-port P] " ++
-    "[--max-model-len L] [--gpu-memory-utilization F] [--block-size B] [--quantization Q] [--headless]";
+    "[--max-model-len L] [--gpu-memory-utilization F] [--block-size B] [--quantization Q] [--headless] " ++
+    "[--pipeline-parallel-size N] [--max-num-seqs N] [--max-num-batched-tokens N] [--mm-processor-cache-gb N] " ++
+    "[--engram-config J] [--default-chat-template-kwargs J] [--speculative-config J] [--limit-mm-per-prompt J] " ++
+    "[--compilation-config J] [--distributed-executor-backend B] [--tool-call-parser P] [--reasoning-parser P] " ++
+    "[--tokenizer-mode M] [--enable-auto-tool-choice] [--enforce-eager]";
 
 const value_flags = [_][]const u8{
     "--served-model-name", "--host",         "--port",        "--tensor-parallel-size", "--nnodes",
     "--node-rank",         "--master-addr",  "--master-port", "--max-model-len",        "--gpu-memory-utilization",
     "--block-size",        "--quantization",
 };
+const int_flags = [_][]const u8{
+    "--pipeline-parallel-size", "--max-num-seqs", "--max-num-batched-tokens", "--mm-processor-cache-gb",
+};
+const json_flags = [_][]const u8{
+    "--engram-config", "--default-chat-template-kwargs", "--speculative-config", "--limit-mm-per-prompt",
+    "--compilation-config",
+};
+const text_flags = [_][]const u8{
+    "--distributed-executor-backend", "--tool-call-parser", "--reasoning-parser", "--tokenizer-mode",
+};
+const bool_flags = [_][]const u8{ "--enable-auto-tool-choice", "--enforce-eager" };
 
 fn int(ctx: *const Ctx, comptime T: type, flag: []const u8, v: []const u8) T {
     return std.fmt.parseInt(T, v, 10) catch
@@ -55,6 +76,14 @@ pub fn main(ctx: *const Ctx, argv: []const []const u8) noreturn {
     while (a.next()) |tok| {
         if (eql(tok, "--headless") and a.inline_value == null) {
             headless = true;
+            continue;
+        }
+        if (common.oneOf(tok, &bool_flags) and a.inline_value == null) continue;
+        if (common.oneOf(tok, &int_flags) or common.oneOf(tok, &json_flags) or common.oneOf(tok, &text_flags)) {
+            const v = a.value() orelse ctx.usageError("{s}\nvllm: error: argument {s}: expected one argument", .{ usage, tok });
+            if (common.oneOf(tok, &int_flags)) _ = int(ctx, u64, tok, v);
+            if (common.oneOf(tok, &json_flags) and (v.len < 2 or v[0] != '{' or v[v.len - 1] != '}'))
+                ctx.usageError("{s}\nvllm: error: argument {s}: not a JSON object: '{s}'", .{ usage, tok, v });
             continue;
         }
         if (common.oneOf(tok, &value_flags)) {
