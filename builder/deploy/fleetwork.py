@@ -5,6 +5,7 @@ fleet's audits over those connections.
 
 from __future__ import annotations
 
+import shlex
 import stat
 import subprocess
 import time
@@ -53,6 +54,24 @@ class DeployOptions:
     ssh_persist: float = 0.0  # seconds each host's connection is kept after the command (0: closed)
     insecure: bool = False
     repair: bool = False  # reinstall the lock's release on hosts that run it but drifted (deploy --repair)
+
+
+def command(opts: DeployOptions, verb: str, *args: str, mode: bool = False) -> str:
+    """The exact `builder` command a message tells the operator to run, as they would type it here: the
+    fleet, the pins, lock and store this command used (where they are not the defaults) and, with
+    `mode`, the audits' mode when it is not the default (a repair found by a full audit needs one)."""
+    head = ["builder"]
+    root = opts.pins.resolve().parent
+    if opts.pins.resolve() != (Path.cwd() / "pins.toml").resolve():
+        head += ["--pins", str(opts.pins)]
+    if opts.lock.resolve() != (opts.pins.parent / "pins.lock").resolve():
+        head += ["--lock", str(opts.lock)]
+    if opts.store.resolve() != (root / ".cache" / "builder").resolve():
+        head += ["--store", str(opts.store)]
+    tail = [verb, "--fleet", opts.fleet, *args]
+    if mode and opts.audit_mode != "fast":
+        tail += ["--mode", opts.audit_mode]
+    return " ".join(shlex.quote(a) for a in head + tail)
 
 
 def short(bid: str | None) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 from .engine import Load, docker_root, image_present, pull_image
 from .errors import EXIT_CONFIG, InstallError, say
 from .files import READ_SIZE, WRITEBACK_STEP, Writeback, atomic_write, fsync_dir, fsync_file, tmp_stem, write_all
-from .install import Admission, check_image_source, host_key, host_record
+from .install import Admission, check_image_source, host_key, host_record, vouching
 from .manifest import HEX64, MANIFEST, MAX_MANIFEST, SIGNATURE, release_files
 from .record import fast_mode_drift, model_ok, release_ok
 from .release import mark_staged, stage_release, switch_in
@@ -260,7 +260,7 @@ def receive(
         layers_q = asked.submit(image_present, img["image_id"])
         root_q = asked.submit(docker_root) if img["archive"] is not None else None
         asked.shutdown(wait=False)
-        vouch = [old, r.read_record(r.staged_record)]
+        vouch = vouching(r, old, admit)
         placing = [m for m in manifest["models"] if model_ok(m, vouch) is not None]
         release_there = os.path.isdir(r.release(bid)) and release_ok(r.release(bid), manifest, mbytes)
         have_layers = layers_q.result()

@@ -47,6 +47,8 @@ def ship_over_ssh(
     args = ["receive", "--root", hroot, "--host", host.name]
     if opts.stage:
         args.append("--stage")
+    if opts.rehash:
+        args.append("--rehash")
     if opts.insecure:
         args.append("--insecure")
     else:
