@@ -18,6 +18,7 @@ class CheckOutcome:
     concern: str
     status: str  # pass | fail | skip | error
     message: str = ""
+    facts: dict[str, Any] = field(default_factory=dict)  # what the check recorded (a rank's exit)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class AuditReport:
     phase: str
     concerns: list[str]
     seconds: float = 0.0
+    first_exit: dict[str, Any] | None = None  # the rank whose engine exited first (builder.audit.exits)
 
     @property
     def exit_code(self) -> int:
@@ -60,13 +62,16 @@ class AuditReport:
             **attrs(self, "mode", "phase", "concerns"),
             "exit": self.exit_code,
             "seconds": round(self.seconds, 3),
+            "content": "sha256" if self.mode == "full" else "stat",
+            "first_exit": self.first_exit,
             "hosts": {
                 h.name: {
                     "fleet": h.fleet,
                     "status": h.status,
                     "message": h.message or h.first_problem(),
                     "seconds": round(h.seconds, 3),
-                    "checks": {c.check: {"status": c.status, "message": c.message} for c in h.checks},
+                    "checks": {c.check: {"status": c.status, "message": c.message,
+                                         **({"facts": c.facts} if c.facts else {})} for c in h.checks},
                 }
                 for h in self.hosts
             },

@@ -129,7 +129,8 @@ def read_results(path: Path) -> tuple[str | None, list[CheckOutcome], list[str]]
     """What checks/conftest.py wrote: the lost connection (if any), each check's outcome, and one
     line per check module that did not collect ("checks/test_x.py: ImportError: ...")."""
     data = json.loads(path.read_text())
-    checks = [CheckOutcome(c["id"], c["concern"], c["status"], c.get("message", "")) for c in data["checks"]]
+    checks = [CheckOutcome(c["id"], c["concern"], c["status"], c.get("message", ""), dict(c.get("facts") or {}))
+              for c in data["checks"]]
     return data.get("unreachable"), checks, [str(e) for e in data.get("collect_errors") or []]
 
 

@@ -43,6 +43,9 @@ class Container:
     bundle: str
     image: str
     status: str
+    exit_code: str = ""  # (a container that ended: its exit code, finish time and last log lines)
+    finished_at: str = ""
+    log: str = ""
 
 
 @dataclass
