@@ -122,7 +122,8 @@ def test_drift_is_named(tmp_path: Path) -> None:
                         f"{f}/rank0of2-a.bin: another rank's file (this host is rank 1 of 2)",
                         f"{f}/map.json: missing"]
     other = plan(tmp_path, "true", address="b" * 64)
-    assert check(other) == [f"{folder(other)}: not made (no .builder-derived.json; `builder deploy --repair` or `builder start` on its fleet makes it)"]
+    assert check(other) == [f"{folder(other)}: not made (no .builder-derived.json; `builder deploy --repair` or "
+                            "`builder start` on its fleet makes it)"]
 
 
 def test_a_full_make_remakes_what_differs_in_content_and_a_fast_one_holds_it(tmp_path: Path) -> None:
