@@ -16,6 +16,7 @@ import hashlib
 import json
 import re
 import shlex
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,41 @@ def test_files_changed_in_place_are_named_and_the_printed_command_repairs_them(s
     assert rc == 0, failing(report)
     rc, rep = j.deploy("--repair")  # in fast mode too, every file hashed: nothing differs now
     assert rc == 0 and rep["result"] == "unchanged" and rep["reason"].startswith("nothing to repair"), rep
+
+
+def test_a_killed_worker_is_named_as_the_cause_in_audit_and_status(seed: Journey) -> None:
+    """One worker's engine SIGKILLed: the head drops the group and the other followers lose the head, so
+    every rank exits; the audit and `builder status` name the killed rank first, with its exit code, time
+    and last log lines, and the others as its consequences."""
+    j = seed
+    launch = json.loads(j.builder("launch", "--fleet", j.name, "--json").stdout)
+    if launch["lane"] != "tensorfold-tp4":
+        pytest.skip("the killed-worker case runs on the tensorfold-tp4 fleet only")
+    hosts = {h.name: h for h in j.fleet.hosts}
+    victim, head = launch["hosts"][2], launch["hosts"][0]
+    j.fleet.exec(hosts[victim["host"]], f"docker kill -s KILL {victim['container']}")
+    deadline = time.monotonic() + 60
+    while j.fleet.exec(hosts[head["host"]], f"docker inspect -f '{{{{.State.Running}}}}' {head['container']}"
+                       ).stdout.strip() == "true":
+        assert time.monotonic() < deadline, "the head still runs a minute after rank 2 was killed"
+        time.sleep(1)
+    rc, report = j.audit("--phase", "serving")
+    assert rc == 1
+    first = report["first_exit"]
+    assert first and (first["host"], first["rank"], first["exit_code"]) == (victim["host"], 2, 137), first
+    assert first["log"], first  # its last log lines
+    msg = report["hosts"][victim["host"]]["message"]
+    assert "rank 2" in msg and "exited first" in msg and "the cause" in msg, msg
+    after = {e["host"] for e in first["consequences"]}
+    assert head["host"] in after and victim["host"] not in after, first
+    for name in after:
+        assert "after rank 2" in report["hosts"][name]["message"], report["hosts"][name]["message"]
+    p = j.builder("status", "--fleet", j.name, "--json", check=False)
+    st = json.loads(p.stdout)
+    assert p.returncode == 1 and st["first_exit"]["host"] == victim["host"], st
+    assert st["hosts"][victim["host"]]["exited"] == "first" and st["hosts"][head["host"]]["exited"] == "after rank 2"
+    assert "exited first" in p.stderr and "the cause" in p.stderr, p.stderr[-2000:]
+    j.builder("start", "--fleet", j.name, "--stop-timeout", "2", "--start-timeout", "60", timeout=600)
 
 
 def test_a_changed_serve_setting_deploys_and_holds_the_derivations(seed: Journey) -> None:
