@@ -211,7 +211,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         )
         entry["status"] = "fail" if is_fail else "error"
         entry["message"] = _message(call.excinfo) if call.excinfo is not None else str(rep.longrepr)[:300]
-    if item.user_properties:  # what a check recorded for the fleet's view (record_property): JSON values
+    if item.user_properties:  # what a check recorded for the fleet's view (item.user_properties): JSON values
         entry["facts"] = {str(k): v for k, v in item.user_properties}
 
 
