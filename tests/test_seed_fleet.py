@@ -268,7 +268,7 @@ def test_files_changed_in_place_are_named_and_the_printed_command_repairs_them(s
     assert fixed.returncode == 0 and out["result"] == "deployed", (out.get("reason"), fixed.stderr[-3000:])
     assert {n for n, o in out["hosts"].items() if o["result"] == "repaired"} == {h.name for h, _ in targets.values()}
     for kind, (host, path) in targets.items():
-        assert re.search(rf"{host.name}: differed from its bundle or record, placed again: .*"
+        assert re.search(rf"{host.name}: differed from its bundle or record, put right: .*"
                          rf"{re.escape(Path(path).name)}", fixed.stderr), (kind, fixed.stderr[-3000:])
     rc, report = j.audit("--phase", "all", "--mode", "full")
     assert rc == 0, failing(report)

@@ -31,8 +31,10 @@ failure, every host back to the old one), and says which.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
+from typing import Any
 
 from builder.deploy import journal as J
 from builder.deploy.bundles import FleetBundle, ensure_bundles
@@ -56,6 +58,7 @@ from builder.deploy.stage import stage
 from builder.deploy.switch import forward
 from builder.errors import ConfigError
 from builder.hostfacts import shown
+from builder.onhost.manifest import MANIFEST, release_files
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # (a fleet's name, as the inventory allows it)
 
@@ -165,8 +168,12 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     if refused is not None:
         return refused
     on_target = {h.name for h in w.hosts if w.states[h.name].installed == d.out(h).target}
+    for name in sorted(on_target):
+        why = record_drift(w.states[name].applied, d.bundles[name])
+        if why:
+            d.replaced.setdefault(name, []).append(f"the apply record ({why})")
     for name, what in sorted(d.replaced.items()):
-        d.say(f"{name}: differed from its bundle or record, placed again: {shown(what)}")
+        d.say(f"{name}: differed from its bundle or record, put right: {shown(what)}")
     d.repair = {n for n in d.replaced if n in on_target}
     if d.replaced or not is_noop(d):
         return switch_over(d, earlier)
@@ -185,6 +192,21 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     d.say(f"repair: no file differs; reinstalling the release (its apply record written again) on "
           f"{', '.join(sorted(d.repair))}, which the audit failed")
     return switch_over(d, earlier)
+
+
+def record_drift(applied: dict[str, Any] | None, bundle: FleetBundle) -> str:
+    """What of a host's apply record differs from the signed manifest of the bundle it was installed
+    from ("" none): the manifest's sha256, or a release file's size or sha256."""
+    if not applied:
+        return "missing"
+    mbytes = (bundle.path / MANIFEST).read_bytes()
+    if applied.get("manifest_sha256") != hashlib.sha256(mbytes).hexdigest():
+        return "manifest_sha256"
+    want = {f["path"]: (f["size"], f["sha256"]) for f in release_files(bundle.manifest)}
+    have = {str(f.get("path")): (f.get("size"), f.get("sha256"))
+            for f in applied.get("files") or [] if isinstance(f, dict)}
+    bad = sorted(p for p in want.keys() | have.keys() if want.get(p) != have.get(p))
+    return f"files: {shown(bad)}" if bad else ""
 
 
 def switch_over(d: Deployment, earlier: J.Journal | None) -> DeployReport:
