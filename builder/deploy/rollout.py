@@ -168,13 +168,15 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     if refused is not None:
         return refused
     on_target = {h.name for h in w.hosts if w.states[h.name].installed == d.out(h).target}
+    # (a host moving to a new bundle receives it whole: only those already on it can have drifted)
+    d.replaced = {n: what for n, what in d.replaced.items() if n in on_target}
     for name in sorted(on_target):
         why = record_drift(w.states[name].applied, d.bundles[name])
         if why:
             d.replaced.setdefault(name, []).append(f"the apply record ({why})")
     for name, what in sorted(d.replaced.items()):
         d.say(f"{name}: differed from its bundle or record, put right: {shown(what)}")
-    d.repair = {n for n in d.replaced if n in on_target}
+    d.repair = set(d.replaced)
     if d.replaced or not is_noop(d):
         return switch_over(d, earlier)
     done = noop(d, earlier)

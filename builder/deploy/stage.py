@@ -38,8 +38,8 @@ def stage(d: Deployment) -> bool:
                 rehash=d.rehash, sockets=w.shared,
             ),
         )
-        if d.rehash and r.sent:
-            d.replaced[h.name] = list(r.sent)
+        if d.rehash and (r.differed or r.sent):
+            d.replaced[h.name] = list(r.differed or r.sent)
         return f"staged ({len(r.sent)} files sent, {len(r.skipped)} already there)"
 
     ok = True

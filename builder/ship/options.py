@@ -49,3 +49,6 @@ class ShipResult:
     removed: list[str] = field(default_factory=list)
     dest: str = ""
     bytes_sent: int = 0
+    #: what the host held that differed from the manifest and was placed again (model files by their
+    #: host path, launch files by their release path; receive's ``differed``)
+    differed: list[str] = field(default_factory=list)

@@ -128,6 +128,7 @@ def _receive(
         rc = 1
     out = installer_answer(remote, rc, tail, err, "receive")
     res.result = str(out.get("result", "installed"))
+    res.differed = [str(x) for x in out.get("differed") or []]
     return res
 
 
