@@ -52,7 +52,8 @@ def applied(root: str) -> dict[str, Any] | None:
         with open(os.path.join(root, "state", "applied.json"), "rb") as f:
             rec = json.loads(f.read(64 << 20).decode("utf-8"))
         img = rec.get("image") or {}
-        out = {k: rec.get(k) for k in ("bundle_id", "lock_hash", "action", "applied_at", "lane", "previous_bundle_id")}
+        out = {k: rec.get(k) for k in ("bundle_id", "lock_hash", "action", "applied_at", "lane", "previous_bundle_id",
+                                       "manifest_sha256", "files")}  # (the last two: a repair checks them)
         out["image_id"] = img.get("image_id")
         out["image"] = img.get("name")
         return out
