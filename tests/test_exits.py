@@ -25,6 +25,18 @@ def test_the_first_to_finish_is_the_cause() -> None:
     assert cause_and_consequences([]) is None
 
 
+def test_of_exits_at_once_the_one_killed_by_a_signal_is_the_cause() -> None:
+    # as on the simulator fleet: the follower that lost the head is stamped before the SIGKILLed worker
+    exits = [RankExit("w1", 1, 1, "2026-12-04T16:53:15.647038406Z"),
+             RankExit("w2", 2, 137, "2026-12-04T16:53:15.656412854Z"),
+             RankExit("h0", 0, 1, "2026-12-04T16:53:15.662715038Z")]
+    got = cause_and_consequences(exits)
+    assert got is not None and got["host"] == "w2" and [e["host"] for e in got["consequences"]] == ["w1", "h0"]
+    # a second apart is not at once: the earlier is the cause, whatever its exit code
+    later = [RankExit("w1", 1, 1, "2026-12-04T16:53:14.5Z"), RankExit("w2", 2, 137, "2026-12-04T16:53:15.6Z")]
+    assert cause_and_consequences(later)["host"] == "w1"  # type: ignore[index]
+
+
 def _host(name: str, rank: int, when: str, code: int) -> HostResult:
     fact = {"rank": rank, "exit_code": code, "finished_at": when, "log": f"log of {rank}"}
     return HostResult(name, "f", "drift", checks=[

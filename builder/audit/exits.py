@@ -2,9 +2,11 @@
 
 When one rank's engine dies, the others lose their peer and exit too, so every host reports an exited
 container. The serving check records each exited rank's exit code, finish time and last log lines
-(``exit`` in its facts); `builder audit` and `builder status` name the rank that finished first as the
-cause and the others as its consequences. Docker's finish times are RFC 3339 with up to nine fraction
-digits, trailing zeros dropped, so they are compared as numbers, not as text.
+(``exit`` in its facts); `builder audit` and `builder status` name the rank that ended first as the
+cause and the others as its consequences. Exits within a second of the first count as at once (docker
+stamps an end late by some milliseconds); among those, a rank killed by a signal is the cause. Docker's
+finish times are RFC 3339 with up to nine fraction digits, trailing zeros dropped, so they are compared
+as numbers, not as text.
 """
 
 from __future__ import annotations
@@ -44,9 +46,29 @@ def finished_ns(when: str) -> int | None:
     return int(secs) * 10**9 + int((m.group(2) or "0").ljust(9, "0"))
 
 
+#: exits this close together happened at once, as far as docker's finish times can tell: each host's
+#: engine stamps a container's end when it handles the event, some milliseconds late, so a rank that
+#: fell because its peer died can be stamped before that peer (measured on the simulator fleet: a
+#: SIGKILLed worker stamped 9 ms after a follower that lost the head it took down)
+AT_ONCE_NS = 1_000_000_000
+
+
+def killed(e: RankExit) -> bool:
+    """Ended by a signal (exit code 128 + N: SIGKILL 137, SIGSEGV 139, the OOM killer), not by its own
+    exit after a lost peer."""
+    return e.exit_code is not None and e.exit_code > 128
+
+
 def order(exits: list[RankExit]) -> list[RankExit]:
-    """The exits, first to finish first (a time that cannot be read goes last)."""
-    return sorted(exits, key=lambda e: (finished_ns(e.finished_at) is None, finished_ns(e.finished_at) or 0, e.rank))
+    """The exits, the cause first: of those that ended at once with the earliest (AT_ONCE_NS), one killed
+    by a signal, else the earliest; then the rest by time (a time that cannot be read goes last)."""
+    timed = sorted(exits, key=lambda e: (finished_ns(e.finished_at) is None, finished_ns(e.finished_at) or 0, e.rank))
+    known = [(ns, e) for e in timed if (ns := finished_ns(e.finished_at)) is not None]
+    if not known:
+        return timed
+    at_once = [e for ns, e in known if ns - known[0][0] <= AT_ONCE_NS]
+    first = next((e for e in at_once if killed(e)), at_once[0])
+    return [first, *(e for e in timed if e is not first)]
 
 
 def cause_and_consequences(exits: list[RankExit]) -> dict[str, Any] | None:
