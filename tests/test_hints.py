@@ -72,7 +72,9 @@ def test_no_message_names_a_verb_that_does_not_exist() -> None:
     assert not [h for h in FOUND if h.split()[1:2] == ["derive"]]
 
 
-def test_a_repair_hint_carries_the_fleet_lock_store_and_mode(tmp_path: Path) -> None:
+def test_a_repair_hint_carries_the_fleet_lock_store_and_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("BUILDER_PINS", "BUILDER_LOCK", "BUILDER_STORE"):
+        monkeypatch.delenv(var, raising=False)
     pins = tmp_path / "p" / "pins.toml"
     opts = DeployOptions(root=pins.parent, pins=pins, lock=tmp_path / "other.lock", store=tmp_path / "s",
                          fleet="f1", audit_mode="full")
@@ -83,3 +85,5 @@ def test_a_repair_hint_carries_the_fleet_lock_store_and_mode(tmp_path: Path) -> 
     fast = DeployOptions(root=pins.parent, pins=pins, lock=pins.parent / "pins.lock",
                          store=pins.parent / ".cache" / "builder", fleet="f1")
     assert command(fast, "deploy", "--repair", mode=True).endswith(" deploy --fleet f1 --repair")
+    monkeypatch.setenv("BUILDER_STORE", str(tmp_path / "s"))  # (the shell the operator types in has it)
+    assert " --store " not in command(opts, "deploy", "--repair", mode=True)

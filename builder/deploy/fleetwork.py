@@ -5,6 +5,7 @@ fleet's audits over those connections.
 
 from __future__ import annotations
 
+import os
 import shlex
 import stat
 import subprocess
@@ -58,15 +59,20 @@ class DeployOptions:
 
 def command(opts: DeployOptions, verb: str, *args: str, mode: bool = False) -> str:
     """The exact `builder` command a message tells the operator to run, as they would type it here: the
-    fleet, the pins, lock and store this command used (where they are not the defaults) and, with
+    fleet, the pins, lock and store this command used where the same shell would not get them by
+    default (from BUILDER_PINS, BUILDER_LOCK and BUILDER_STORE, else the project's own), and, with
     `mode`, the audits' mode when it is not the default (a repair found by a full audit needs one)."""
     head = ["builder"]
+    env = os.environ
+    pins = Path(env.get("BUILDER_PINS") or "pins.toml")
+    lock = Path(env["BUILDER_LOCK"]) if env.get("BUILDER_LOCK") else opts.pins.parent / "pins.lock"
     root = opts.pins.resolve().parent
-    if opts.pins.resolve() != (Path.cwd() / "pins.toml").resolve():
+    store = Path(env["BUILDER_STORE"]) if env.get("BUILDER_STORE") else root / ".cache" / "builder"
+    if opts.pins.resolve() != pins.resolve():
         head += ["--pins", str(opts.pins)]
-    if opts.lock.resolve() != (opts.pins.parent / "pins.lock").resolve():
+    if opts.lock.resolve() != lock.resolve():
         head += ["--lock", str(opts.lock)]
-    if opts.store.resolve() != (root / ".cache" / "builder").resolve():
+    if opts.store.resolve() != store.resolve():
         head += ["--store", str(opts.store)]
     tail = [verb, "--fleet", opts.fleet, *args]
     if mode and opts.audit_mode != "fast":

@@ -20,7 +20,7 @@ from typing import Any
 from builder.audit.exits import RankExit, cause_and_consequences, describe_cause, describe_consequence
 from builder.canon import attrs
 from builder.deploy import journal as J
-from builder.deploy.fleetwork import DeployOptions, Fleetwork
+from builder.deploy.fleetwork import DeployOptions, Fleetwork, command
 from builder.deploy.hoststate import HostState
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 from builder.imagerecord import read_record
@@ -160,9 +160,9 @@ def fleet_status(opts: DeployOptions) -> FleetStatus:
     j = J.load(opts.store, w.fleet_name)
     if j is not None:
         out.deploy_phase = j.phase
-        out.resume = f"builder deploy --fleet {w.fleet_name}"
+        out.resume = command(opts, "deploy")
         what = "a deploy's rollback" if J.rolling_back(j) else "a deploy"
-        also = f" (or `builder start --fleet {w.fleet_name}`)" if J.rolling_back(j) else ""
+        also = f" (or `{command(opts, 'start')}`)" if J.rolling_back(j) else ""
         out.deploy = (
             f"{what} did not finish (pid {j.pid}, started {j.started}, stopped while {j.phase}"
             f"{': ' + j.reason if j.reason else ''}); the fleet is not deployed; `{out.resume}`{also} finishes it"
