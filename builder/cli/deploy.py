@@ -181,7 +181,7 @@ def status(fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_
     st = fleet_status(_options(fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, ssh_persist=ssh_persist))
     cols, body = rows(st)
     output.table(f"fleet {st.fleet} (lane {st.lane}, lock {st.lock_hash[:12]})", cols, body)
-    for h in st.hosts:
+    for h in sorted(st.hosts, key=lambda h: h.exited != "first"):  # (the rank that exited first: the cause, first)
         if h.message:
             output.status(f"{h.host}: {h.message}")
     if st.deploy:
