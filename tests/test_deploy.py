@@ -371,7 +371,7 @@ def test_an_engine_that_fails_at_start_rolls_the_whole_fleet_back(j: Journey, by
     j.set_serve(args=[*ARGS, "--no-such-flag"])  # the demo engine refuses it and exits 2
     rc, rep = _deploy(j)
     assert rc == 1 and rep["result"] == "rolled-back", (rep.get("reason"), j.last_stderr[-3000:])
-    assert "exited (code 2)" in rep["reason"] and "UnknownFlag" in rep["reason"]
+    assert "exited (code 2 at " in rep["reason"] and "UnknownFlag" in rep["reason"]  # (its code, when, its log)
     assert rep["fleet_on"] == "old" and all(r["result"] == "rolled-back" for r in rep["hosts"].values())
     assert rep["rollback_audit"] and rep["rollback_audit"]["exit"] == 0, rep["reason"]
     dl.assert_on(j, good)  # every host back on the second lock's bundle, serving

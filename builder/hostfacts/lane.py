@@ -222,7 +222,7 @@ def wait(req: dict[str, Any]) -> dict[str, Any]:
         if st in ("exited", "dead", "missing"):
             when = ended(name)[1] if st != "missing" else ""
             why = f"container {name} " + ("is gone" if st == "missing" else
-                                          f"exited (exit code {code}{' at ' + when if when else ''})")
+                                          f"exited (code {code}{' at ' + when if when else ''})")
             return {"ok": False, "state": "exited", "why": why, "log": logs(name)}
         if st == "running":
             since = since if since is not None else time.monotonic()
