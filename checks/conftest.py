@@ -25,8 +25,7 @@ from typing import Any
 import pytest
 from checklib import Concern, prefetch, read_applied
 
-_STATE: dict[str, Any] = {"unreachable": None, "results": {}, "order": [], "collect_errors": [], "root": "checks",
-                          "data": {}}
+_STATE: dict[str, Any] = {"unreachable": None, "results": {}, "order": [], "collect_errors": [], "root": "checks"}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -96,13 +95,12 @@ def applied(host: Any, expect: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture
 def finding(request: pytest.FixtureRequest) -> Any:
-    """finding(key, value): a figure or a kind this check reports beside its outcome (the burn's TFLOPS,
-    clock and power; ``kind="hardware"`` for a GPU that is unhealthy rather than drifted), written to
-    the results as the check's ``data``."""
-    cid = _check_id(request.node)
+    """finding(key, value): a JSON value this check reports beside its outcome (the burn's TFLOPS, clock
+    and power; ``kind="hardware"`` for a GPU that is unhealthy rather than drifted; a rank's exit),
+    kept in the item's ``user_properties`` and written to the results as the check's ``facts``."""
 
     def put(key: str, value: Any) -> None:
-        _STATE["data"].setdefault(cid, {})[key] = value
+        request.node.user_properties.append((key, value))
 
     return put
 
@@ -225,6 +223,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         )
         entry["status"] = "fail" if is_fail else "error"
         entry["message"] = _message(call.excinfo) if call.excinfo is not None else str(rep.longrepr)[:300]
+    if item.user_properties:  # what a check recorded for the fleet's view (item.user_properties): JSON values
+        entry["facts"] = {str(k): v for k, v in item.user_properties}
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -251,8 +251,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     data = {
         "unreachable": _STATE["unreachable"],
-        "checks": [_STATE["results"][c] | ({"data": _STATE["data"][c]} if c in _STATE["data"] else {})
-                   for c in _STATE["order"]],
+        "checks": [_STATE["results"][c] for c in _STATE["order"]],
         "collect_errors": _STATE["collect_errors"],
         "exitstatus": int(exitstatus),
     }

@@ -7,7 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from checklib import LABEL_BUNDLE, Cmd, Concern, lane_container, lane_docker, or_skip, read_applied, remote_json
+from checklib import (
+    LABEL_BUNDLE,
+    Cmd,
+    Concern,
+    lane_container,
+    lane_docker,
+    or_skip,
+    read_applied,
+    remote_json,
+    run,
+)
 
 from builder.hostfacts import SERVE, dumps, shown
 
@@ -61,9 +71,20 @@ def test_one_token_completion(api: dict[str, Any]) -> None:
     assert choices, f"/v1/completions: expected a choice, found {str(body)[:120]}"
 
 
-def test_rank_runs_the_release(host: Any, expect: dict[str, Any]) -> None:
+#: how many of an exited engine's last log lines its check shows
+LOG_LINES = 5
+
+
+def last_log_lines(host: Any, name: str) -> str:
+    r = run(host, f"docker logs --tail {LOG_LINES} %s 2>&1", name)
+    return " | ".join(ln.strip() for ln in str(r.stdout or "").splitlines() if ln.strip())[-600:]
+
+
+def test_rank_runs_the_release(host: Any, expect: dict[str, Any], finding: Any) -> None:
     """Every rank (not only the head): its container is up, runs the lock's image, was started from
-    the installed bundle, with the environment and arguments that bundle's launch files give."""
+    the installed bundle, with the environment and arguments that bundle's launch files give. A rank
+    whose engine exited says its exit code, when and its last log lines, and records them (``exit``)
+    so the fleet's report names the rank that exited first as the cause (builder.audit.exits)."""
     launch = or_skip(expect.get("launch"), expect.get("launch_reason") or "lane settings unknown")
     img = expect.get("image")
     c, why = lane_container(host, expect)
@@ -71,9 +92,13 @@ def test_rank_runs_the_release(host: Any, expect: dict[str, Any]) -> None:
     assert c is not None, f"rank {rank}: expected container {launch['container']} running, found {why}"
     name = str(c.get("Name", "")).lstrip("/")
     state = c.get("State") or {}
-    assert state.get("Running"), (
-        f"{name}: expected running, found {state.get('Status')} (exit code {state.get('ExitCode')})"
-    )
+    if not state.get("Running"):
+        log = last_log_lines(host, name)
+        finding("exit", {
+            "rank": rank, "container": name, "status": state.get("Status"), "exit_code": state.get("ExitCode"),
+            "finished_at": state.get("FinishedAt"), "log": log})
+        pytest.fail(f"{name}: expected running, found {state.get('Status')} (exit code {state.get('ExitCode')} at "
+                    f"{state.get('FinishedAt')}); its last log lines: {log or '(none)'}", pytrace=False)
     if img is not None:
         got = str(c.get("Image"))
         assert got == img["image_id"], f"{name}: expected image {img['image_id'][:19]}, found {got[:19]}"

@@ -210,7 +210,7 @@ def test_burn_figures_and_the_fleets_median() -> None:
                            "fast", "preflight", ["burn"])
     j = rep.to_json()
     assert j["exit"] == 1 and list(j["burn"]["outliers"]) == ["s3"]
-    assert j["hosts"]["s1"]["checks"]["burn::gpu"]["data"]["burn"]["tflops"] == 82.0
+    assert j["hosts"]["s1"]["checks"]["burn::gpu"]["facts"]["burn"]["tflops"] == 82.0
     cols, rows = core.burn_rows(rep)
     assert cols[1] == "TFLOPS" and rows[2] == ["s3", "31.2", "2171", "86", "60", "latched", "SLOW"]
     assert b'type="unhealthy"' in core.junit_xml(rep)
@@ -356,7 +356,7 @@ def test_local_burn_reports_its_figures(tmp_path: Path) -> None:
     rc, data, err = run_local(root, env, "--only", "burn")
     check = data["hosts"]["me"]["checks"]["burn::gpu"]
     assert rc == 0 and check["status"] == "pass", err
-    figures = check["data"]["burn"]
+    figures = check["facts"]["burn"]
     assert figures["verdict"] == "pass" and figures["tflops"] == 628.97 and figures["clock_mhz"] == 1440
     assert data["burn"]["hosts"]["me"]["tflops"] == 628.97
     (tmp_path / "nvstate" / "sample-busy").write_text(
@@ -365,7 +365,7 @@ def test_local_burn_reports_its_figures(tmp_path: Path) -> None:
     rc, data, err = run_local(root, env, "--only", "burn")
     host = data["hosts"]["me"]
     assert rc == 1 and host["status"] == "unhealthy", err
-    assert host["checks"]["burn::gpu"]["data"]["burn"]["verdict"] == "latched"
+    assert host["checks"]["burn::gpu"]["facts"]["burn"]["verdict"] == "latched"
     assert "unplugged for 30 to 60 s" in host["message"] and "latched" in err
     root2, env2 = local_project(tmp_path / "none", H200)
     rc, data, err = run_local(root2, env2, "--only", "burn")

@@ -14,6 +14,7 @@ is not the lane's is never touched.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -28,10 +29,11 @@ from typing import Any, get_args
 import pytest
 
 from builder.deploy import journal as J
-from builder.deploy.bundles import stale
+from builder.deploy.bundles import FleetBundle, stale
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.hoststate import Container, HostState
 from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcome, Side
+from builder.deploy.rollout import record_drift
 from builder.deploy.status import FleetStatus, HostStatus
 from builder.errors import BuilderError
 from builder.ssh import tied
@@ -396,7 +398,7 @@ def test_an_engine_that_fails_at_start_rolls_the_whole_fleet_back(j: Journey, by
     j.set_serve(args=[*ARGS, "--no-such-flag"])  # the demo engine refuses it and exits 2
     rc, rep = _deploy(j)
     assert rc == 1 and rep["result"] == "rolled-back", (rep.get("reason"), j.last_stderr[-3000:])
-    assert "exited (code 2)" in rep["reason"] and "UnknownFlag" in rep["reason"]
+    assert "exited (code 2 at " in rep["reason"] and "UnknownFlag" in rep["reason"]  # (its code, when, its log)
     assert rep["fleet_on"] == "old" and all(r["result"] == "rolled-back" for r in rep["hosts"].values())
     assert rep["rollback_audit"] and rep["rollback_audit"]["exit"] == 0, rep["reason"]
     dl.assert_on(j, good)  # every host back on the second lock's bundle, serving
@@ -768,3 +770,17 @@ def test_repair_reinstalls_a_drifted_release_from_its_bundle(j: Journey, bystand
     assert json.loads(j.fleet.exec(head, f"cat {root}/state/applied.json").stdout)["manifest_sha256"] != "0" * 64
     rc, rep = _deploy(j)  # and the fleet is whole again: a no-op that passes
     assert rc == 0 and rep["result"] == "unchanged", rep.get("reason")
+
+
+def test_a_repair_compares_the_apply_record_with_the_bundles_signed_manifest(tmp_path: Path) -> None:
+    mbytes = b'{"bundle_id": "b"}\n'
+    (tmp_path / "manifest.json").write_bytes(mbytes)
+    files = [{"path": "start.sh", "size": 3, "sha256": "a" * 64}, {"path": "rank.env", "size": 2, "sha256": "b" * 64}]
+    manifest = {"bundle_id": "b", "files": files, "models": [], "image": {"archive": None}}
+    b = FleetBundle("h", tmp_path, manifest, made=False)
+    good = {"manifest_sha256": hashlib.sha256(mbytes).hexdigest(), "files": list(reversed(files))}
+    assert record_drift(good, b) == ""
+    assert record_drift({**good, "manifest_sha256": "0" * 64}, b) == "manifest_sha256"
+    assert record_drift({**good, "files": [files[0], {**files[1], "sha256": "c" * 64}]}, b) == "files: rank.env"
+    assert record_drift({**good, "files": files[:1]}, b) == "files: rank.env"
+    assert record_drift(None, b) == "missing"

@@ -106,9 +106,15 @@ def test_drift_is_named(tmp_path: Path) -> None:
     assert check(p) == [] and check(p, "full") == []
     (f / "rank1of2-a.bin").write_bytes(b"abc")  # truncated
     assert check(p) == [f"{f}/rank1of2-a.bin: expected 6 bytes, found 3"]
-    (f / "rank1of2-a.bin").write_bytes(b"abcdeX")  # same size, other bytes: only full mode sees it
+    rec = json.loads((f / ".builder-derived.json").read_text())
+    kept = next(x for x in rec["files"] if x["path"] == "rank1of2-a.bin")
+    (f / "rank1of2-a.bin").write_bytes(b"abcdeX")  # same size, other bytes: fast mode sees the mtime
+    assert check(p) == [f"{f}/rank1of2-a.bin: expected mtime {kept['mtime']}, found "
+                        f"{(f / 'rank1of2-a.bin').stat().st_mtime_ns} (modified; fast mode)"]
+    os.utime(f / "rank1of2-a.bin", ns=(kept["mtime"], kept["mtime"]))  # ... and its mtime put back: only full
     assert check(p) == [] and check(p, "full") == [f"{f}/rank1of2-a.bin: content differs from the record (sha256)"]
     (f / "rank1of2-a.bin").write_bytes(b"abcdef")
+    os.utime(f / "rank1of2-a.bin", ns=(kept["mtime"], kept["mtime"]))
     (f / "rank0of2-a.bin").write_bytes(b"abcdef")  # another rank's file
     (f / "extra.txt").write_bytes(b"x")
     (f / "map.json").unlink()
@@ -116,7 +122,29 @@ def test_drift_is_named(tmp_path: Path) -> None:
                         f"{f}/rank0of2-a.bin: another rank's file (this host is rank 1 of 2)",
                         f"{f}/map.json: missing"]
     other = plan(tmp_path, "true", address="b" * 64)
-    assert check(other) == [f"{folder(other)}: not made (no .builder-derived.json; run `builder derive` or deploy)"]
+    assert check(other) == [f"{folder(other)}: not made (no .builder-derived.json; `builder deploy --repair` or "
+                            "`builder start` on its fleet makes it)"]
+
+
+def test_a_full_make_remakes_what_differs_in_content_and_a_fast_one_holds_it(tmp_path: Path) -> None:
+    p = plan(tmp_path, 'printf abcdef > "$1/rank1of2-a.bin"; printf m > "$1/map.json"')
+    assert derive("make", str(p)).returncode == 0
+    f = folder(p)
+    target = f / "rank1of2-a.bin"
+    st = target.stat()
+    target.write_bytes(b"abcdeX")  # changed in place, its size and mtime put back
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    r = derive("make", str(p))
+    assert r.returncode == 0 and json.loads(r.stdout)["derivations"][0]["result"] == "held"
+    assert target.read_bytes() == b"abcdeX"  # (what fast mode cannot see: the reason a repair hashes)
+    r = derive("make", str(p), "full")
+    out = json.loads(r.stdout)["derivations"][0]
+    assert r.returncode == 0 and out["result"] == "made", r.stderr
+    assert out["differed"] == [f"{target}: content differs from the record (sha256)"]
+    assert target.read_bytes() == b"abcdef" and check(p, "full") == []
+    assert sorted(x.name for x in f.parent.iterdir()) == [f.name]  # nothing left beside it (no temp, no old one)
+    r = derive("make", str(p), "full")
+    assert json.loads(r.stdout)["derivations"][0]["result"] == "held"
 
 
 def _pins_fleet(command: list[str]) -> tuple[Pins, Fleet, Lock]:

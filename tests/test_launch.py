@@ -129,9 +129,13 @@ def test_bad_lane_keys_are_named(lane: dict[str, Any], where: str) -> None:
 
 def test_start_order_is_the_lanes() -> None:
     f = fleet(4)
-    assert [[h.name for h in g] for g in start_groups(f, pins(tp=4).lanes["l"])] == [["s3", "s2", "s1"], ["s0"]]
+    # one rank at a time, each once the one before it is ready
+    assert [[h.name for h in g] for g in start_groups(f, pins(tp=4).lanes["l"])] == [["s3"], ["s2"], ["s1"], ["s0"]]
     first = pins(tp=4, start="head-first").lanes["l"]
-    assert [[h.name for h in g] for g in start_groups(f, first)] == [["s0"], ["s3", "s2", "s1"]]
+    assert [[h.name for h in g] for g in start_groups(f, first)] == [["s0"], ["s3"], ["s2"], ["s1"]]
+    headless = pins(tp=4, roles={"head": {"ready": {"health": "/health"}}, "worker": {
+        "args": ["serve", "--headless"], "ready": {"running": True}}}).lanes["l"]  # vLLM's workers
+    assert [[h.name for h in g] for g in start_groups(f, headless)] == [["s1"], ["s2"], ["s3"], ["s0"]]
     assert [[h.name for h in g] for g in stop_groups(f)] == [["s0"], ["s1", "s2", "s3"]]
 
 

@@ -16,6 +16,8 @@ import fnmatch
 import hashlib
 import json
 import re
+import shlex
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ import pytest
 
 from builder.pins import expand_lanes
 from tests.lib import factory, fleetlib
-from tests.lib.journeylib import Journey, failing, journey
+from tests.lib.journeylib import PATHS, Journey, failing, journey
 
 pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build, pytest.mark.slow]
 
@@ -137,13 +139,8 @@ def test_first_deploy_in_the_lanes_order_then_audits_pass(seed: Journey) -> None
     rc, rep = _deploy(j)
     assert rc == 0 and rep["result"] == "deployed", (rep.get("reason"), j.last_stderr[-3000:])
     up = [ln.split(":")[0] for ln in j.last_stderr.splitlines() if re.match(r"^spark-\S+: rank \d+ is up", ln)]
-    # the lane's order by group: the workers (at once, each dialling the head) then the head, or the
-    # head (its store listening) then the workers
-    order, head = launch["start_order"], launch["hosts"][0]["host"]
-    if launch["start"] == "workers-first":
-        assert up[-1] == head and sorted(up[:-1]) == sorted(order[:-1]), (up, order)
-    else:
-        assert up[0] == head and sorted(up[1:]) == sorted(order[1:]), (up, order)
+    # the lane's order, one rank at a time, each once the one before it is up (builder.launch.order)
+    assert up == launch["start_order"], (up, launch["start_order"])
     if launch["derivations"]:
         assert re.search(r"derivation \S+: made", j.last_stderr), j.last_stderr[-3000:]
     for mode in ("fast", "full"):
@@ -217,6 +214,108 @@ def model_drift_is_named(j: Journey, launch: dict[str, Any]) -> None:
     j.fleet.exec(h, ["sh", "-c", f"base64 -d > {path} && touch -m -d @{mtime} {path}"], input=keep.encode())
     rc, report = j.audit("--phase", "all", "--mode", "full")
     assert rc == 0, failing(report)
+
+
+#: python3 on a host: flip one byte in the middle of a file in place, its size kept, its mtime put back
+FLIP = ("import os, sys\n"
+        "p = sys.argv[1]; st = os.stat(p); at = st.st_size // 2\n"
+        "with open(p, 'r+b') as f:\n"
+        "    f.seek(at); b = f.read(1); f.seek(at); f.write(bytes([b[0] ^ 1]))\n"
+        "os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))\n")
+
+
+def in_place_targets(j: Journey, launch: dict[str, Any]) -> dict[str, tuple[fleetlib.Host, str]]:
+    """kind -> (host, path) of one installed file of each kind, spread over the fleet's hosts."""
+    hosts = {h.name: h for h in j.fleet.hosts}
+    ranks = [hosts[x["host"]] for x in launch["hosts"]]  # rank order
+    rec = {h.name: json.loads(j.fleet.exec(h, "cat /var/lib/builder/state/applied.json").stdout) for h in ranks}
+    engram = PATHS["engram"].rstrip("/") + "/"
+
+    def model(h: fleetlib.Host, pick: Any) -> str:
+        return next(m["path"] for m in rec[h.name]["models"] if pick(m["path"]))
+
+    def derived(h: fleetlib.Host, pick: Any) -> str:
+        folder = next(x for x in launch["hosts"] if x["host"] == h.name)["derivations"][0]["path"]
+        names = j.fleet.exec(h, f"cd {folder} && find . -type f ! -name '.builder*'").stdout.split()
+        return f"{folder}/{next(n for n in sorted(names) if pick(n))[2:]}"
+
+    return {
+        "launch file": (ranks[0], f"{rec[ranks[0].name]['release']}/rank.env"),
+        "Engram shard": (ranks[1], model(ranks[1], lambda p: p.startswith(engram))),
+        "rank-cache byte": (ranks[1], derived(ranks[1], lambda n: "rank-cache/" in n)),
+        "kit file": (ranks[2], model(ranks[2], lambda p: p.endswith("/cubins/experts.cubin"))),
+        "token map": (ranks[2], derived(ranks[2], lambda n: n.endswith("token_map.json"))),
+        "model shard": (ranks[3], model(ranks[3], lambda p: p.endswith(".safetensors") and not p.startswith(engram))),
+    }
+
+
+def test_files_changed_in_place_are_named_and_the_printed_command_repairs_them(seed: Journey) -> None:
+    """Each kind of installed file changed in place (its size and mtime kept): the full audit names it,
+    a deploy in full mode refuses naming the one command that repairs it, that command (as printed)
+    places every one again, and the full audit passes; a second repair finds nothing to do."""
+    j = seed
+    launch = json.loads(j.builder("launch", "--fleet", j.name, "--json").stdout)
+    if launch["lane"] != "tensorfold-tp4":
+        pytest.skip("the in-place repair flow runs on the tensorfold-tp4 fleet only (its six kinds of file)")
+    targets = in_place_targets(j, launch)
+    for host, path in targets.values():
+        j.fleet.exec(host, ["python3", "-c", FLIP, path])
+    rc, report = j.audit("--phase", "preflight", "--mode", "full")
+    assert rc == 1
+    assert {h for h, _ in failing(report)} == {h.name for h, _ in targets.values()}, failing(report)
+    for kind, (host, path) in targets.items():
+        assert Path(path).name in json.dumps(report["hosts"][host.name]), (kind, path, failing(report))
+    rc, rep = j.deploy("--mode", "full")
+    assert rc == 1 and rep["result"] == "unchanged", rep.get("reason")
+    printed = re.findall(r"`(builder [^`]*--repair[^`]*)`", rep["reason"])
+    assert len(printed) == 1 and "--mode full" in printed[0], rep["reason"]
+    argv = shlex.split(printed[0])
+    fixed = j.builder(*argv[1:], "--json", check=False, timeout=900)
+    out = json.loads(fixed.stdout)
+    assert fixed.returncode == 0 and out["result"] == "deployed", (out.get("reason"), fixed.stderr[-3000:])
+    assert {n for n, o in out["hosts"].items() if o["result"] == "repaired"} == {h.name for h, _ in targets.values()}
+    for kind, (host, path) in targets.items():
+        assert re.search(rf"{host.name}: differed from its bundle or record, put right: .*"
+                         rf"{re.escape(Path(path).name)}", fixed.stderr), (kind, fixed.stderr[-3000:])
+    rc, report = j.audit("--phase", "all", "--mode", "full")
+    assert rc == 0, failing(report)
+    rc, rep = j.deploy("--repair")  # in fast mode too, every file hashed: nothing differs now
+    assert rc == 0 and rep["result"] == "unchanged" and rep["reason"].startswith("nothing to repair"), rep
+
+
+def test_a_killed_worker_is_named_as_the_cause_in_audit_and_status(seed: Journey) -> None:
+    """One worker's engine SIGKILLed: the head drops the group and the other followers lose the head, so
+    every rank exits; the audit and `builder status` name the killed rank first, with its exit code, time
+    and last log lines, and the others as its consequences."""
+    j = seed
+    launch = json.loads(j.builder("launch", "--fleet", j.name, "--json").stdout)
+    if launch["lane"] != "tensorfold-tp4":
+        pytest.skip("the killed-worker case runs on the tensorfold-tp4 fleet only")
+    hosts = {h.name: h for h in j.fleet.hosts}
+    victim, head = launch["hosts"][2], launch["hosts"][0]
+    j.fleet.exec(hosts[victim["host"]], f"docker kill -s KILL {victim['container']}")
+    deadline = time.monotonic() + 60
+    while j.fleet.exec(hosts[head["host"]], f"docker inspect -f '{{{{.State.Running}}}}' {head['container']}"
+                       ).stdout.strip() == "true":
+        assert time.monotonic() < deadline, "the head still runs a minute after rank 2 was killed"
+        time.sleep(1)
+    rc, report = j.audit("--phase", "serving")
+    assert rc == 1
+    first = report["first_exit"]
+    assert first and (first["host"], first["rank"], first["exit_code"]) == (victim["host"], 2, 137), first
+    assert first["log"], first  # its last log lines
+    msg = report["hosts"][victim["host"]]["message"]
+    assert "rank 2" in msg and "exited first" in msg and "the cause" in msg, msg
+    after = {e["host"] for e in first["consequences"]}
+    assert head["host"] in after and victim["host"] not in after, first
+    for name in after:
+        assert "after rank 2" in report["hosts"][name]["message"], report["hosts"][name]["message"]
+    p = j.builder("status", "--fleet", j.name, "--json", check=False)
+    st = json.loads(p.stdout)
+    assert p.returncode == 1 and st["first_exit"]["host"] == victim["host"], st
+    assert st["hosts"][victim["host"]]["exited"] == "first" and st["hosts"][head["host"]]["exited"] == "after rank 2"
+    assert "exited first" in p.stderr and "the cause" in p.stderr, p.stderr[-2000:]
+    j.builder("start", "--fleet", j.name, "--stop-timeout", "2", "--start-timeout", "60", timeout=600)
 
 
 def test_a_changed_serve_setting_deploys_and_holds_the_derivations(seed: Journey) -> None:

@@ -66,6 +66,19 @@ def test_tp4_start_order(tp4: dict[str, Any]) -> None:
     assert tp4["start_order"] == ["spark-d", "spark-c", "spark-b", "spark-a"]
 
 
+@pytest.mark.parametrize(("fleet", "lane", "ranks"), [
+    ("spark-tp4", "tensorfold-tp4", [3, 2, 1, 0]),  # §10.2: ranks 3, 2 and 1 first, then rank 0
+    ("spark-tp4", "vllm-native", [1, 2, 3, 0]),  # §10.6: each worker (ranks 1…N-1, headless), then the head
+    ("spark-tp2", "tensorfold-tp2", [1, 0]),  # §10.3: rank 1 starts before rank 0
+    ("spark-tp2", "tensorfold-python-tp2", [0, 1]),  # §10.3: rank 0 listening on its store port first
+    ("spark-tp2", "vllm-mia-tp2", [1, 0]),  # §10.6: the worker, then the head
+])
+def test_every_seed_lane_starts_in_its_recipes_order(fleet: str, lane: str, ranks: list[int]) -> None:
+    out = launch("--fleet", fleet, "--lane", lane)
+    rank_of = {h["host"]: h["rank"] for h in out["hosts"]}
+    assert [rank_of[n] for n in out["start_order"]] == ranks, out["start_order"]
+
+
 def test_tp4_head_command_and_env(tp4: dict[str, Any]) -> None:
     h = rank(tp4, 0)
     # §10.2 / §11.1 (seed 000's values): tensorfold-native serve /model --host --port --name --context

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from builder.audit.concerns import Concern, declared
+from builder.audit.exits import name_the_cause
 from builder.audit.expect import build_expectations, load_lane_inputs
 from builder.audit.options import AuditOptions, parse_only, select_targets
 from builder.audit.report import (
@@ -85,6 +86,6 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
         sockets.cleanup()
         if opts.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
-    return AuditReport(
+    return name_the_cause(AuditReport(
         hosts=results, mode=opts.mode, phase=opts.phase, concerns=concerns, seconds=time.monotonic() - start
-    )
+    ))

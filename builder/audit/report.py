@@ -18,8 +18,9 @@ class CheckOutcome:
     concern: str
     status: str  # pass | fail | skip | error
     message: str = ""
-    #: what the check reported beside its outcome (the burn's figures; kind "hardware")
-    data: dict[str, Any] = field(default_factory=dict)
+    #: what the check recorded beside its outcome (its item's user_properties): the burn's figures, a
+    #: rank's exit, ``kind = "hardware"`` for an unhealthy GPU rather than drift
+    facts: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -37,7 +38,7 @@ class HostResult:
         if self.status in ("unreachable", "error"):
             return self.message
         bad = [c for c in self.checks if c.status in ("fail", "error")]
-        bad.sort(key=lambda c: c.data.get("kind") != "hardware")
+        bad.sort(key=lambda c: c.facts.get("kind") != "hardware")
         return "; ".join(f"{c.check}: {c.message}" for c in bad)
 
 
@@ -48,6 +49,7 @@ class AuditReport:
     phase: str
     concerns: list[str]
     seconds: float = 0.0
+    first_exit: dict[str, Any] | None = None  # the rank whose engine exited first (builder.audit.exits)
 
     @property
     def exit_code(self) -> int:
@@ -63,7 +65,7 @@ class AuditReport:
         median TFLOPS (builder.gpu.burn.fleet_outliers); {} when no burn ran."""
         from builder.gpu.burn import fleet_outliers
 
-        hosts = {h.name: c.data["burn"] for h in self.hosts for c in h.checks if "burn" in c.data}
+        hosts = {h.name: c.facts["burn"] for h in self.hosts for c in h.checks if "burn" in c.facts}
         if not hosts:
             return {}
         tflops = {n: float(b["tflops"]) for n, b in hosts.items() if b.get("tflops") is not None}
@@ -75,14 +77,16 @@ class AuditReport:
             **attrs(self, "mode", "phase", "concerns"),
             "exit": self.exit_code,
             "seconds": round(self.seconds, 3),
+            "content": "sha256" if self.mode == "full" else "stat",
+            "first_exit": self.first_exit,
             "hosts": {
                 h.name: {
                     "fleet": h.fleet,
                     "status": h.status,
                     "message": h.message or h.first_problem(),
                     "seconds": round(h.seconds, 3),
-                    "checks": {c.check: {"status": c.status, "message": c.message}
-                               | ({"data": c.data} if c.data else {}) for c in h.checks},
+                    "checks": {c.check: {"status": c.status, "message": c.message,
+                                         **({"facts": c.facts} if c.facts else {})} for c in h.checks},
                 }
                 for h in self.hosts
             },
@@ -149,7 +153,7 @@ def junit_xml(report: AuditReport) -> bytes:
             counts["tests"] += 1
             if c.status == "fail":
                 ET.SubElement(tc, "failure", message=c.message,
-                              type="unhealthy" if c.data.get("kind") == "hardware" else "drift")
+                              type="unhealthy" if c.facts.get("kind") == "hardware" else "drift")
                 counts["failures"] += 1
             elif c.status == "error":
                 ET.SubElement(tc, "error", message=c.message, type="error")

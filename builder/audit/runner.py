@@ -129,7 +129,7 @@ def read_results(path: Path) -> tuple[str | None, list[CheckOutcome], list[str]]
     """What checks/conftest.py wrote: the lost connection (if any), each check's outcome, and one
     line per check module that did not collect ("checks/test_x.py: ImportError: ...")."""
     data = json.loads(path.read_text())
-    checks = [CheckOutcome(c["id"], c["concern"], c["status"], c.get("message", ""), dict(c.get("data") or {}))
+    checks = [CheckOutcome(c["id"], c["concern"], c["status"], c.get("message", ""), dict(c.get("facts") or {}))
               for c in data["checks"]]
     return data.get("unreachable"), checks, [str(e) for e in data.get("collect_errors") or []]
 
@@ -223,7 +223,7 @@ def _run_host(
         return done("unreachable", lost)
     if problem:
         return done("error", problem)
-    if any(c.status == "fail" and c.data.get("kind") == "hardware" for c in checks):
+    if any(c.status == "fail" and c.facts.get("kind") == "hardware" for c in checks):
         return done("unhealthy")  # the GPU itself: no deploy fixes it (the check's message says what does)
     if any(c.status == "fail" for c in checks):
         return done("drift")

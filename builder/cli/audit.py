@@ -12,6 +12,7 @@ from builder import audit as core
 from builder import output
 from builder.audit import select_targets
 from builder.audit.concerns import declared
+from builder.audit.exits import describe_cause
 from builder.audit.options import PACKAGE_CHECKS
 from builder.cli import get_ctx
 from builder.cli.options import (
@@ -121,6 +122,12 @@ def audit(
         output.table("burn", *core.burn_rows(report))
         for name, why in report.burn()["outliers"].items():
             output.status(f"{name}: burn: {why}")
+    if report.mode == "fast":
+        output.status("fast mode: model, kit, Engram and derived files are vouched for by the size, mtime and inode "
+                      "recorded when each was last hashed (at install, or when its derivation was made), not hashed "
+                      "now; `builder audit --mode full` hashes every one")
+    if report.first_exit:
+        output.status(f"a rank's engine exited: {describe_cause(report.first_exit)}")
     for h in report.hosts:
         problem = h.message if h.status in ("unreachable", "error") else h.first_problem()
         if problem:

@@ -110,8 +110,10 @@ def _print(rep: Any, as_json: bool) -> int:
 )
 @click.option(
     "--repair", is_flag=True,
-    help="Reinstall the lock's release, from its verified bundle, on the hosts that run it but drifted "
-    "(files or apply record edited), then restart in order and audit.",
+    help="Hash every installed file on every host (in any --mode); place again, from the verified bundle, "
+    "each model, kit, Engram and launch file that differs, make again each derivation that differs from "
+    "its record, reinstall the release on those hosts (and where only the apply record drifted), then "
+    "restart in order and audit.",
 )
 @insecure_option
 def deploy(
@@ -122,7 +124,8 @@ def deploy(
     """Move fleet NAME to the lock: bundle, stage everywhere, make the derivations, audit (the gate),
     stop the head then the workers, switch, start in the lane's order, wait for the API, audit it
     serving; on any failure after the first switch, roll every host back and start and audit that.
-    With --repair, hosts that run the lock's release but drifted are reinstalled from their bundles.
+    With --repair, every file that differs in content from its bundle or record is placed or made again
+    and those hosts reinstalled (nothing to repair: it says so).
 
     Exit 0 deployed (or nothing to do and the audit passes), 1 refused, rolled back or failed,
     2 configuration error (nothing changed), 3 a host could not be reached.
@@ -178,7 +181,7 @@ def status(fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_
     st = fleet_status(_options(fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, ssh_persist=ssh_persist))
     cols, body = rows(st)
     output.table(f"fleet {st.fleet} (lane {st.lane}, lock {st.lock_hash[:12]})", cols, body)
-    for h in st.hosts:
+    for h in sorted(st.hosts, key=lambda h: h.exited != "first"):  # (the rank that exited first: the cause, first)
         if h.message:
             output.status(f"{h.host}: {h.message}")
     if st.deploy:

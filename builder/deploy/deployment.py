@@ -23,6 +23,8 @@ class Deployment:
         self.bundles: dict[str, FleetBundle] = {}
         self.journal: J.Journal | None = None
         self.repair: set[str] = set()  # hosts whose release is reinstalled from its bundle (--repair)
+        self.rehash = False  # --repair: every file hashed as it is staged, none trusted by its stat
+        self.replaced: dict[str, list[str]] = {}  # host -> what differed and was placed or made again
 
     def out(self, h: Host | str) -> HostOutcome:
         return self.rep.host(h if isinstance(h, str) else h.name)

@@ -1,6 +1,7 @@
 """A fleet's derivations: each host makes its rank's (builder.hostfacts.derive, from the release's
 derive.py and derive.json) at once, for the ``staged`` release in a deploy (before any switch, so a
-failure changes nothing) or the ``current`` one (`builder derive`)."""
+failure changes nothing) or the ``current`` one (`builder start`); ``full`` (`builder deploy --repair`)
+hashes every file against its record and makes again whatever differs."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ if TYPE_CHECKING:
 DERIVE_TIMEOUT = 3600.0
 
 
-def make_all(w: Fleetwork, release: str) -> dict[str, str]:
-    """Make every host's derivations of `release`; host -> why it failed (empty: all made or held)."""
+def make_all(w: Fleetwork, release: str, *, full: bool = False,
+             made: dict[str, list[str]] | None = None) -> dict[str, str]:
+    """Make every host's derivations of `release` (`full`: hashed against their records, not trusted by
+    their stat); host -> why it failed (empty: all made or held). `made` collects, per host, what was
+    made again because it differed from its record."""
 
     def one(h: Host) -> Any:
-        w.say(f"{h.name}: derivations of rank {h.rank}: making what its address does not hold yet")
-        return w.op(h).derive(release, DERIVE_TIMEOUT)
+        what = "hashing every file against its record" if full else "making what its address does not hold yet"
+        w.say(f"{h.name}: derivations of rank {h.rank}: {what}")
+        return w.op(h).derive(release, DERIVE_TIMEOUT, full=full)
 
     failed: dict[str, str] = {}
     for h, out, err in each(w.hosts, one, w.limit()):
@@ -36,4 +41,6 @@ def make_all(w: Fleetwork, release: str) -> dict[str, str]:
                 else:
                     secs = f" in {d['seconds']:g} s" if "seconds" in d else ""
                     w.say(f"{h.name}: derivation {d.get('name')}: {d.get('result')} ({d.get('files')} file(s)){secs}")
+                    if made is not None and d.get("differed"):
+                        made.setdefault(h.name, []).extend(str(x) for x in d["differed"])
     return failed

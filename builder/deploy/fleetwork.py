@@ -5,6 +5,8 @@ fleet's audits over those connections.
 
 from __future__ import annotations
 
+import os
+import shlex
 import stat
 import subprocess
 import time
@@ -53,6 +55,29 @@ class DeployOptions:
     ssh_persist: float = 0.0  # seconds each host's connection is kept after the command (0: closed)
     insecure: bool = False
     repair: bool = False  # reinstall the lock's release on hosts that run it but drifted (deploy --repair)
+
+
+def command(opts: DeployOptions, verb: str, *args: str, mode: bool = False) -> str:
+    """The exact `builder` command a message tells the operator to run, as they would type it here: the
+    fleet, the pins, lock and store this command used where the same shell would not get them by
+    default (from BUILDER_PINS, BUILDER_LOCK and BUILDER_STORE, else the project's own), and, with
+    `mode`, the audits' mode when it is not the default (a repair found by a full audit needs one)."""
+    head = ["builder"]
+    env = os.environ
+    pins = Path(env.get("BUILDER_PINS") or "pins.toml")
+    lock = Path(env["BUILDER_LOCK"]) if env.get("BUILDER_LOCK") else opts.pins.parent / "pins.lock"
+    root = opts.pins.resolve().parent
+    store = Path(env["BUILDER_STORE"]) if env.get("BUILDER_STORE") else root / ".cache" / "builder"
+    if opts.pins.resolve() != pins.resolve():
+        head += ["--pins", str(opts.pins)]
+    if opts.lock.resolve() != lock.resolve():
+        head += ["--lock", str(opts.lock)]
+    if opts.store.resolve() != store.resolve():
+        head += ["--store", str(opts.store)]
+    tail = [verb, "--fleet", opts.fleet, *args]
+    if mode and opts.audit_mode != "fast":
+        tail += ["--mode", opts.audit_mode]
+    return " ".join(shlex.quote(a) for a in head + tail)
 
 
 def short(bid: str | None) -> str:

@@ -43,6 +43,9 @@ class Container:
     bundle: str
     image: str
     status: str
+    exit_code: str = ""  # (a container that ended: its exit code, finish time and last log lines)
+    finished_at: str = ""
+    log: str = ""
 
 
 @dataclass
@@ -152,12 +155,13 @@ class HostOps:
             hostpkg.zipapp(), [*args, "--root", self.root], timeout=timeout or self.timeout + 120, what=what
         )
 
-    def derive(self, release: str, timeout: float) -> dict[str, Any] | None:
+    def derive(self, release: str, timeout: float, *, full: bool = False) -> dict[str, Any] | None:
         """Make this rank's derivations of the ``staged`` or ``current`` release (its derive.py and
-        derive.json; None when the lane has none): {"ok", "derivations": [{name, result, …}]}."""
+        derive.json; None when the lane has none): {"ok", "derivations": [{name, result, …}]}.
+        `full`: every file hashed against its record (a repair), not its recorded stat trusted."""
         rel = f"{self.root}/{release}"
         cmd = (f"if [ -f {shlex.quote(rel + '/derive.json')} ]; then python3 {shlex.quote(rel + '/derive.py')} make "
-               f"{shlex.quote(rel + '/derive.json')}; else echo none; fi")
+               f"{shlex.quote(rel + '/derive.json')}{' full' if full else ''}; else echo none; fi")
         p = self.remote.run(cmd, timeout=timeout + self.timeout, what="derive")
         text = p.stdout.decode("utf-8", "replace").strip()
         if text == "none":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from builder.deploy import journal as J
 from builder.deploy.deployment import Deployment
-from builder.deploy.fleetwork import problems, short
+from builder.deploy.fleetwork import command, problems, short
 from builder.deploy.report import DeployReport
 from builder.launch.order import start_groups
 
@@ -103,8 +103,9 @@ def noop(d: Deployment, earlier: J.Journal | None) -> DeployReport:
         rep.result = "unchanged"
         rep.unreachable = code == 3
         rep.reason = (
-            f"already deployed, but the audit fails: {problems(rep.audit)}; `builder deploy --fleet "
-            f"{w.fleet_name} --repair` reinstalls the lock's release on the hosts that drifted"
+            f"already deployed, but the audit fails: {problems(rep.audit)}; "
+            f"`{command(d.opts, 'deploy', '--repair', mode=True)}` places again every file that differs "
+            "from its bundle or record, and reinstalls the lock's release on the hosts that drifted"
         )
     return rep
 

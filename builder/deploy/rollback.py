@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from builder.deploy import journal as J
 from builder.deploy.deployment import Deployment
-from builder.deploy.fleetwork import explain, problems, short
+from builder.deploy.fleetwork import command, explain, problems, short
 from builder.deploy.report import DeployReport, outcomes
 from builder.errors import BuilderError
 
@@ -57,8 +57,8 @@ def recover(d: Deployment, reason: str) -> DeployReport:
     if not whole:
         rep.result = "failed"
         rep.reason = (
-            f"{reason}; the rollback did not finish ({d.sides()}); run `builder deploy` again once every "
-            "host answers: it moves every host to the new release or back to the old one"
+            f"{reason}; the rollback did not finish ({d.sides()}); run `{command(d.opts, 'deploy')}` again once "
+            "every host answers: it moves every host to the new release or back to the old one"
         )
         return rep
     # every host is back on what it ran; the journal stays until that is started and audited, so a kill
@@ -70,7 +70,7 @@ def recover(d: Deployment, reason: str) -> DeployReport:
     except Exception as e:
         rep.reason = (
             f"{reason}; every host is back on its old release, but it did not start: {explain(e)} "
-            f"(`builder start --fleet {w.fleet_name}` starts it)"
+            f"(`{command(d.opts, 'start')}` starts it)"
         )
         return rep
     d.phase("verifying-old")

@@ -31,8 +31,10 @@ failure, every host back to the old one), and says which.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
+from typing import Any
 
 from builder.deploy import journal as J
 from builder.deploy.bundles import FleetBundle, ensure_bundles
@@ -55,6 +57,8 @@ from builder.deploy.rollback import recover
 from builder.deploy.stage import stage
 from builder.deploy.switch import forward
 from builder.errors import ConfigError
+from builder.hostfacts import shown
+from builder.onhost.manifest import MANIFEST, release_files
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # (a fleet's name, as the inventory allows it)
 
@@ -112,34 +116,114 @@ def run(d: Deployment) -> DeployReport:
         d.say(rep.resumed)
     if opts.dry_run:
         return plan(d, stale)
+    if opts.repair:
+        return repair(d, earlier)
     if is_noop(d):
-        done = noop(d, earlier)
-        if not opts.repair or done.exit_code == 0 or done.unreachable:
-            return done
-        drifted = {n for n, h in (done.audit or {}).get("hosts", {}).items() if h.get("status") != "pass"}
-        d.repair = {h.name for h in w.hosts if h.name in drifted}
-        if not d.repair:
-            return done
-        for h in w.hosts:
-            d.out(h).result = "pending"
-        rep.result, rep.reason, rep.audit = "failed", "", None
-        d.say(f"repair: reinstalling the lock's release from its bundle on {', '.join(sorted(d.repair))}")
-    elif opts.repair:  # (hosts on the new bundle already: reinstalled from it too)
-        d.repair = {h.name for h in w.hosts if w.states[h.name].installed == d.out(h).target}
-    for line in changes(d):
-        d.say(f"to deploy: {line}")
+        return noop(d, earlier)
+    return switch_over(d, earlier)
+
+
+def snapshot(d: Deployment) -> None:
+    """Keep the pins and lock this deploy is made from (what a later rollback to it is audited against)."""
+    w, opts = d.w, d.opts
     built = w.ctx.pins.recipes().get(w.lane.image)  # (a published image has no recipe folder)
     recipe = built.recipe if built is not None else None
-    J.snapshot(opts.store, rep.target_lock or "", opts.pins, opts.lock, opts.root, recipe)
+    J.snapshot(opts.store, d.rep.target_lock or "", opts.pins, opts.lock, opts.root, recipe)
+
+
+def derive(d: Deployment) -> DeployReport | None:
+    """Every host's derivations of the staged release (a repair: hashed against their records, and made
+    again where they differ); the refusal when one failed, else None."""
+    failed = make_all(d.w, "staged", full=d.rehash, made=d.replaced)
+    if not failed:
+        return None
+    lost = {n for n, why in failed.items() if "unreachable" in why}  # (a host cut off: exit 3)
+    for name, why in failed.items():
+        d.out(name).result, d.out(name).message = "unreachable" if name in lost else "failed", why
+    return d.refuse("making the derivations failed; no host was switched: "
+                    + "; ".join(f"{n}: {why}" for n, why in failed.items()), unreachable=bool(lost))
+
+
+def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
+    """`builder deploy --repair`, in any audit mode: every file of every host is hashed, never trusted by
+    its stat. The installer places again, from the verified bundle, each model, kit, Engram and launch
+    file whose content differs from the signed manifest (``receive --rehash``), and each derivation
+    whose files differ from their record is made again (``derive.py make … full``), before the gate, so
+    what is repaired never blocks its own repair; hardware and fleet checks still gate it. Then, as any
+    deploy: the gate, the stop, the switch (the apply record written again on the repaired hosts), the
+    start in the lane's order and the serving audit, or the rollback. Nothing differs and the fleet
+    serves and passes its audit: it says so (exit 0). A host whose apply record alone drifted (nothing
+    to place) is reinstalled in the same way once the audit names it."""
+    w, rep = d.w, d.rep
+    d.rehash = True
+    for line in changes(d):
+        d.say(f"to deploy: {line}")
+    snapshot(d)
+    d.say("repair: hashing every installed file on every host against its signed manifest and the "
+          "derivations' records; placing again what differs")
     if not stage(d):
-        return d.refuse("staging failed; no host was switched", unreachable=rep.unreachable)
-    failed = make_all(w, "staged")
-    if failed:
-        lost = {n for n, why in failed.items() if "unreachable" in why}  # (a host cut off: exit 3)
-        for name, why in failed.items():
-            d.out(name).result, d.out(name).message = "unreachable" if name in lost else "failed", why
-        return d.refuse("making the derivations failed; no host was switched: "
-                        + "; ".join(f"{n}: {why}" for n, why in failed.items()), unreachable=bool(lost))
+        bad = "; ".join(f"{o.host}: {o.message}" for o in rep.hosts if o.result in ("failed", "unreachable"))
+        return d.refuse(f"repair: staging failed, no host was switched: {bad}", unreachable=rep.unreachable)
+    refused = derive(d)
+    if refused is not None:
+        return refused
+    on_target = {h.name for h in w.hosts if w.states[h.name].installed == d.out(h).target}
+    # (a host moving to a new bundle receives it whole: only those already on it can have drifted)
+    d.replaced = {n: what for n, what in d.replaced.items() if n in on_target}
+    for name in sorted(on_target):
+        why = record_drift(w.states[name].applied, d.bundles[name])
+        if why:
+            d.replaced.setdefault(name, []).append(f"the apply record ({why})")
+    for name, what in sorted(d.replaced.items()):
+        d.say(f"{name}: differed from its bundle or record, put right: {shown(what)}")
+    d.repair = set(d.replaced)
+    if d.replaced or not is_noop(d):
+        return switch_over(d, earlier)
+    done = noop(d, earlier)
+    if done.exit_code == 0:
+        done.reason = ("nothing to repair: every file on every host matches its signed manifest or its "
+                       "derivation's record (each hashed), and the fleet serves and passes its audit")
+        return done
+    drifted = {n for n, h in (done.audit or {}).get("hosts", {}).items() if h.get("status") != "pass"}
+    d.repair = {h.name for h in w.hosts if h.name in drifted}
+    if done.unreachable or not d.repair:
+        return done
+    for h in w.hosts:
+        d.out(h).result = "pending"
+    rep.result, rep.reason, rep.audit = "failed", "", None
+    d.say(f"repair: no file differs; reinstalling the release (its apply record written again) on "
+          f"{', '.join(sorted(d.repair))}, which the audit failed")
+    return switch_over(d, earlier)
+
+
+def record_drift(applied: dict[str, Any] | None, bundle: FleetBundle) -> str:
+    """What of a host's apply record differs from the signed manifest of the bundle it was installed
+    from ("" none): the manifest's sha256, or a release file's size or sha256."""
+    if not applied:
+        return "missing"
+    mbytes = (bundle.path / MANIFEST).read_bytes()
+    if applied.get("manifest_sha256") != hashlib.sha256(mbytes).hexdigest():
+        return "manifest_sha256"
+    want = {f["path"]: (f["size"], f["sha256"]) for f in release_files(bundle.manifest)}
+    have = {str(f.get("path")): (f.get("size"), f.get("sha256"))
+            for f in applied.get("files") or [] if isinstance(f, dict)}
+    bad = sorted(p for p in want.keys() | have.keys() if want.get(p) != have.get(p))
+    return f"files: {shown(bad)}" if bad else ""
+
+
+def switch_over(d: Deployment, earlier: J.Journal | None) -> DeployReport:
+    """From staging to the serving audit: stage, the derivations, the gate, then the switch (or the
+    rollback). With ``d.rehash`` (a repair), staging and the derivations have already run."""
+    w, opts, rep = d.w, d.opts, d.rep
+    if not d.rehash:
+        for line in changes(d):
+            d.say(f"to deploy: {line}")
+        snapshot(d)
+        if not stage(d):
+            return d.refuse("staging failed; no host was switched", unreachable=rep.unreachable)
+        refused = derive(d)
+        if refused is not None:
+            return refused
     gate = w.audit("preflight", release="staged")
     rep.audit = gate.to_json()
     if gate.exit_code != 0:

@@ -20,7 +20,7 @@ def stage(d: Deployment) -> bool:
 
     def one(h: Host) -> str:
         bid, st = d.bundles[h.name].bundle_id, w.states[h.name]
-        if bid in st.releases and h.name not in d.repair:  # (a repair: from the verified bundle)
+        if bid in st.releases and not d.rehash:  # (a repair: from the verified bundle, every file hashed)
             try:
                 w.op(h).stage_installed(bid)
                 return "staged (the release was on the host)"
@@ -35,9 +35,11 @@ def stage(d: Deployment) -> bool:
             ShipOptions(
                 bundle=d.bundles[h.name].path, signing_key=d.opts.key, timeout=d.opts.timeout,
                 connect_timeout=d.opts.connect_timeout, insecure=d.opts.insecure, stage=True,
-                sockets=w.shared,
+                rehash=d.rehash, sockets=w.shared,
             ),
         )
+        if d.rehash and (r.differed or r.sent):
+            d.replaced[h.name] = list(r.differed or r.sent)
         return f"staged ({len(r.sent)} files sent, {len(r.skipped)} already there)"
 
     ok = True

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from builder.deploy import journal as J
 from builder.deploy.derivations import make_all
-from builder.deploy.fleetwork import DeployOptions, Fleetwork, Say, explain, fleet_command, problems
+from builder.deploy.fleetwork import DeployOptions, Fleetwork, Say, command, explain, fleet_command, problems
 from builder.deploy.report import DeployReport, FleetResult, outcomes
 
 
@@ -40,7 +40,7 @@ def _start(w: Fleetwork, rep: DeployReport) -> None:
         o.on = "none" if st.installed is None else "old"
     if missing:
         rep.result = "refused"
-        rep.reason = f"no release installed on {', '.join(missing)} (run `builder deploy --fleet {w.fleet_name}`)"
+        rep.reason = f"no release installed on {', '.join(missing)} (run `{command(w.opts, 'deploy')}`)"
         return
     # an interrupted rollback (its journal, every host back on its old release): finished here, the
     # old release started and audited against the pins and lock it was deployed from
@@ -50,8 +50,8 @@ def _start(w: Fleetwork, rep: DeployReport) -> None:
         back = J.rolling_back(j) and all(w.states[h.name].installed == j.origin.get(h.name) for h in w.hosts)
         if not back:
             rep.result = "refused"
-            rep.reason = (f"a deploy did not finish (it stopped while {j.phase}); run `builder deploy --fleet "
-                          f"{w.fleet_name}`: it moves every host to the new release or back to the old one")
+            rep.reason = (f"a deploy did not finish (it stopped while {j.phase}); run `{command(w.opts, 'deploy')}`:"
+                          " it moves every host to the new release or back to the old one")
             return
         locks = {j.origin_locks.get(h.name) for h in w.hosts}
         snap = J.find_snapshot(w.opts.store, locks.pop()) if len(locks) == 1 else None

@@ -17,9 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from builder.audit.exits import RankExit, cause_and_consequences, describe_cause, describe_consequence
 from builder.canon import attrs
 from builder.deploy import journal as J
-from builder.deploy.fleetwork import DeployOptions, Fleetwork
+from builder.deploy.fleetwork import DeployOptions, Fleetwork, command
 from builder.deploy.hoststate import HostState
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 from builder.imagerecord import read_record
@@ -45,6 +46,10 @@ class HostStatus:
     running_bundle: str | None = None
     up: bool = False
     health: int | None = None
+    exit_code: str = ""  # (its container ended: the exit code, when, its last log lines)
+    finished_at: str = ""
+    log: str = ""
+    exited: str = ""  # "first" (the cause) | "after rank K" (a consequence) | "" (did not exit)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -60,6 +65,7 @@ class FleetStatus:
     deploy: str = ""  # an unfinished deploy, in words
     deploy_phase: str = ""  # the phase it stopped in ("" none)
     resume: str = ""  # the command that resumes it
+    first_exit: dict[str, Any] | None = None  # the rank whose engine exited first (builder.audit.exits)
     seconds: float = 0.0
 
     @property
@@ -82,7 +88,10 @@ class FleetStatus:
                     f"a deploy stopped while {self.deploy_phase} ({self.resume} finishes it)")
         if up == n and on == n:
             return f"all {n} ranks up, on the lock {self.lock_hash[:12]}"
-        return f"{up} of {n} ranks up; {on} of {n} hosts on the lock {self.lock_hash[:12]}"
+        cause = f"; {describe_cause(self.first_exit)}" if self.first_exit else ""
+        after = len(self.first_exit["consequences"]) if self.first_exit else 0
+        cause += f"; {after} rank(s) exited after it" if after else ""
+        return f"{up} of {n} ranks up; {on} of {n} hosts on the lock {self.lock_hash[:12]}{cause}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -92,6 +101,7 @@ class FleetStatus:
             "deploy": self.deploy,
             "deploy_phase": self.deploy_phase,
             "resume": self.resume,
+            "first_exit": self.first_exit,
             "seconds": round(self.seconds, 3),
             "hosts": {h.host: {k: v for k, v in h.to_json().items() if k != "host"} for h in self.hosts},
         }
@@ -124,6 +134,7 @@ def _host(h: Any, st: HostState, lock_hash: str, image_id: str | None) -> HostSt
     else:
         c = st.containers[0]
         s.container, s.running_bundle = c.state, c.bundle
+        s.exit_code, s.finished_at, s.log = c.exit_code, c.finished_at, c.log
     s.up = st.up_on(st.installed)
     if h.role == "head":
         s.health = (st.health or {}).get("status")
@@ -145,18 +156,36 @@ def fleet_status(opts: DeployOptions) -> FleetStatus:
                 out.hosts.append(_host(h, w.states[h.name], lock_hash, out.image_id))
     finally:
         w.close()
+    name_the_cause(out)
     j = J.load(opts.store, w.fleet_name)
     if j is not None:
         out.deploy_phase = j.phase
-        out.resume = f"builder deploy --fleet {w.fleet_name}"
+        out.resume = command(opts, "deploy")
         what = "a deploy's rollback" if J.rolling_back(j) else "a deploy"
-        also = f" (or `builder start --fleet {w.fleet_name}`)" if J.rolling_back(j) else ""
+        also = f" (or `{command(opts, 'start')}`)" if J.rolling_back(j) else ""
         out.deploy = (
             f"{what} did not finish (pid {j.pid}, started {j.started}, stopped while {j.phase}"
             f"{': ' + j.reason if j.reason else ''}); the fleet is not deployed; `{out.resume}`{also} finishes it"
         )
     out.seconds = time.monotonic() - t0
     return out
+
+
+def name_the_cause(st: FleetStatus) -> None:
+    """Of the ranks whose container exited, the first to finish is the cause; the others fell after it."""
+    exits = [RankExit(h.host, h.rank, int(h.exit_code) if h.exit_code.lstrip("-").isdigit() else None,
+                      h.finished_at, h.log) for h in st.hosts if h.container in ("exited", "dead")]
+    st.first_exit = cause_and_consequences(exits)
+    if st.first_exit is None:
+        return
+    for h in st.hosts:
+        if h.host == st.first_exit["host"]:
+            h.exited = "first"
+            h.message = describe_cause(st.first_exit)
+        elif any(e["host"] == h.host for e in st.first_exit["consequences"]):
+            h.exited = f"after rank {st.first_exit['rank']}"
+            e = next(e for e in st.first_exit["consequences"] if e["host"] == h.host)
+            h.message = describe_consequence(e, st.first_exit)
 
 
 def rows(st: FleetStatus) -> tuple[list[str], list[list[str]]]:
@@ -172,7 +201,7 @@ def rows(st: FleetStatus) -> tuple[list[str], list[list[str]]]:
         )
         cont = h.container + (
             f" ({h.running_bundle[:12]})" if h.running_bundle and h.running_bundle != h.bundle else ""
-        )
+        ) + (f" (code {h.exit_code}, {'first: the cause' if h.exited == 'first' else h.exited})" if h.exited else "")
         up = "yes" if h.up else "no"
         if h.role == "head" and h.health is not None and h.health != 200:
             up += f" (/health {h.health})"

@@ -4,16 +4,19 @@ The plan (``derive.json`` in the bundle, written by builder.launch.derive) lists
 (addressed by its inputs), and the ``docker run`` that fills it, ``{out}`` standing for the folder it
 writes into. Ships in every bundle as ``derive.py``:
 
-* ``derive.py make PLAN``: each derivation whose folder is not complete, or differs from its record
-  (sizes, files missing or added: what `check` finds without hashing), is made: its command runs in
-  the lane's image (network off) into ``<folder>.tmp-<pid>``; every file it wrote is hashed into the
-  record ``.builder-derived.json``; the folder is renamed into place whole, so a run killed half-way
-  leaves nothing under its address, and the next run makes it again. One JSON object on stdout (per
-  derivation: ``made`` or ``held``, seconds, files), a line on stderr as each starts and ends; exit 1
-  when one failed.
+* ``derive.py make PLAN [full]``: each derivation whose folder is not complete, or differs from its
+  record (what `check` finds: without ``full``, by the size, mtime and inode recorded when each file
+  was hashed; with ``full``, by hashing every file, as ``builder deploy --repair`` asks), is made: its
+  command runs in the lane's image (network off) into ``<folder>.tmp-<pid>``; every file it wrote is
+  hashed into the record ``.builder-derived.json`` with its size, mtime and inode; the folder takes its
+  address's place whole (a folder already there is renamed aside first and removed after), so a run
+  killed half-way leaves nothing under its address, and the next run makes it again. One JSON object on
+  stdout (per derivation: ``made`` or ``held``, seconds, files, and what differed), a line on stderr as
+  each starts and ends; exit 1 when one failed.
 * ``derive.py check PLAN [full]``, or the check's ``python3 -c SOURCE '{"plan": …, "mode": …}'``: per
   derivation, what differs from its record: not made, another address, a file missing, resized, changed
-  (full mode hashes), added, or another rank's file.
+  (full mode hashes; fast mode compares the recorded mtime and inode, trusting the file system), added,
+  or another rank's file.
 """
 
 from __future__ import annotations
@@ -73,13 +76,14 @@ def other_rank(rel: str, rank: int, world: int) -> bool:
     return m is not None and (int(m.group(1)), int(m.group(2))) != (rank, world)
 
 
-def make_one(d: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+def make_one(d: dict[str, Any], rank: int, world: int, full: bool = False) -> dict[str, Any]:
     path, start = d["path"], time.monotonic()
     if d.get("address") is None:
         return {"name": d["name"], "result": "failed", "why": "an input of it is not locked"}
     rec = read_record(path)
+    drift: list[str] = []
     if rec is not None and rec.get("address") == d["address"]:
-        drift = check_one(d, rank, world, False)
+        drift = check_one(d, rank, world, full)
         if not drift:
             return {"name": d["name"], "result": "held", "path": path, "files": len(rec.get("files") or [])}
         sys.stderr.write(f"derive: {d['name']}: {drift[0]}{' …' if len(drift) > 1 else ''}: making it again\n")
@@ -89,11 +93,6 @@ def make_one(d: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     for stale in os.listdir(parent):  # what a killed run left: never under the address itself
         if stale.startswith(base + ".tmp-"):
             shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-    if os.path.lexists(path):  # a folder without its record, or one that drifted: made again
-        try:
-            shutil.rmtree(path)
-        except OSError as e:
-            return {"name": d["name"], "result": "failed", "why": f"cannot remove {path} to make it again: {e}"}
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(tmp)
     if "--name" in d["argv"]:  # a killed run's container, still there under the same name
@@ -115,9 +114,12 @@ def make_one(d: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         return {"name": d["name"], "result": "failed", "why": f"exit {p.returncode}: {tail}"}
     files = []
     for rel in walk(tmp):
-        full = os.path.join(tmp, rel)
-        files.append({"path": rel, "size": os.path.getsize(full), "sha256": sha256_file(full)})
-        fsync_path(full)
+        fp = os.path.join(tmp, rel)
+        digest = sha256_file(fp)
+        fsync_path(fp)
+        st = os.stat(fp)  # (what fast mode trusts: the stat of the bytes just hashed; a rename keeps it)
+        files.append({"path": rel, "size": st.st_size, "sha256": digest, "mtime": st.st_mtime_ns,
+                      "inode": st.st_ino})
     record = {"format": 1, "name": d["name"], "address": d["address"], "rank": rank, "world_size": world,
               "files": files}
     with open(os.path.join(tmp, RECORD), "w", encoding="utf-8") as f:
@@ -125,16 +127,38 @@ def make_one(d: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         f.flush()
         os.fsync(f.fileno())
     fsync_path(tmp)
-    os.rename(tmp, path)
+    why = place(tmp, path)
+    if why:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return {"name": d["name"], "result": "failed", "why": why}
     fsync_path(parent)
     secs = round(time.monotonic() - start, 3)
     sys.stderr.write(f"derive: {d['name']}: made {len(files)} file(s) in {secs:g} s\n")
-    return {"name": d["name"], "result": "made", "path": path, "files": len(files), "seconds": secs}
+    out = {"name": d["name"], "result": "made", "path": path, "files": len(files), "seconds": secs}
+    return {**out, "differed": drift} if drift else out
 
 
-def make(plan: dict[str, Any]) -> dict[str, Any]:
+def place(tmp: str, path: str) -> str:
+    """Put the whole folder tmp at path: a folder already there (one without its record, or one that
+    differs from it) is renamed aside, tmp renamed into its place, then the old one removed, so path
+    never holds a half-made folder. "" when done, else why not."""
+    aside = f"{path}.tmp-old-{os.getpid()}"
+    if os.path.lexists(path):
+        try:
+            os.rename(path, aside)
+        except OSError as e:
+            return f"cannot move {path} aside to make it again: {e}"
+    try:
+        os.rename(tmp, path)
+    except OSError as e:
+        return f"cannot put {path} in place: {e}"
+    shutil.rmtree(aside, ignore_errors=True)
+    return ""
+
+
+def make(plan: dict[str, Any], full: bool = False) -> dict[str, Any]:
     rank, world = int(plan["rank"]), int(plan["world_size"])
-    results = [make_one(d, rank, world) for d in plan["derivations"]]
+    results = [make_one(d, rank, world, full) for d in plan["derivations"]]
     return {"ok": all(r["result"] != "failed" for r in results), "derivations": results}
 
 
@@ -142,7 +166,7 @@ def check_one(d: dict[str, Any], rank: int, world: int, full: bool) -> list[str]
     path = d["path"]
     rec = read_record(path)
     if rec is None:
-        return [f"{path}: not made (no {RECORD}; run `builder derive` or deploy)"]
+        return [f"{path}: not made (no {RECORD}; `builder deploy --repair` or `builder start` on its fleet makes it)"]
     if rec.get("address") != d["address"]:
         return [f"{path}: made for address {str(rec.get('address'))[:16]}, expected {str(d['address'])[:16]}"]
     problems = []
@@ -158,11 +182,16 @@ def check_one(d: dict[str, Any], rank: int, world: int, full: bool) -> list[str]
         if rel not in present:
             problems.append(f"{full_path}: missing")
             continue
-        size = os.path.getsize(full_path)
-        if size != f["size"]:
-            problems.append(f"{full_path}: expected {f['size']} bytes, found {size}")
-        elif full and sha256_file(full_path) != f["sha256"]:
-            problems.append(f"{full_path}: content differs from the record (sha256)")
+        st = os.stat(full_path)
+        if st.st_size != f["size"]:
+            problems.append(f"{full_path}: expected {f['size']} bytes, found {st.st_size}")
+        elif full:
+            if sha256_file(full_path) != f["sha256"]:
+                problems.append(f"{full_path}: content differs from the record (sha256)")
+        elif "inode" in f and f["inode"] != st.st_ino:
+            problems.append(f"{full_path}: expected inode {f['inode']}, found {st.st_ino} (replaced; fast mode)")
+        elif "mtime" in f and f["mtime"] != st.st_mtime_ns:
+            problems.append(f"{full_path}: expected mtime {f['mtime']}, found {st.st_mtime_ns} (modified; fast mode)")
     return problems
 
 
@@ -179,7 +208,7 @@ def main(argv: list[str]) -> int:
     with open(argv[2], "rb") as f:
         plan = json.load(f)
     if argv[1] == "make":
-        out = make(plan)
+        out = make(plan, len(argv) > 3 and argv[3] == "full")
         sys.stdout.write(json.dumps(out))
         return 0 if out["ok"] else 1
     if argv[1] == "check":

@@ -52,7 +52,8 @@ def applied(root: str) -> dict[str, Any] | None:
         with open(os.path.join(root, "state", "applied.json"), "rb") as f:
             rec = json.loads(f.read(64 << 20).decode("utf-8"))
         img = rec.get("image") or {}
-        out = {k: rec.get(k) for k in ("bundle_id", "lock_hash", "action", "applied_at", "lane", "previous_bundle_id")}
+        out = {k: rec.get(k) for k in ("bundle_id", "lock_hash", "action", "applied_at", "lane", "previous_bundle_id",
+                                       "manifest_sha256", "files")}  # (the last two: a repair checks them)
         out["image_id"] = img.get("image_id")
         out["image"] = img.get("name")
         return out
@@ -74,9 +75,25 @@ def containers(req: dict[str, Any]) -> list[dict[str, str]]:
     for line in p.stdout.splitlines():
         parts = line.split("\t")
         if len(parts) == 7 and parts[4] == rank:
-            found.append({"id": parts[0][:12], "name": parts[1], "state": parts[2], "bundle": parts[3],
-                          "image": parts[5], "status": parts[6]})
+            c = {"id": parts[0][:12], "name": parts[1], "state": parts[2], "bundle": parts[3],
+                 "image": parts[5], "status": parts[6]}
+            if c["state"] in ("exited", "dead"):  # how and when it ended, and what it said last
+                c["exit_code"], c["finished_at"] = ended(c["id"])
+                c["log"] = logs(c["id"])
+            found.append(c)
     return found
+
+
+def ended(container: str) -> tuple[str, str]:
+    """(exit code, finish time) of a container that ended ("" each when the engine does not say)."""
+    try:
+        p = subprocess.run(["docker", "inspect", "--type", "container", "-f",
+                            "{{.State.ExitCode}} {{.State.FinishedAt}}", container],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "", ""
+    code, _, when = p.stdout.strip().partition(" ")
+    return (code, when) if p.returncode == 0 else ("", "")
 
 
 #: urllib without proxies: a host's http_proxy must not carry a request for its own 127.0.0.1
@@ -203,8 +220,10 @@ def wait(req: dict[str, Any]) -> dict[str, Any]:
     while True:
         st, code = container_state(name)
         if st in ("exited", "dead", "missing"):
-            why = f"container {name} " + ("is gone" if st == "missing" else f"exited (code {code})")
-            return {"ok": False, "why": why, "log": logs(name)}
+            when = ended(name)[1] if st != "missing" else ""
+            why = f"container {name} " + ("is gone" if st == "missing" else
+                                          f"exited (code {code}{' at ' + when if when else ''})")
+            return {"ok": False, "state": "exited", "why": why, "log": logs(name)}
         if st == "running":
             since = since if since is not None else time.monotonic()
             if ready_now(name, ready, since):
@@ -212,8 +231,11 @@ def wait(req: dict[str, Any]) -> dict[str, Any]:
         else:
             since = None
         if time.monotonic() > deadline:
-            return {"ok": False, "why": f"{describe(ready)} did not answer within {float(req['timeout']):g} s "
-                    f"(container {st})", "log": logs(name)}
+            if st == "running":  # up, but not ready: it waits for a peer (a rank it dials, or that dials it)
+                return {"ok": False, "state": "waiting", "why": f"container {name} runs but is waiting for a peer: "
+                        f"{describe(ready)} did not answer within {float(req['timeout']):g} s", "log": logs(name)}
+            return {"ok": False, "state": st, "why": f"{describe(ready)} did not answer within "
+                    f"{float(req['timeout']):g} s (container {st})", "log": logs(name)}
         time.sleep(0.3)
 
 

@@ -1,13 +1,15 @@
 """In which order a lane's ranks start and stop: the one answer that start, stop, deploy and
-`builder launch` ask.
+`builder launch` ask. Every rank starts alone, once the one before it is ready by the lane's rule.
 
-- ``workers-first`` (TensorFold's followers and vLLM's headless workers dial the head and retry):
-  the workers, each until it is ready, then the head;
-- ``head-first`` (TensorFold's Python engine: rank 0 listens on its store port before rank 1 joins):
-  the head until it is ready, then the workers.
+- ``workers-first``: the workers, one at a time, then the head. TensorFold's followers (seed 000's
+  serve.sh, recipes.md §10.2; seed 003, §10.3) start highest rank first: ranks 3, 2 and 1, then rank 0.
+  vLLM's headless workers (a worker whose args carry ``--headless``) start in rank order, as
+  dsv41-node-launch.sh walks WORKER_IPS (§10.4, §10.6): ranks 1 to N-1, then the head.
+- ``head-first`` (TensorFold's Python engine, §10.3: rank 0 listens on its store port before rank 1
+  joins): the head, then the workers, highest rank first.
 
 The lane is ready once the head's ``health`` path answers on the serve port. Stopping is the same for
-every lane: the head first (a new worker must never join an old head), then the workers.
+every lane: the head first (a new worker must never join an old head), then the workers at once.
 """
 
 from __future__ import annotations
@@ -15,14 +17,23 @@ from __future__ import annotations
 from builder.hosts import Fleet, Host
 from builder.lanes import Lane
 
+HEADLESS = "--headless"  # vLLM's worker flag: such workers start in rank order (§10.6)
+
+
+def workers_in_rank_order(lane: Lane) -> bool:
+    """Do the lane's workers start lowest rank first (vLLM's headless workers)?"""
+    worker = lane.roles.worker
+    return worker is not None and HEADLESS in (worker.args or [])
+
 
 def start_groups(fleet: Fleet, lane: Lane) -> list[list[Host]]:
-    """The hosts in start order, as groups: every host of a group starts at once, a group once the one
-    before it is ready. Workers are listed highest rank first (the recipes start ranks 3, 2, 1, then 0)."""
+    """The hosts in start order, as groups: a group starts once the one before it is ready (today every
+    group is one rank, as each recipe starts them)."""
     ranks = fleet.by_rank()
-    head, workers = ranks[0], sorted(ranks[1:], key=lambda h: -h.rank)
-    groups = [workers, [head]] if lane.start == "workers-first" else [[head], workers]
-    return [g for g in groups if g]
+    ascending = workers_in_rank_order(lane)
+    head, workers = ranks[0], sorted(ranks[1:], key=lambda h: h.rank if ascending else -h.rank)
+    order = [*workers, head] if lane.start == "workers-first" else [head, *workers]
+    return [[h] for h in order]
 
 
 def start_order(fleet: Fleet, lane: Lane) -> list[Host]:

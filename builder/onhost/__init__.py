@@ -32,14 +32,16 @@ Commands::
 
     install BUNDLE_DIR --root ROOT [--trusted-key FILE | --trusted-key-base64 LINE] [--insecure]
             [--host NAME] [--remove-source] [--reserve BYTES]
-            [--stage]
+            [--stage] [--rehash]
+            (--rehash: every placed file is hashed, none vouched for by a record's size, mtime and
+            inode, so a file changed in place is placed again: builder deploy --repair)
             (--remove-source, for a folder under ROOT/incoming: its model files are linked into
             place where that is a move, see install._link_whole; otherwise each is copied)
     stage --root ROOT --release BUNDLE_ID   (stage a release already under releases/)
     switch --root ROOT --to BUNDLE_ID [--rollback]
     rollback --root ROOT
     status --root ROOT
-    receive --root ROOT [install's key, host, --stage and --reserve options]
+    receive --root ROOT [install's key, host, --stage, --rehash and --reserve options]
                              (builder ship: the bundle streamed on stdin, each byte hashed as it
                              arrives, then installed; see "receive" below)
     inventory DIR            (sizes and sha256 of the files under DIR)

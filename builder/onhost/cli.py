@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     i.add_argument("--lock-timeout", type=float, default=60.0)
     i.add_argument("--stage", action="store_true", help="stage only: point staged at it, do not switch")
+    i.add_argument("--rehash", action="store_true", help="hash every placed file (trust no record): a repair")
     sg = sub.add_parser("stage", help="stage a release already under releases/")
     sg.add_argument("--root", required=True)
     sg.add_argument("--release", required=True)
@@ -73,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--reserve", type=int, default=DEFAULT_RESERVE, help="bytes to keep free (default 256 MiB)")
     rc.add_argument("--lock-timeout", type=float, default=60.0)
     rc.add_argument("--stage", action="store_true", help="stage only: point staged at it, do not switch")
+    rc.add_argument("--rehash", action="store_true", help="hash every placed file (trust no record): a repair")
     inv = sub.add_parser("inventory", help="print sizes and sha256 of the files under DIR as JSON")
     inv.add_argument("dir")
     sub.add_parser("assemble", help="print this installer as install.pyz (the zipapp hosts run)")
@@ -84,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd in ("install", "receive"):  # (the two take the same checks and limits)
             admit = Admission(trusted_key=_key_bytes(args), insecure=args.insecure, host=args.host,
-                              reserve=args.reserve, lock_timeout=args.lock_timeout, stage=args.stage)
+                              reserve=args.reserve, lock_timeout=args.lock_timeout, stage=args.stage,
+                              rehash=args.rehash)
         if args.cmd == "install":
             res = install(args.bundle, args.root, admit, remove_source=args.remove_source)
         elif args.cmd == "stage":

@@ -45,7 +45,8 @@ def _discard(written: list[tuple[str, str]]) -> None:
 class Admission:
     """What an install and a receive check and keep to before anything changes: the key to trust
     (`trusted_key`, or the host's kept one; `insecure`: none), the host the bundle must be for, the
-    free disk to keep, how long to wait for the root's lock; and whether to stage instead of switch."""
+    free disk to keep, how long to wait for the root's lock; whether to stage instead of switch; and whether
+    every placed file is hashed (`rehash`) rather than vouched for by a record."""
 
     trusted_key: bytes | None = None
     insecure: bool = False
@@ -53,6 +54,9 @@ class Admission:
     reserve: int = DEFAULT_RESERVE
     lock_timeout: float = 60.0
     stage: bool = False
+    #: hash every placed file instead of trusting the apply record's size, mtime and inode (a repair:
+    #: a file changed in place with its size and mtime put back is found and placed again)
+    rehash: bool = False
 
 
 def install(
@@ -84,7 +88,7 @@ def install(
         current = r.link("current")
         img = manifest["image"]
         have_layers = image_present(img["image_id"])
-        vouch = [old, r.read_record(r.staged_record)]
+        vouch = vouching(r, old, admit)
         if (
             current == bid
             and old
@@ -240,6 +244,12 @@ def _remove_source(r: Root, bundle_dir: str) -> None:
     with contextlib.suppress(OSError):
         os.rename(real, gone)
         shutil.rmtree(gone, ignore_errors=True)
+
+
+def vouching(r: Root, old: dict[str, Any] | None, admit: Admission) -> list[dict[str, Any] | None]:
+    """The records whose size, mtime and inode may vouch for a placed file's bytes: the apply record and
+    the staged one; none with ``admit.rehash`` (every file is hashed)."""
+    return [] if admit.rehash else [old, r.read_record(r.staged_record)]
 
 
 def host_record(r: Root, manifest: dict[str, Any], host: str | None) -> dict[str, Any] | None:

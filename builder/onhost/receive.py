@@ -18,9 +18,9 @@ from typing import Any
 from .engine import Load, docker_root, image_present, pull_image
 from .errors import EXIT_CONFIG, InstallError, say
 from .files import READ_SIZE, WRITEBACK_STEP, Writeback, atomic_write, fsync_dir, fsync_file, tmp_stem, write_all
-from .install import Admission, check_image_source, host_key, host_record
+from .install import Admission, check_image_source, host_key, host_record, vouching
 from .manifest import HEX64, MANIFEST, MAX_MANIFEST, SIGNATURE, release_files
-from .record import fast_mode_drift, model_ok, release_ok
+from .record import fast_mode_drift, model_ok, release_ok, release_ok_file
 from .release import mark_staged, stage_release, switch_in
 from .root import Root, check_disk
 from .verify import check_signed
@@ -260,9 +260,15 @@ def receive(
         layers_q = asked.submit(image_present, img["image_id"])
         root_q = asked.submit(docker_root) if img["archive"] is not None else None
         asked.shutdown(wait=False)
-        vouch = [old, r.read_record(r.staged_record)]
+        vouch = vouching(r, old, admit)
         placing = [m for m in manifest["models"] if model_ok(m, vouch) is not None]
         release_there = os.path.isdir(r.release(bid)) and release_ok(r.release(bid), manifest, mbytes)
+        # what differs on the host from the manifest (a repair names it): model files to place again, and
+        # the launch files of a release already there whose bytes changed
+        differed = [m["path"] for m in placing if os.path.lexists(m["path"])]
+        if os.path.isdir(r.release(bid)) and not release_there:
+            differed += [fe["path"] for fe in release_files(manifest)
+                         if not release_ok_file(os.path.join(r.release(bid), fe["path"]), fe)]
         have_layers = layers_q.result()
 
         def reply(obj: dict[str, Any]) -> None:
@@ -364,4 +370,5 @@ def receive(
         shutil.rmtree(inc_dir, ignore_errors=True)
         res["received"] = [w.path for w in todo]
         res["bytes_received"] = got
+        res["differed"] = differed
         return res

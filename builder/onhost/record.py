@@ -102,22 +102,24 @@ def model_records(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: r["path"])
 
 
+def release_ok_file(path: str, fe: dict[str, Any]) -> bool:
+    """A release file as its manifest entry says: a regular file of its size and sha256."""
+    try:
+        st = os.lstat(path)
+        return stat.S_ISREG(st.st_mode) and st.st_size == fe["size"] and hash_file(path)[0] == fe["sha256"]
+    except OSError:
+        return False
+
+
 def release_ok(path: str, manifest: dict[str, Any], mbytes: bytes) -> bool:
     """A staged release: its manifest bytes and every release file as the manifest says."""
     try:
         with open(os.path.join(path, MANIFEST), "rb") as f:
             if f.read(MAX_MANIFEST + 1) != mbytes:
                 return False
-        for fe in release_files(manifest):
-            p = os.path.join(path, fe["path"])
-            st = os.lstat(p)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != fe["size"]:
-                return False
-            if hash_file(p)[0] != fe["sha256"]:
-                return False
     except OSError:
         return False
-    return True
+    return all(release_ok_file(os.path.join(path, fe["path"]), fe) for fe in release_files(manifest))
 
 
 def write_record(

@@ -27,6 +27,9 @@ class ShipOptions:
     #: install up to the switch only (``install --stage``: ``staged`` and state/staged.json; for
     #: ``builder deploy``, which switches every host once every host is staged and audited)
     stage: bool = False
+    #: hash every file the host holds for the bundle instead of trusting its records (``receive
+    #: --rehash``: ``builder deploy --repair`` places again what changed in place)
+    rehash: bool = False
     #: the run's control sockets, when the ship is one step of a larger run (``builder deploy``)
     sockets: ControlSockets | None = None
     #: progress: what will be sent, once the host has said what it lacks ([(file, bytes)]) ...
@@ -46,3 +49,6 @@ class ShipResult:
     removed: list[str] = field(default_factory=list)
     dest: str = ""
     bytes_sent: int = 0
+    #: what the host held that differed from the manifest and was placed again (model files by their
+    #: host path, launch files by their release path; receive's ``differed``)
+    differed: list[str] = field(default_factory=list)

@@ -47,6 +47,8 @@ def ship_over_ssh(
     args = ["receive", "--root", hroot, "--host", host.name]
     if opts.stage:
         args.append("--stage")
+    if opts.rehash:
+        args.append("--rehash")
     if opts.insecure:
         args.append("--insecure")
     else:
@@ -126,6 +128,7 @@ def _receive(
         rc = 1
     out = installer_answer(remote, rc, tail, err, "receive")
     res.result = str(out.get("result", "installed"))
+    res.differed = [str(x) for x in out.get("differed") or []]
     return res
 
 

@@ -232,6 +232,8 @@ def journey(
         k: v for k, v in os.environ.items() if not k.startswith(("BUILDER_", "HF_", "SSH_AUTH"))
     }
     env.update(
+        # the builder under test is this checkout's, whichever one the `builder` script was installed from
+        PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
         BUILDER_STORE=str(store or workdir / "store"),
         BUILDER_SSH_DIR=str(workdir / "ssh"),
         HF_HUB_OFFLINE="1",

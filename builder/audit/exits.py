@@ -1,0 +1,122 @@
+"""Which rank's engine exited first: the cause, told apart from the ranks that fell after it.
+
+When one rank's engine dies, the others lose their peer and exit too, so every host reports an exited
+container. The serving check records each exited rank's exit code, finish time and last log lines
+(``exit`` in its facts); `builder audit` and `builder status` name the rank that ended first as the
+cause and the others as its consequences. Exits within a second of the first count as at once (docker
+stamps an end late by some milliseconds); among those, a rank killed by a signal is the cause. Docker's
+finish times are RFC 3339 with up to nine fraction digits, trailing zeros dropped, so they are compared
+as numbers, not as text.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from builder.audit.report import AuditReport, CheckOutcome
+
+#: the check whose facts carry a rank's exit
+EXIT_CHECK = "serving::rank_runs_the_release"
+_TIME = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)$")
+
+
+@dataclass
+class RankExit:
+    host: str
+    rank: int
+    exit_code: int | None
+    finished_at: str
+    log: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def finished_ns(when: str) -> int | None:
+    """Docker's FinishedAt in nanoseconds since the epoch (None when it is not a time, or the zero time
+    of a container that never ran)."""
+    m = _TIME.match(when.strip())
+    if m is None or when.startswith("0001-"):
+        return None
+    zone = "+00:00" if m.group(3) == "Z" else m.group(3)
+    secs = datetime.datetime.fromisoformat(m.group(1) + zone).timestamp()
+    return int(secs) * 10**9 + int((m.group(2) or "0").ljust(9, "0"))
+
+
+#: exits this close together happened at once, as far as docker's finish times can tell: each host's
+#: engine stamps a container's end when it handles the event, some milliseconds late, so a rank that
+#: fell because its peer died can be stamped before that peer (measured on the simulator fleet: a
+#: SIGKILLed worker stamped 9 ms after a follower that lost the head it took down)
+AT_ONCE_NS = 1_000_000_000
+
+
+def killed(e: RankExit) -> bool:
+    """Ended by a signal (exit code 128 + N: SIGKILL 137, SIGSEGV 139, the OOM killer), not by its own
+    exit after a lost peer."""
+    return e.exit_code is not None and e.exit_code > 128
+
+
+def order(exits: list[RankExit]) -> list[RankExit]:
+    """The exits, the cause first: of those that ended at once with the earliest (AT_ONCE_NS), one killed
+    by a signal, else the earliest; then the rest by time (a time that cannot be read goes last)."""
+    timed = sorted(exits, key=lambda e: (finished_ns(e.finished_at) is None, finished_ns(e.finished_at) or 0, e.rank))
+    known = [(ns, e) for e in timed if (ns := finished_ns(e.finished_at)) is not None]
+    if not known:
+        return timed
+    at_once = [e for ns, e in known if ns - known[0][0] <= AT_ONCE_NS]
+    first = next((e for e in at_once if killed(e)), at_once[0])
+    return [first, *(e for e in timed if e is not first)]
+
+
+def cause_and_consequences(exits: list[RankExit]) -> dict[str, Any] | None:
+    """{"host", "rank", "exit_code", "finished_at", "log", "consequences": [{host, rank, …}]}: the rank
+    that exited first and those that exited after it; None when no rank exited."""
+    if not exits:
+        return None
+    first, *rest = order(exits)
+    return {**first.to_json(), "consequences": [e.to_json() for e in rest]}
+
+
+def describe_cause(e: dict[str, Any]) -> str:
+    return (f"rank {e['rank']} ({e['host']}) exited first (exit code {e['exit_code']} at {e['finished_at']}): "
+            f"the cause; its last log lines: {e.get('log') or '(none)'}")
+
+
+def describe_consequence(e: dict[str, Any], cause: dict[str, Any]) -> str:
+    return (f"rank {e['rank']} exited after rank {cause['rank']} ({cause['host']}) (exit code {e['exit_code']} at "
+            f"{e['finished_at']}): a consequence")
+
+
+def name_the_cause(report: AuditReport) -> AuditReport:
+    """Find each exited rank in the report (its serving check's facts), name the first as the cause and
+    the others as its consequences in their check's message, that check put first on its host (what
+    the host's one-line problem shows), and keep the finding as ``report.first_exit``."""
+    exits: list[RankExit] = []
+    where: dict[str, CheckOutcome] = {}
+    for h in report.hosts:
+        for c in h.checks:
+            fact = c.facts.get("exit") if c.check == EXIT_CHECK else None
+            if isinstance(fact, dict):
+                code = fact.get("exit_code")
+                exits.append(RankExit(h.name, int(fact.get("rank") or 0), code if isinstance(code, int) else None,
+                                      str(fact.get("finished_at") or ""), str(fact.get("log") or "")))
+                where[h.name] = c
+    found = cause_and_consequences(exits)
+    report.first_exit = found
+    if found is None:
+        return report
+    for h in report.hosts:
+        if h.name not in where:
+            continue
+        c = where[h.name]
+        if h.name == found["host"]:
+            c.message = describe_cause(found)
+        else:
+            e = next(x for x in found["consequences"] if x["host"] == h.name)
+            c.message = f"{describe_consequence(e, found)}; its last log lines: {e.get('log') or '(none)'}"
+        h.checks.remove(c)
+        h.checks.insert(0, c)
+    return report
