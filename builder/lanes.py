@@ -7,8 +7,10 @@ A lane is an image, its models and runtime inputs, the serve settings every rank
 - ``[lanes.X.roles.head]`` and ``[lanes.X.roles.worker]``: the command (``entrypoint`` and ``args``),
   more ``env`` and ``mounts``, and ``ready``: how that rank is known to be up;
 - ``[lanes.X.ranks.N]``: the same keys for rank N alone, over its role's;
-- ``start``: ``workers-first`` (each worker up, then the head) or ``head-first`` (the head up, then the
-  workers: an engine whose rank 0 listens first); the lane is ready when the head's ``health`` answers
+- ``start``: ``workers-first`` (each worker up, highest rank first, then the head: TensorFold's
+  followers), ``workers-in-rank-order`` (each worker up, rank 1 first, then the head: vLLM's headless
+  workers) or ``head-first`` (the head up, then the workers: an engine whose rank 0 listens first);
+  the lane is ready when the head's ``health`` answers
   on the serve port; ``start_timeout`` bounds each rank's start.
 
 Strings in ``entrypoint``, ``args`` and ``env`` may use the placeholders of `PLACEHOLDERS`; an env entry
@@ -36,7 +38,6 @@ PLACEHOLDERS = (
 )
 ENV_NAME_RE = re.compile(r"[A-Z_][A-Z0-9_]*")
 MOUNT_KINDS = ("model", "input", "derived", "state")
-START_ORDERS = ("workers-first", "head-first")
 
 
 class Serve(Strict):
@@ -240,7 +241,7 @@ class Lane(Strict):
     options: Options = Options()
     roles: Roles = Roles()
     ranks: dict[str, Run] = {}
-    start: Literal["workers-first", "head-first"] = "workers-first"
+    start: Literal["workers-first", "workers-in-rank-order", "head-first"] = "workers-first"
     start_timeout: int = Field(default=600, ge=1, le=7200)
     health: str = Field(default="/health", pattern=r"^/[A-Za-z0-9_./-]*$")
     derivations: dict[Name, Derivation] = {}

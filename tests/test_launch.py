@@ -133,9 +133,8 @@ def test_start_order_is_the_lanes() -> None:
     assert [[h.name for h in g] for g in start_groups(f, pins(tp=4).lanes["l"])] == [["s3"], ["s2"], ["s1"], ["s0"]]
     first = pins(tp=4, start="head-first").lanes["l"]
     assert [[h.name for h in g] for g in start_groups(f, first)] == [["s0"], ["s3"], ["s2"], ["s1"]]
-    headless = pins(tp=4, roles={"head": {"ready": {"health": "/health"}}, "worker": {
-        "args": ["serve", "--headless"], "ready": {"running": True}}}).lanes["l"]  # vLLM's workers
-    assert [[h.name for h in g] for g in start_groups(f, headless)] == [["s1"], ["s2"], ["s3"], ["s0"]]
+    in_rank_order = pins(tp=4, start="workers-in-rank-order").lanes["l"]  # vLLM's headless workers
+    assert [[h.name for h in g] for g in start_groups(f, in_rank_order)] == [["s1"], ["s2"], ["s3"], ["s0"]]
     assert [[h.name for h in g] for g in stop_groups(f)] == [["s0"], ["s1", "s2", "s3"]]
 
 

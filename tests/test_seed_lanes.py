@@ -203,9 +203,10 @@ def test_vllm_native_lanes_as_the_launcher_runs_them(dsv41_lane: str) -> None:
     lane, max_len, eager = VLLM_LANES_10_6[dsv41_lane]
     out = launch("--fleet", "spark-tp4", "--lane", lane)
     assert out["lane"] == lane and out["start_timeout"] >= 11 * 60  # boot 10: 11 min to serving
-    # order: stop every rank, head first; then each worker (headless), then the head
+    # order: stop every rank, head first; then each worker (headless) in rank order, then the head
     assert out["stop_order"][0] == "spark-a" and set(out["stop_order"]) == {"spark-a", "spark-b", "spark-c", "spark-d"}
-    assert out["start"] == "workers-first" and out["start_order"][-1] == "spark-a"
+    assert out["start"] == "workers-in-rank-order"
+    assert out["start_order"] == ["spark-b", "spark-c", "spark-d", "spark-a"]
     k, seqs = 5, 8  # DSpark k = 5, --max-num-seqs 8
     sizes = sorted({m * i for m in (k, k + 1) for i in range(1, seqs + 1)})
     assert sizes == [5, 6, 10, 12, 15, 18, 20, 24, 25, 30, 35, 36, 40, 42, 48]  # the recipe's own list

@@ -8,7 +8,7 @@ prints too); in which order ranks start is `builder.launch.order`'s.
   ``BUILDER_*`` identity, then the lane's, its role's and its rank's ``env``, placeholders filled.
 - ``config.json``: the lane's serve settings and this rank's command, image and model files.
 - ``start.sh``: refuses while a container of this lane and rank is running (``docker ps`` by label) and,
-  on a worker of a workers-first lane, while the head already answers (an old head); checks that the
+  on a worker of a lane whose workers start first, while the head already answers (an old head); checks that the
   image is loaded and every mounted input is there, makes the lane's state folders, runs the rendered
   ``docker run`` (the bundle id filled in from the manifest), then waits until this rank is ready by
   the lane's rule, bounded by ``BUILDER_START_TIMEOUT`` (default: the lane's ``start_timeout``).
@@ -148,7 +148,7 @@ def render_start(pins: Pins, fleet: Fleet, host: Host, lane_name: str, cmd: Rank
         "MAKE": [src for src, _, _, kind in cmd.mounts if kind == "state"],
         "RUN": cmd.argv,
     }
-    first = "the workers first and the head last" if lane.start == "workers-first" else "the head first"
+    first = "the workers first and the head last" if lane.start != "head-first" else "the head first"
     about = (f"host {host.name}, rank {host.rank} of {len(fleet.hosts)} ({host.role}), lane {lane_name} of fleet "
              f"{fleet.fleet.name}; start {first} (`builder launch` shows the order), stop the head first")
     return render_script("start.sh", about, settings, arrays)

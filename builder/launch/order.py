@@ -3,8 +3,8 @@
 
 - ``workers-first``: the workers, one at a time, then the head. TensorFold's followers (seed 000's
   serve.sh, recipes.md §10.2; seed 003, §10.3) start highest rank first: ranks 3, 2 and 1, then rank 0.
-  vLLM's headless workers (a worker whose args carry ``--headless``) start in rank order, as
-  dsv41-node-launch.sh walks WORKER_IPS (§10.4, §10.6): ranks 1 to N-1, then the head.
+- ``workers-in-rank-order``: vLLM's headless workers start in rank order, as dsv41-node-launch.sh
+  walks WORKER_IPS (§10.4, §10.6): ranks 1 to N-1, then the head.
 - ``head-first`` (TensorFold's Python engine, §10.3: rank 0 listens on its store port before rank 1
   joins): the head, then the workers, highest rank first.
 
@@ -17,22 +17,14 @@ from __future__ import annotations
 from builder.hosts import Fleet, Host
 from builder.lanes import Lane
 
-HEADLESS = "--headless"  # vLLM's worker flag: such workers start in rank order (§10.6)
-
-
-def workers_in_rank_order(lane: Lane) -> bool:
-    """Do the lane's workers start lowest rank first (vLLM's headless workers)?"""
-    worker = lane.roles.worker
-    return worker is not None and HEADLESS in (worker.args or [])
-
 
 def start_groups(fleet: Fleet, lane: Lane) -> list[list[Host]]:
     """The hosts in start order, as groups: a group starts once the one before it is ready (today every
     group is one rank, as each recipe starts them)."""
     ranks = fleet.by_rank()
-    ascending = workers_in_rank_order(lane)
+    ascending = lane.start == "workers-in-rank-order"
     head, workers = ranks[0], sorted(ranks[1:], key=lambda h: h.rank if ascending else -h.rank)
-    order = [*workers, head] if lane.start == "workers-first" else [head, *workers]
+    order = [head, *workers] if lane.start == "head-first" else [*workers, head]
     return [[h] for h in order]
 
 

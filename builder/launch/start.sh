@@ -21,7 +21,7 @@ if [ -n "$running" ]; then
     die "an old container of lane $LANE rank $RANK is still running ($(echo $running | tr '\n' ' '));" \
         "run stop.sh first"
 fi
-if [ "$ORDER" = workers-first ] && [ "$ROLE" = worker ] && \
+if [ "$ORDER" != head-first ] && [ "$ROLE" = worker ] && \
         python3 "$here/lane.py" answers "$MASTER_ADDR" "$SERVE_PORT" "$RDZV_PORT"; then
     die "the head $MASTER_ADDR already answers (port $SERVE_PORT or $RDZV_PORT): an old head is still" \
         "running; stop it first (in this lane the workers start before the head)"
