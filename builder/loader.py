@@ -146,10 +146,11 @@ def _suggestion(unknown: Any, candidates: set[str], missing: set[str]) -> str:
 
 
 def validation_message(path: Path | str, err: ValidationError, obj: Any = None,
-                       model: type[BaseModel] | None = None) -> str:
+                       model: type[BaseModel] | None = None, written: Any = None) -> str:
     """First error as 'FILE: KEY: what is wrong' (plus a count of the others). An unknown key comes before
     any other error (a misspelt key is also a "missing" one) and is named with the closest key the schema
-    knows there (``model``), or that another error says is missing beside it."""
+    knows there (``model``), or that another error says is missing beside it; a key the file wrote there
+    (``written``, where ``obj`` was made from it: a lane ``based_on`` another) is no suggestion."""
     errors = err.errors(include_url=False)
     unknown = [e for e in errors if e["type"] == "extra_forbidden"]
     e = unknown[0] if unknown else errors[0]
@@ -172,7 +173,7 @@ def validation_message(path: Path | str, err: ValidationError, obj: Any = None,
         missing = {str(x["loc"][-1]) for x in errors
                    if x["type"] == "missing" and x["loc"] and tuple(x["loc"])[:-1] == parent}
         candidates = (known_keys(model, parent) if model is not None else set()) | missing
-        present = _at(obj, loc[:-1])
+        present = _at(obj if written is None else written, loc[:-1])
         if isinstance(present, dict):
             candidates -= {k for k in present if isinstance(k, str)}  # a key already there is no suggestion
         msg = "unknown key" + _suggestion(loc[-1] if loc else None, candidates, missing)
@@ -220,11 +221,11 @@ def read_json(path: Path) -> Any:
         raise ConfigError(f"{path}: malformed JSON: {e}") from None
 
 
-def validate(model: type[M], obj: Any, source: Path | str) -> M:
+def validate(model: type[M], obj: Any, source: Path | str, written: Any = None) -> M:
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        raise ConfigError(validation_message(source, e, obj, model)) from None
+        raise ConfigError(validation_message(source, e, obj, model, written)) from None
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply") from None
 

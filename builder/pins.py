@@ -380,9 +380,9 @@ def expand_lanes(raw: dict[str, Any], path: Path) -> dict[str, Any]:
 
 def load_pins(path: Path) -> Pins:
     """Load and validate pins.toml; every problem is one ConfigError line naming file and key."""
-    raw = expand_lanes(read_toml(path), path)
+    written = read_toml(path)
     try:
-        return validate(Pins, raw, path)
+        return validate(Pins, expand_lanes(written, path), path, written)
     except ConfigError as e:
         # cross-reference errors come through pydantic as "(top level): Value error, images.x: ..."
         msg = str(e).replace(": (top level): Value error, ", ": ")
