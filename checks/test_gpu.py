@@ -176,6 +176,7 @@ def test_clock_latch(report: G.GpuReport, samples: list[G.GpuInfo], finding: Any
         names = sorted({str(s.name) for s in samples})
         if not any(band_for(n) for n in names):
             pytest.skip(f"no health band for {', '.join(names)} (builder.gpu.burn.BANDS)")
+        pytest.skip("GPU idle: the latch shows only under load (burn::gpu judges it)")
 
 
 def test_no_other_compute_process(host: Any, report: G.GpuReport, expect: dict[str, Any]) -> None:

@@ -278,10 +278,11 @@ def test_local_gpu_checks_on_h200_capture(tmp_path: Path) -> None:
         "persistence_mode",
         "clock_ceiling",
         "clock_event_reasons",
-        "clock_latch",
         "no_other_compute_process",
     ):
         assert checks[f"gpu::{c}"]["status"] == "pass", (c, checks[f"gpu::{c}"])
+    latch = checks["gpu::clock_latch"]
+    assert latch["status"] == "skip" and "GPU idle" in latch["message"], latch
 
 
 @pytest.mark.slow
@@ -331,6 +332,7 @@ def test_local_busy_healthy_gpu_passes_and_slowdowns_are_unhealthy(tmp_path: Pat
     (tmp_path / "nvstate" / "query").write_text(q)
     rc, data, err = run_local(root, env, "--only", "gpu")
     assert rc == 0 and data["hosts"]["me"]["status"] == "pass", err
+    assert data["hosts"]["me"]["checks"]["gpu::clock_latch"]["status"] == "pass"  # busy and judged
     (tmp_path / "nvstate" / "query").write_text(q.replace("0x0000000000000004", "0x0000000000000064"))
     latched = busy.replace(", 1440, 1980, 690.", ", 690, 1980, 150.")
     assert latched != busy
