@@ -371,6 +371,8 @@ def expand_lanes(raw: dict[str, Any], path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: lanes.{name}.based_on: no lane named {base!r}")
         if base in chain:
             raise ConfigError(f"{path}: lanes.{name}.based_on: a cycle ({' -> '.join((*chain, name, base))})")
+        if not isinstance(lanes[base], dict):
+            raise ConfigError(f"{path}: lanes.{base}: expected a table, found {type(lanes[base]).__name__}")
         merged = _merge({k: v for k, v in resolve(base, (*chain, name)).items() if k != "based_on"}, own)
         done[name] = merged
         return merged

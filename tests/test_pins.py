@@ -158,6 +158,13 @@ def test_bad_based_on_is_one_line(tmp_path: Path, lanes: dict[str, dict[str, str
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+def test_a_base_lane_that_is_not_a_table_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "pins.toml").write_text('format = 1\n[lanes]\nx = "str"\n[lanes.y]\nbased_on = "x"\n')
+    with pytest.raises(ConfigError) as e:
+        load_pins(tmp_path / "pins.toml")
+    assert str(e.value) == f"{tmp_path / 'pins.toml'}: lanes.x: expected a table, found str"
+
+
 def test_a_misspelt_key_of_a_lane_based_on_another_gets_its_suggestion(tmp_path: Path) -> None:
     """The lane inherits `serve` from its base, but the file wrote `serv`: the suggestion is `serve`."""
     shipped = (Path(__file__).resolve().parents[1] / "pins.toml").read_text()
