@@ -85,7 +85,9 @@ def test_band_for_and_profile_floor() -> None:
     assert B.band_for("NVIDIA A100") is None
     own = B.band_for("NVIDIA A100", 200)
     assert own is not None and own.min_tflops == 200 and own.latch_clock_mhz == 0
-    assert B.band_for("NVIDIA H200", 500.0).min_tflops == 500.0  # type: ignore[union-attr]
+    floor = B.band_for("NVIDIA H200", 500.0)
+    assert floor is not None and floor.min_tflops == 500.0 and floor.source == "the host profile (min_tflops)"
+    assert floor.latch_clock_mhz == B.BANDS["NVIDIA H200"].latch_clock_mhz  # the rest is the model's band
 
 
 def test_fleet_outliers_name_the_slow_host() -> None:

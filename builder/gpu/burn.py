@@ -154,7 +154,8 @@ def band_for(gpu_name: str | None, min_tflops: float | None = None) -> Band | No
     if min_tflops is not None:
         base = b or Band(model=gpu_name or "?", min_tflops=min_tflops, healthy="(set in the host profile)",
                          latch_clock_mhz=0, latch_power_w=0.0, source="the host profile")
-        b = Band(**{**asdict(base), "min_tflops": float(min_tflops), "source": base.source})
+        source = "the host profile (min_tflops)" if b is not None else base.source
+        b = Band(**{**asdict(base), "min_tflops": float(min_tflops), "source": source})
     return b
 
 
