@@ -107,7 +107,7 @@ def _drop_and_wait(host: Any, want: float, wait_s: float) -> tuple[int, str]:
         if gib(available) >= want or time.monotonic() >= deadline:
             break
         time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-    return available, done + (f" and {wait_s:g} s of waiting)" if wait_s else ")")
+    return available, done + f" and {wait_s:g} s of waiting)"
 
 
 def _own_containers(host: Any, expect: dict[str, Any], facts: dict[str, Any]) -> tuple[set[str], str]:
