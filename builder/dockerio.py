@@ -410,7 +410,10 @@ def path_kinds(image: str, paths: Sequence[str]) -> dict[str, str]:
                     out[p] = "missing"
                     continue
                 res.raise_for_status()
-                stat = json.loads(base64.b64decode(res.headers.get("X-Docker-Container-Path-Stat") or "e30="))
+                head = res.headers.get("X-Docker-Container-Path-Stat")
+                if not head:
+                    raise BuilderError(f"docker: no X-Docker-Container-Path-Stat for {p} in {image}")
+                stat = json.loads(base64.b64decode(head))
                 mode = int(stat.get("mode", 0))
                 out[p] = "dir" if mode & (1 << 31) else "link" if mode & (1 << 27) else "file"
             return out
