@@ -353,7 +353,7 @@ def test_local_burn_reports_its_figures(tmp_path: Path) -> None:
     """`--only burn` with the FAKE load (the fake nvidia-smi's --fake-burn): TFLOPS, clock, power and
     the verdict in the JSON; a latched GPU fails naming the fix; no burn in the profile skips."""
     smi = str(tmp_path / "bin" / "nvidia-smi")
-    burn = {"command": [smi, "--fake-burn", "1.2"], "seconds": 1}
+    burn = {"command": [smi, "--fake-burn", "4"], "seconds": 4}
     root, env = local_project(tmp_path, H200 | {"burn": burn})
     rc, data, err = run_local(root, env, "--only", "burn")
     check = data["hosts"]["me"]["checks"]["burn::gpu"]

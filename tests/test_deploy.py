@@ -461,7 +461,7 @@ def test_refused_on_a_latched_gpu_naming_the_host_and_the_fix(j: Journey) -> Non
     worker = j.fleet.hosts[1]
     inventory = j.root / "hosts" / f"{j.name}.toml"
     before = inventory.read_text()
-    burn = {"command": ["/usr/local/bin/nvidia-smi", "--fake-burn", "1"], "seconds": 1}
+    burn = {"command": ["/usr/local/bin/nvidia-smi", "--fake-burn", "4"], "seconds": 4}
     latched = auditlib.busy_sample().replace(", 1440, 1980, 690.", ", 690, 1980, 18.")
     state = "/etc/fake-nvidia-smi"
     try:
