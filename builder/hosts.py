@@ -64,13 +64,18 @@ class Burn(Strict):
     `command` is the load's argv, run on the host; it prints one JSON line with its ``tflops``
     (builder.hostfacts.matmul does). Placeholders: ``{matmul}`` that module's source, ``{request}``
     its JSON request (``seconds``), ``{image}`` the lane's image (its ID from the build record), so
-    a Spark runs ``docker run --rm --gpus all --entrypoint python3 {image} -c {matmul} {request}``."""
+    a Spark runs ``docker run --rm --name builder-burn --gpus all --entrypoint python3 {image} -c {matmul}
+    {request}``. `cleanup` (there ``docker rm -f builder-burn``) runs before the load and after a load
+    killed at its timeout: a container outlives its killed CLI."""
 
     enabled: bool = Field(default=True, description="false: the opt-out (the burn check skips, saying so)")
     command: list[str] = Field(min_length=1)
     seconds: float = Field(default=12.0, ge=1, le=60, description="the load's length (recipes.md §14 #5: 10-15 s)")
     timeout_s: float = Field(default=120.0, ge=5, le=600, description="the load is killed past this")
     min_tflops: float | None = Field(default=None, gt=0, description="the floor, where the band's is not wanted")
+    cleanup: list[str] | None = Field(
+        default=None, min_length=1,
+        description="run before the load and after a load killed at its timeout: a container outlives its killed CLI")
 
 
 class Expect(Strict):

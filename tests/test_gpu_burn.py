@@ -212,3 +212,18 @@ def test_the_recorded_h200_audits_say_what_the_docs_say(run: str) -> None:
     if (d / "burning-audit.json").exists():
         busy = audit("burning")["hosts"]["h200"]["checks"]
         assert busy["gpu::clock_latch"]["status"] == busy["gpu::clock_event_reasons"]["status"] == "pass"
+
+
+def test_sampler_cleans_up_before_and_after_a_killed_load(tmp_path: Path) -> None:
+    """A container outlives its killed CLI: the profile's cleanup runs before the load and after the kill."""
+    marks = tmp_path / "marks"
+    cleanup = [sys.executable, "-c", f"open({str(marks)!r}, 'a').write('x'); raise SystemExit(3)"]
+    facts = hburn.run({"command": [sys.executable, "-c", "import time; time.sleep(60)"], "timeout": 0.6,
+                       "interval": 0.2, "query": ["true"], "cleanup": cleanup})
+    assert facts["timed_out"] and marks.read_text() == "xx"
+    assert [(c["when"], c["rc"]) for c in facts["cleanup"]] == [("before", 3), ("after timeout", 3)]
+    res = B.judge(facts, B.BANDS["NVIDIA H200"])
+    assert res.verdict == "error" and "its cleanup failed (exit 3)" in res.message
+    marks.unlink()
+    done = hburn.run({"command": ["true"], "timeout": 5, "query": ["true"], "cleanup": cleanup})
+    assert done["rc"] == 0 and marks.read_text() == "x"  # (a load that ends cleans up after itself)

@@ -178,6 +178,10 @@ def judge(facts: dict[str, Any], band: Band, index: int = 0) -> BurnResult:
     res.reasons = decode_event_reasons(mask)
     if facts.get("timed_out"):
         res.message = f"burn: the load did not finish within its timeout ({res.seconds:.0f} s)"
+        failed = [c for c in facts.get("cleanup") or [] if c.get("when") == "after timeout" and c.get("rc") != 0]
+        if failed:
+            out = str(failed[0].get("out") or "").strip().splitlines()
+            res.message += f"; its cleanup failed (exit {failed[0].get('rc')}{': ' + out[-1][:160] if out else ''})"
         return res
     try:
         doc = load_report(str(facts.get("stdout") or ""))

@@ -5,12 +5,17 @@ argv[1] is a JSON request::
     {"command": [ARGV...],        # the load (the host profile's burn command, placeholders filled)
      "timeout": 60,               # seconds before the load is killed (a hung load is a finding)
      "interval": 0.5,             # seconds between samples
-     "query": [ARGV...]}          # the nvidia-smi --query-gpu call of one sample
+     "query": [ARGV...],          # the nvidia-smi --query-gpu call of one sample
+     "cleanup": [ARGV...]}        # optional: run before the load and after a load killed at its timeout
 
 Prints JSON::
 
     {"rc": N | null, "timed_out": bool, "seconds": S, "stdout": TAIL, "stderr": TAIL,
-     "samples": [{"t": S, "rc": N, "out": TEXT}, ...]}
+     "samples": [{"t": S, "rc": N, "out": TEXT}, ...],
+     "cleanup": [{"when": "before" | "after timeout", "rc": N, "out": TEXT}, ...]}   # [] without one
+
+A container outlives its killed docker CLI: the profile's cleanup (``docker rm -f NAME``) removes it.
+Its failure does not stop the burn (before the load, no container is the usual case); it is reported.
 
 ``t`` counts from the load's start; the first sample is taken just before it (t < 0), the GPU at
 rest. nvidia-smi answers one query in about 0.03 s (lessons.md §9.1), so sampling costs the load
@@ -46,9 +51,25 @@ def sample(query: list[str], t: float) -> dict[str, Any]:
         return {"t": round(t, 3), "rc": 127, "out": f"{query[0]}: {e.strerror}"}
 
 
+CLEANUP_TIMEOUT = 30.0  # seconds for the cleanup command (docker rm -f of a stuck container)
+
+
+def clean(argv: list[str], when: str) -> dict[str, Any]:
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=CLEANUP_TIMEOUT,
+                           stdin=subprocess.DEVNULL, check=False)
+        return {"when": when, "rc": p.returncode, "out": (p.stdout + p.stderr)[-TAIL:]}
+    except subprocess.TimeoutExpired:
+        return {"when": when, "rc": 124, "out": f"{argv[0]}: no end within {CLEANUP_TIMEOUT:g} s"}
+    except OSError as e:
+        return {"when": when, "rc": 127, "out": f"{argv[0]}: {e.strerror}"}
+
+
 def run(req: dict[str, Any]) -> dict[str, Any]:
     command, query = list(req["command"]), list(req["query"])
     timeout, interval = float(req.get("timeout", 60)), float(req.get("interval", 0.5))
+    cleanup = list(req.get("cleanup") or [])
+    cleaned = [clean(cleanup, "before")] if cleanup else []
     samples = [sample(query, -1.0)]  # the GPU at rest, just before the load
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.monotonic()
@@ -57,7 +78,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
             p = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             return {"rc": 127, "timed_out": False, "seconds": 0.0, "stdout": "",
-                    "stderr": f"{command[0]}: {e.strerror}", "samples": samples}
+                    "stderr": f"{command[0]}: {e.strerror}", "samples": samples, "cleanup": cleaned}
         timed_out = False
         while True:
             nxt = time.monotonic() + interval
@@ -70,6 +91,8 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
                 except OSError:
                     pass
                 p.wait()
+                if cleanup:
+                    cleaned.append(clean(cleanup, "after timeout"))
                 break
             samples.append(sample(query, time.monotonic() - t0))
             time.sleep(max(0.0, nxt - time.monotonic()))
@@ -83,6 +106,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
             "stdout": out.read().decode(errors="replace")[-TAIL:],
             "stderr": err.read().decode(errors="replace")[-TAIL:],
             "samples": samples,
+            "cleanup": cleaned,
         }
 
 
