@@ -73,7 +73,7 @@ def test_gpu(host: Any, expect: dict[str, Any], finding: Any) -> None:
     if band is None:
         pytest.fail(f"burn: no health band for {name!r} (builder.gpu.burn.BANDS); set [hosts.expect.burn] min_tflops")
     request = {"command": command(burn, expect), "timeout": burn["timeout_s"], "interval": 0.5,
-               "query": sample_command(), "cleanup": burn.get("cleanup")}
+               "query": sample_command(), "fallback": sample_command(fallback=True), "cleanup": burn.get("cleanup")}
     try:
         facts = burn_facts(host, request)
     except (RuntimeError, ValueError) as e:

@@ -348,6 +348,28 @@ def test_local_busy_healthy_gpu_passes_and_slowdowns_are_unhealthy(tmp_path: Pat
     assert "gpu::clock_event_reasons" in host["message"] and "gpu::clock_latch" in host["message"]
 
 
+def test_local_gpu_samples_fall_back_where_the_driver_refuses_a_field(tmp_path: Path) -> None:
+    """A driver that refuses a field of builder.gpu.burn.SAMPLE_FIELDS (the fake answers only the
+    fallback's list) is sampled with FALLBACK_SAMPLE_FIELDS: the latch is still judged."""
+    from builder.gpu.burn import FALLBACK_SAMPLE_FIELDS
+
+    root, env = local_project(tmp_path, H200)
+    nv = tmp_path / "nvstate"
+    capture = json.loads((nv / "capture.json").read_text())
+    (nv / "capture.json").write_text(json.dumps(capture | {"sample_fields": ",".join(FALLBACK_SAMPLE_FIELDS)}))
+    cols = auditlib.busy_sample().split(", ")
+    busy = ", ".join(cols[:6] + cols[8:])  # (no temperature, no utilization)
+    (nv / "sample").write_text(busy)
+    q = auditlib.capture_sections()["query csv header"].replace("0x0000000000000001", "0x0000000000000004")
+    (nv / "query").write_text(q)
+    rc, data, err = run_local(root, env, "--only", "gpu")
+    assert rc == 0 and data["hosts"]["me"]["checks"]["gpu::clock_latch"]["status"] == "pass", err
+    (nv / "sample").write_text(busy.replace(", 1440, 1980, 690.", ", 690, 1980, 150."))
+    rc, data, err = run_local(root, env, "--only", "gpu")
+    latch = data["hosts"]["me"]["checks"]["gpu::clock_latch"]
+    assert rc == 1 and latch["status"] == "fail" and "690 MHz" in latch["message"], err
+
+
 @pytest.mark.slow
 def test_local_burn_reports_its_figures(tmp_path: Path) -> None:
     """`--only burn` with the FAKE load (the fake nvidia-smi's --fake-burn): TFLOPS, clock, power and

@@ -227,3 +227,24 @@ def test_sampler_cleans_up_before_and_after_a_killed_load(tmp_path: Path) -> Non
     marks.unlink()
     done = hburn.run({"command": ["true"], "timeout": 5, "query": ["true"], "cleanup": cleanup})
     assert done["rc"] == 0 and marks.read_text() == "x"  # (a load that ends cleans up after itself)
+
+
+def test_sampler_falls_back_where_a_field_is_refused(tmp_path: Path) -> None:
+    """One unknown field fails the whole query (lessons.md §9.1): a driver that refuses
+    temperature.gpu is sampled with FALLBACK_SAMPLE_FIELDS, and the result says so."""
+    smi = tmp_path / "smi"
+    row = "0, NVIDIA H200, 1440, 1980, 690.00, 700.00, 0x0000000000000004, 723"
+    smi.write_text("#!/bin/sh\ncase \"$1\" in *temperature.gpu*)\n"
+                   "  echo 'Field \"temperature.gpu\" is not a valid field to query.'; exit 2;;\nesac\n"
+                   f"echo '{row}'\n")
+    smi.chmod(0o755)
+    load = [sys.executable, "-c", "import time, json; time.sleep(1); print(json.dumps({'tflops': 600.0}))"]
+    req = {"command": load, "timeout": 20, "interval": 0.25, "query": B.sample_command(str(smi)),
+           "fallback": B.sample_command(str(smi), fallback=True)}
+    facts = hburn.run(req)
+    assert facts["fields"] == "fallback" and all(s["rc"] == 0 for s in facts["samples"]), facts["samples"]
+    res = B.judge(facts, B.BANDS["NVIDIA H200"])
+    assert res.verdict == "pass" and res.clock_mhz == 1440 and res.samples >= 1, res.message
+    refused = hburn.run(req | {"fallback": None})
+    assert refused["fields"] == "query" and refused["samples"][0]["rc"] == 2
+    assert B.judge(refused, B.BANDS["NVIDIA H200"]).verdict == "error"

@@ -31,6 +31,14 @@ SAMPLE_FIELDS: list[str] = [
     "utilization.gpu", "clocks_event_reasons.active", "memory.used",
 ]
 
+# One unknown field fails the whole query (lessons.md §9.1) and the GB10's field support was never
+# captured: where SAMPLE_FIELDS is refused, the older event-reason name, without temperature and load
+# (busy() then reads the idle bit).
+FALLBACK_SAMPLE_FIELDS: list[str] = [
+    "index", "name", "clocks.sm", "clocks.max.sm", "power.draw", "power.limit",
+    "clocks_throttle_reasons.active", "memory.used",
+]
+
 LATCH_FIX = ("power-cycle the host with its power adapter unplugged for 30 to 60 s (a reboot does not clear "
              "the latch; recipes.md §14 #5)")
 THROTTLE_FIX = "check the cooling and the power supply (airflow, fans, ambient temperature, the PSU and its cable)"
@@ -71,8 +79,13 @@ BANDS: dict[str, Band] = {
 }
 
 
-def sample_command(nvidia_smi: str = "nvidia-smi") -> list[str]:
-    return query_command(SAMPLE_FIELDS, nvidia_smi)
+def sample_command(nvidia_smi: str = "nvidia-smi", fallback: bool = False) -> list[str]:
+    return query_command(FALLBACK_SAMPLE_FIELDS if fallback else SAMPLE_FIELDS, nvidia_smi)
+
+
+def sample_fields(facts: dict[str, Any]) -> list[str]:
+    """The field list the sampler's samples answer (builder.hostfacts.burn's ``fields``)."""
+    return FALLBACK_SAMPLE_FIELDS if facts.get("fields") == "fallback" else SAMPLE_FIELDS
 
 
 @dataclass
@@ -123,6 +136,7 @@ def loaded_samples(facts: dict[str, Any], index: int = 0) -> tuple[list[GpuInfo]
     load's own start (importing torch takes seconds) and end are the GPU at rest, not under load."""
     gpus: list[GpuInfo] = []
     bad: list[str] = []
+    fields = sample_fields(facts)
     for s in facts.get("samples") or []:
         if float(s.get("t", -1)) < 0:
             continue
@@ -130,7 +144,7 @@ def loaded_samples(facts: dict[str, Any], index: int = 0) -> tuple[list[GpuInfo]
             bad.append(f"t={s.get('t')}: exit {s.get('rc')}: {str(s.get('out', '')).strip()[:80]}")
             continue
         try:
-            rows = parse_query(str(s.get("out", "")), SAMPLE_FIELDS)
+            rows = parse_query(str(s.get("out", "")), fields)
         except GpuError as e:
             bad.append(f"t={s.get('t')}: {e}")
             continue

@@ -6,12 +6,13 @@ argv[1] is a JSON request::
      "timeout": 60,               # seconds before the load is killed (a hung load is a finding)
      "interval": 0.5,             # seconds between samples
      "query": [ARGV...],          # the nvidia-smi --query-gpu call of one sample
+     "fallback": [ARGV...],       # optional: the same with the older field names, where `query` is refused
      "cleanup": [ARGV...]}        # optional: run before the load and after a load killed at its timeout
 
 Prints JSON::
 
     {"rc": N | null, "timed_out": bool, "seconds": S, "stdout": TAIL, "stderr": TAIL,
-     "samples": [{"t": S, "rc": N, "out": TEXT}, ...],
+     "samples": [{"t": S, "rc": N, "out": TEXT}, ...], "fields": "query" | "fallback",
      "cleanup": [{"when": "before" | "after timeout", "rc": N, "out": TEXT}, ...]}   # [] without one
 
 A container outlives its killed docker CLI: the profile's cleanup (``docker rm -f NAME``) removes it.
@@ -19,7 +20,10 @@ Its failure does not stop the burn (before the load, no container is the usual c
 
 ``t`` counts from the load's start; the first sample is taken just before it (t < 0), the GPU at
 rest. nvidia-smi answers one query in about 0.03 s (lessons.md §9.1), so sampling costs the load
-nothing. A sample that fails keeps its exit status and output: the operator's side says why.
+nothing. A sample that fails keeps its exit status and output: the operator's side says why. One
+unknown field fails a whole query (lessons.md §9.1: ``Field "x" is not a valid field to query.``,
+exit 2): where the first sample's query is refused so, every sample uses `fallback`, and ``fields``
+says which list the samples answer.
 
 Standard library only: it runs as ``python3 -I -S -c SOURCE ARG`` (builder.hostfacts.source).
 """
@@ -70,7 +74,11 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     timeout, interval = float(req.get("timeout", 60)), float(req.get("interval", 0.5))
     cleanup = list(req.get("cleanup") or [])
     cleaned = [clean(cleanup, "before")] if cleanup else []
+    fields = "query"
     samples = [sample(query, -1.0)]  # the GPU at rest, just before the load
+    if req.get("fallback") and samples[0]["rc"] != 0 and "is not a valid field to query" in samples[0]["out"]:
+        query, fields = list(req["fallback"]), "fallback"
+        samples = [sample(query, -1.0)]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.monotonic()
         try:
@@ -78,7 +86,8 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
             p = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             return {"rc": 127, "timed_out": False, "seconds": 0.0, "stdout": "",
-                    "stderr": f"{command[0]}: {e.strerror}", "samples": samples, "cleanup": cleaned}
+                    "stderr": f"{command[0]}: {e.strerror}", "samples": samples, "fields": fields,
+                    "cleanup": cleaned}
         timed_out = False
         while True:
             nxt = time.monotonic() + interval
@@ -106,6 +115,7 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
             "stdout": out.read().decode(errors="replace")[-TAIL:],
             "stderr": err.read().decode(errors="replace")[-TAIL:],
             "samples": samples,
+            "fields": fields,
             "cleanup": cleaned,
         }
 
