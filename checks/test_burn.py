@@ -66,6 +66,7 @@ def test_gpu(host: Any, expect: dict[str, Any], finding: Any) -> None:
         + ", ".join(f"pid {a.pid} {a.process_name}" for a in others[:3])
     )
     if own:
+        finding("deferred", True)  # (deploy's burn window reads it: this host burns once its GPU is free)
         pytest.skip("the lane's own release is on the GPU: the burn runs on a free GPU (deploy: between the "
                     "old release's stop and the new one's start)")
     name = report.gpus[0].name

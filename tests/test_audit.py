@@ -370,6 +370,24 @@ def test_local_gpu_samples_fall_back_where_the_driver_refuses_a_field(tmp_path: 
     assert rc == 1 and latch["status"] == "fail" and "690 MHz" in latch["message"], err
 
 
+def test_local_burn_defers_where_the_lanes_own_process_holds_the_gpu(tmp_path: Path) -> None:
+    """With the lane's own rank on the GPU the burn skips and records `deferred` (deploy's burn window
+    runs it on those hosts between stop and start)."""
+    smi = str(tmp_path / "bin" / "nvidia-smi")
+    root, env = local_project(tmp_path, H200 | {"burn": {"command": [smi, "--fake-burn", "4"], "seconds": 4}})
+    own = {"BUILDER_LANE": "demo", "BUILDER_FLEET": "l", "BUILDER_HOST": "me", "BUILDER_RANK": "0"}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")} | own)
+    try:
+        (tmp_path / "nvstate" / "apps").write_text(f"{proc.pid}, python3, 1024\n")
+        rc, data, err = run_local(root, env, "--only", "burn")
+    finally:
+        proc.kill()
+        proc.wait()
+    check = data["hosts"]["me"]["checks"]["burn::gpu"]
+    assert rc == 0 and check["status"] == "skip" and check["facts"] == {"deferred": True}, (check, err)
+
+
 @pytest.mark.slow
 def test_local_burn_reports_its_figures(tmp_path: Path) -> None:
     """`--only burn` with the FAKE load (the fake nvidia-smi's --fake-burn): TFLOPS, clock, power and

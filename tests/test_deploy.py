@@ -90,23 +90,25 @@ def test_the_burn_window_runs_only_where_the_gate_could_not_burn() -> None:
     from builder.audit import AuditReport, CheckOutcome, HostResult
     from builder.deploy.switch import burn_window
 
-    asked: list[list[str] | None] = []
+    asked: list[tuple[list[str] | None, list[str] | None]] = []
     latched = HostResult("s2", "f", "unhealthy", checks=[
         CheckOutcome("burn::gpu", "burn", "fail", "GPU 0 clock latch: ...; fix: power-cycle", {"kind": "hardware"})])
 
-    def deployment(message: str, result: HostResult) -> Any:
-        def audit(phase: str, only: list[str] | None = None) -> AuditReport:
-            asked.append(only)
+    def deployment(facts: dict[str, Any], result: HostResult) -> Any:
+        def audit(phase: str, only: list[str] | None = None, hosts: list[str] | None = None) -> AuditReport:
+            asked.append((only, hosts))
             return AuditReport([result], "fast", phase, ["burn"])
-        gate = {"hosts": {"s2": {"checks": {"burn::gpu": {"status": "skip", "message": message}}}}}
+        skipped = {"status": "skip", "message": "the lane's own release is on the GPU"}
+        gate = {"hosts": {"s1": {"checks": {"burn::gpu": {"status": "pass"}}},
+                          "s2": {"checks": {"burn::gpu": skipped | ({"facts": facts} if facts else {})}}}}
         return SimpleNamespace(rep=SimpleNamespace(audit=gate), w=SimpleNamespace(audit=audit))
 
-    burn_window(deployment("no burn in the host's profile ([hosts.expect.burn])", latched))
+    burn_window(deployment({}, latched))  # (a skip for another reason: no burn in the profile)
     assert asked == []
     with pytest.raises(BuilderError, match=r"the burn failed with the GPUs free: s2: burn::gpu: GPU 0 clock latch"):
-        burn_window(deployment("the lane's own release is on the GPU: the burn runs on a free GPU", latched))
-    assert asked == [["burn"]]
-    burn_window(deployment("the lane's own release is on the GPU", HostResult("s2", "f", "pass")))
+        burn_window(deployment({"deferred": True}, latched))
+    assert asked == [(["burn"], ["s2"])]  # only the host that deferred its burn
+    burn_window(deployment({"deferred": True}, HostResult("s2", "f", "pass")))
 
 
 def test_fleet_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> None:

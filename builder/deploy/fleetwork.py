@@ -231,10 +231,11 @@ class Fleetwork:
     # ------------------------------------------------------------------ audits
 
     def audit(
-        self, phase: str, *, release: str = "current", snapshot: Path | None = None, only: list[str] | None = None
+        self, phase: str, *, release: str = "current", snapshot: Path | None = None, only: list[str] | None = None,
+        hosts: list[str] | None = None,
     ) -> Any:
         return run_fleet_audit(self.opts, self.shared, self.say, phase, release=release, snapshot=snapshot,
-                               hosts_dir=self.ctx.hosts_dir, only=only)
+                               hosts_dir=self.ctx.hosts_dir, only=only, hosts=hosts)
 
 
 @contextmanager
@@ -297,9 +298,10 @@ def close_sockets(sockets: ControlSockets) -> None:
 def run_fleet_audit(
     opts: DeployOptions, shared: ControlSockets, say: Say, phase: str, *, release: str = "current",
     snapshot: Path | None = None, hosts_dir: Path | None = None, only: list[str] | None = None,
+    hosts: list[str] | None = None,
 ) -> Any:
     """`builder audit --fleet F --phase PHASE` over the command's connections (`snapshot`: against the
-    pins and lock kept there, for a rolled-back release)."""
+    pins and lock kept there, for a rolled-back release; `hosts`: only these of the fleet)."""
     ao = AuditOptions(
         root=snapshot or opts.root,
         pins=(snapshot / "pins.toml") if snapshot else opts.pins,
@@ -307,7 +309,8 @@ def run_fleet_audit(
         store=opts.store,
         hosts_dir=hosts_dir or opts.root / "hosts",
         checks_dir=opts.checks_dir or opts.root / "checks",
-        fleet=opts.fleet,
+        fleet=None if hosts else opts.fleet,
+        names=[f"{opts.fleet}/{h}" for h in hosts or []],
         mode=opts.audit_mode,
         phase=phase,
         release=release,

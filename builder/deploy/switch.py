@@ -76,10 +76,9 @@ def burn_window(d: Deployment) -> None:
     and the fix, a power cycle for a latched GPU)."""
     gate = (d.rep.audit or {}).get("hosts") or {}
     waiting = [n for n, h in gate.items()
-               if (h.get("checks") or {}).get("burn::gpu", {}).get("status") == "skip"
-               and "lane's own release" in str(h["checks"]["burn::gpu"].get("message"))]
+               if ((h.get("checks") or {}).get("burn::gpu", {}).get("facts") or {}).get("deferred") is True]
     if not waiting:
         return
-    report = d.w.audit("preflight", only=["burn"])
+    report = d.w.audit("preflight", only=["burn"], hosts=waiting)
     if report.exit_code != 0:
         raise BuilderError(f"the burn failed with the GPUs free: {problems(report)}")
