@@ -212,6 +212,31 @@ def test_the_recorded_h200_audits_say_what_the_docs_say(run: str) -> None:
     if (d / "burning-audit.json").exists():
         busy = audit("burning")["hosts"]["h200"]["checks"]
         assert busy["gpu::clock_latch"]["status"] == busy["gpu::clock_event_reasons"]["status"] == "pass"
+    doc_states_the_recorded_figures(run, burned, pid)
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def doc_states_the_recorded_figures(run: str, burned: dict, pid: int) -> None:
+    """docs/burn-h200.md's row for the audited burn and its foreign process's pid are the recorded ones."""
+    import re
+
+    doc = (DOCS / "burn-h200.md").read_text()
+    when, nth = {"h200-2026-12-04-audit": ("16:43", 1), "h200-2026-12-04-final": ("16:51", 2)}[run]
+    row = re.search(rf"^\| {when}, through `builder audit --only burn` \| \| ([\d.]+) TFLOPS, (\d+) MHz, "
+                    r"([\d.]+) W, (\d+) C \|", doc, re.M)
+    assert row, f"docs/burn-h200.md: no row for the {when} audit's burn"
+
+    def shown(value: float, text: str) -> str:
+        return f"{value:.{len(text.partition('.')[2])}f}"
+
+    tflops, clock, power, temp = row.groups()
+    assert (shown(burned["tflops"], tflops), int(clock), shown(burned["power_w"], power), int(temp)) == (
+        tflops, burned["clock_mhz"], power, burned["temperature_c"])
+    pids = re.search(r"^\| foreign \|.*?\| pid (\d+) / (\d+) / (\d+) `python3`", doc, re.M)
+    assert pids and int(pids.group(1 + nth)) == pid, "docs/burn-h200.md: the foreign process's pid"
+    assert f"pid {pid}" in doc.split("| foreign |", 1)[1].split("\n", 1)[0]  # (its audit row names it)
 
 
 def test_sampler_cleans_up_before_and_after_a_killed_load(tmp_path: Path) -> None:
