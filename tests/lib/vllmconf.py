@@ -4,7 +4,10 @@ venv outside the clone, and the runner that feeds it the ranks (tests/lib/vllm_c
 The release: 0.30.0 (2026-09-22), the first release after the lanes' pinned tree (dsv41-feat at
 e47aa780, 2026-09-10, merged as vllm-project/vllm#56214 on 2026-09-11): the first with DeepSeek V4.1
 (``vllm/models/deepseek_v41``, ``EngramConfig``, the ``dspark`` method, the ``deepseek_v41`` parsers);
-0.29.0 (2026-09-09) has none of them.
+0.29.0 (2026-09-09) has none of them. The release's package has that model code under
+``vllm/models/deepseek_v41/``; the boot-10 mount targets use ``models/deepseek_v4_1/``, as the e47aa780
+tree does (recipes.md §10.6, reference/data/tonyd2wild__patch-exl3-tp3-mounts.txt): the targets follow
+the pinned tree, not the release.
 
 The venv: ``$BUILDER_VLLM_CACHE`` (default /var/cache/builder-vllm) ``/<release>``, made when missing
 or when its stamp (the release and the requirements below) differs, reused otherwise; built in a
