@@ -77,7 +77,15 @@ def test_slow_but_not_latched() -> None:
 def test_burn_errors_say_why(change: dict, says: str) -> None:
     facts = _facts(H200 / "burn-facts.json") | change
     res = B.judge(facts, B.BANDS["NVIDIA H200"])
-    assert res.verdict == "error" and says in res.message
+    assert res.verdict == "error" and says in res.message and "GPU 0" in res.message, res.message
+
+
+def test_every_verdict_names_the_gpu_it_judged() -> None:
+    """The burn loads GPU 0 (checks/test_burn.py): pass and fail alike say which GPU was judged."""
+    for path, band in ((H200 / "burn-facts.json", "NVIDIA H200"), (DATA / "built" / "gb10-latched-burn.json",
+                       "NVIDIA GB10"), (DATA / "built" / "h200-thermal-burn.json", "NVIDIA H200")):
+        res = B.judge(_facts(path), B.BANDS[band])
+        assert res.message.startswith("GPU 0"), res.message
 
 
 def test_band_for_and_profile_floor() -> None:

@@ -191,7 +191,7 @@ def judge(facts: dict[str, Any], band: Band, index: int = 0) -> BurnResult:
         mask |= g.event_reasons or 0
     res.reasons = decode_event_reasons(mask)
     if facts.get("timed_out"):
-        res.message = f"burn: the load did not finish within its timeout ({res.seconds:.0f} s)"
+        res.message = f"burn of GPU {index}: the load did not finish within its timeout ({res.seconds:.0f} s)"
         failed = [c for c in facts.get("cleanup") or [] if c.get("when") == "after timeout" and c.get("rc") != 0]
         if failed:
             out = str(failed[0].get("out") or "").strip().splitlines()
@@ -201,10 +201,11 @@ def judge(facts: dict[str, Any], band: Band, index: int = 0) -> BurnResult:
         doc = load_report(str(facts.get("stdout") or ""))
     except GpuError as e:
         err = str(facts.get("stderr") or "").strip().splitlines()
-        res.message = f"{e} (exit {facts.get('rc')}{': ' + err[-1][:160] if err else ''})"
+        why = str(e).replace("burn:", f"burn of GPU {index}:", 1)
+        res.message = f"{why} (exit {facts.get('rc')}{': ' + err[-1][:160] if err else ''})"
         return res
     if "error" in doc:
-        res.message = f"burn: the load failed: {doc['error']}"
+        res.message = f"burn of GPU {index}: the load failed: {doc['error']}"
         return res
     res.tflops = float(doc["tflops"])
     if not gpus:
