@@ -433,6 +433,7 @@ def test_local_gpu_drift_expected_vs_found(tmp_path: Path) -> None:
         "gpu::clock_ceiling": "GPU 0 max SM clock: expected >= 2200 MHz, found 1980 MHz",
         "gpu::clock_event_reasons": "clock event reasons: expected no hardware, thermal or power-brake slowdown, "
         "found GPU 0: hw_thermal_slowdown (0x44) (check the cooling and the power supply)",
+        "gpu::clock_latch": "GPU idle: the latch shows only under load (burn::gpu judges it)",
     }, err
     assert "gpu::name" in err and "FAIL" in err
 
