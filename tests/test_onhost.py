@@ -535,3 +535,33 @@ def test_writeback_is_started_behind_the_writes_and_the_bytes_are_whole(tmp_path
     assert all(a + n == b for (a, n), (b, _) in zip(started, started[1:], strict=False))
     assert all(n >= 1 << 20 for _, n in started)
     assert len(data) - sum(n for _, n in started) < (1 << 20) + 300_000
+
+
+def test_a_damaged_release_is_replaced_and_its_path_never_lacks_one(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from builder.onhost import release as host_release
+    from builder.onhost.root import Root
+    bid, body = "b" * 64, b"PORT=8000\n"
+    manifest = {"bundle_id": bid, "image": {"archive": "image.tar"}, "models": [],
+                "files": [{"path": "launch/rank.env", "mode": "0644", "size": len(body),
+                           "sha256": hashlib.sha256(body).hexdigest()}]}
+    bundle_dir = tmp_path / "incoming"
+    (bundle_dir / "launch").mkdir(parents=True)
+    (bundle_dir / "launch" / "rank.env").write_bytes(body)
+    r = Root(str(tmp_path / "root"))
+    final = Path(r.release(bid))
+    (final / "launch").mkdir(parents=True)
+    (final / "launch" / "rank.env").write_bytes(b"PORT=9999\n")  # damaged: another content
+    seen: list[bytes] = []
+    rmtree = shutil.rmtree
+
+    def watch(path: str, *a: Any, **k: Any) -> None:  # what the release path holds while the old one goes
+        if ".tmp-old-" in os.path.basename(path):
+            seen.append((final / "launch" / "rank.env").read_bytes())
+        rmtree(path, *a, **k)
+
+    monkeypatch.setattr(host_release.shutil, "rmtree", watch)
+    host_release.stage_release(r, str(bundle_dir), manifest, b"{}", b"", link=True)
+    assert seen == [body]  # the new release was already in place when the old one was removed
+    assert (final / "launch" / "rank.env").read_bytes() == body and (final / "manifest.json").read_bytes() == b"{}"
+    assert sorted(os.listdir(r.releases)) == [bid]  # nothing left aside
