@@ -221,6 +221,15 @@ def test_unknown_fleet_is_one_line_and_exit_2(tmp_path: Path, project_root: Path
         assert len(lines) == 1 and "no fleet named 'nope'" in lines[0] and "Traceback" not in p.stderr, p.stderr
 
 
+def test_a_repair_has_no_dry_run(tmp_path: Path, project_root: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "builder", "--store", str(tmp_path / "store"), "deploy", "--fleet", "f", "--repair",
+         "--dry-run"], cwd=project_root, capture_output=True, text=True, timeout=120,
+    )
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "--repair with --dry-run" in lines[0], p.stderr
+
+
 # --------------------------------------------------------------------------- docker tier: stage and switch
 
 
@@ -784,3 +793,5 @@ def test_a_repair_compares_the_apply_record_with_the_bundles_signed_manifest(tmp
     assert record_drift({**good, "files": [files[0], {**files[1], "sha256": "c" * 64}]}, b) == "files: rank.env"
     assert record_drift({**good, "files": files[:1]}, b) == "files: rank.env"
     assert record_drift(None, b) == "missing"
+    for edited in (7, "start.sh", None, {"path": "start.sh"}):
+        assert record_drift({**good, "files": edited}, b) == "files"
