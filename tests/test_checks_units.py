@@ -221,3 +221,25 @@ def test_docker_inspect_of_images_and_containers_against_the_engine() -> None:
         assert [c["Id"] for c in got.containers or []] == [cid]
     finally:
         subprocess.run(["docker", "rm", "-f", cid], capture_output=True)
+
+
+@pytest.mark.parametrize(("status", "exit_fact"), [("exited", True), ("dead", True), ("created", False),
+                                                   ("paused", False), ("restarting", False)])
+def test_a_rank_not_running_is_an_exit_only_once_it_ended_and_its_log_hides_secrets(
+        monkeypatch: pytest.MonkeyPatch, status: str, exit_fact: bool) -> None:
+    serving: Any = checkmods.check_module("serving")
+    c = {"Name": "/lane-r1", "State": {"Running": False, "Status": status, "ExitCode": 137,
+                                      "FinishedAt": "2026-12-04T16:00:01Z"}}
+    monkeypatch.setattr(serving, "lane_container", lambda host, expect: (c, ""))
+    monkeypatch.setattr(serving, "run", lambda host, cmd, *a: SimpleNamespace(
+        stdout="args: --api-key sk-live-1 --port 8000\nHF_TOKEN=hf_abc\nKilled\n"))
+    facts: dict[str, Any] = {}
+    expect = {"launch": {"container": "lane-r1"}, "host": {"rank": 1}, "image": None}
+    with pytest.raises(pytest.fail.Exception) as e:
+        serving.test_rank_runs_the_release(object(), expect, lambda key, value: facts.__setitem__(key, value))
+    assert f"found {status} (exit code 137" in str(e.value)
+    assert "sk-live-1" not in str(e.value) and "hf_abc" not in str(e.value)
+    assert "--api-key *** --port 8000 | HF_TOKEN=*** | Killed" in str(e.value)
+    assert ("exit" in facts) is exit_fact
+    if exit_fact:
+        assert facts["exit"]["log"] == "args: --api-key *** --port 8000 | HF_TOKEN=*** | Killed"
