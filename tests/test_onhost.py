@@ -37,6 +37,7 @@ from builder.onhost.verify import verify_bundle
 from tests.lib import bundlelib, rlib
 from tests.lib import bundlelib as bl
 from tests.lib.bundlelib import bundle, install, run_installer
+from tests.lib.hostedit import flip_in_place
 
 SCRIPT = hostpkg.zipapp()
 
@@ -204,16 +205,6 @@ def test_install_rerun_upgrade_rollback(dproj: bl.Project, tmp_path: Path) -> No
     _rmi(p.image_id)
 
 
-def _flip_in_place(path: Path) -> None:
-    """One byte of the file changed in place, its size and mtime put back (what fast mode cannot see)."""
-    st = path.stat()
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 1
-    with open(path, "r+b") as f:
-        f.write(data)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 @pytest.mark.docker
 def test_rehash_places_again_a_file_changed_in_place_or_names_the_bundles_damage(
     dproj: bl.Project, tmp_path: Path
@@ -225,7 +216,7 @@ def test_rehash_places_again_a_file_changed_in_place_or_names_the_bundles_damage
     rec = json.loads((root / "state" / "applied.json").read_text())
     m = next(x for x in rec["models"] if x["path"].endswith("weights-r1of2.bin"))
     path = Path(m["path"])
-    _flip_in_place(path)
+    flip_in_place(path)
     r = install(b, root)  # the apply record's size, mtime and inode vouch for it: nothing is done
     assert r.returncode == 0 and json.loads(r.stdout)["result"] == "unchanged", r.stderr
     assert hashlib.sha256(path.read_bytes()).hexdigest() != m["sha256"]
@@ -236,10 +227,10 @@ def test_rehash_places_again_a_file_changed_in_place_or_names_the_bundles_damage
     r = install(b, root, "--rehash")
     assert r.returncode == 0 and json.loads(r.stdout)["result"] == "unchanged", r.stderr
     # the bundle's own copy damaged too: named, and nothing placed
-    _flip_in_place(path)
+    flip_in_place(path)
     entry = next(f for f in bl.manifest(b)["files"] if f["path"] == next(
         x["bundled"] for x in bl.manifest(b)["models"] if x["path"] == str(path)))
-    _flip_in_place(b / (entry.get("parts") or [entry])[0]["path"])
+    flip_in_place(b / (entry.get("parts") or [entry])[0]["path"])
     r = install(b, root, "--rehash")
     assert r.returncode != 0 and entry["path"].split("/")[-1] in r.stderr, r.stderr
     assert hashlib.sha256(path.read_bytes()).hexdigest() != m["sha256"]  # (left as it was: nothing half-placed)
