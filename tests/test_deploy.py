@@ -795,3 +795,29 @@ def test_a_repair_compares_the_apply_record_with_the_bundles_signed_manifest(tmp
     assert record_drift(None, b) == "missing"
     for edited in (7, "start.sh", None, {"path": "start.sh"}):
         assert record_drift({**good, "files": edited}, b) == "files"
+
+
+@pytest.mark.parametrize(("finished", "reason"), [
+    (False, "nothing to repair: every file on every host matches"),
+    (True, "the earlier deploy had moved every host"),
+])
+def test_a_repair_with_nothing_to_do_keeps_the_reason_of_an_earlier_deploy_it_finished(
+        monkeypatch: pytest.MonkeyPatch, finished: bool, reason: str) -> None:
+    from types import SimpleNamespace
+
+    from builder.deploy import rollout
+    from builder.deploy.report import DeployReport
+
+    def noop(d: Any, earlier: Any) -> DeployReport:
+        rep = DeployReport("f", "l", result="deployed" if finished else "unchanged", audit={"exit": 0})
+        rep.reason = ("the earlier deploy had moved every host; the fleet serves and passes its audit" if finished
+                      else "already deployed and serving; the audit passes")
+        return rep
+
+    for name, value in (("changes", lambda d: []), ("snapshot", lambda d: None), ("stage", lambda d: True),
+                        ("derive", lambda d: None), ("is_noop", lambda d: True), ("noop", noop)):
+        monkeypatch.setattr(rollout, name, value)
+    d: Any = SimpleNamespace(w=SimpleNamespace(hosts=[], states={}), rep=DeployReport("f", "l"), replaced={},
+                             say=lambda line: None, rehash=False, repair=set())
+    got = rollout.repair(d, None)
+    assert got.exit_code == 0 and got.reason.startswith(reason), got.reason
