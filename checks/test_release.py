@@ -21,6 +21,7 @@ from checklib import (
 )
 
 from builder.hostfacts import shown
+from builder.onhost.manifest import release_files as manifest_files
 
 LAUNCH_FILES = ("start.sh", "stop.sh", "rank.env")
 
@@ -83,10 +84,22 @@ def test_manifest_hash(host: Any, record: dict[str, Any], expect: dict[str, Any]
 
 
 def test_launch_files_unchanged(host: Any, record: dict[str, Any], expect: dict[str, Any]) -> None:
-    files = require(
+    """The release's files against the signed manifest's own entries (test_manifest_hash checks that
+    manifest against the apply record), and the record's list against the manifest's: an edit of a
+    launch file and of its entry in the record together is still found."""
+    rec_files = require(
         record.get("files"), f"apply record: expected files (the release files, {', '.join(LAUNCH_FILES)}), found none"
     )
     cur = expect["current_path"]
+    mpath = f"{cur}/manifest.json"
+    r = run(host, *cat(mpath))
+    assert r.rc == 0, f"{mpath}: expected present, found absent"
+    try:
+        files = [{"path": str(f["path"]), "size": f["size"], "sha256": f["sha256"]}
+                 for f in manifest_files(json.loads(r.stdout_bytes))]
+    except (ValueError, KeyError, TypeError):
+        pytest.fail(f"{mpath}: expected a bundle manifest, found one that cannot be read", pytrace=False)
+    require(files, f"{mpath}: expected files (the release files, {', '.join(LAUNCH_FILES)}), found none")
     paths = [f"{cur}/{f['path']}" for f in files]
     got = release_files(host, expect, paths)
     bad = []
@@ -94,12 +107,17 @@ def test_launch_files_unchanged(host: Any, record: dict[str, Any], expect: dict[
         g = got.get(p, {})
         if "error" in g:
             bad.append(f"{f['path']}: expected present, found {g['error']}")
-        elif g.get("size") != f.get("size") or g.get("sha256") != f.get("sha256"):
+        elif g.get("size") != f["size"] or g.get("sha256") != f["sha256"]:
             bad.append(
-                f"{f['path']}: expected sha256 {str(f.get('sha256'))[:12]} size {f.get('size')}, "
+                f"{f['path']}: expected sha256 {str(f['sha256'])[:12]} size {f['size']}, "
                 f"found {str(g.get('sha256'))[:12]} size {g.get('size')}"
             )
     assert not bad, f"{len(bad)} launch file(s) changed: {shown(bad, 2)}"
     listed = {f["path"] for f in files}
     missing = [n for n in LAUNCH_FILES if n not in listed]
-    assert not missing, f"apply record files: expected {', '.join(LAUNCH_FILES)}, found no {shown(missing)}"
+    assert not missing, f"{mpath} files: expected {', '.join(LAUNCH_FILES)}, found no {shown(missing)}"
+    have = {str(f.get("path")): (f.get("size"), f.get("sha256"))
+            for f in (rec_files if isinstance(rec_files, list) else []) if isinstance(f, dict)}
+    want = {f["path"]: (f["size"], f["sha256"]) for f in files}
+    differ = sorted(p for p in want.keys() | have.keys() if want.get(p) != have.get(p))
+    assert not differ, f"apply record files: expected the manifest's entries, found {shown(differ)} differing"

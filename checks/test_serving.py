@@ -20,6 +20,7 @@ from checklib import (
 )
 
 from builder.hostfacts import SERVE, dumps, shown
+from builder.hostfacts.lane import redact
 
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:
@@ -77,7 +78,7 @@ LOG_LINES = 5
 
 def last_log_lines(host: Any, name: str) -> str:
     r = run(host, f"docker logs --tail {LOG_LINES} %s 2>&1", name)
-    return " | ".join(ln.strip() for ln in str(r.stdout or "").splitlines() if ln.strip())[-600:]
+    return redact(" | ".join(ln.strip() for ln in str(r.stdout or "").splitlines() if ln.strip()))[-600:]
 
 
 def test_rank_runs_the_release(host: Any, expect: dict[str, Any], finding: Any) -> None:
@@ -94,9 +95,10 @@ def test_rank_runs_the_release(host: Any, expect: dict[str, Any], finding: Any) 
     state = c.get("State") or {}
     if not state.get("Running"):
         log = last_log_lines(host, name)
-        finding("exit", {
-            "rank": rank, "container": name, "status": state.get("Status"), "exit_code": state.get("ExitCode"),
-            "finished_at": state.get("FinishedAt"), "log": log})
+        if state.get("Status") in ("exited", "dead"):  # (created, paused, restarting: not an exit)
+            finding("exit", {
+                "rank": rank, "container": name, "status": state.get("Status"), "exit_code": state.get("ExitCode"),
+                "finished_at": state.get("FinishedAt"), "log": log})
         pytest.fail(f"{name}: expected running, found {state.get('Status')} (exit code {state.get('ExitCode')} at "
                     f"{state.get('FinishedAt')}); its last log lines: {log or '(none)'}", pytrace=False)
     if img is not None:

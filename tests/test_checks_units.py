@@ -221,3 +221,51 @@ def test_docker_inspect_of_images_and_containers_against_the_engine() -> None:
         assert [c["Id"] for c in got.containers or []] == [cid]
     finally:
         subprocess.run(["docker", "rm", "-f", cid], capture_output=True)
+
+
+@pytest.mark.parametrize(("status", "exit_fact"), [("exited", True), ("dead", True), ("created", False),
+                                                   ("paused", False), ("restarting", False)])
+def test_a_rank_not_running_is_an_exit_only_once_it_ended_and_its_log_hides_secrets(
+        monkeypatch: pytest.MonkeyPatch, status: str, exit_fact: bool) -> None:
+    serving: Any = checkmods.check_module("serving")
+    c = {"Name": "/lane-r1", "State": {"Running": False, "Status": status, "ExitCode": 137,
+                                      "FinishedAt": "2026-12-04T16:00:01Z"}}
+    monkeypatch.setattr(serving, "lane_container", lambda host, expect: (c, ""))
+    monkeypatch.setattr(serving, "run", lambda host, cmd, *a: SimpleNamespace(
+        stdout="args: --api-key sk-live-1 --port 8000\nHF_TOKEN=hf_abc\nKilled\n"))
+    facts: dict[str, Any] = {}
+    expect = {"launch": {"container": "lane-r1"}, "host": {"rank": 1}, "image": None}
+    with pytest.raises(pytest.fail.Exception) as e:
+        serving.test_rank_runs_the_release(object(), expect, lambda key, value: facts.__setitem__(key, value))
+    assert f"found {status} (exit code 137" in str(e.value)
+    assert "sk-live-1" not in str(e.value) and "hf_abc" not in str(e.value)
+    assert "--api-key *** --port 8000 | HF_TOKEN=*** | Killed" in str(e.value)
+    assert ("exit" in facts) is exit_fact
+    if exit_fact:
+        assert facts["exit"]["log"] == "args: --api-key *** --port 8000 | HF_TOKEN=*** | Killed"
+
+
+def test_launch_files_are_checked_against_the_signed_manifest_not_the_record(tmp_path: Path) -> None:
+    release: Any = checkmods.check_module("release")
+    checklib_fresh()
+    host = testinfra.get_host("local://")
+    expect = local_expect(tmp_path)
+    cur = tmp_path / "current"
+    cur.mkdir()
+    body = {"start.sh": b"run", "stop.sh": b"halt", "rank.env": b"PORT=8000\n"}
+    entries = [{"path": n, "size": len(b), "sha256": hashlib.sha256(b).hexdigest(), "mode": "0644"}
+               for n, b in body.items()]
+    for n, b in body.items():
+        (cur / n).write_bytes(b)
+    (cur / "manifest.json").write_text(json.dumps({"files": entries, "models": [], "image": {"archive": None}}))
+    record = {"files": [{k: e[k] for k in ("path", "size", "sha256")} for e in entries]}
+    release.test_launch_files_unchanged(host, record, expect)  # as installed: passes
+    edited = b"PORT=9999\n"  # rank.env and its entry in the apply record edited together
+    (cur / "rank.env").write_bytes(edited)
+    record["files"][2] = {"path": "rank.env", "size": len(edited), "sha256": hashlib.sha256(edited).hexdigest()}
+    with pytest.raises(AssertionError, match=r"1 launch file\(s\) changed: rank.env: expected sha256"):
+        release.test_launch_files_unchanged(host, record, expect)
+    (cur / "rank.env").write_bytes(body["rank.env"])  # the file put back, the record still edited
+    with pytest.raises(AssertionError, match="apply record files: expected the manifest's entries, found "
+                                                    "rank.env differing"):
+        release.test_launch_files_unchanged(host, record, expect)

@@ -223,6 +223,15 @@ def test_unknown_fleet_is_one_line_and_exit_2(tmp_path: Path, project_root: Path
         assert len(lines) == 1 and "no fleet named 'nope'" in lines[0] and "Traceback" not in p.stderr, p.stderr
 
 
+def test_a_repair_has_no_dry_run(tmp_path: Path, project_root: Path) -> None:
+    p = subprocess.run(
+        [sys.executable, "-m", "builder", "--store", str(tmp_path / "store"), "deploy", "--fleet", "f", "--repair",
+         "--dry-run"], cwd=project_root, capture_output=True, text=True, timeout=120,
+    )
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "--repair with --dry-run" in lines[0], p.stderr
+
+
 # --------------------------------------------------------------------------- docker tier: stage and switch
 
 
@@ -786,3 +795,31 @@ def test_a_repair_compares_the_apply_record_with_the_bundles_signed_manifest(tmp
     assert record_drift({**good, "files": [files[0], {**files[1], "sha256": "c" * 64}]}, b) == "files: rank.env"
     assert record_drift({**good, "files": files[:1]}, b) == "files: rank.env"
     assert record_drift(None, b) == "missing"
+    for edited in (7, "start.sh", None, {"path": "start.sh"}):
+        assert record_drift({**good, "files": edited}, b) == "files"
+
+
+@pytest.mark.parametrize(("finished", "reason"), [
+    (False, "nothing to repair: every file on every host matches"),
+    (True, "the earlier deploy had moved every host"),
+])
+def test_a_repair_with_nothing_to_do_keeps_the_reason_of_an_earlier_deploy_it_finished(
+        monkeypatch: pytest.MonkeyPatch, finished: bool, reason: str) -> None:
+    from types import SimpleNamespace
+
+    from builder.deploy import rollout
+    from builder.deploy.report import DeployReport
+
+    def noop(d: Any, earlier: Any) -> DeployReport:
+        rep = DeployReport("f", "l", result="deployed" if finished else "unchanged", audit={"exit": 0})
+        rep.reason = ("the earlier deploy had moved every host; the fleet serves and passes its audit" if finished
+                      else "already deployed and serving; the audit passes")
+        return rep
+
+    for name, value in (("changes", lambda d: []), ("snapshot", lambda d: None), ("stage", lambda d: True),
+                        ("derive", lambda d: None), ("is_noop", lambda d: True), ("noop", noop)):
+        monkeypatch.setattr(rollout, name, value)
+    d: Any = SimpleNamespace(w=SimpleNamespace(hosts=[], states={}), rep=DeployReport("f", "l"), replaced={},
+                             say=lambda line: None, rehash=False, repair=set())
+    got = rollout.repair(d, None)
+    assert got.exit_code == 0 and got.reason.startswith(reason), got.reason

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,3 +203,47 @@ def test_a_drifted_folder_is_made_again(tmp_path: Path) -> None:
     assert r.returncode == 0 and json.loads(r.stdout)["derivations"][0]["result"] == "made"
     assert "expected 6 bytes, found 3: making it again" in r.stderr
     assert (folder(p) / "rank1of2-a.bin").read_bytes() == b"abcdef" and count.read_text().count("run") == 2
+
+
+@pytest.mark.parametrize("lose", ["folder", "record"])
+def test_a_full_make_counts_a_lost_folder_or_record_as_differed(tmp_path: Path, lose: str) -> None:
+    p = plan(tmp_path, 'printf abcdef > "$1/rank1of2-a.bin"')
+    assert derive("make", str(p)).returncode == 0
+    f = folder(p)
+    if lose == "folder":
+        shutil.rmtree(f)
+    else:
+        (f / ".builder-derived.json").unlink()
+    r = derive("make", str(p), "full")
+    out = json.loads(r.stdout)["derivations"][0]
+    assert r.returncode == 0 and out["result"] == "made", r.stderr
+    assert out["differed"] == [f"{f}: no record"]  # (what a repair counts: its rank is restarted)
+    assert (f / "rank1of2-a.bin").read_bytes() == b"abcdef"
+
+
+def test_a_first_fast_make_names_nothing_as_differed(tmp_path: Path) -> None:
+    p = plan(tmp_path, 'printf abcdef > "$1/rank1of2-a.bin"')
+    out = json.loads(derive("make", str(p)).stdout)["derivations"][0]
+    assert out["result"] == "made" and "differed" not in out
+
+
+def test_the_old_folder_is_put_back_when_the_new_one_cannot_go_in(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from builder.hostfacts import derive as host_derive
+    path, tmp = tmp_path / "cache", tmp_path / "cache.tmp-1"
+    path.mkdir()
+    (path / "old.bin").write_bytes(b"old")
+    tmp.mkdir()
+    (tmp / "new.bin").write_bytes(b"new")
+    real = os.rename
+
+    def rename(src: str, dst: str) -> None:
+        if src == str(tmp):
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(host_derive.os, "rename", rename)
+    why = host_derive.place(str(tmp), str(path))
+    assert why.startswith(f"cannot put {path} in place:") and "No space left" in why
+    assert (path / "old.bin").read_bytes() == b"old"
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["cache", "cache.tmp-1"]  # no old one left aside

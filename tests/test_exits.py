@@ -32,9 +32,17 @@ def test_of_exits_at_once_the_one_killed_by_a_signal_is_the_cause() -> None:
              RankExit("h0", 0, 1, "2026-12-04T16:53:15.662715038Z")]
     got = cause_and_consequences(exits)
     assert got is not None and got["host"] == "w2" and [e["host"] for e in got["consequences"]] == ["w1", "h0"]
-    # a second apart is not at once: the earlier is the cause, whatever its exit code
-    later = [RankExit("w1", 1, 1, "2026-12-04T16:53:14.5Z"), RankExit("w2", 2, 137, "2026-12-04T16:53:15.6Z")]
+    # a loaded host stamps late, or its clock is behind: within five seconds is still at once
+    late = [RankExit("w1", 1, 1, "2026-12-04T16:53:11.0Z"), RankExit("w2", 2, 139, "2026-12-04T16:53:15.6Z")]
+    assert cause_and_consequences(late)["host"] == "w2"  # type: ignore[index]
+    # more than five seconds apart is not at once: the earlier is the cause, whatever its exit code
+    later = [RankExit("w1", 1, 1, "2026-12-04T16:53:10.5Z"), RankExit("w2", 2, 137, "2026-12-04T16:53:15.6Z")]
     assert cause_and_consequences(later)["host"] == "w1"  # type: ignore[index]
+
+
+def test_an_abort_after_a_lost_peer_is_not_the_cause_s_mark() -> None:
+    exits = [RankExit("h0", 0, 1, "2026-12-04T16:53:15.1Z"), RankExit("w1", 1, 134, "2026-12-04T16:53:15.4Z")]
+    assert cause_and_consequences(exits)["host"] == "h0"  # type: ignore[index]
 
 
 def _host(name: str, rank: int, when: str, code: int) -> HostResult:

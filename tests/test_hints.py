@@ -87,3 +87,41 @@ def test_a_repair_hint_carries_the_fleet_lock_store_and_mode(tmp_path: Path, mon
     assert command(fast, "deploy", "--repair", mode=True).endswith(" deploy --fleet f1 --repair")
     monkeypatch.setenv("BUILDER_STORE", str(tmp_path / "s"))  # (the shell the operator types in has it)
     assert " --store " not in command(opts, "deploy", "--repair", mode=True)
+
+
+def command_calls() -> dict[tuple[str, ...], str]:
+    """(verb, its constant arguments…, "mode" when mode=True) -> where: each `command(opts, VERB, …)` in
+    builder/ (its hints are f-strings of that call, so the collector above sees only `{}`)."""
+    found: dict[tuple[str, ...], str] = {}
+    for path in sorted((ROOT / "builder").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "command"):
+                continue
+            words = [a.value for a in node.args[1:] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            assert len(words) == len(node.args) - 1, f"{path}:{node.lineno}: a command() with a computed argument"
+            mode = any(k.arg == "mode" and isinstance(k.value, ast.Constant) and k.value.value for k in node.keywords)
+            found.setdefault((*words, *(["mode"] if mode else [])), f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+CALLS = command_calls()
+
+
+def test_the_source_renders_commands() -> None:
+    assert {c[0] for c in CALLS} >= {"deploy", "start"}, CALLS  # (the collector works)
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_each_rendered_command_runs_as_typed(call: tuple[str, ...], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("BUILDER_PINS", "BUILDER_LOCK", "BUILDER_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    pins = tmp_path / "p" / "pins.toml"  # (every option rendered: pins, lock and store not the defaults)
+    opts = DeployOptions(root=pins.parent, pins=pins, lock=tmp_path / "other.lock", store=tmp_path / "s",
+                         fleet="f1", audit_mode="full")
+    words = [w for w in call if w != "mode"]
+    hint = command(opts, words[0], *words[1:], mode="mode" in call)
+    assert hint.split()[1:7] == ["--pins", str(pins), "--lock", str(tmp_path / "other.lock"), "--store",
+                                 str(tmp_path / "s")]
+    code, out = help_exit(hint.split()[1:])
+    assert code == 0, f"{CALLS[call]}: `{hint}`: {out.strip().splitlines()[-1:]}"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from builder import hostfacts as hf
-from builder.hostfacts import batch, fabric, files, serve
+from builder.hostfacts import batch, fabric, files, lane, serve
 from tests.lib import fleetlib
 
 HOST_MODULES = ("batch", "files", "fabric", "serve", "lane", "burn", "gpuprocs")
@@ -434,3 +434,26 @@ def test_lane_wait_is_bounded_when_the_engine_does_not_answer(tmp_path: Path) ->
     req = {"do": "wait", "container": "c", "ready": {"kind": "port", "port": 1}, "timeout": 0.5}
     got = lane_run(req, env)
     assert got["ok"] is False and "port 1 did not answer within 0.5 s (container unknown)" in str(got["why"])
+
+
+def test_secret_values_in_log_lines_are_masked() -> None:
+    assert lane.redact("vllm serve m --api-key sk-1 --port 8000 | HF_TOKEN=hf_2 | --hf-token=t3") == (
+        "vllm serve m --api-key *** --port 8000 | HF_TOKEN=*** | --hf-token=***")
+    assert lane.redact("""non-default args: {'api_key': 'sk-4', "password": "p5", 'model': 'm'} | secret: s6""") == (
+        """non-default args: {'api_key': '***', "password": "***", 'model': 'm'} | secret: ***""")
+    kept = "--tokenizer /model --max-num-batched-tokens 8192 | KeyError: 'x' | the key is wrong"
+    assert lane.redact(kept) == kept  # (only a secret's name as a word of its own, and its value)
+
+
+@pytest.mark.parametrize(("ready", "said"), [
+    ({"kind": "port", "port": 1}, "runs but is not ready (port 1 did not answer within 0.5 s)"),
+    ({"kind": "port", "port": 1, "peer": True},
+     "runs but is not ready (port 1 did not answer within 0.5 s): waiting for a peer"),
+])
+def test_a_rank_that_runs_but_is_not_ready_is_waiting_for_a_peer_only_where_its_rule_needs_one(
+        monkeypatch: pytest.MonkeyPatch, ready: dict[str, object], said: str) -> None:
+    monkeypatch.setattr(lane, "container_state", lambda name: ("running", None))
+    monkeypatch.setattr(lane, "answers", lambda ports, addrs: False)
+    monkeypatch.setattr(lane, "logs", lambda name: "")
+    out = lane.wait({"container": "c", "ready": ready, "timeout": 0.5})
+    assert out["ok"] is False and out["state"] == "running" and out["why"] == f"container c {said}"

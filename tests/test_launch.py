@@ -62,7 +62,9 @@ def test_each_role_runs_its_own_command() -> None:
     i = w.argv.index("--entrypoint")
     assert w.argv[i:] == ["--entrypoint", "/engine/follow", "IMG", "--x", "1", "2", "192.0.2.10"]
     assert h.ready == {"kind": "health", "port": 8000, "path": "/health"}
-    assert w.ready == {"kind": "port", "port": 29760}
+    assert w.ready == {"kind": "port", "port": 29760, "peer": True}  # (started before its head: waits for it)
+    hf = pins(start="head-first")
+    assert rank_command(hf, f, f.host("s1"), "l", "IMG").ready == {"kind": "port", "port": 29760}
 
 
 def test_env_layers_placeholders_and_empty_values() -> None:

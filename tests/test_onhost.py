@@ -37,6 +37,7 @@ from builder.onhost.verify import verify_bundle
 from tests.lib import bundlelib, rlib
 from tests.lib import bundlelib as bl
 from tests.lib.bundlelib import bundle, install, run_installer
+from tests.lib.hostedit import flip_in_place
 
 SCRIPT = hostpkg.zipapp()
 
@@ -204,16 +205,6 @@ def test_install_rerun_upgrade_rollback(dproj: bl.Project, tmp_path: Path) -> No
     _rmi(p.image_id)
 
 
-def _flip_in_place(path: Path) -> None:
-    """One byte of the file changed in place, its size and mtime put back (what fast mode cannot see)."""
-    st = path.stat()
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 1
-    with open(path, "r+b") as f:
-        f.write(data)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 @pytest.mark.docker
 def test_rehash_places_again_a_file_changed_in_place_or_names_the_bundles_damage(
     dproj: bl.Project, tmp_path: Path
@@ -225,7 +216,7 @@ def test_rehash_places_again_a_file_changed_in_place_or_names_the_bundles_damage
     rec = json.loads((root / "state" / "applied.json").read_text())
     m = next(x for x in rec["models"] if x["path"].endswith("weights-r1of2.bin"))
     path = Path(m["path"])
-    _flip_in_place(path)
+    flip_in_place(path)
     r = install(b, root)  # the apply record's size, mtime and inode vouch for it: nothing is done
     assert r.returncode == 0 and json.loads(r.stdout)["result"] == "unchanged", r.stderr
     assert hashlib.sha256(path.read_bytes()).hexdigest() != m["sha256"]
@@ -236,10 +227,10 @@ def test_rehash_places_again_a_file_changed_in_place_or_names_the_bundles_damage
     r = install(b, root, "--rehash")
     assert r.returncode == 0 and json.loads(r.stdout)["result"] == "unchanged", r.stderr
     # the bundle's own copy damaged too: named, and nothing placed
-    _flip_in_place(path)
+    flip_in_place(path)
     entry = next(f for f in bl.manifest(b)["files"] if f["path"] == next(
         x["bundled"] for x in bl.manifest(b)["models"] if x["path"] == str(path)))
-    _flip_in_place(b / (entry.get("parts") or [entry])[0]["path"])
+    flip_in_place(b / (entry.get("parts") or [entry])[0]["path"])
     r = install(b, root, "--rehash")
     assert r.returncode != 0 and entry["path"].split("/")[-1] in r.stderr, r.stderr
     assert hashlib.sha256(path.read_bytes()).hexdigest() != m["sha256"]  # (left as it was: nothing half-placed)
@@ -535,3 +526,33 @@ def test_writeback_is_started_behind_the_writes_and_the_bytes_are_whole(tmp_path
     assert all(a + n == b for (a, n), (b, _) in zip(started, started[1:], strict=False))
     assert all(n >= 1 << 20 for _, n in started)
     assert len(data) - sum(n for _, n in started) < (1 << 20) + 300_000
+
+
+def test_a_damaged_release_is_replaced_and_its_path_never_lacks_one(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from builder.onhost import release as host_release
+    from builder.onhost.root import Root
+    bid, body = "b" * 64, b"PORT=8000\n"
+    manifest = {"bundle_id": bid, "image": {"archive": "image.tar"}, "models": [],
+                "files": [{"path": "launch/rank.env", "mode": "0644", "size": len(body),
+                           "sha256": hashlib.sha256(body).hexdigest()}]}
+    bundle_dir = tmp_path / "incoming"
+    (bundle_dir / "launch").mkdir(parents=True)
+    (bundle_dir / "launch" / "rank.env").write_bytes(body)
+    r = Root(str(tmp_path / "root"))
+    final = Path(r.release(bid))
+    (final / "launch").mkdir(parents=True)
+    (final / "launch" / "rank.env").write_bytes(b"PORT=9999\n")  # damaged: another content
+    seen: list[bytes] = []
+    rmtree = shutil.rmtree
+
+    def watch(path: str, *a: Any, **k: Any) -> None:  # what the release path holds while the old one goes
+        if ".tmp-old-" in os.path.basename(path):
+            seen.append((final / "launch" / "rank.env").read_bytes())
+        rmtree(path, *a, **k)
+
+    monkeypatch.setattr(host_release.shutil, "rmtree", watch)
+    host_release.stage_release(r, str(bundle_dir), manifest, b"{}", b"", link=True)
+    assert seen == [body]  # the new release was already in place when the old one was removed
+    assert (final / "launch" / "rank.env").read_bytes() == body and (final / "manifest.json").read_bytes() == b"{}"
+    assert sorted(os.listdir(r.releases)) == [bid]  # nothing left aside

@@ -26,7 +26,7 @@ import pytest
 
 from builder.pins import expand_lanes
 from tests.lib import factory, fleetlib
-from tests.lib.journeylib import PATHS, Journey, failing, journey
+from tests.lib.journeylib import PATHS, Journey, edit_on, failing, journey
 
 pytestmark = [pytest.mark.fleet, pytest.mark.docker, pytest.mark.build, pytest.mark.slow]
 
@@ -216,14 +216,6 @@ def model_drift_is_named(j: Journey, launch: dict[str, Any]) -> None:
     assert rc == 0, failing(report)
 
 
-#: python3 on a host: flip one byte in the middle of a file in place, its size kept, its mtime put back
-FLIP = ("import os, sys\n"
-        "p = sys.argv[1]; st = os.stat(p); at = st.st_size // 2\n"
-        "with open(p, 'r+b') as f:\n"
-        "    f.seek(at); b = f.read(1); f.seek(at); f.write(bytes([b[0] ^ 1]))\n"
-        "os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))\n")
-
-
 def in_place_targets(j: Journey, launch: dict[str, Any]) -> dict[str, tuple[fleetlib.Host, str]]:
     """kind -> (host, path) of one installed file of each kind, spread over the fleet's hosts."""
     hosts = {h.name: h for h in j.fleet.hosts}
@@ -259,28 +251,35 @@ def test_files_changed_in_place_are_named_and_the_printed_command_repairs_them(s
         pytest.skip("the in-place repair flow runs on the tensorfold-tp4 fleet only (its six kinds of file)")
     targets = in_place_targets(j, launch)
     for host, path in targets.values():
-        j.fleet.exec(host, ["python3", "-c", FLIP, path])
-    rc, report = j.audit("--phase", "preflight", "--mode", "full")
-    assert rc == 1
-    assert {h for h, _ in failing(report)} == {h.name for h, _ in targets.values()}, failing(report)
-    for kind, (host, path) in targets.items():
-        assert Path(path).name in json.dumps(report["hosts"][host.name]), (kind, path, failing(report))
-    rc, rep = j.deploy("--mode", "full")
-    assert rc == 1 and rep["result"] == "unchanged", rep.get("reason")
-    printed = re.findall(r"`(builder [^`]*--repair[^`]*)`", rep["reason"])
-    assert len(printed) == 1 and "--mode full" in printed[0], rep["reason"]
-    argv = shlex.split(printed[0])
-    fixed = j.builder(*argv[1:], "--json", check=False, timeout=900)
-    out = json.loads(fixed.stdout)
-    assert fixed.returncode == 0 and out["result"] == "deployed", (out.get("reason"), fixed.stderr[-3000:])
-    assert {n for n, o in out["hosts"].items() if o["result"] == "repaired"} == {h.name for h, _ in targets.values()}
-    for kind, (host, path) in targets.items():
-        assert re.search(rf"{host.name}: differed from its bundle or record, put right: .*"
-                         rf"{re.escape(Path(path).name)}", fixed.stderr), (kind, fixed.stderr[-3000:])
-    rc, report = j.audit("--phase", "all", "--mode", "full")
-    assert rc == 0, failing(report)
-    rc, rep = j.deploy("--repair")  # in fast mode too, every file hashed: nothing differs now
-    assert rc == 0 and rep["result"] == "unchanged" and rep["reason"].startswith("nothing to repair"), rep
+        edit_on(j.fleet, host, op="flip", path=path)
+    done = False
+    try:
+        rc, report = j.audit("--phase", "preflight", "--mode", "full")
+        assert rc == 1
+        assert {h for h, _ in failing(report)} == {h.name for h, _ in targets.values()}, failing(report)
+        for kind, (host, path) in targets.items():
+            assert Path(path).name in json.dumps(report["hosts"][host.name]), (kind, path, failing(report))
+        rc, rep = j.deploy("--mode", "full")
+        assert rc == 1 and rep["result"] == "unchanged", rep.get("reason")
+        printed = re.findall(r"`(builder [^`]*--repair[^`]*)`", rep["reason"])
+        assert len(printed) == 1 and "--mode full" in printed[0], rep["reason"]
+        argv = shlex.split(printed[0])
+        fixed = j.builder(*argv[1:], "--json", check=False, timeout=900)
+        out = json.loads(fixed.stdout)
+        assert fixed.returncode == 0 and out["result"] == "deployed", (out.get("reason"), fixed.stderr[-3000:])
+        repaired = {n for n, o in out["hosts"].items() if o["result"] == "repaired"}
+        assert repaired == {h.name for h, _ in targets.values()}, out["hosts"]
+        for kind, (host, path) in targets.items():
+            assert re.search(rf"{host.name}: differed from its bundle or record, put right: .*"
+                             rf"{re.escape(Path(path).name)}", fixed.stderr), (kind, fixed.stderr[-3000:])
+        rc, report = j.audit("--phase", "all", "--mode", "full")
+        assert rc == 0, failing(report)
+        rc, rep = j.deploy("--repair")  # in fast mode too, every file hashed: nothing differs now
+        assert rc == 0 and rep["result"] == "unchanged" and rep["reason"].startswith("nothing to repair"), rep
+        done = True
+    finally:
+        if not done:  # (the seed fleet is shared: its files put right for the tests after this one)
+            j.builder("deploy", "--fleet", j.name, "--repair", "--mode", "full", check=False, timeout=900)
 
 
 def test_a_killed_worker_is_named_as_the_cause_in_audit_and_status(seed: Journey) -> None:
@@ -294,28 +293,31 @@ def test_a_killed_worker_is_named_as_the_cause_in_audit_and_status(seed: Journey
     hosts = {h.name: h for h in j.fleet.hosts}
     victim, head = launch["hosts"][2], launch["hosts"][0]
     j.fleet.exec(hosts[victim["host"]], f"docker kill -s KILL {victim['container']}")
-    deadline = time.monotonic() + 60
-    while j.fleet.exec(hosts[head["host"]], f"docker inspect -f '{{{{.State.Running}}}}' {head['container']}"
-                       ).stdout.strip() == "true":
-        assert time.monotonic() < deadline, "the head still runs a minute after rank 2 was killed"
-        time.sleep(1)
-    rc, report = j.audit("--phase", "serving")
-    assert rc == 1
-    first = report["first_exit"]
-    assert first and (first["host"], first["rank"], first["exit_code"]) == (victim["host"], 2, 137), first
-    assert first["log"], first  # its last log lines
-    msg = report["hosts"][victim["host"]]["message"]
-    assert "rank 2" in msg and "exited first" in msg and "the cause" in msg, msg
-    after = {e["host"] for e in first["consequences"]}
-    assert head["host"] in after and victim["host"] not in after, first
-    for name in after:
-        assert "after rank 2" in report["hosts"][name]["message"], report["hosts"][name]["message"]
-    p = j.builder("status", "--fleet", j.name, "--json", check=False)
-    st = json.loads(p.stdout)
-    assert p.returncode == 1 and st["first_exit"]["host"] == victim["host"], st
-    assert st["hosts"][victim["host"]]["exited"] == "first" and st["hosts"][head["host"]]["exited"] == "after rank 2"
-    assert "exited first" in p.stderr and "the cause" in p.stderr, p.stderr[-2000:]
-    j.builder("start", "--fleet", j.name, "--stop-timeout", "2", "--start-timeout", "60", timeout=600)
+    try:
+        deadline = time.monotonic() + 60
+        while j.fleet.exec(hosts[head["host"]], f"docker inspect -f '{{{{.State.Running}}}}' {head['container']}"
+                           ).stdout.strip() == "true":
+            assert time.monotonic() < deadline, "the head still runs a minute after rank 2 was killed"
+            time.sleep(1)
+        rc, report = j.audit("--phase", "serving")
+        assert rc == 1
+        first = report["first_exit"]
+        assert first and (first["host"], first["rank"], first["exit_code"]) == (victim["host"], 2, 137), first
+        assert first["log"], first  # its last log lines
+        msg = report["hosts"][victim["host"]]["message"]
+        assert "rank 2" in msg and "exited first" in msg and "the cause" in msg, msg
+        after = {e["host"] for e in first["consequences"]}
+        assert head["host"] in after and victim["host"] not in after, first
+        for name in after:
+            assert "after rank 2" in report["hosts"][name]["message"], report["hosts"][name]["message"]
+        p = j.builder("status", "--fleet", j.name, "--json", check=False)
+        st = json.loads(p.stdout)
+        assert p.returncode == 1 and st["first_exit"]["host"] == victim["host"], st
+        exited = st["hosts"]
+        assert exited[victim["host"]]["exited"] == "first" and exited[head["host"]]["exited"] == "after rank 2"
+        assert "exited first" in p.stderr and "the cause" in p.stderr, p.stderr[-2000:]
+    finally:  # (the seed fleet is shared: serving again for the tests after this one)
+        j.builder("start", "--fleet", j.name, "--stop-timeout", "2", "--start-timeout", "60", timeout=600)
 
 
 def test_a_changed_serve_setting_deploys_and_holds_the_derivations(seed: Journey) -> None:

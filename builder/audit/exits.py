@@ -3,10 +3,13 @@
 When one rank's engine dies, the others lose their peer and exit too, so every host reports an exited
 container. The serving check records each exited rank's exit code, finish time and last log lines
 (``exit`` in its facts); `builder audit` and `builder status` name the rank that ended first as the
-cause and the others as its consequences. Exits within a second of the first count as at once (docker
-stamps an end late by some milliseconds); among those, a rank killed by a signal is the cause. Docker's
-finish times are RFC 3339 with up to nine fraction digits, trailing zeros dropped, so they are compared
-as numbers, not as text.
+cause and the others as its consequences. Exits within five seconds of the first count as at once, and
+among those a rank killed by SIGKILL (137: also the OOM killer) or SIGSEGV (139) is the cause; a
+SIGABRT (134) is what an engine does to itself once its peer is gone, so it is not the cause's mark.
+The window exists because the first exit is judged by each host's own clock, as its Docker stamps a
+container's end: late by milliseconds on an idle host, by more on a loaded one, and off by however far
+the hosts' clocks are apart (keep them in sync: chrony or NTP). Docker's finish times are RFC 3339 with
+up to nine fraction digits, trailing zeros dropped, so they are compared as numbers, not as text.
 """
 
 from __future__ import annotations
@@ -47,16 +50,20 @@ def finished_ns(when: str) -> int | None:
 
 
 #: exits this close together happened at once, as far as docker's finish times can tell: each host's
-#: engine stamps a container's end when it handles the event, some milliseconds late, so a rank that
-#: fell because its peer died can be stamped before that peer (measured on the simulator fleet: a
-#: SIGKILLed worker stamped 9 ms after a follower that lost the head it took down)
-AT_ONCE_NS = 1_000_000_000
+#: engine stamps a container's end when it handles the event, some milliseconds late (measured on the
+#: simulator fleet: a SIGKILLed worker stamped 9 ms after a follower that lost the head it took down),
+#: later on a loaded host, and each by its own host's clock, which may be apart from its peers' by as
+#: much as NTP lets it drift; five seconds covers both, and a peer's fall comes within it
+AT_ONCE_NS = 5_000_000_000
+
+#: the exit codes of a rank killed from outside or by its own fault: SIGKILL (also the OOM killer) and
+#: SIGSEGV; not SIGABRT (134), which an engine raises itself after losing its peer
+KILLED = (137, 139)
 
 
 def killed(e: RankExit) -> bool:
-    """Ended by a signal (exit code 128 + N: SIGKILL 137, SIGSEGV 139, the OOM killer), not by its own
-    exit after a lost peer."""
-    return e.exit_code is not None and e.exit_code > 128
+    """Ended by SIGKILL or SIGSEGV, not by its own exit (or abort) after a lost peer."""
+    return e.exit_code in KILLED
 
 
 def order(exits: list[RankExit]) -> list[RankExit]:

@@ -65,6 +65,9 @@ NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # (a fleet's name, as the inven
 
 def deploy(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
     start = time.monotonic()
+    if opts.dry_run and opts.repair:  # (what a repair does is known only once every file is hashed)
+        raise ConfigError("--repair with --dry-run: what a repair places again is known only after it hashes "
+                          "every installed file; run `builder audit --mode full` to see what differs")
     if opts.dry_run:
         w = Fleetwork(opts, say)  # ConfigError (exit 2) before any host is contacted
         try:
@@ -180,7 +183,7 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     if d.replaced or not is_noop(d):
         return switch_over(d, earlier)
     done = noop(d, earlier)
-    if done.exit_code == 0:
+    if done.exit_code == 0 and done.result != "deployed":  # (an earlier deploy finished: its reason stands)
         done.reason = ("nothing to repair: every file on every host matches its signed manifest or its "
                        "derivation's record (each hashed), and the fleet serves and passes its audit")
         return done
@@ -204,9 +207,11 @@ def record_drift(applied: dict[str, Any] | None, bundle: FleetBundle) -> str:
     mbytes = (bundle.path / MANIFEST).read_bytes()
     if applied.get("manifest_sha256") != hashlib.sha256(mbytes).hexdigest():
         return "manifest_sha256"
+    if not isinstance(applied.get("files"), list):  # (a hand-edited record: not a list is drift itself)
+        return "files"
     want = {f["path"]: (f["size"], f["sha256"]) for f in release_files(bundle.manifest)}
     have = {str(f.get("path")): (f.get("size"), f.get("sha256"))
-            for f in applied.get("files") or [] if isinstance(f, dict)}
+            for f in applied["files"] if isinstance(f, dict)}
     bad = sorted(p for p in want.keys() | have.keys() if want.get(p) != have.get(p))
     return f"files: {shown(bad)}" if bad else ""
 

@@ -9,10 +9,11 @@ writes into. Ships in every bundle as ``derive.py``:
   was hashed; with ``full``, by hashing every file, as ``builder deploy --repair`` asks), is made: its
   command runs in the lane's image (network off) into ``<folder>.tmp-<pid>``; every file it wrote is
   hashed into the record ``.builder-derived.json`` with its size, mtime and inode; the folder takes its
-  address's place whole (a folder already there is renamed aside first and removed after), so a run
-  killed half-way leaves nothing under its address, and the next run makes it again. One JSON object on
-  stdout (per derivation: ``made`` or ``held``, seconds, files, and what differed), a line on stderr as
-  each starts and ends; exit 1 when one failed.
+  address's place whole (a folder already there is renamed aside first and removed after; put back if
+  the new one cannot go in), so a run killed half-way leaves nothing under its address, and the next
+  run makes it again. One JSON object on stdout (per derivation: ``made`` or ``held``, seconds, files,
+  and what differed: with ``full``, a folder or record that is gone counts as differed, since the
+  rank's release expects it), a line on stderr as each starts and ends; exit 1 when one failed.
 * ``derive.py check PLAN [full]``, or the check's ``python3 -c SOURCE '{"plan": …, "mode": …}'``: per
   derivation, what differs from its record: not made, another address, a file missing, resized, changed
   (full mode hashes; fast mode compares the recorded mtime and inode, trusting the file system), added,
@@ -87,6 +88,8 @@ def make_one(d: dict[str, Any], rank: int, world: int, full: bool = False) -> di
         if not drift:
             return {"name": d["name"], "result": "held", "path": path, "files": len(rec.get("files") or [])}
         sys.stderr.write(f"derive: {d['name']}: {drift[0]}{' …' if len(drift) > 1 else ''}: making it again\n")
+    elif full:  # a repair: the rank's release expects it, so a lost folder or record is drift too
+        drift = [f"{path}: no record" if rec is None else f"{path}: made for another address"]
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     base = os.path.basename(path)
@@ -151,6 +154,8 @@ def place(tmp: str, path: str) -> str:
     try:
         os.rename(tmp, path)
     except OSError as e:
+        if os.path.lexists(aside) and not os.path.lexists(path):
+            os.rename(aside, path)  # the old folder back: never lost because the new one could not go in
         return f"cannot put {path} in place: {e}"
     shutil.rmtree(aside, ignore_errors=True)
     return ""

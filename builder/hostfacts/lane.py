@@ -9,7 +9,10 @@ The request (argv[1], JSON) names what to do:
   and, with a ``health_port``, whether ``/health`` answers on 127.0.0.1;
 * ``{"do": "wait", "container", "ready", "timeout"}``: wait until this rank meets its readiness
   (``ready``, as builder.launch.rank renders it: its health path, a port, a log line, or running), or
-  its container ended, or the bound passed; the container's last log lines say why it ended.
+  its container ended, or the bound passed; the container's last log lines say why it ended (each
+  secret-named value masked: `redact`). A container that runs but is not ready in time is said to be
+  "waiting for a peer" only where ``ready`` has ``peer`` (builder.launch.rank sets it on a worker of a
+  lane that starts its workers before its head, whose rule is a port or running).
 
 It prints one JSON object. start.sh, which ships this module in the bundle as lane.py, calls it with
 plain arguments instead (see `cli`). The Docker Engine is asked through the docker CLI (whatever engine
@@ -167,10 +170,28 @@ def answers(ports: list[int], addrs: list[str]) -> bool:
     return False
 
 
+#: a secret's name: a word of its own (split at "_" or "-") that is token, key, secret or password
+_SECRET_NAME = r"(?:[A-Za-z0-9]+[_-])*(?:token|key|secret|password|passwd|apikey)(?:[_-][A-Za-z0-9]+)*(?![A-Za-z0-9])"
+_VALUE = r"[^\s\"',;|})\]]+"
+#: ``--api-key X``, ``--hf-token=X``; ``HF_TOKEN=X``, ``"api_key": "X"``, ``password: X``
+_SECRETS = re.compile(
+    rf"(?<![A-Za-z0-9])(--{_SECRET_NAME}(?:=|\s+))({_VALUE})"
+    rf"|(?<![A-Za-z0-9-])([\"']?{_SECRET_NAME}[\"']?\s*[:=]\s*[\"']?)({_VALUE})",
+    re.IGNORECASE,
+)
+
+
+def redact(text: str) -> str:
+    """text with the value of every secret-named argument, variable or key masked: engines print their
+    arguments and environment, and their last log lines go into audit reports, status and deploy
+    reasons (the checks use this too)."""
+    return _SECRETS.sub(lambda m: (m.group(1) or m.group(3)) + "***", text)
+
+
 def logs(name: str) -> str:
     try:
         p = subprocess.run(["docker", "logs", "--tail", "5", name], capture_output=True, text=True, timeout=30)
-        return " | ".join(ln.strip() for ln in (p.stdout + p.stderr).splitlines() if ln.strip())[-600:]
+        return redact(" | ".join(ln.strip() for ln in (p.stdout + p.stderr).splitlines() if ln.strip()))[-600:]
     except (OSError, subprocess.TimeoutExpired):
         return ""
 
@@ -231,9 +252,11 @@ def wait(req: dict[str, Any]) -> dict[str, Any]:
         else:
             since = None
         if time.monotonic() > deadline:
-            if st == "running":  # up, but not ready: it waits for a peer (a rank it dials, or that dials it)
-                return {"ok": False, "state": "waiting", "why": f"container {name} runs but is waiting for a peer: "
-                        f"{describe(ready)} did not answer within {float(req['timeout']):g} s", "log": logs(name)}
+            if st == "running":  # up, but not ready; a worker started before its head (``peer``) waits for it
+                peer = ": waiting for a peer" if ready.get("peer") else ""
+                return {"ok": False, "state": "running", "why": f"container {name} runs but is not ready "
+                        f"({describe(ready)} did not answer within {float(req['timeout']):g} s){peer}",
+                        "log": logs(name)}
             return {"ok": False, "state": st, "why": f"{describe(ready)} did not answer within "
                     f"{float(req['timeout']):g} s (container {st})", "log": logs(name)}
         time.sleep(0.3)

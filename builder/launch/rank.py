@@ -204,6 +204,9 @@ def rank_command(
         mounts.append((src, m.target, m.writable, m.kind))
     opts = container_options(lane, host)
     ready = ready_spec(run.ready, subs, f"{where}: rank {host.rank}.ready")
+    if host.rank != 0 and lane.start in ("workers-first", "workers-in-rank-order") and ready["kind"] in (
+            "running", "port"):  # (a worker started before its head: not ready in time means its peer is missing)
+        ready["peer"] = True
     name = container_name(lane_name, host.rank)
     rel = release_dir(host)
     argv = [

@@ -45,12 +45,12 @@ def stage_release(
     for dirpath, _dirs, _files in os.walk(tmp):
         os.chmod(dirpath, 0o755)
         fsync_dir(dirpath)
+    aside = os.path.join(r.releases, "%sold-%s-%d" % (TMP_PREFIX, bid[:16], os.getpid()))
     if os.path.lexists(final):  # damaged or partial (not ours to trust): move aside, then replace
-        aside = os.path.join(r.releases, "%sold-%s-%d" % (TMP_PREFIX, bid[:16], os.getpid()))
         os.rename(final, aside)
-        shutil.rmtree(aside, ignore_errors=True)
-    os.rename(tmp, final)
+    os.rename(tmp, final)  # (before the old one is removed: the path lacks a release only between renames)
     fsync_dir(r.releases)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _release_manifest(r: Root, bid: str) -> tuple[dict[str, Any], bytes]:

@@ -4,7 +4,8 @@ for what goes wrong on a real Spark (bit rot, a hand edit, a copy over the wrong
 
 A standalone script (standard library only), sent as `python3 - REQUEST` with its source on stdin by
 tests.lib.journeylib.edit_on; REQUEST is JSON: {"op": ..., "path": ...} and the op's own keys. `read`
-prints the file's bytes (base64) and mtime as JSON; the others print nothing.
+prints the file's bytes (base64) and mtime as JSON; the others print nothing. Tests on this machine
+import ``flip_in_place`` from it too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,19 @@ import json
 import os
 import sys
 from typing import Any
+
+
+def flip_in_place(p: str | os.PathLike[str]) -> None:
+    """One byte in the middle of the file changed in place, its size and mtime put back (bit rot: what
+    fast mode cannot see)."""
+    st = os.stat(p)
+    at = st.st_size // 2
+    with open(p, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
 def main(req: dict[str, Any]) -> None:
@@ -31,6 +45,8 @@ def main(req: dict[str, Any]) -> None:
     elif op == "replace":  # the whole file, in place
         with open(p, "wb") as f:
             f.write(base64.b64decode(req["data"]))
+    elif op == "flip":  # one byte in place, size and mtime kept
+        flip_in_place(p)
     elif op == "touch":  # five seconds later, bytes unchanged
         os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
     elif op == "set_mtime":
