@@ -120,7 +120,7 @@ def test_tp4_followers(tp4: dict[str, Any], r: int) -> None:
     env = h["env"]
     assert env["NCCL_IB_HCA"] == env["TF_RDMA_DEVICES"] == "rocep1s0f0"
     assert "TF_TP_MASTER" not in env  # followers take the rendezvous as arguments
-    assert h["ready"] == {"kind": "running"}  # a follower dials the head and opens no port
+    assert h["ready"] == {"kind": "running", "peer": True}  # a follower dials the head and opens no port
 
 
 @pytest.mark.parametrize("r", [0, 1, 2, 3])
@@ -271,7 +271,7 @@ def test_vllm_native_lanes_as_the_launcher_runs_them(dsv41_lane: str) -> None:
         assert {t for t, (_, w) in m.items() if t.startswith(VLLM_PKG) and not w} == BOOT10_TARGETS
         # before each rank: sync, drop the page cache, refuse below MIN_AVAIL_GB (100)
         assert h["min_available_gib"] == 100
-    assert rank(out, 0)["ready"]["kind"] == "health" and rank(out, 1)["ready"] == {"kind": "running"}
+    assert rank(out, 0)["ready"]["kind"] == "health" and rank(out, 1)["ready"] == {"kind": "running", "peer": True}
     # the image (a GB10 build) is not built here: its mount targets could not be checked, never "passed"
     assert out["mount_targets"]["state"] == "not run"
     # what §10.6 answers is no longer unknown
