@@ -274,7 +274,7 @@ def test_vllm_native_lanes_as_the_launcher_runs_them(dsv41_lane: str) -> None:
     assert rank(out, 0)["ready"]["kind"] == "health" and rank(out, 1)["ready"] == {"kind": "running", "peer": True}
     # the image (a GB10 build) is not built here: its mount targets could not be checked, never "passed"
     assert out["mount_targets"]["state"] == "not run"
-    # what §10.6 answers is no longer unknown
+    # what §10.6 answers is not in the unknown list
     assert not any("300K" in u or "max-model-len" in u or "speculative" in u for u in out["unknown"])
 
 
