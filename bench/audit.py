@@ -34,7 +34,7 @@ test hosts' side (their containers' cgroups: sshd, the batch's python3, the dock
 own dockerd), which a real fleet runs on its Sparks; per host added on the whole machine
 (/proc/stat: both, the kernel, and whatever else runs here); and the memory the test hosts use.
 
-The second part runs the script the audit's model check runs on each host (builder/hostfacts/files.py,
+The second part runs the script the audit's model check runs on each host (builder/hostscripts/filefacts.py,
 full mode, 4 threads) here, over the benchmark's model folder, against openssl dgst and
 sha256sum on the same files.
 """
@@ -72,7 +72,7 @@ from bench.common import (
     wheels_in_env,
 )
 from bench.data import model_folder
-from builder.hostfacts import FILES as FILES_SCRIPT
+from builder.hostscripts import FILES as FILES_SCRIPT
 
 NAME = "audit"
 SIZES = (1, 2, 4, 8)
@@ -408,6 +408,6 @@ def _host_hashing(cfg: Config) -> list[Row]:
             continue
         ratio = t[tool] / t["audit"]
         rows.append(Row(NAME, fig, gib_s(mf.total, t["audit"]), gib_s(mf.total, t[tool]), ratio, "", "report",
-                        "builder/hostfacts/files.py run locally (what each host runs in --mode full)",
+                        "builder/hostscripts/filefacts.py run locally (what each host runs in --mode full)",
                         {"audit_s": t["audit"], f"{tool}_s": t[tool], "bytes": mf.total}))
     return rows

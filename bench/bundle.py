@@ -6,11 +6,11 @@ model pointing at the benchmark's model folder (8 files, 4 GiB; symlinks, so not
 up). `builder bundle spark-a --with-models` links the model files from the store (the first run
 imports them: hashed, then hard-linked; see bench/ship.py for the fleet's disk and the copy it
 saves); `builder verify` checks signature and every file; the offline installer (install.pyz, the
-zipapp of builder.onhost, as a host runs it) installs it into a root under the workdir. Each runs as
+zipapp of builder.installer, as a host runs it) installs it into a root under the workdir. Each runs as
 its own process, so wall time and peak RSS (wait4's ru_maxrss for that one child) are its own.
 
 The memory figure uses one 4 GiB sparse file (--quick: 512 MiB) bundled as a model file (linked
-into the bundle; the installer streams it through builder.onhost.verify.iter_file, the path an
+into the bundle; the installer streams it through builder.installer.verify.iter_file, the path an
 image.tar takes); `docker save`/`docker load` of a real 4 GiB image are not part of it.
 """
 
@@ -39,20 +39,13 @@ from bench.common import (
     warm,
 )
 from bench.data import model_folder
-from builder import __version__, sign
+from builder import __version__
 from builder.bundle import hostpkg
-from builder.canon import atomic_write
-from builder.hashing import hash_files, recipe_files
-from builder.lockfile import (
-    Lock,
-    LockedImage,
-    LockedLane,
-    LockedModel,
-    LockedModelFile,
-    render_lock,
-    spec_hash,
-)
-from builder.pins import load_pins
+from builder.foundation import sign
+from builder.foundation.canon import atomic_write
+from builder.foundation.hashing import hash_files, recipe_files
+from builder.inputs.pins import load_pins
+from builder.lock.lockfile import Lock, LockedImage, LockedLane, LockedModel, LockedModelFile, render_lock, spec_hash
 from tests.lib import bundlelib
 
 NAME = "bundle"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import Config, GiB, MiB, warm, write_data_file
-from builder.hashing import hash_files
+from builder.foundation.hashing import hash_files
 
 
 @dataclass

@@ -2,7 +2,7 @@
 reads none of its bytes; making one reads what it wrote once (one hashing pass).
 
 The derivation is a plain command making per-rank files (no image: what is measured is the host side,
-builder.hostfacts.derive, which a deploy runs on every host). Bytes read are `/proc/self/io` rchar,
+builder.hostscripts.derive, which a deploy runs on every host). Bytes read are `/proc/self/io` rchar,
 which also counts a reaped child's reads: the command makes its files with `truncate`, which reads
 nothing.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Config, MiB, Row, judge, median_interleaved, secs
-from builder.hostfacts import derive
+from builder.hostscripts import derive
 
 NAME = "derive"
 

@@ -31,8 +31,10 @@ from bench.common import (
     wheels_in_env,
 )
 from bench.common import run as sh
-from builder import dockerio, image, plan
-from builder.store import Store
+from builder.foundation import dockerio
+from builder.image import build as image
+from builder.image import plan
+from builder.store.content import Store
 
 NAME = "image"
 FIG = "builder image demo (up to date) vs docker build (cached)"
@@ -120,7 +122,7 @@ def _timed(cfg: Config, proj: Path, store: Path, b: list[str]) -> list[Row]:
 
 
 def _assemble(proj: Path, store: Path, dest: Path) -> dict[str, str]:
-    """The build context and build args `builder image demo` would use (builder.image's own code)."""
+    """The build context and build args `builder image demo` would use (builder.image.build's own code)."""
     pins, lock, _ = image.load_inputs(proj / "pins.toml", proj / "pins.lock", "demo")
     p = plan.make_plan(pins, lock, "demo", proj)
     engine = dockerio.engine_platform()

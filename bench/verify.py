@@ -1,4 +1,4 @@
-"""(a) Model folder verification: builder.hashing full and fast mode vs openssl dgst and sha256sum."""
+"""(a) Model folder verification: builder.foundation.hashing full and fast mode vs openssl dgst and sha256sum."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from bench.common import Config, Row, gib_s, have, judge, median_interleaved, secs, skipped, warm
 from bench.data import model_folder
-from builder import hashing
+from builder.foundation import hashing
 
 NAME = "verify"
 

@@ -15,18 +15,7 @@ from typing import Any
 import pytest
 
 from builder.audit.concerns import Cmd, Concern
-from builder.hostfacts import (
-    BATCH,
-    BURN,
-    DERIVE,
-    FILES,
-    GPUPROCS,
-    MEMORY,
-    batch_groups,
-    batches,
-    dumps,
-    parse_batch,
-)
+from builder.hostscripts import BATCH, BURN, DERIVE, FILES, GPUPROCS, MEMORY, batch_groups, batches, dumps, parse_batch
 from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
 
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
@@ -87,7 +76,7 @@ PYTHON = "python3 -c %s %s"
 
 
 def python(source: str, arg: str) -> Cmd:
-    """Run a fact module of builder.hostfacts (its source) with one argument."""
+    """Run a fact module of builder.hostscripts (its source) with one argument."""
     return (PYTHON, source, arg)
 
 
@@ -179,13 +168,13 @@ def container_pids(container_id: str) -> Cmd:
 
 
 def memory_facts() -> Cmd:
-    """Who holds the host's memory (hostfacts.memory): each running container's memory from its
+    """Who holds the host's memory (hostscripts.memory): each running container's memory from its
     cgroup (v1 or v2) and its processes, and the biggest processes outside containers."""
     return python(MEMORY, dumps({"processes": 5}))
 
 
 def derived_command(expect: dict[str, Any]) -> Cmd:
-    """This rank's derivations against their records (builder.hostfacts.derive; full mode hashes)."""
+    """This rank's derivations against their records (builder.hostscripts.derive; full mode hashes)."""
     return python(DERIVE, dumps({"plan": expect["derivations"], "mode": expect.get("mode") or "fast"}))
 
 
@@ -208,7 +197,7 @@ def lookup_commands(names: list[str]) -> Cmd:
 
 
 def model_files_commands(expect: dict[str, Any]) -> list[Cmd]:
-    """The hostfacts.files calls that stat (fast) or hash (full) every model file this rank holds."""
+    """The hostscripts.filefacts calls that stat (fast) or hash (full) every model file this rank holds."""
     paths = [f["path"] for m in expect.get("models") or [] for f in m["files"]]
     full = expect.get("mode") == "full"
     jobs = expect.get("hash_jobs", 4)
@@ -216,7 +205,7 @@ def model_files_commands(expect: dict[str, Any]) -> list[Cmd]:
 
 
 def release_files_command(expect: dict[str, Any]) -> Cmd:
-    """The hostfacts.files call that hashes every file the apply record names under the release
+    """The hostscripts.filefacts call that hashes every file the apply record names under the release
     (the record is read there, so that the prefetch runs it with the record, not after it)."""
     return python(FILES, dumps({"record": expect["applied_path"], "under": expect["current_path"], "hash": True,
                                 "jobs": 4}))
@@ -243,7 +232,7 @@ def listing_roots(expect: dict[str, Any]) -> list[str]:
 
 
 def listing_command(roots: list[str]) -> Cmd:
-    """Every regular file under each root (hostfacts.files)."""
+    """Every regular file under each root (hostscripts.filefacts)."""
     return python(FILES, dumps({"roots": roots}))
 
 
@@ -271,7 +260,7 @@ def planned(expect: dict[str, Any], concerns: list[Concern]) -> list[Cmd]:
 
 
 def prefetch(host: Any, expect: dict[str, Any], concerns: list[Concern]) -> None:
-    """Run the commands `concerns` plan in one remote python3 (hostfacts.batch; a few calls for very
+    """Run the commands `concerns` plan in one remote python3 (hostscripts.batch; a few calls for very
     long lists), once per host.
 
     Any failure of the batch itself (no python3 on the host, odd output) leaves the cache empty,
@@ -308,7 +297,7 @@ def run(host: Any, command: str, *args: str) -> Any:
 
 
 def remote_json(host: Any, source: str, arg: str) -> Any:
-    """Run a fact module of builder.hostfacts (its source) on the host and parse its JSON output."""
+    """Run a fact module of builder.hostscripts (its source) on the host and parse its JSON output."""
     return json_output(run(host, *python(source, arg)))
 
 
@@ -409,7 +398,7 @@ def gpu_report(host: Any) -> Any:
 
 
 def gpu_process_owners(host: Any, pids: list[int]) -> dict[str, Any]:
-    """builder.hostfacts.gpuprocs on the host: each pid's BUILDER_* variables (None: unreadable)."""
+    """builder.hostscripts.gpuprocs on the host: each pid's BUILDER_* variables (None: unreadable)."""
     return dict(remote_json(host, GPUPROCS, dumps({"pids": sorted(pids)})))
 
 
@@ -447,6 +436,6 @@ def own_gpu_pids(host: Any, expect: dict[str, Any], pids: list[int]) -> tuple[se
 
 
 def burn_facts(host: Any, request: dict[str, Any]) -> dict[str, Any]:
-    """builder.hostfacts.burn on the host: run the load, sample the GPUs (not prefetched: it takes
+    """builder.hostscripts.burnload on the host: run the load, sample the GPUs (not prefetched: it takes
     the load's seconds, and runs after the checks that tell whether the GPU is free)."""
     return dict(json_output(host.run("python3 -I -S -c %s %s", BURN, dumps(request))))

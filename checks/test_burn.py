@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from checklib import Cmd, Concern, burn_facts, exists, gpu_commands, gpu_report, own_gpu_pids
 
-from builder.hostfacts import MATMUL, dumps
+from builder.hostscripts import MATMUL, dumps
 
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:

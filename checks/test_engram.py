@@ -1,8 +1,8 @@
 """Engram and per-rank inputs: the Engram folder holds this rank's own `r<k>of<n>` files, n equal to the
 lane's tensor-parallel size, and no other rank's files. Each placed file's presence, size and content
-are the models checks' (builder.placement puts the lane's Engram files under paths.engram).
+are the models checks' (builder.store.placement puts the lane's Engram files under paths.engram).
 
-The lane's derivations (rank caches, token map, packed Engram: builder.launch.derive), each in its folder
+The lane's derivations (rank caches, token map, packed Engram: builder.launch.derivplan), each in its folder
 addressed by its inputs: made for this address, every file of its record present with its size (full
 mode: its sha256), nothing added, no other rank's file."""
 
@@ -25,8 +25,8 @@ from checklib import (
     run,
 )
 
-from builder.hostfacts import shown
-from builder.placement import rank_tag
+from builder.hostscripts import shown
+from builder.store.placement import rank_tag
 
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from checklib import Cmd, Concern, or_skip, python, remote_json
 
-from builder.hostfacts import FABRIC, iface_of, rail_gid
+from builder.hostscripts import FABRIC, iface_of, rail_gid
 
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:
-    """The RDMA devices and links (hostfacts.fabric), where RDMA is expected."""
+    """The RDMA devices and links (hostscripts.fabric), where RDMA is expected."""
     return [python(FABRIC, "/sys")] if expect["expect"].get("rdma") else []
 
 

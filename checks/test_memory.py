@@ -25,7 +25,7 @@ from checklib import (
 )
 from checklib import memory_facts as holders
 
-from builder.hostfacts import gib, memory_holders, memory_shortfall, parse_meminfo
+from builder.hostscripts import gib, memory_holders, memory_shortfall, parse_meminfo
 
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:

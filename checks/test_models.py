@@ -1,6 +1,6 @@
 """Models: every file the lock lists is on the host with its size; sha256 (full) or stat (fast); count.
 
-"Model files" are every file builder.placement gives this rank: the lane's models', and its runtime
+"Model files" are every file builder.store.placement gives this rank: the lane's models', and its runtime
 inputs' (each file of a kit with its MANIFEST, each mounted plain file such as a chat template or an
 overlay), each in its own folder; drift in any of them is named by its path here.
 
@@ -29,8 +29,8 @@ from checklib import (
     run,
 )
 
-from builder.hostfacts import shown
-from builder.onhost.record import fast_mode_drift
+from builder.hostscripts import shown
+from builder.installer.record import fast_mode_drift
 
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:
@@ -43,7 +43,7 @@ CONCERN = Concern(name="models", order=30, phase="preflight", containers=False, 
 
 def _expected(expect: dict[str, Any]) -> list[dict[str, Any]]:
     models = or_skip(expect.get("models"), expect.get("models_reason") or "no models expected")
-    out = [f for m in models for f in m["files"]]  # this rank's files only (builder.placement)
+    out = [f for m in models for f in m["files"]]  # this rank's files only (builder.store.placement)
     return or_skip(out, "the lane's models list no files")  # type: ignore[no-any-return]
 
 

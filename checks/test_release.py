@@ -20,8 +20,8 @@ from checklib import (
     run,
 )
 
-from builder.hostfacts import shown
-from builder.onhost.manifest import release_files as manifest_files
+from builder.hostscripts import shown
+from builder.installer.manifest import release_files as manifest_files
 
 LAUNCH_FILES = ("start.sh", "stop.sh", "rank.env")
 

@@ -19,8 +19,8 @@ from checklib import (
     run,
 )
 
-from builder.hostfacts import SERVE, dumps, shown
-from builder.hostfacts.lane import redact
+from builder.hostscripts import SERVE, dumps, shown
+from builder.hostscripts.lane import redact
 
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:

@@ -3,11 +3,11 @@
 #   sh docs/h200-gpu-states.sh OUTDIR [audit]
 # 1 idle; 2 busy with a foreign process (a bf16 8192² matmul holding 100 GiB, plain environment);
 # 3 busy with the lane's own process (the same load with the BUILDER_* variables a rank's container has);
-# 4 the burn: builder.hostfacts.burn running the fp16 4096² matmul (builder.hostfacts.matmul) and sampling,
+# 4 the burn: builder.hostscripts.burnload running the fp16 4096² matmul (builder.hostscripts.matmul) and sampling,
 #   between two runs of the same matmul timed on its own; with `audit`, `--only burn`, then the GPU checks
 #   during a second burn (state `burning`).
 # Each state writes STATE-query.txt (builder.gpu.QUERY_FIELDS), STATE-sample.txt (builder.gpu.burn.SAMPLE_FIELDS),
-# STATE-apps.txt, STATE-nvml.json and, with a load, STATE-procs.json (builder.hostfacts.gpuprocs);
+# STATE-apps.txt, STATE-nvml.json and, with a load, STATE-procs.json (builder.hostscripts.gpuprocs);
 # with `audit`, STATE-audit.json and STATE-audit.txt (builder audit --fleet h200-local, exit status in the file).
 # Needs python3 with torch and nvidia-ml-py; pydantic and testinfra from wheels under .cache/whl if missing.
 set -u
@@ -40,7 +40,7 @@ capture() {  # capture STATE [PID...]
   python3 docs/h200-nvml-snapshot.py >"$out/$st-nvml.json" 2>&1
   pids=$(cut -d, -f1 "$out/$st-apps.txt" | tr -dc '0-9\n' | paste -sd, -)
   if [ -n "$pids" ]; then
-    python3 -I -S builder/hostfacts/gpuprocs.py "{\"pids\": [$pids]}" >"$out/$st-procs.json" 2>&1
+    python3 -I -S builder/hostscripts/gpuprocs.py "{\"pids\": [$pids]}" >"$out/$st-procs.json" 2>&1
   fi
   if [ -n "$audit" ]; then
     python3 -m builder audit --fleet h200-local --only "$only" --json >"$out/$st-audit.json" 2>"$out/$st-audit.txt"
@@ -51,7 +51,7 @@ capture() {  # capture STATE [PID...]
 
 busy() {  # busy STATE [NAME=VALUE...]: capture while a 100 GiB bf16 load runs, in that environment
   st=$1; shift
-  env "$@" python3 builder/hostfacts/matmul.py '{"seconds": 60, "size": 8192, "dtype": "bf16", "hold_gib": 100}' \
+  env "$@" python3 builder/hostscripts/matmul.py '{"seconds": 60, "size": 8192, "dtype": "bf16", "hold_gib": 100}' \
     >"$out/$st-load.json" 2>&1 &
   load=$!
   n=0  # wait for the load to show among the compute processes, then for it to be running flat out
@@ -70,13 +70,13 @@ busy own BUILDER_LANE=demo BUILDER_FLEET=h200-local BUILDER_HOST=h200 BUILDER_RA
 
 # 4: the matmul on its own, the burn (the same matmul under builder's sampler), the matmul on its own again
 mm='{"seconds": 12, "size": 4096, "dtype": "fp16"}'
-python3 builder/hostfacts/matmul.py "$mm" >"$out/alone-1.json" 2>&1
+python3 builder/hostscripts/matmul.py "$mm" >"$out/alone-1.json" 2>&1
 req=$(python3 -c 'import json, sys
 from builder.gpu.burn import sample_command
-print(json.dumps({"command": ["python3", "builder/hostfacts/matmul.py", sys.argv[1]], "timeout": 60,
+print(json.dumps({"command": ["python3", "builder/hostscripts/matmul.py", sys.argv[1]], "timeout": 60,
                   "interval": 0.5, "query": sample_command()}))' "$mm")
-python3 -I -S builder/hostfacts/burn.py "$req" >"$out/burn-facts.json" 2>&1
-python3 builder/hostfacts/matmul.py "$mm" >"$out/alone-2.json" 2>&1
+python3 -I -S builder/hostscripts/burnload.py "$req" >"$out/burn-facts.json" 2>&1
+python3 builder/hostscripts/matmul.py "$mm" >"$out/alone-2.json" 2>&1
 python3 - "$out" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -94,7 +94,7 @@ if [ -n "$audit" ]; then  # the burn through the audit, the GPU free
   echo "exit $?" >>"$out/burn-audit.txt"
   # the GPU checks during a burn (a second one, so the timed burn above is undisturbed): the load is
   # builder's, run by hand, so it is a process outside the lane, as another operator's burn would be
-  python3 -I -S builder/hostfacts/burn.py "$req" >"$out/burning-facts.json" 2>&1 &
+  python3 -I -S builder/hostscripts/burnload.py "$req" >"$out/burning-facts.json" 2>&1 &
   bp=$!
   sleep 9
   keep=$only; only=gpu; capture burning; only=$keep

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.lockfile import load_lock
+from builder.lock.lockfile import load_lock
 from tests.lib import dockerlib
 from tests.lib.fleetlib import close_kept_connections, docker_available
 

@@ -16,7 +16,7 @@ import pytest
 
 from builder import audit as core
 from builder.audit import runner
-from builder.lockfile import load_lock
+from builder.lock.lockfile import load_lock
 from tests.lib import auditlib, factory
 
 ROOT = Path(__file__).resolve().parent.parent

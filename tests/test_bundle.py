@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from builder import sign
 from builder.bundle import (
     BundleOptions,
     hostpkg,
@@ -28,8 +27,9 @@ from builder.bundle import (
     write_stream,
 )
 from builder.errors import BuilderError, ConfigError, VerifyError
-from builder.hashing import READ_SIZE
-from builder.onhost.manifest import bundle_id_of
+from builder.foundation import sign
+from builder.foundation.hashing import READ_SIZE
+from builder.installer.manifest import bundle_id_of
 from tests.lib import bundlelib as bl
 from tests.lib import factory
 from tests.lib.bundlelib import Project, make_project, manifest, resign, tree_bytes

@@ -1,4 +1,4 @@
-"""The memory check's facts and judgement: who holds a host's memory (builder/hostfacts/memory.py, run
+"""The memory check's facts and judgement: who holds a host's memory (builder/hostscripts/memory.py, run
 on the host: each running container's cgroup, v1 or v2, and the biggest processes outside containers),
 what the lane's own running release holds (credited: stopping the rank frees it), and the message that
 names the other holders. The parsing and arithmetic here on their own; the module against this
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import testinfra
 
-from builder import hostfacts as hf
-from builder.hostfacts import memory
+from builder import hostscripts as hf
+from builder.hostscripts import memory
 from tests.lib import fleetlib
 from tests.lib.checkmods import check_module, checklib_fresh, concerns_for, count_commands, local_expect
 
@@ -222,7 +222,7 @@ def test_the_holders_and_the_lanes_facts_are_prefetched_with_a_minimum_only(tmp_
 
 
 def test_the_prefetch_runs_the_module_for_real(tmp_path: Path) -> None:
-    """hostfacts.memory inside the prefetch's batch on this machine (testinfra local://): one call."""
+    """hostscripts.memory inside the prefetch's batch on this machine (testinfra local://): one call."""
     cl: Any = checklib_fresh()
     host = testinfra.get_host("local://")
     expect = local_expect(tmp_path)

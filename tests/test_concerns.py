@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from builder import hostfacts as hf
+from builder import hostscripts as hf
 from builder.audit import AuditOptions
 from builder.audit.concerns import Concern, declared, read_declaration
 from builder.errors import ConfigError
@@ -145,7 +145,7 @@ def test_a_module_that_declares_nothing_still_runs_last(tmp_path: Path) -> None:
 
 
 def test_the_operator_reads_the_concerns_without_importing_pytest() -> None:
-    code = ("import sys; from builder.cli.audit import audit; from builder.audit.options import PACKAGE_CHECKS; "
+    code = ("import sys; from builder.cli.audit import audit; from builder.audit.selection import PACKAGE_CHECKS; "
             "from builder.audit.concerns import declared; assert declared(PACKAGE_CHECKS); "
             "print('pytest' in sys.modules, 'testinfra' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

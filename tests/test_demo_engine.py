@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import ziglang
 
-from builder import dockerio, layers
+from builder.foundation import dockerio
+from builder.image import layers
 from tests.lib import dockerlib
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -36,7 +36,7 @@ from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcom
 from builder.deploy.rollout import record_drift
 from builder.deploy.status import FleetStatus, HostStatus
 from builder.errors import BuilderError
-from builder.ssh import tied
+from builder.foundation.ssh import tied
 from tests.lib import auditlib, factory, fleetlib
 from tests.lib import bundlelib as bl
 from tests.lib import deploylib as dl
@@ -163,12 +163,12 @@ def test_status_counts_an_unfinished_deploy_as_not_deployed() -> None:
 
 
 def test_a_step_ends_with_its_command(tmp_path: Path) -> None:
-    """builder.ssh.tied + die_with_parent: a command killed alone (SIGKILL) ends its steps' children."""
+    """builder.foundation.ssh.tied + die_with_parent: a command killed alone (SIGKILL) ends its steps' children."""
     mark = tmp_path / "mark"
     ok = subprocess.run(["sh", "-c", tied("echo out; echo err >&2; exit 3")], capture_output=True, text=True)
     assert (ok.returncode, ok.stdout, ok.stderr) == (3, "out\n", "err\n")
     code = (
-        "import subprocess, sys; from builder.ssh import tied, die_with_parent\n"
+        "import subprocess, sys; from builder.foundation.ssh import tied, die_with_parent\n"
         f"subprocess.run(['sh', '-c', tied('sleep 2; touch {mark}')], capture_output=True, "
         "preexec_fn=die_with_parent)\n"
     )
@@ -693,7 +693,7 @@ def test_a_deploy_killed_alone_while_starting_changes_nothing_after_and_status_s
     j: Journey, bystanders: None
 ) -> None:
     """Points 1 and 4: the deploy process alone SIGKILLed while the head's start.sh runs; its ssh
-    children end with it (parent-death signal) and so does the step on the host (builder.ssh.tied):
+    children end with it (parent-death signal) and so does the step on the host (builder.foundation.ssh.tied):
     nothing on a host changes afterwards. Status then exits 1 naming the phase and the resuming command."""
     _good(j)
     _new_release(j)

@@ -1,5 +1,5 @@
-"""Derivations: the address (builder.launch.derive) and the host side that makes and checks them
-(builder.hostfacts.derive), run as the bundle's derive.py is, on real files."""
+"""Derivations: the address (builder.launch.derivplan) and the host side that makes and checks them
+(builder.hostscripts.derive), run as the bundle's derive.py is, on real files."""
 
 from __future__ import annotations
 
@@ -16,15 +16,15 @@ from typing import Any
 import pytest
 
 from builder.errors import ConfigError
-from builder.hosts import Fleet
-from builder.launch.derive import derivation_runs
-from builder.loader import validate
-from builder.lockfile import Lock, LockedModelFile
-from builder.pins import Pins
+from builder.inputs.hosts import Fleet
+from builder.inputs.loader import validate
+from builder.inputs.pins import Pins
+from builder.launch.derivplan import derivation_runs
+from builder.lock.lockfile import Lock, LockedModelFile
 from tests.lib import factory
 
 SERVE = {"tensor_parallel": 2, "context": 1, "streams": 1, "port": 8000, "served_name": "m"}
-DERIVE = Path(__file__).resolve().parents[1] / "builder" / "hostfacts" / "derive.py"
+DERIVE = Path(__file__).resolve().parents[1] / "builder" / "hostscripts" / "derive.py"
 
 
 def plan(tmp_path: Path, script: str, rank: int = 1, world: int = 2, address: str = "a" * 64) -> Path:
@@ -229,7 +229,7 @@ def test_a_first_fast_make_names_nothing_as_differed(tmp_path: Path) -> None:
 
 def test_the_old_folder_is_put_back_when_the_new_one_cannot_go_in(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from builder.hostfacts import derive as host_derive
+    from builder.hostscripts import derive as host_derive
     path, tmp = tmp_path / "cache", tmp_path / "cache.tmp-1"
     path.mkdir()
     (path / "old.bin").write_bytes(b"old")

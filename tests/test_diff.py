@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from builder.diff import Change, _base, diff_locks, read_lock
 from builder.errors import ConfigError
-from builder.lockfile import LockedBase, load_lock
+from builder.lock.diff import Change, _base, diff_locks, read_lock
+from builder.lock.lockfile import LockedBase, load_lock
 from tests.lib import factory
 from tests.lib.gitlib import run_git
 from tests.lib.lockproject import Project

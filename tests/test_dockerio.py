@@ -1,4 +1,4 @@
-"""builder.dockerio against the real engine (small FROM scratch images, no network, no pulls)."""
+"""builder.foundation.dockerio against the real engine (small FROM scratch images, no network, no pulls)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from docker.errors import DockerException
 from requests.exceptions import ConnectionError as RequestsConnectionError
 from urllib3.exceptions import ProtocolError
 
-from builder import dockerio, layers
 from builder.errors import BuilderError
+from builder.foundation import dockerio
+from builder.image import layers
 
 
 def test_no_engine_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,7 +188,7 @@ def test_missing_image_and_bad_archive(tmp_path: Path) -> None:
 def _import_probe(docker_host: str | None) -> dict[str, bool]:
     code = (
         "import json, sys\n"
-        "from builder import dockerio\n"
+        "from builder.foundation import dockerio\n"
         "dockerio._import_docker()\n"
         "import docker.transport as t\n"
         "out = {'paramiko_loaded': 'paramiko' in sys.modules, 'ssh_transport': hasattr(t, 'SSHHTTPAdapter')}\n"

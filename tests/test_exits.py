@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from builder.audit.exits import EXIT_CHECK, RankExit, cause_and_consequences, finished_ns, name_the_cause
-from builder.audit.report import AuditReport, CheckOutcome, HostResult
+from builder.audit.findings import AuditReport, CheckOutcome, HostResult
 from builder.deploy.status import FleetStatus, HostStatus
 from builder.deploy.status import name_the_cause as status_cause
 

@@ -1,4 +1,4 @@
-"""builder.fetch: plain files on disk, file:// and over HTTP on loopback, hashed for real."""
+"""builder.lock.plainfiles: plain files on disk, file:// and over HTTP on loopback, hashed for real."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from builder import fetch
 from builder.errors import ConfigError, ResolveError, VerifyError
-from builder.pins import PlainFile
+from builder.inputs.pins import PlainFile
+from builder.lock import plainfiles as fetch
 
 DATA = b"chat template {{ x }}\n" * 100
 SHA = hashlib.sha256(DATA).hexdigest()

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from builder import gitsrc
-from builder.lockfile import load_lock
-from builder.store import Store
+from builder.lock import gitsrc
+from builder.lock.lockfile import load_lock
+from builder.store.content import Store
 from tests.lib.shipped import PATCH_REL, builder, copy_project, plan_of, relock
 
 

@@ -1,4 +1,4 @@
-"""builder.gitsrc against real git: local bare repos over file://, bundles, force-pushes."""
+"""builder.lock.gitsrc against real git: local bare repos over file://, bundles, force-pushes."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from builder import gitsrc, resolve
-from builder.canon import sha256_tree
 from builder.errors import ResolveError
-from builder.lockfile import LockedSource, load_lock
-from builder.pins import GitSource
+from builder.foundation.canon import sha256_tree
+from builder.inputs.pins import GitSource
+from builder.lock import gitsrc, resolve
+from builder.lock.lockfile import LockedSource, load_lock
 from tests.lib import factory
 from tests.lib.gitlib import BASE_TIME, Upstream, git_env, run_git
 

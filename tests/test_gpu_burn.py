@@ -1,4 +1,4 @@
-"""The burn gate's judgment (builder.gpu.burn) and its host side (builder.hostfacts.burn, gpuprocs,
+"""The burn gate's judgment (builder.gpu.burn) and its host side (builder.hostscripts.burnload, gpuprocs,
 matmul), replaying the H200 captures of 2026-12-04 (tests/data/gpu-states) and the latched GB10 and
 thermally throttled H200 built from the recipes' figures."""
 
@@ -13,8 +13,8 @@ import pytest
 
 from builder import gpu
 from builder.gpu import burn as B
-from builder.hostfacts import burn as hburn
-from builder.hostfacts import gpuprocs, matmul
+from builder.hostscripts import burnload as hburn
+from builder.hostscripts import gpuprocs, matmul
 
 DATA = Path(__file__).parent / "data" / "gpu-states"
 H200 = DATA / "h200-2026-12-04"
@@ -123,7 +123,7 @@ def test_captured_states_read_rightly() -> None:
 
 
 def test_sampler_runs_a_real_load(tmp_path: Path) -> None:
-    """builder.hostfacts.burn: a real process as the load, a real executable answering the samples."""
+    """builder.hostscripts.burnload: a real process as the load, a real executable answering the samples."""
     smi = tmp_path / "smi"
     row = "0, NVIDIA H200, 1440, 1980, 690.00, 700.00, 63, 99, 0x0000000000000004, 723"
     smi.write_text(f"#!/bin/sh\necho '{row}'\n")
@@ -164,7 +164,7 @@ def test_matmul_needs_torch_alone_and_is_sent_as_it_is() -> None:
     """The load runs in the lane's image: its top level is the standard library; torch only in burn()."""
     import ast
 
-    from builder import hostfacts as hf
+    from builder import hostscripts as hf
 
     src = hf.source("matmul")
     assert src == hf.MATMUL
@@ -183,13 +183,13 @@ def test_the_profiles_command_is_filled_in_one_pass() -> None:
     burn = check_module("burn")
     spark = ["docker", "run", "--rm", "--gpus", "all", "{image}", "python3", "-c", "{matmul}", "{request}"]
     argv = burn.command({"command": spark, "seconds": 12}, {"image": {"image_id": "sha256:ab"}})
-    assert argv[5] == "sha256:ab" and argv[8] == hostfacts_source("matmul") and json.loads(argv[9]) == {"seconds": 12}
+    assert argv[5] == "sha256:ab" and argv[8] == hostscripts_source("matmul") and json.loads(argv[9]) == {"seconds": 12}
     with pytest.raises(pytest.fail.Exception, match="the lane's image is unknown: no lock"):
         burn.command({"command": spark, "seconds": 12}, {"image": None, "image_reason": "no lock"})
 
 
-def hostfacts_source(name: str) -> str:
-    from builder import hostfacts as hf
+def hostscripts_source(name: str) -> str:
+    from builder import hostscripts as hf
 
     return hf.source(name)
 

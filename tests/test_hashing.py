@@ -1,4 +1,4 @@
-"""builder.hashing on real files.
+"""builder.foundation.hashing on real files.
 
 Full mode finds a changed byte; size mismatches are found without reading; fast mode catches a
 replaced file and (documented) trusts an in-place edit whose mtime was put back.
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from builder import hashing
-from builder.hashing import Entry, verify_files
-from builder.onhost import files as host_files
-from builder.onhost.record import fast_mode_drift
+from builder.foundation import hashing
+from builder.foundation.hashing import Entry, verify_files
+from builder.installer import files as host_files
+from builder.installer.record import fast_mode_drift
 
 
 def _make(root: Path, n: int = 6) -> list[Entry]:

@@ -1,4 +1,4 @@
-"""builder.hf against a FAKE Hub (tests/lib/fakehub.py, real HTTP on 127.0.0.1) and real files on disk."""
+"""builder.lock.hf against a FAKE Hub (tests/lib/fakehub.py, real HTTP on 127.0.0.1) and real files on disk."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from builder import hf
 from builder.errors import ConfigError, ResolveError
-from builder.lockfile import LockedModel
-from builder.pins import HfModel
+from builder.inputs.pins import HfModel
+from builder.lock import hf
+from builder.lock.lockfile import LockedModel
 from tests.lib import factory
 from tests.lib.fakehub import FakeHub
 
@@ -234,10 +234,10 @@ def test_offline_uses_the_standard_hf_cache(tmp_path: Path, monkeypatch: pytest.
     ({}, "{t}/home/.cache/huggingface/hub"),
 ])
 def test_the_hf_cache_is_the_one_huggingface_hub_computes(tmp_path: Path, env: dict[str, str], want: str) -> None:
-    """One place (builder.hf.hub_cache) and huggingface_hub's own answer, whatever says where it is."""
+    """One place (builder.lock.hf.hub_cache) and huggingface_hub's own answer, whatever says where it is."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "XDG_", "HUGGINGFACE_"))}
     base.update({k: v.format(t=tmp_path) for k, v in env.items()}, HOME=str(tmp_path / "home"))
-    code = ("import huggingface_hub.constants as c\nfrom builder import hf\n"
+    code = ("import huggingface_hub.constants as c\nfrom builder.lock import hf\n"
             "print(hf.hub_cache()); print(c.HF_HUB_CACHE); print(hf.hub_cache_dirs()[0])\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=base, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -1,4 +1,4 @@
-"""The inventory's ssh targets (builder/hosts.py Host.ssh, parsed by builder/ssh.py): what is
+"""The inventory's ssh targets (builder/inputs/hosts.py Host.ssh, parsed by builder/foundation/ssh.py): what is
 accepted, what is refused, and how a refusal reaches the user (exit 2, one line naming file and key)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 
 from builder.bundle.keys import fleet_trusted_key as project_trusted_key
 from builder.errors import ConfigError
-from builder.hosts import fleet_registry_ca, fleet_trusted_key, load_fleet, ssh_config_file
-from builder.ssh import parse_target
+from builder.foundation.ssh import parse_target
+from builder.inputs.hosts import fleet_registry_ca, fleet_trusted_key, load_fleet, ssh_config_file
 from tests.lib import auditlib, factory
 
 ROOT = Path(__file__).resolve().parent.parent

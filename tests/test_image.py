@@ -29,13 +29,13 @@ import docker
 import pytest
 import ziglang
 
-from builder import dockerio
-from builder import image as core
-from builder.imagerecord import tag_for
-from builder.lockfile import load_lock
-from builder.pins import load_pins
-from builder.plan import make_plan
-from builder.store import Store
+from builder.foundation import dockerio
+from builder.image import build as core
+from builder.image.imagerecord import tag_for
+from builder.image.plan import make_plan
+from builder.inputs.pins import load_pins
+from builder.lock.lockfile import load_lock
+from builder.store.content import Store
 from tests.lib import dockerlib, factory
 from tests.lib.dockerlib import Tags
 from tests.lib.fleetlib import docker_available

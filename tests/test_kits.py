@@ -23,16 +23,16 @@ from typing import Any
 
 import pytest
 
-from builder import fetch as plain
-from builder import kits
 from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle, verify_dir
-from builder.canon import atomic_write
-from builder.diff import diff_locks
 from builder.errors import ConfigError, ResolveError
-from builder.hosts import find_host
-from builder.lockfile import load_lock, render_lock, spec_hash
-from builder.pins import load_pins
-from builder.placement import mount_path, place_models
+from builder.foundation.canon import atomic_write
+from builder.inputs.hosts import find_host
+from builder.inputs.pins import load_pins
+from builder.lock import kits
+from builder.lock import plainfiles as plain
+from builder.lock.diff import diff_locks
+from builder.lock.lockfile import load_lock, render_lock, spec_hash
+from builder.store.placement import mount_path, place_models
 from tests.lib import bundlelib as bl
 from tests.lib import factory
 from tests.lib.gitlib import Upstream

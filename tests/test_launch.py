@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from builder.errors import ConfigError
-from builder.hosts import Fleet
+from builder.inputs.hosts import Fleet
+from builder.inputs.loader import validate
+from builder.inputs.pins import Pins
 from builder.launch import host_address, rank_command, render_launch
 from builder.launch.order import start_groups, stop_groups
-from builder.loader import validate
-from builder.pins import Pins
 from tests.lib import factory
 
 IMAGE = {"name": "tiny", "input_address": "1" * 64, "image_id": "sha256:" + "2" * 64, "diff_ids": []}

@@ -1,4 +1,4 @@
-"""builder.layers: deterministic layers, configs and archives, on synthetic docker-archives."""
+"""builder.image.layers: deterministic layers, configs and archives, on synthetic docker-archives."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builder import layers
 from builder.errors import BuilderError
+from builder.image import layers
 
 EPOCH = 1_735_776_000  # 2025-01-02T00:00:00Z
 BASE_CREATED = "2024-06-01T00:00:00Z"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from builder.models import fetch as core
-from builder.models import store as store_mod
-from builder.models.store import ModelStore, Wanted
+from builder.store import modelfetch as core
+from builder.store import modelstore as store_mod
+from builder.store.modelstore import ModelStore, Wanted
 from tests.lib import factory
 from tests.lib.fakehub import FakeHub
 
@@ -233,9 +233,9 @@ def test_the_hf_cache_is_where_huggingface_hub_puts_it_with_xdg_cache_home(proj:
     assert sorted(rep["missing"]) == ["tiny/config.json", "tiny/engram-r1of2.bin"]
     assert hub.requests == []
     assert os.path.samefile(ModelStore(proj / "store").object_path(w.sha256), got.stdout.strip())
-    # `builder lock --offline` asks the same one place (builder.hf.hub_cache)
+    # `builder lock --offline` asks the same one place (builder.lock.hf.hub_cache)
     env.pop("HF_ENDPOINT")
-    code = "from builder import hf\nprint(hf.hub_cache_dirs()[0])\n"
+    code = "from builder.lock import hf\nprint(hf.hub_cache_dirs()[0])\n"
     dirs = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert dirs.stdout.strip() == str(xdg / "huggingface" / "hub"), dirs.stderr
 
@@ -339,7 +339,7 @@ def test_a_disk_that_fills_mid_download(proj: Path, hub: FakeHub, small_disk: Pa
 
 def test_a_download_is_hashed_as_it_lands_and_not_read_again(tmp_path: Path, hub: FakeHub,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bytes huggingface_hub writes are hashed behind it (builder.models.hub._Follower): the store
+    """The bytes huggingface_hub writes are hashed behind it (builder.store.hub._Follower): the store
     takes the file without a second full read; a small file (no LFS sha256 to find it by) is read once."""
     import huggingface_hub.constants as hc
 

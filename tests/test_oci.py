@@ -1,4 +1,4 @@
-"""builder.oci against a REAL registry on loopback (Debian's docker-registry, tests/lib/registrylib.py)
+"""builder.lock.oci against a REAL registry on loopback (Debian's docker-registry, tests/lib/registrylib.py)
 and, offline, against a local image in the real Docker engine."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from builder import oci
 from builder.errors import ConfigError, ResolveError
-from builder.pins import BaseImage
+from builder.inputs.pins import BaseImage
+from builder.lock import oci
 from tests.lib import factory
 from tests.lib.registrylib import (
     DOCKER_MANIFEST,

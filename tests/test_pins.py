@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from builder.errors import ConfigError
-from builder.pins import check_patch_files, load_pins
+from builder.inputs.pins import check_patch_files, load_pins
 
 GOOD = """format = 1
 

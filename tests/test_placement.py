@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from builder.errors import ConfigError
-from builder.hosts import Host
-from builder.lockfile import LockedModel, load_lock
-from builder.pins import load_pins
-from builder.placement import model_root, owns, place_models, rank_tag
+from builder.inputs.hosts import Host
+from builder.inputs.pins import load_pins
+from builder.lock.lockfile import LockedModel, load_lock
+from builder.store.placement import model_root, owns, place_models, rank_tag
 from tests.lib.shipped import ROOT
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from builder.canon import address, canonical_json
-from builder.lockfile import load_lock
+from builder.foundation.canon import address, canonical_json
+from builder.lock.lockfile import load_lock
 from tests.lib import factory
 from tests.lib.shipped import (
     NO_DOCKER,

@@ -1,4 +1,4 @@
-"""Provenance documents (builder/provenance.py), each checked by its format's own validator from PyPI:
+"""Provenance documents (builder/image/provenance.py), each checked by its format's own validator from PyPI:
 the SBOM by cyclonedx-python-lib's strict JSON-schema validator (CycloneDX 1.5) and each component's purl
 by packageurl-python (the purl spec's reference parser), the in-toto Statement by in-toto-attestation's
 protobuf bindings (the Statement v1 and SLSA Provenance v1 messages: unknown fields and wrong types are
@@ -26,15 +26,16 @@ from securesystemslib.dsse import Envelope
 from securesystemslib.exceptions import VerificationError
 from securesystemslib.signer import CryptoSigner, SSlibKey
 
-from builder import provenance, sign
 from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
 from builder.errors import VerifyError
-from builder.imagerecord import ImageRecord, read_record, tag_for
-from builder.lockfile import load_lock
-from builder.pins import load_pins
-from builder.plan import Plan
-from builder.plan import make_plan as plan_of
-from builder.plan import plan as make_plan
+from builder.foundation import sign
+from builder.image import provenance
+from builder.image.imagerecord import ImageRecord, read_record, tag_for
+from builder.image.plan import Plan
+from builder.image.plan import make_plan as plan_of
+from builder.image.plan import plan as make_plan
+from builder.inputs.pins import load_pins
+from builder.lock.lockfile import load_lock
 from tests.lib import bundlelib as bl
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from builder import gc, published, resolve
 from builder.errors import ResolveError
-from builder.lockfile import LockedPublishedImage, check_lock, load_lock, spec_hash
-from builder.pins import PublishedImage, load_pins
-from builder.plan import make_plan
+from builder.image import gc
+from builder.image.plan import make_plan
+from builder.inputs.pins import PublishedImage, load_pins
+from builder.lock import published, resolve
+from builder.lock.lockfile import LockedPublishedImage, check_lock, load_lock, spec_hash
 from tests.lib import journeylib
 
 DIGEST = "sha256:" + "ab" * 32

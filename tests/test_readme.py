@@ -45,7 +45,7 @@ def test_each_package_row_names_its_modules() -> None:
         path = Path(p)
         if path.parts[0] == "builder" and path.suffix == ".py" and len(path.parts) > 2:
             packages.setdefault("/".join(path.parts[:-1]) + "/", set()).add(path.stem)
-    assert "builder/onhost/" in packages
+    assert "builder/installer/" in packages
     missing = []
     for pkg, modules in sorted(packages.items()):
         row = rows.get(f"`{pkg}`")

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from builder import sign
 from builder.bundle import hostpkg
-from builder.onhost.manifest import MANIFEST, SIGNATURE
-from builder.onhost.receive import RECEIVE_MAGIC
-from builder.placement import kept_installer
+from builder.foundation import sign
+from builder.installer.manifest import MANIFEST, SIGNATURE
+from builder.installer.receive import RECEIVE_MAGIC
+from builder.store.placement import kept_installer
 from tests.lib import bundlelib as bl
 
 pytestmark = pytest.mark.docker

@@ -2,7 +2,7 @@
 
 For each recipe and each image of pins.toml built from it: every FROM is `${BASE}` (builder passes the image's
 locked base by digest, so the image must pin a base; `ARG BASE` comes before the first FROM), `scratch` or an
-earlier stage; every COPY/ADD source is something the context has, as `builder.image.context_layout` says (the
+earlier stage; every COPY/ADD source is something the context has, as `builder.image.build.context_layout` says (the
 recipe folder's files, `src/` and `src-<name>/` per source, the toolchains, `files/<name>`): a name the pins do not
 provide fails here rather than on a Spark, an hour into a build. What is inside a source tree only the lock and the
 store know; a path under `src/` is taken as the tree's. A recipe no image uses fails too.
@@ -25,12 +25,12 @@ from pathlib import Path
 
 import pytest
 
-from builder import image as core
-from builder import resolve
-from builder.lockfile import load_lock
-from builder.pins import ImageRecipe, Pins, load_pins
-from builder.plan import make_plan
-from builder.store import Store
+from builder.image import build as core
+from builder.image.plan import make_plan
+from builder.inputs.pins import ImageRecipe, Pins, load_pins
+from builder.lock import resolve
+from builder.lock.lockfile import load_lock
+from builder.store.content import Store
 from tests.lib import factory
 
 ROOT = Path(__file__).resolve().parent.parent

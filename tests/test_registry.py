@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from builder import registry as reg
 from builder.errors import ConfigError
-from builder.imagerecord import tag_for
-from builder.onhost.engine import pulled_tag
+from builder.image import registry as reg
+from builder.image.imagerecord import tag_for
+from builder.installer.engine import pulled_tag
 from tests.lib import projectlib, registrylib
 
 pytestmark = [pytest.mark.registry, pytest.mark.docker, pytest.mark.build]

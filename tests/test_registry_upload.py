@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from builder import registry
 from builder.errors import BuilderError, ResolveError
+from builder.image import registry
 from tests.lib import registrylib
 
 pytestmark = [pytest.mark.registry]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from builder.imagerecord import tag_for
+from builder.image.imagerecord import tag_for
 from tests.lib import dockerlib, fleetlib
 from tests.lib.fleetlib import docker_available
 from tests.lib.shipped import ROOT, copy_project

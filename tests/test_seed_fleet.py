@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from builder.pins import expand_lanes
+from builder.inputs.pins import expand_lanes
 from tests.lib import factory, fleetlib
 from tests.lib.journeylib import PATHS, Journey, edit_on, failing, journey
 

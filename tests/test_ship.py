@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from builder.bundle import hostpkg
-from builder.placement import kept_installer
-from builder.ssh import parse_target
+from builder.foundation.ssh import parse_target
+from builder.store.placement import kept_installer
 from tests.lib import bundlelib as bl
 from tests.lib import fleetlib
 

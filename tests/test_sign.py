@@ -1,4 +1,4 @@
-"""builder.sign against the real minisign CLI and openssl, plus fuzzing of key and signature text."""
+"""builder.foundation.sign against the real minisign CLI and openssl, plus fuzzing of key and signature text."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from builder import sign
 from builder.errors import ConfigError, VerifyError
-from builder.onhost import minisign as mv
+from builder.foundation import sign
+from builder.installer import minisign as mv
 
 MINISIGN = shutil.which("minisign")
 needs_minisign = pytest.mark.skipif(

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import ziglang
 
-from builder import dockerio
+from builder.foundation import dockerio
 from tests.lib import dockerlib
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""builder/ssh.py: one parser for ssh targets, one rule for a relative fleet.ssh_config, one argv (its
+"""builder/foundation/ssh.py: one parser for ssh targets, one rule for a relative fleet.ssh_config, one argv (its
 options end with `--` before the host) and one connection per host per run, for audit and ship alike."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import testinfra
 
-from builder import ssh
 from builder.audit import AuditOptions
 from builder.audit import runner as audit_runner
 from builder.errors import ConfigError
-from builder.hosts import FleetHost, fleet_hosts, load_fleet
+from builder.foundation import ssh
+from builder.inputs.hosts import FleetHost, fleet_hosts, load_fleet
 from builder.ship import Remote
 from tests.lib import auditlib
 from tests.lib import bundlelib as bl
@@ -222,7 +222,7 @@ def test_a_remote_engine_is_reached_through_the_system_ssh(tmp_path: Path) -> No
     path = f"{fake.parent}{os.pathsep}{os.environ['PATH']}"
     env = {**os.environ, "DOCKER_HOST": "ssh://op@spark-build:2222", "PATH": path}
     code = (
-        "from builder import dockerio\nfrom builder.errors import BuilderError\n"
+        "from builder.foundation import dockerio\nfrom builder.errors import BuilderError\n"
         "try:\n    dockerio.client()\nexcept BuilderError as e:\n    print(e)\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from builder.canon import sha256_tree
 from builder.errors import ResolveError, VerifyError
-from builder.store import Store
+from builder.foundation.canon import sha256_tree
+from builder.store.content import Store
 
 DATA = b"the bytes the lock names\n" * 100
 SHA = hashlib.sha256(DATA).hexdigest()

@@ -1,4 +1,4 @@
-"""Mount targets that exist (builder.launch.targets): the paths a lane's mounts replace, stat'ed in a
+"""Mount targets that exist (builder.image.mounttargets): the paths a lane's mounts replace, stat'ed in a
 real image by the Docker Engine, recorded, and a mount over a missing one refused by name."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from builder import dockerio
 from builder.errors import ConfigError
-from builder.imagerecord import ImageRecord
-from builder.launch import targets
-from builder.pins import load_pins
+from builder.foundation import dockerio
+from builder.image import mounttargets as targets
+from builder.image.imagerecord import ImageRecord
+from builder.inputs.pins import load_pins
 
 REPO = Path(__file__).resolve().parents[1]
 PKG = "usr/local/lib/python3.12/dist-packages/vllm/"

@@ -7,7 +7,7 @@
 2. Write one expectations file per host (`expect`), built only from the lock, the inventory, the
    placement rule and the image record in the store, never from the host.
 3. Per host, in parallel threads (`runner`): a reachability probe with a bounded timeout (over ssh
-   it opens the host's one connection, builder.ssh), then one pytest process over the check modules
+   it opens the host's one connection, builder.foundation.ssh), then one pytest process over the check modules
    with testinfra's backend for that host. An unreachable host gives one `unreachable` result; the
    rest of the fleet is audited.
 4. Merge the per-host results into the fleet's report (`report`): the matrix, JSON and JUnit.
@@ -27,18 +27,10 @@ from pathlib import Path
 from builder.audit.concerns import Concern, declared
 from builder.audit.exits import name_the_cause
 from builder.audit.expect import build_expectations, load_lane_inputs
-from builder.audit.options import AuditOptions, parse_only, select_targets
-from builder.audit.report import (
-    AuditReport,
-    CheckOutcome,
-    HostResult,
-    burn_rows,
-    junit_xml,
-    matrix_rows,
-    write_junit,
-)
+from builder.audit.findings import AuditReport, CheckOutcome, HostResult, burn_rows, junit_xml, matrix_rows, write_junit
 from builder.audit.runner import run_host
-from builder.ssh import ControlSockets
+from builder.audit.selection import AuditOptions, parse_only, select_targets
+from builder.foundation.ssh import ControlSockets
 
 __all__ = [
     "AuditOptions",

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from builder.audit.report import AuditReport, CheckOutcome
+from builder.audit.findings import AuditReport, CheckOutcome
 
 #: the check whose facts carry a rank's exit
 EXIT_CHECK = "serving::rank_runs_the_release"

@@ -12,16 +12,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from builder.audit.concerns import Concern
-from builder.audit.options import AuditOptions
+from builder.audit.selection import AuditOptions
 from builder.errors import ConfigError
-from builder.hosts import Fleet, FleetHost, Host, check_against_pins
-from builder.imagerecord import read_record
+from builder.image.imagerecord import read_record
+from builder.image.plan import make_plan
+from builder.inputs.hosts import Fleet, FleetHost, Host, check_against_pins
+from builder.inputs.pins import Pins, load_pins
 from builder.launch import rank_command
-from builder.launch.derive import derivation_runs, render_plan
-from builder.lockfile import Lock, load_lock
-from builder.pins import Pins, load_pins
-from builder.placement import place_models
-from builder.plan import make_plan
+from builder.launch.derivplan import derivation_runs, render_plan
+from builder.lock.lockfile import Lock, load_lock
+from builder.store.placement import place_models
 
 EXPECT_FORMAT = 1
 APPLIED_RELPATH = "state/applied.json"
@@ -117,7 +117,7 @@ def launch_expectation(
 def derivation_expectation(
     opts: AuditOptions, inputs: LaneInputs, fleet: Fleet, host: Host, lane_name: str
 ) -> tuple[dict[str, Any] | None, str]:
-    """This rank's derivations (builder.launch.derive): each folder and the address it must be made
+    """This rank's derivations (builder.launch.derivplan): each folder and the address it must be made
     for, from the lock and the image's input address (what the bundle's derive.json says too)."""
     assert inputs.pins is not None
     lane = inputs.pins.lanes[lane_name]

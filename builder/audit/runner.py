@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from builder.audit.options import AuditOptions
-from builder.audit.report import CheckOutcome, HostResult
-from builder.canon import atomic_write, pretty_json
-from builder.hosts import FleetHost
-from builder.ssh import Connection, ControlSockets, why_not
+from builder.audit.findings import CheckOutcome, HostResult
+from builder.audit.selection import AuditOptions
+from builder.foundation.canon import atomic_write, pretty_json
+from builder.foundation.ssh import Connection, ControlSockets, why_not
+from builder.inputs.hosts import FleetHost
 
 #: pytest's plugins the checks do not use; each one adds hook calls around every check (a name this
 #: pytest does not have is blocked all the same: no error)
@@ -64,7 +64,7 @@ def host_options(t: FleetHost, opts: AuditOptions, conn: Connection | None) -> l
     # with no `--` before HOST. So the audit gives it the host alone (no user, port or ssh_config:
     # those go into ssh_extra_args, with ConnectTimeout and ControlMaster, so testinfra adds none of
     # its own options) and ends ssh_extra_args with `--`: testinfra's command is then
-    # `ssh <ours> -- HOST COMMAND`. The inventory's validation of Host.ssh (builder.ssh.parse_target:
+    # `ssh <ours> -- HOST COMMAND`. The inventory's validation of Host.ssh (builder.foundation.ssh.parse_target:
     # no leading '-', no whitespace, no URL or shell characters) protects it as well, and is what
     # protects the Ansible backend, whose ssh command line Ansible builds.
     extra = conn.options() + conn.target.destination()[:-1]  # ... -l USER -p PORT --

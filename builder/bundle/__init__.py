@@ -9,11 +9,11 @@ A bundle is a folder (never one big tar) for one host's rank of a fleet:
                              id, host, fleet, lane and rank
                              (`minisign -Vm manifest.json -p KEY.pub` checks it)
     start.sh stop.sh rank.env config.json   the rank's launch files (builder.launch)
-    install.pyz              the installer: builder.onhost as one zipapp (builder.bundle.hostpkg; run
-                             only a verified copy, see builder/onhost/__init__.py)
+    install.pyz              the installer: builder.installer as one zipapp (builder.bundle.hostpkg; run
+                             only a verified copy, see builder/installer/__init__.py)
     image.tar                the image as a `docker load` archive (--with-image)
     models/<model>/<file>    model files (--with-models): hard links to the model store's objects
-                             (builder.models.store: a reflink where links are refused, a copy only
+                             (builder.store.modelstore: a reflink where links are refused, a copy only
                              across file systems), never in parts, so a fleet holds them once
     parts/<path>.partNNNN    other files larger than --part-size (the image archive), in parts,
                              each hashed in the manifest
@@ -25,7 +25,7 @@ deterministic too). Every file is streamed (4 MiB buffers): memory stays flat wh
 Where each part lives: ``render`` (the inputs, what a rank holds, the manifest, the folder moved into
 place), ``parts`` (the streaming part writer), ``archive``
 (the image as a `docker load` archive), ``keys`` (the signing and trusted keys), ``verify``,
-``hostpkg`` (install.pyz, the zipapp of builder.onhost).
+``hostpkg`` (install.pyz, the zipapp of builder.installer).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from builder.bundle.render import (
     rank_models,
     render_bundle,
 )
-from builder.bundle.verify import crypto_sig_check, verify_dir, verify_with_key
+from builder.bundle.verifydir import crypto_sig_check, verify_dir, verify_with_key
 
 __all__ = [
     "BundleInputs",

@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from builder import dockerio, layers
-from builder.canon import ChunkReader
 from builder.errors import ConfigError, VerifyError
-from builder.hashing import READ_SIZE
+from builder.foundation import dockerio
+from builder.foundation.canon import ChunkReader
+from builder.foundation.hashing import READ_SIZE
+from builder.image import layers
 
 
 @contextlib.contextmanager
@@ -20,10 +21,10 @@ def image_archive(
 ) -> Iterator[IO[bytes]]:
     """A `docker load` archive of the image, streamed, byte-identical for the same image.
 
-    builder.layers re-exports the saved image canonically (sorted entries, fixed mtime, the config and
+    builder.image.layers re-exports the saved image canonically (sorted entries, fixed mtime, the config and
     layers untouched, every DiffID checked; spooled through ``work``).
     """
-    # Imported here for start-up time: builder.dockerio loads the Docker SDK, which only --with-image needs.
+    # Imported here for start-up time: builder.foundation.dockerio loads the Docker SDK, which only --with-image needs.
 
     if not dockerio.image_exists(image_id):
         raise ConfigError(

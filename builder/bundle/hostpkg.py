@@ -1,9 +1,9 @@
-"""install.pyz on the operator's side: the zipapp of builder.onhost (builder.onhost.pack makes it),
+"""install.pyz on the operator's side: the zipapp of builder.installer (builder.installer.pack makes it),
 the one form in which the host side reaches a host: in every bundle as ``install.pyz``, and kept by
-ship and deploy on the host by its sha256 (builder.placement.kept_installer).
+ship and deploy on the host by its sha256 (builder.store.placement.kept_installer).
 
 ``python3 -m builder.bundle.hostpkg FILE`` writes it (the operator's trusted copy for the first
-install of a sneakernet host); ``python3 -m builder.onhost assemble`` prints the same bytes.
+install of a sneakernet host); ``python3 -m builder.installer assemble`` prints the same bytes.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import functools
 import hashlib
 import sys
 
-from builder.onhost import pack
-from builder.onhost.files import atomic_write
+from builder.installer import pack
+from builder.installer.files import atomic_write
 
 NAME = pack.NAME
 

@@ -7,11 +7,11 @@ import json
 import os
 from pathlib import Path
 
-from builder import sign
 from builder.errors import ConfigError
-from builder.hosts import find_fleet
-from builder.hosts import fleet_trusted_key as trusted_key_file
-from builder.onhost.manifest import MANIFEST
+from builder.foundation import sign
+from builder.inputs.hosts import find_fleet
+from builder.inputs.hosts import fleet_trusted_key as trusted_key_file
+from builder.installer.manifest import MANIFEST
 
 SIGNING_KEY_ENV = "BUILDER_SIGNING_KEY"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from builder.hashing import READ_SIZE
+from builder.foundation.hashing import READ_SIZE
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Rendering one host's bundle: its rank's launch files, installer, image archive and model files (and
-runtime input files: a kit's, a mounted plain file; builder.placement places them as model files),
+runtime input files: a kit's, a mounted plain file; builder.store.placement places them as model files),
 the manifest (the bundle id is the sha256 of its canonical body) and its signature; then the folder
 is moved into place whole."""
 
@@ -16,21 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder import __version__, provenance, registry, sign
+from builder import __version__
 from builder.bundle import hostpkg
 from builder.bundle.archive import image_archive
 from builder.bundle.keys import signing_key_path
 from builder.bundle.parts import WrittenFile, write_bytes, write_stream
 from builder.bundle.thin import thin_omitted
-from builder.canon import canonical_json, file_lock, fsync_dir, pretty_json
 from builder.errors import ConfigError
-from builder.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
-from builder.imagerecord import ImageRecord, require_record
-from builder.launch import render_launch, targets
-from builder.lockfile import Lock, load_lock, spec_hash
-from builder.models.fetch import in_store, wanted_for
-from builder.models.store import ModelStore
-from builder.onhost.manifest import (
+from builder.foundation import sign
+from builder.foundation.canon import canonical_json, file_lock, fsync_dir, pretty_json
+from builder.image import mounttargets as targets
+from builder.image import provenance, registry
+from builder.image.imagerecord import ImageRecord, require_record
+from builder.image.plan import make_plan
+from builder.inputs.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
+from builder.inputs.pins import Pins, load_pins
+from builder.installer.manifest import (
     FORMAT,
     IMAGE_ARCHIVE,
     KIND,
@@ -39,9 +40,11 @@ from builder.onhost.manifest import (
     check_manifest,
     trusted_comment_for,
 )
-from builder.pins import Pins, load_pins
-from builder.placement import PlacedFile, host_files
-from builder.plan import make_plan
+from builder.launch import render_launch
+from builder.lock.lockfile import Lock, load_lock, spec_hash
+from builder.store.modelfetch import in_store, wanted_for
+from builder.store.modelstore import ModelStore
+from builder.store.placement import PlacedFile, host_files
 
 DEFAULT_PART_SIZE = 256 * 1024 * 1024
 
@@ -89,7 +92,7 @@ class BundleInputs:
 class RankLaunch:
     """What a rank's bundle holds besides the bulk bytes: the manifest's identity keys (builder, fleet,
     host, lane, rank, role, world size, lock hash, paths), the image by ImageID, the model files this
-    rank holds (builder.placement) and its rendered launch files (path -> (bytes, mode))."""
+    rank holds (builder.store.placement) and its rendered launch files (path -> (bytes, mode))."""
 
     identity: dict[str, Any]
     record: ImageRecord
@@ -122,7 +125,7 @@ def load_bundle_inputs(pins_path: Path, lock_path: Path, store: Path) -> BundleI
 
 
 def rank_models(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> list[dict[str, Any]]:
-    """The model files this rank needs, and its runtime inputs' files (builder.placement): {model,
+    """The model files this rank needs, and its runtime inputs' files (builder.store.placement): {model,
     file, path (absolute on the host), size, sha256}, sorted by path."""
     return [_entry(f) for f in host_files(ctx.pins, ctx.lock, lane_name, host)]
 

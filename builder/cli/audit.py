@@ -13,7 +13,7 @@ from builder import output
 from builder.audit import select_targets
 from builder.audit.concerns import declared
 from builder.audit.exits import describe_cause
-from builder.audit.options import PACKAGE_CHECKS
+from builder.audit.selection import PACKAGE_CHECKS
 from builder.cli import get_ctx
 from builder.cli.options import (
     checks_option,
@@ -29,7 +29,7 @@ from builder.errors import BuilderError
 
 if TYPE_CHECKING:
     from builder.audit import AuditOptions
-    from builder.hosts import FleetHost
+    from builder.inputs.hosts import FleetHost
 
 
 def only_help() -> str:

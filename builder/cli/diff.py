@@ -1,12 +1,12 @@
-"""`builder diff`: thin command over builder.diff."""
+"""`builder diff`: thin command over builder.lock.diff."""
 
 from __future__ import annotations
 
 import click
 
-from builder import diff as core
 from builder import output
 from builder.cli import get_ctx
+from builder.lock import diff as core
 
 
 @click.command()

@@ -1,4 +1,4 @@
-"""`builder fetch`: thin command over builder.models.fetch."""
+"""`builder fetch`: thin command over builder.store.modelfetch."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import click
 
 from builder import output
 from builder.cli import get_ctx
-from builder.lockfile import load_lock
-from builder.models import fetch as core
-from builder.models.store import Wanted
-from builder.pins import load_pins
+from builder.inputs.pins import load_pins
+from builder.lock.lockfile import load_lock
+from builder.store import modelfetch as core
+from builder.store.modelstore import Wanted
 
 
 @click.command()

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
-from builder import hosts as core
 from builder import output
 from builder.cli import get_ctx
 from builder.cli.options import file_option, fleet_option, hosts_dir_option, json_option
+from builder.inputs import hosts as core
 
 
 @click.command()

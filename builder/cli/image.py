@@ -1,4 +1,4 @@
-"""`builder image`, `builder why`, `builder gc`: thin commands over builder.image and builder.store."""
+"""`builder image`, `builder why`, `builder gc`: thin commands over builder.image.build and builder.store.content."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ from pathlib import Path
 
 import click
 
-from builder import image as core
-from builder import output, registry
+from builder import output
 from builder.cli import get_ctx
 from builder.cli.push import target_from
-from builder.gc import collect
-from builder.plan import plan
+from builder.image import build as core
+from builder.image import registry
+from builder.image.gc import collect
+from builder.image.plan import plan
 
 
 @click.command()

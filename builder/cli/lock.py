@@ -1,4 +1,4 @@
-"""`builder lock`: thin command over builder.resolve (and builder.lockfile for --check)."""
+"""`builder lock`: thin command over builder.lock.resolve (and builder.lock.lockfile for --check)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import threading
 import click
 
 from builder import output
-from builder import resolve as core
 from builder.cli import get_ctx
-from builder.lockfile import check_lock
+from builder.lock import resolve as core
+from builder.lock.lockfile import check_lock
 
 
 @click.command()

@@ -1,4 +1,4 @@
-"""`builder push NAME`: the built image into a registry by digest (builder.registry)."""
+"""`builder push NAME`: the built image into a registry by digest (builder.image.registry)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 import click
 
 from builder import output
-from builder import registry as reg
 from builder.cli import get_ctx
 from builder.errors import ConfigError
-from builder.hosts import find_fleet, fleet_registry_ca  # the inventory's models: only for --fleet
-from builder.imagerecord import require_record
-from builder.plan import plan
+from builder.image import registry as reg
+from builder.image.imagerecord import require_record
+from builder.image.plan import plan
+from builder.inputs.hosts import find_fleet, fleet_registry_ca
 
 
 def target_from(registry: str | None, ca: Path | None, fleet: str | None, hosts_dir: Path) -> object:

@@ -10,7 +10,7 @@
 - ``startstop``: ``builder start`` and ``builder stop`` (rank order);
 - ``status``: which bundle, lock and image every host runs, and whether its rank is up;
 - ``bundles``: the bundles a deploy ships (the current ones, or made again);
-- ``hoststate``: one host's facts and steps over its one connection (builder.hostfacts.lane on the host);
+- ``hoststate``: one host's facts and steps over its one connection (builder.hostscripts.lane on the host);
 - ``fleetlock``: a fleet's commands never interleave (a lock file on the operator machine);
 - ``journal``: what an unfinished deploy did, so a rerun after a kill converges;
 - ``report``: per-host outcomes, JSON and the exit code.

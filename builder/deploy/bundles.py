@@ -3,7 +3,7 @@ and inventory give now, else made again (``builder bundle``).
 
 "What they give now" is decided without re-making anything heavy: the manifest's identity (fleet, host,
 lane, rank, role, world size, paths, builder version), the lock hash, the image (input address,
-ImageID, DiffIDs from the build record), the models this rank holds (builder.placement), the launch
+ImageID, DiffIDs from the build record), the models this rank holds (builder.store.placement), the launch
 files rendered again (pure) and the installer's bytes must all equal what a new ``builder bundle``
 would write, and the signature must check against the key the hosts trust. The image archive and the
 model files are not read: their identity is the ImageID and the locked sha256, and ship verifies every
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from builder.bundle import BundleOptions, crypto_sig_check, hostpkg, make_bundle, parse_size, rank_launch
-from builder.hosts import Fleet, Host
-from builder.onhost.errors import InstallError
-from builder.onhost.manifest import MANIFEST, check_manifest
-from builder.onhost.verify import verify_bundle
+from builder.inputs.hosts import Fleet, Host
+from builder.installer.errors import InstallError
+from builder.installer.manifest import MANIFEST, check_manifest
+from builder.installer.verify import verify_bundle
 from builder.ship import ShipOptions, trusted_key_bytes
 
 

@@ -11,7 +11,7 @@ from builder.deploy.report import DeployReport, HostOutcome, Side, outcomes
 
 if TYPE_CHECKING:
     from builder.deploy.bundles import FleetBundle
-    from builder.hosts import Host
+    from builder.inputs.hosts import Host
 
 
 class Deployment:

@@ -1,4 +1,4 @@
-"""A fleet's derivations: each host makes its rank's (builder.hostfacts.derive, from the release's
+"""A fleet's derivations: each host makes its rank's (builder.hostscripts.derive, from the release's
 derive.py and derive.json) at once, for the ``staged`` release in a deploy (before any switch, so a
 failure changes nothing) or the ``current`` one (`builder start`); ``full`` (`builder deploy --repair`)
 hashes every file against its record and makes again whatever differs."""
@@ -11,7 +11,7 @@ from builder.deploy.fleetwork import each, explain
 
 if TYPE_CHECKING:
     from builder.deploy.fleetwork import Fleetwork
-    from builder.hosts import Host
+    from builder.inputs.hosts import Host
 
 #: the most seconds a rank's derivations may take (seed 000's rank cache: about 6 minutes on a Spark)
 DERIVE_TIMEOUT = 3600.0

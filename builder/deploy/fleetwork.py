@@ -23,11 +23,11 @@ from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.hoststate import HostOps, HostState
 from builder.deploy.report import DeployReport, HostOutcome
 from builder.errors import BuilderError
-from builder.hosts import Host, check_against_pins, find_fleet
+from builder.foundation.ssh import ControlSockets
+from builder.inputs.hosts import Host, check_against_pins, find_fleet
 from builder.launch import container_name
 from builder.launch.order import start_groups, stop_groups
 from builder.ship import Remote
-from builder.ssh import ControlSockets
 
 T = TypeVar("T")
 Say = Callable[[str], None]

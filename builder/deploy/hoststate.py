@@ -2,7 +2,7 @@
 
 Every step goes through the host's one connection (builder.ship.Remote: ssh with the fleet's
 ssh_config, or docker exec, or local) and is bounded. Over ssh the host needs python3 and docker,
-as the installer does; the facts and the wait are builder.hostfacts.lane, sent over stdin, never left
+as the installer does; the facts and the wait are builder.hostscripts.lane, sent over stdin, never left
 on the host.
 
 - ``state``: the installer's links (``current``, ``previous``, ``staged``), the releases present, the
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from builder.bundle import hostpkg
 from builder.errors import BuilderError
-from builder.hostfacts import source
+from builder.hostscripts import source
 from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK, stop_lane_command
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class HostOps:
     # ------------------------------------------------------------------ facts
 
     def _lane(self, req: dict[str, Any], *, timeout: float, what: str) -> dict[str, Any]:
-        """builder.hostfacts.lane on the host, with `req`: its JSON answer."""
+        """builder.hostscripts.lane on the host, with `req`: its JSON answer."""
         cmd = "python3 - " + shlex.quote(json.dumps(req, sort_keys=True))
         p = self.remote.run(cmd, timeout=timeout, stdin=source("lane").encode(), what=what)
         text = p.stdout.decode("utf-8", "replace").strip()

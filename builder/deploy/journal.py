@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder.canon import atomic_write, pretty_json
+from builder.foundation.canon import atomic_write, pretty_json
 
 FORMAT = 1
 

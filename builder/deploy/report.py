@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from builder.canon import attrs
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+from builder.foundation.canon import attrs
 
 #: what happened to one host (HostOutcome.result)
 Outcome = Literal[

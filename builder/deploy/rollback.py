@@ -13,7 +13,7 @@ from builder.deploy.report import DeployReport, outcomes
 from builder.errors import BuilderError
 
 if TYPE_CHECKING:
-    from builder.hosts import Host
+    from builder.inputs.hosts import Host
 
 
 def recover(d: Deployment, reason: str) -> DeployReport:

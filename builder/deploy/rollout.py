@@ -40,6 +40,7 @@ from builder.deploy import journal as J
 from builder.deploy.bundles import FleetBundle, ensure_bundles
 from builder.deploy.deployment import Deployment
 from builder.deploy.derivations import make_all
+from builder.deploy.dryrun import changes, describe_earlier, is_noop, noop, plan
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.fleetwork import (
     DeployOptions,
@@ -51,14 +52,13 @@ from builder.deploy.fleetwork import (
     problems,
     short,
 )
-from builder.deploy.plan import changes, describe_earlier, is_noop, noop, plan
 from builder.deploy.report import DeployReport
 from builder.deploy.rollback import recover
 from builder.deploy.stage import stage
 from builder.deploy.switch import forward
 from builder.errors import ConfigError
-from builder.hostfacts import shown
-from builder.onhost.manifest import MANIFEST, release_files
+from builder.hostscripts import shown
+from builder.installer.manifest import MANIFEST, release_files
 
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # (a fleet's name, as the inventory allows it)
 

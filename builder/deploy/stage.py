@@ -10,7 +10,7 @@ from builder.errors import BuilderError, UnreachableError
 from builder.ship import ShipOptions, ship
 
 if TYPE_CHECKING:
-    from builder.hosts import Host
+    from builder.inputs.hosts import Host
 
 
 def stage(d: Deployment) -> bool:

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from builder.audit.exits import RankExit, cause_and_consequences, describe_cause, describe_consequence
-from builder.canon import attrs
 from builder.deploy import journal as J
 from builder.deploy.fleetwork import DeployOptions, Fleetwork, command
 from builder.deploy.hoststate import HostState
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
-from builder.imagerecord import read_record
-from builder.plan import make_plan
+from builder.foundation.canon import attrs
+from builder.image.imagerecord import read_record
+from builder.image.plan import make_plan
 
 
 @dataclass

@@ -11,7 +11,7 @@ from builder.deploy.report import outcomes
 from builder.errors import BuilderError, UnreachableError
 
 if TYPE_CHECKING:
-    from builder.hosts import Host
+    from builder.inputs.hosts import Host
 
 
 def forward(d: Deployment) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from builder.gpu.events import EVENT_REASON_BITS, THROTTLE_MASK, decode_event_reasons, is_throttled, trouble_reasons
 from builder.gpu.fields import COMPUTE_APPS_FIELDS, FALLBACK_FIELDS, QUERY_FIELDS
-from builder.gpu.models import ComputeApp, GpuInfo, GpuReport
 from builder.gpu.parse import (
     compute_apps_command,
     parse_compute_apps,
@@ -30,6 +29,7 @@ from builder.gpu.parse import (
     query_command,
 )
 from builder.gpu.probe import Runner, local_runner, probe, probe_commands, probe_local
+from builder.gpu.readings import ComputeApp, GpuInfo, GpuReport
 from builder.gpu.values import GpuError, GpuParseError
 
 __all__ = [

@@ -1,5 +1,5 @@
 """The burn gate's judgment: a short load's TFLOPS and the clocks, power, temperature and clock event
-reasons sampled while it ran (builder.hostfacts.burn), against the GPU model's health band.
+reasons sampled while it ran (builder.hostscripts.burnload), against the GPU model's health band.
 
 A latched GB10 (recipes.md §14 #4 and #5, §16 #8) names itself by no reason bit: it shows only as low
 clocks at low power while busy, with few TFLOPS. A thermal or hardware slowdown does set a bit
@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from builder.gpu.events import decode_event_reasons, trouble_reasons
-from builder.gpu.models import GpuInfo
 from builder.gpu.parse import parse_query, query_command
+from builder.gpu.readings import GpuInfo
 from builder.gpu.values import GpuError
 
 #: What one sample reads, every ~0.5 s while the load runs.
@@ -84,7 +84,7 @@ def sample_command(nvidia_smi: str = "nvidia-smi", fallback: bool = False) -> li
 
 
 def sample_fields(facts: dict[str, Any]) -> list[str]:
-    """The field list the sampler's samples answer (builder.hostfacts.burn's ``fields``)."""
+    """The field list the sampler's samples answer (builder.hostscripts.burnload's ``fields``)."""
     return FALLBACK_SAMPLE_FIELDS if facts.get("fields") == "fallback" else SAMPLE_FIELDS
 
 
@@ -174,7 +174,7 @@ def band_for(gpu_name: str | None, min_tflops: float | None = None) -> Band | No
 
 
 def judge(facts: dict[str, Any], band: Band, index: int = 0) -> BurnResult:
-    """The verdict of one burn (the facts builder.hostfacts.burn printed) against `band`."""
+    """The verdict of one burn (the facts builder.hostscripts.burnload printed) against `band`."""
     res = BurnResult(verdict="error", message="", band=band.model, min_tflops=band.min_tflops,
                      seconds=float(facts.get("seconds") or 0.0))
     gpus, bad = loaded_samples(facts, index)

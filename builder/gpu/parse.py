@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from builder.gpu.fields import COMPUTE_APPS_FIELDS, FIELD_MAP, QUERY_FIELDS
-from builder.gpu.models import ComputeApp, GpuInfo
+from builder.gpu.readings import ComputeApp, GpuInfo
 from builder.gpu.values import (
     CUDA_RE,
     VERSION_RE,

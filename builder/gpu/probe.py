@@ -8,8 +8,8 @@ import subprocess
 from collections.abc import Callable
 
 from builder.gpu.fields import FALLBACK_FIELDS, QUERY_FIELDS
-from builder.gpu.models import GpuReport
 from builder.gpu.parse import compute_apps_command, parse_compute_apps, parse_query, parse_version, query_command
+from builder.gpu.readings import GpuReport
 from builder.gpu.values import BAD_FIELD_RE, GpuError, check_failure, shown
 
 #: run(argv) -> (exit status, stdout, stderr); lets the audit run the same probe over testinfra.

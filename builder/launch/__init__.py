@@ -13,9 +13,9 @@ prints too); in which order ranks start is `builder.launch.order`'s.
   ``docker run`` (the bundle id filled in from the manifest), then waits until this rank is ready by
   the lane's rule, bounded by ``BUILDER_START_TIMEOUT`` (default: the lane's ``start_timeout``).
 - ``stop.sh``: stops and removes this lane's container for this rank (stop the head first).
-- ``lane.py``: `builder.hostfacts.lane`, the host-side module start.sh asks (readiness, the bundle id).
+- ``lane.py``: `builder.hostscripts.lane`, the host-side module start.sh asks (readiness, the bundle id).
 - ``derive.json`` and ``derive.py`` (a lane with derivations): this rank's derivations, their folders
-  addressed by their inputs, and `builder.hostfacts.derive`, which makes and checks them on the host.
+  addressed by their inputs, and `builder.hostscripts.derive`, which makes and checks them on the host.
 
 Each script is the rank's settings (shell variables and bash arrays, rendered here) above a body that
 is the same for every rank: ``start.sh`` and ``stop.sh`` beside this module, real shell files (package
@@ -30,10 +30,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from builder.canon import pretty_json
-from builder.hosts import Fleet, Host
-from builder.lanes import Lane
-from builder.launch.derive import derivation_runs, derived_paths, render_plan
+from builder import hostscripts
+from builder.foundation.canon import pretty_json
+from builder.inputs.hosts import Fleet, Host
+from builder.inputs.lanes import Lane
+from builder.inputs.pins import Pins
+from builder.launch.derivplan import derivation_runs, derived_paths, render_plan
 from builder.launch.rank import (
     BUNDLE_ID,
     CONFIG_IN_CONTAINER,
@@ -47,8 +49,7 @@ from builder.launch.rank import (
     host_address,
     rank_command,
 )
-from builder.lockfile import Lock
-from builder.pins import Pins
+from builder.lock.lockfile import Lock
 
 __all__ = [
     "BUNDLE_ID", "CONFIG_IN_CONTAINER", "LABEL_BUNDLE", "LABEL_FLEET", "LABEL_HOST", "LABEL_LANE", "LABEL_RANK",
@@ -102,9 +103,9 @@ def script_body(name: str) -> str:
 
 @cache
 def module_source(name: str) -> bytes:
-    """A builder.hostfacts module's source (``lane``: what start.sh asks; ``derive``: a rank's
+    """A builder.hostscripts module's source (``lane``: what start.sh asks; ``derive``: a rank's
     derivations), shipped in the bundle as a file."""
-    return (Path(__file__).resolve().parent.parent / "hostfacts" / f"{name}.py").read_bytes()
+    return hostscripts.source(name).encode()
 
 
 def render_script(name: str, about: str, settings: dict[str, str], arrays: dict[str, list[str]]) -> bytes:

@@ -14,8 +14,8 @@ every lane: the head first (a new worker must never join an old head), then the 
 
 from __future__ import annotations
 
-from builder.hosts import Fleet, Host
-from builder.lanes import Lane
+from builder.inputs.hosts import Fleet, Host
+from builder.inputs.lanes import Lane
 
 
 def start_groups(fleet: Fleet, lane: Lane) -> list[list[Host]]:

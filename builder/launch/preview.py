@@ -14,15 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from builder.errors import ConfigError
-from builder.hosts import Fleet, Host, find_fleet, find_host
-from builder.imagerecord import read_record, tag_for
-from builder.launch import memory_floor, targets
-from builder.launch.derive import derivation_runs, derived_paths
+from builder.image import mounttargets as targets
+from builder.image.imagerecord import read_record, tag_for
+from builder.image.plan import make_plan
+from builder.inputs.hosts import Fleet, Host, find_fleet, find_host
+from builder.inputs.pins import Pins, PublishedImage, load_pins
+from builder.launch import memory_floor
+from builder.launch.derivplan import derivation_runs, derived_paths
 from builder.launch.order import start_order, stop_groups
 from builder.launch.rank import rank_command
-from builder.lockfile import Lock, load_lock
-from builder.pins import Pins, PublishedImage, load_pins
-from builder.plan import make_plan
+from builder.lock.lockfile import Lock, load_lock
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """What one rank runs: its command, environment, mounts and container options, and the ``docker run``
-argv start.sh runs, rendered from the lane (builder.lanes), the inventory and the placement rule.
+argv start.sh runs, rendered from the lane (builder.inputs.lanes), the inventory and the placement rule.
 
 The one renderer: `builder bundle` writes its result into start.sh and rank.env, `builder launch`
 prints it, and the audit compares a running container with it.
@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from builder.errors import ConfigError
-from builder.hosts import Fleet, Host
-from builder.lanes import PLACEHOLDERS, Lane, Mount, Ready, Run
-from builder.pins import Pins
-from builder.placement import mount_path
+from builder.inputs.hosts import Fleet, Host
+from builder.inputs.lanes import PLACEHOLDERS, Lane, Mount, Ready, Run
+from builder.inputs.pins import Pins
+from builder.store.placement import mount_path
 
 LABEL_LANE = "io.builder.lane"
 LABEL_RANK = "io.builder.rank"
@@ -167,7 +167,7 @@ def rank_command(
 ) -> RankCommand:
     """This rank's ``docker run``, from the lane, inventory and placement; ``image`` is the ImageID
     (or, before a build, the image's tag by its input address); ``derived``: each derivation's folder
-    on this host (builder.launch.derive), for the ``derived:NAME`` mounts."""
+    on this host (builder.launch.derivplan), for the ``derived:NAME`` mounts."""
     lane = pins.lanes[lane_name]
     where = f"lanes.{lane_name}"
     run = merged_run(lane, host)
@@ -257,7 +257,7 @@ def container_options(lane: Lane, host: Host) -> list[str]:
 
 
 def ready_spec(r: Ready, subs: dict[str, str], where: str) -> dict[str, Any]:
-    """The rank's readiness as the host-side wait takes it (builder.hostfacts.lane)."""
+    """The rank's readiness as the host-side wait takes it (builder.hostscripts.lane)."""
     if r.health is not None:
         return {"kind": "health", "port": int(subs["port"]), "path": r.health}
     if r.port is not None:

@@ -4,14 +4,14 @@ The rooms: `options` (what a ship is asked and what it did), `remote` (running c
 over its one connection), `send` (the stream to the installer's ``receive``), `todir` (the
 sneakernet copy); here: checking the bundle and picking the way.
 
-Over SSH (builder.ssh: the system ``ssh`` with the fleet's ssh_config when it names one,
+Over SSH (builder.foundation.ssh: the system ``ssh`` with the fleet's ssh_config when it names one,
 ``BatchMode=yes``, a connect timeout and keep-alives, and one connection per host for the whole ship,
 however many files are sent; host keys are checked as ssh_config says, never switched off):
 
 1. the bundle's signature, manifest and file sizes are checked here (its bytes were hashed when
    they were written; the host hashes every byte it receives);
 2. one remote command keeps this machine's trusted installer on the host as
-   ``<paths.bundles>/incoming/install-<sha256[:16]>.pyz`` (builder.placement.kept_installer; sent at
+   ``<paths.bundles>/incoming/install-<sha256[:16]>.pyz`` (builder.store.placement.kept_installer; sent at
    the head of the stream, written only
    when the host's copy is missing or differs, checked against that sha256 before it runs) and runs
    its ``receive``: it gets the signed manifest first, says when the bundle is already installed
@@ -28,7 +28,7 @@ Every ssh call has a timeout (base + size / minimum rate). A host that cannot be
 
 ``--to DIR`` copies the bundle to ``DIR/<fleet>/<host>/`` instead (resumable the same way), then
 verifies the copy. Install it on the host with a trusted installer (install.pyz, see
-builder/onhost/__init__.py).
+builder/installer/__init__.py).
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from builder import sign
 from builder.bundle import public_key_for, read_public_key, signing_key_path, verify_with_key
 from builder.errors import ConfigError, VerifyError
-from builder.hosts import Fleet, Host, find_host
-from builder.onhost.errors import InstallError
-from builder.onhost.manifest import MANIFEST
-from builder.onhost.verify import verify_bundle
-from builder.ship.options import ShipOptions, ShipResult
+from builder.foundation import sign
+from builder.inputs.hosts import Fleet, Host, find_host
+from builder.installer.errors import InstallError
+from builder.installer.manifest import MANIFEST
+from builder.installer.verify import verify_bundle
+from builder.ship.job import ShipOptions, ShipResult
 from builder.ship.remote import Remote
 from builder.ship.send import ship_over_ssh
 from builder.ship.todir import ship_to_dir

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from builder.errors import BuilderError, ConfigError, UnreachableError
-from builder.hosts import Fleet, Host, ssh_config_file
-from builder.onhost.errors import EXIT_CONFIG
-from builder.placement import kept_installer
-from builder.ssh import Connection, ControlSockets, die_with_parent, tied
+from builder.foundation.ssh import Connection, ControlSockets, die_with_parent, tied
+from builder.inputs.hosts import Fleet, Host, ssh_config_file
+from builder.installer.errors import EXIT_CONFIG
+from builder.store.placement import kept_installer
 
 #: the exit status of an installer command when the copy it kept does not match the sha256 sent
 BAD_INSTALLER = 199
@@ -41,7 +41,7 @@ def installer_command(bundles: str, script: bytes, args: list[str]) -> str:
 class Remote:
     """Runs shell commands on a host: over ssh, with `docker exec`, or locally (connection = local).
 
-    Over ssh every command of one ship goes through one connection (builder.ssh), opened by the
+    Over ssh every command of one ship goes through one connection (builder.foundation.ssh), opened by the
     first command and closed by `close`: one key exchange per host, however many files are sent."""
 
     def __init__(
@@ -72,7 +72,7 @@ class Remote:
 
     def argv(self, command: str) -> list[str]:
         """The argv of one step on the host: run with `die_with_parent` as its preexec_fn, it ends with
-        this process, and the step on the host ends with it (builder.ssh.tied)."""
+        this process, and the step on the host ends with it (builder.foundation.ssh.tied)."""
         command = tied(command)
         if self.kind == "local":
             return ["sh", "-c", command]

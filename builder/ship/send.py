@@ -13,15 +13,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from builder import sign
 from builder.bundle import hostpkg
 from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
-from builder.hosts import Host
-from builder.onhost.manifest import MANIFEST, SIGNATURE
-from builder.onhost.receive import RECEIVE_MAGIC, widen_pipe
-from builder.ship.options import MiB, ShipOptions, ShipResult
+from builder.foundation import sign
+from builder.foundation.ssh import die_with_parent
+from builder.inputs.hosts import Host
+from builder.installer.manifest import MANIFEST, SIGNATURE
+from builder.installer.receive import RECEIVE_MAGIC, widen_pipe
+from builder.ship.job import MiB, ShipOptions, ShipResult
 from builder.ship.remote import BAD_INSTALLER, Remote, bad_installer, installer_answer, installer_command
-from builder.ssh import die_with_parent
 
 #: bytes per sendfile call (a progress step)
 SEND_CHUNK = 8 * MiB

@@ -1,5 +1,5 @@
 """Sneakernet: copy a verified bundle to a folder (``builder ship --to DIR``), resumably, and verify
-the copy; install it on the host with a trusted installer (install.pyz, see builder/onhost/__init__.py)."""
+the copy; install it on the host with a trusted installer (install.pyz, see builder/installer/__init__.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any
 
 from builder.bundle import verify_with_key
 from builder.errors import VerifyError
-from builder.onhost.errors import InstallError
-from builder.onhost.files import READ_SIZE, hash_file, scan_tree
-from builder.onhost.manifest import MANIFEST, MODES, SIGNATURE, physical_files
-from builder.onhost.verify import verify_bundle
-from builder.ship.options import ShipResult
+from builder.installer.errors import InstallError
+from builder.installer.files import READ_SIZE, hash_file, scan_tree
+from builder.installer.manifest import MANIFEST, MODES, SIGNATURE, physical_files
+from builder.installer.verify import verify_bundle
+from builder.ship.job import ShipResult
 
 
 def _file_order(manifest: dict[str, Any]) -> list[tuple[str, int, str]]:

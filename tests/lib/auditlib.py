@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from builder import gpu as G
-from builder.lockfile import load_lock
-from builder.pins import load_pins
-from builder.plan import make_plan
+from builder.image.plan import make_plan
+from builder.inputs.pins import load_pins
+from builder.lock.lockfile import load_lock
 from tests.lib import factory
 
 CAPTURE = Path(__file__).resolve().parents[1] / "data" / "nvidia-smi" / "h200-nvidia-smi-probe.txt"

@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder import sign
 from builder.bundle import BundleOptions, hostpkg, load_bundle_inputs, make_bundle
-from builder.canon import pretty_json
-from builder.imagerecord import ImageRecord, tag_for, write_record
-from builder.lockfile import load_lock
-from builder.onhost.manifest import bundle_id_of, trusted_comment_for
-from builder.pins import load_pins
-from builder.plan import make_plan
+from builder.foundation import sign
+from builder.foundation.canon import pretty_json
+from builder.image.imagerecord import ImageRecord, tag_for, write_record
+from builder.image.plan import make_plan
+from builder.inputs.pins import load_pins
+from builder.installer.manifest import bundle_id_of, trusted_comment_for
+from builder.lock.lockfile import load_lock
 from tests.lib import factory, fleetlib, shipped
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """Containers from the local Docker Engine, for the tests: run an image to completion, or start one
 detached with published ports, read its logs and remove it. builder itself runs containers only on
-hosts, through start.sh; these go through builder.dockerio's client and error wrapping. Also the tags
+hosts, through start.sh; these go through builder.foundation.dockerio's client and error wrapping. Also the tags
 a test makes, put back as they were, and the platform of this machine's engine."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from docker.errors import NotFound
 
-from builder import dockerio
-from builder.dockerio import _call, client
 from builder.errors import BuilderError
+from builder.foundation import dockerio
+from builder.foundation.dockerio import _call, client
 from tests.lib.fleetlib import docker_available
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from builder import __version__
-from builder.canon import atomic_write
-from builder.lockfile import (
+from builder.foundation.canon import atomic_write
+from builder.inputs.pins import HfModel, load_pins
+from builder.lock.lockfile import (
     Lock,
     LockedImage,
     LockedLane,
@@ -28,7 +29,6 @@ from builder.lockfile import (
     render_lock,
     spec_hash,
 )
-from builder.pins import HfModel, load_pins
 
 Doc = dict[str, Any]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder.lockfile import Lock, render_lock
+from builder.lock.lockfile import Lock, render_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT_FILES = ("pins.toml", "pins.lock", "images", "engine-src", "patches", "files", "models")

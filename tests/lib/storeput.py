@@ -1,5 +1,5 @@
 """One store write as its own process, for the kill tests: `python -m tests.lib.storeput STORE MODE SRC
-DIGEST` puts, under DIGEST, through builder.store as `builder` itself does, into the store at STORE:
+DIGEST` puts, under DIGEST, through builder.store.content as `builder` itself does, into the store at STORE:
 the file SRC (MODE `file`), a copy of the folder SRC (MODE `tree`), or (MODE `stall`) a stream that
 writes 64 KiB, then creates the file SRC (a marker: the write has begun) and stalls until killed."""
 
@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from builder.store import Store
+from builder.store.content import Store
 
 
 def _stalled(marker: Path) -> Iterator[bytes]:

@@ -27,14 +27,14 @@ import testinfra
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from builder import sign
 from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle, verify_with_key
 from builder.errors import BuilderError
-from builder.hosts import Fleet, load_fleet
-from builder.loader import known_keys
-from builder.lockfile import check_lock, load_lock, render_lock
-from builder.onhost.errors import InstallError as InstallError
-from builder.onhost.manifest import (
+from builder.foundation import sign
+from builder.inputs.hosts import Fleet, load_fleet
+from builder.inputs.loader import known_keys
+from builder.inputs.pins import Pins, load_pins
+from builder.installer.errors import InstallError as InstallError
+from builder.installer.manifest import (
     MANIFEST,
     SIGNATURE,
     check_manifest,
@@ -42,12 +42,12 @@ from builder.onhost.manifest import (
     release_files,
     trusted_comment_for,
 )
-from builder.onhost.record import model_cached, write_record
-from builder.onhost.release import status
-from builder.onhost.root import Root
-from builder.onhost.verify import check_signature_form, verify_bundle
-from builder.pins import Pins, load_pins
-from builder.resolve import ResolveOptions, resolve
+from builder.installer.record import model_cached, write_record
+from builder.installer.release import status
+from builder.installer.root import Root
+from builder.installer.verify import check_signature_form, verify_bundle
+from builder.lock.lockfile import check_lock, load_lock, render_lock
+from builder.lock.resolve import ResolveOptions, resolve
 from tests.lib import bundlelib as bl
 from tests.lib import checkmods, factory, rlib
 

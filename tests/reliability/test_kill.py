@@ -4,7 +4,7 @@ Each loop runs BUILDER_KILL_RUNS times (default 10; the documented longer run in
 uses 50) with kill points spread over one measured run (half of them over its last 40 %, where the
 writing happens). After every kill: nothing partial is visible under a real name (the old bytes or
 a complete, valid new result), and a rerun completes. The installer's own kill loop (10 and 50 runs,
-previous release still current) is tests/test_onhost.py; ship over ssh killed part-way and
+previous release still current) is tests/test_installer.py; ship over ssh killed part-way and
 resumed is tests/test_ship.py.
 """
 
@@ -23,12 +23,12 @@ from typing import Any
 import pytest
 
 from builder.bundle import verify_dir
-from builder.canon import sha256_tree
-from builder.hashing import sha256_file
-from builder.lockfile import check_lock, load_lock
-from builder.onhost.errors import InstallError
-from builder.onhost.verify import verify_bundle
-from builder.store import Store
+from builder.foundation.canon import sha256_tree
+from builder.foundation.hashing import sha256_file
+from builder.installer.errors import InstallError
+from builder.installer.verify import verify_bundle
+from builder.lock.lockfile import check_lock, load_lock
+from builder.store.content import Store
 from tests.lib import bundlelib as bl
 from tests.lib import factory, rlib
 from tests.lib.gitlib import Upstream

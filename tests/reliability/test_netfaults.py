@@ -264,8 +264,8 @@ def test_slow_link_audit_completes_or_names_the_unreachable_host(fleet2: Any, tm
         if how == "fresh":
             fresh()
         else:
-            from builder.hosts import fleet_hosts
-            from builder.ssh import ControlSockets
+            from builder.foundation.ssh import ControlSockets
+            from builder.inputs.hosts import fleet_hosts
 
             (t,) = [t for t in fleet_hosts(ap["hosts"], "t") if t.name == slow.name]
             sockets = ControlSockets(kept, True, 60)

@@ -18,16 +18,17 @@ from typing import Any
 
 import pytest
 
-from builder import layers, sign
 from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle, verify_dir
 from builder.errors import BuilderError, ConfigError, VerifyError
-from builder.hosts import load_fleet
-from builder.image import extract_wheel_folder
-from builder.onhost.errors import EXIT_CONFIG, InstallError
-from builder.onhost.manifest import MANIFEST, SIGNATURE
-from builder.onhost.verify import verify_bundle
+from builder.foundation import sign
+from builder.foundation.ssh import ssh_options
+from builder.image import layers
+from builder.image.build import extract_wheel_folder
+from builder.inputs.hosts import load_fleet
+from builder.installer.errors import EXIT_CONFIG, InstallError
+from builder.installer.manifest import MANIFEST, SIGNATURE
+from builder.installer.verify import verify_bundle
 from builder.ship import Remote
-from builder.ssh import ssh_options
 from tests.lib import auditlib, factory, fleetlib, rlib
 from tests.lib import bundlelib as bl
 

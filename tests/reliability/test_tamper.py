@@ -1,7 +1,7 @@
 """One byte changed at random offsets: bundles at install time, patches, store entries, model files.
 
 Already elsewhere: tests/test_bundle.py flips 220 offsets across a bundle (manifest, signature, parts,
-bundled models) against `builder verify`; tests/test_onhost.py refuses a handful of tampered
+bundled models) against `builder verify`; tests/test_installer.py refuses a handful of tampered
 bundles with the host unchanged; tests/test_checks_fleet.py finds a corrupt model byte over ssh.
 Here: the installer itself refuses 220 offsets across a bundle that carries the image archive, and
 the host is byte-for-byte unchanged after each; patches against the lock; store objects and trees;
@@ -21,15 +21,15 @@ from typing import Any
 
 import pytest
 
-from builder import image
 from builder.bundle import BundleOptions, load_bundle_inputs, make_bundle
-from builder.canon import sha256_tree
 from builder.errors import BuilderError, ConfigError, VerifyError
-from builder.hashing import sha256_file
-from builder.lockfile import load_lock
-from builder.onhost.errors import InstallError
-from builder.onhost.install import Admission, install
-from builder.store import Store
+from builder.foundation.canon import sha256_tree
+from builder.foundation.hashing import sha256_file
+from builder.image import build as image
+from builder.installer.errors import InstallError
+from builder.installer.install import Admission, install
+from builder.lock.lockfile import load_lock
+from builder.store.content import Store
 from tests.lib import auditlib, factory, rlib
 from tests.lib import bundlelib as bl
 from tests.lib.gitlib import Upstream

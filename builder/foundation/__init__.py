@@ -1,0 +1,3 @@
+"""What every stage stands on: canonical JSON and atomic writes (canon), file and tree hashing
+(hashing), the one way ssh is called (ssh), the Docker Engine adapter (dockerio) and Ed25519 signing
+with minisign's format (sign)."""

@@ -1,0 +1,445 @@
+"""Provenance of a built image in the ecosystem's formats: a CycloneDX 1.5 SBOM (each component with its
+package URL, `purl`) and an in-toto Statement v1 with a SLSA Provenance v1 predicate, also carried as a
+DSSE envelope (the form attestation tools read: cosign, slsa-verifier, in-toto).
+
+Both are pure functions of the plan (the closure: engine source at its commit, each patch, each
+toolchain artifact, the base by digest, each file, the recipe's files) and the image record (the
+ImageID, the OCI manifest digest, the DiffIDs), so the same build gives the same bytes on any
+machine: no wall-clock time goes in (the SBOM's timestamp is SOURCE_DATE_EPOCH). They are written to
+the store under ``provenance/<input address>/`` at build time; ``builder bundle`` signs them with the
+bundle key (minisign, as the manifest), wraps the statement in a DSSE envelope signed with the same key
+(``provenance.intoto.jsonl``: one envelope per line, as in-toto's attestation bundles), and carries them
+under ``provenance/``; ``builder verify`` checks each signature, that the envelope's payload is the
+statement beside it, and that each document names the bundle's image.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from builder import __version__
+from builder.errors import VerifyError
+from builder.foundation import sign
+from builder.foundation.canon import atomic_write, pretty_json
+from builder.image.layers import rfc3339
+from builder.lock.plainfiles import scrub_url
+
+if TYPE_CHECKING:  # (types only: checking a bundle's documents needs neither)
+    from builder.image.imagerecord import ImageRecord
+    from builder.image.plan import Plan
+
+SBOM = "sbom.cdx.json"
+STATEMENT = "provenance.intoto.json"
+DOCUMENTS = (SBOM, STATEMENT)
+#: the statement in a DSSE envelope (in-toto's attestation bundle form: one JSON envelope per line)
+ENVELOPE = "provenance.intoto.jsonl"
+PAYLOAD_TYPE = "application/vnd.in-toto+json"
+SIG_SUFFIX = ".minisig"
+BUNDLE_DIR = "provenance"  # the folder of a bundle that carries them
+
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
+BUILD_TYPE = "urn:builder:buildtype:image:v1"
+BUILDER_ID = "urn:builder:image"
+MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
+# serialNumber: a UUID derived from the input address, so the SBOM stays a function of the build
+_NAMESPACE = uuid.UUID("6f2b0f0e-3c5a-4d6e-9b1a-2d4c8e7f9a10")
+
+
+def _hex(digest: str) -> str:
+    return digest.removeprefix("sha256:")
+
+
+# ---------------------------------------------------------------- package URLs (github.com/package-url/purl-spec)
+
+
+def _pq(text: str, safe: str = "") -> str:
+    """purl percent-encoding (as the spec's reference implementations write it: ':' stays)."""
+    return quote(text, safe=safe).replace("%3A", ":")
+
+
+def purl(ptype: str, name: str, *, namespace: str = "", version: str | None = None,
+         qualifiers: dict[str, str] | None = None) -> str:
+    """``pkg:type/namespace/name@version?qualifiers`` in canonical form: each namespace segment, the name
+    and the version percent-encoded, qualifiers sorted by key, empty ones left out."""
+    out = f"pkg:{ptype}/"
+    segments = [seg for seg in namespace.split("/") if seg]
+    if segments:
+        out += "/".join(_pq(seg) for seg in segments) + "/"
+    out += _pq(name)
+    if version:
+        out += "@" + _pq(version)
+    q = {k: v for k, v in sorted((qualifiers or {}).items()) if v}
+    if q:
+        out += "?" + "&".join(f"{k}={_pq(v, safe='/')}" for k, v in q.items())
+    return out
+
+
+# a repository on a forge that has its own purl type: https://github.com/OWNER/REPO(.git), or the
+# scp-like and ssh:// forms of the same
+_FORGE = re.compile(r"^(?:https?://|ssh://(?:[^@/]+@)?|git://|[^@/:]+@)?(?:www\.)?"
+                    r"(?P<host>github\.com|gitlab\.com|bitbucket\.org)[:/]"
+                    r"(?P<owner>[A-Za-z0-9_.-]+)/(?P<repo>[A-Za-z0-9_.-]+?)(?:\.git)?/?$")
+_FORGE_TYPE = {"github.com": "github", "gitlab.com": "gitlab", "bitbucket.org": "bitbucket"}
+
+
+def source_purl(name: str, url: str, commit: str) -> str:
+    """A git source at its commit: ``pkg:github/owner/repo@commit`` (gitlab, bitbucket likewise); any
+    other repository ``pkg:generic/NAME@commit`` with its ``vcs_url`` when the url is a URL (a path in
+    the project, such as a git bundle, names no place anyone else can fetch from)."""
+    m = _FORGE.match(url)
+    if m:
+        ptype = _FORGE_TYPE[m["host"]]
+        return purl(ptype, m["repo"].lower(), namespace=m["owner"].lower(), version=commit)
+    shown = scrub_url(url)
+    vcs = f"git+{shown}@{commit}" if re.match(r"^[a-z][a-z0-9+.-]*://", shown) else ""
+    return purl("generic", name, version=commit, qualifiers={"vcs_url": vcs})
+
+
+def file_purl(path: str, sha256: str, version: str | None = None) -> str:
+    """A file by its content: ``pkg:generic/[folders/]NAME?checksum=sha256:HEX``."""
+    folder, _, base = path.strip("/").rpartition("/")
+    return purl("generic", base, namespace=folder, version=version, qualifiers={"checksum": f"sha256:{sha256}"})
+
+
+def _oci_repository(ref: str) -> tuple[str, str]:
+    """An image reference's repository, registry included (Docker Hub's defaults filled in), and tag."""
+    ref = ref.split("@", 1)[0]
+    repo, tag = ref, ""
+    last = ref.rsplit("/", 1)[-1]
+    if ":" in last:
+        repo, tag = ref.rsplit(":", 1)
+    first = repo.split("/", 1)[0]
+    if "/" not in repo or not ("." in first or ":" in first or first == "localhost"):
+        repo = "docker.io/" + (repo if "/" in repo else "library/" + repo)
+    return repo, tag
+
+
+def oci_purl(ref: str, digest: str, platform: str | None = None, *, registry: bool = True) -> str:
+    """An image by digest: ``pkg:oci/NAME@sha256:HEX?arch=..&repository_url=REGISTRY/PATH&tag=..``."""
+    repo, tag = _oci_repository(ref)
+    arch = platform.split("/")[1] if platform and "/" in platform else ""
+    return purl("oci", repo.rsplit("/", 1)[-1].lower(), version=digest.lower(),
+                qualifiers={"arch": arch, "repository_url": repo if registry else "", "tag": tag})
+
+
+def toolchain_purl(name: str, version: str | None, sha256: str | None) -> str:
+    """A toolchain by version, and by the artifact's checksum when builder fetched one (a toolchain the
+    base image carries has none: the base's digest pins its bytes)."""
+    return purl("generic", name, version=version,
+                qualifiers={"checksum": f"sha256:{sha256}" if sha256 else ""})
+
+
+def _dependencies(p: Plan) -> list[dict[str, Any]]:
+    """Every locked input of the image as an in-toto ResourceDescriptor, with its digest."""
+    c = p.closure
+    out: list[dict[str, Any]] = []
+    for sname, s in sorted(c["sources"].items()):
+        out.append({
+            "name": f"sources/{sname}",
+            "uri": f"git+{scrub_url(s['url'])}@{s['commit']}",
+            "digest": {"gitCommit": s["commit"]},
+            "annotations": {"tree_sha256": s["tree_sha256"]},
+        })
+        for i, patch in enumerate(s["patches"]):
+            out.append({
+                "name": f"sources/{sname}/patches/{patch['file']}",
+                "digest": {"sha256": patch["sha256"]},
+                "annotations": {"source": sname, "order": i},
+            })
+    base = c.get("base")
+    for tname, t in sorted(c["toolchains"].items()):
+        arts = t.get("artifacts") or {}
+        version = str(t.get("version") or "unknown")
+        if not arts:
+            # a toolchain the base image carries (CUDA): the base's digest is what pins its bytes
+            entry: dict[str, Any] = {"name": f"toolchains/{tname}",
+                                     "annotations": {"kind": t["kind"], "version": version}}
+            if base:
+                entry["digest"] = {"sha256": _hex(base["manifest_digest"])}
+                entry["annotations"]["provided_by"] = f"bases/{base['ref']}"
+            else:
+                entry["uri"] = f"urn:builder:toolchain:{tname}:{version}"
+            out.append(entry)
+        for plat, sha in sorted(arts.items()):
+            out.append({"name": f"toolchains/{tname}/{plat}", "digest": {"sha256": sha},
+                        "annotations": {"kind": t["kind"], "version": version}})
+    if base:
+        out.append({"name": f"bases/{base['ref']}", "uri": f"oci://{base['ref'].split('@', 1)[0]}",
+                    "digest": {"sha256": _hex(base["manifest_digest"])}, "mediaType": MEDIA_MANIFEST})
+    for fname, sha in sorted(c["files"].items()):
+        out.append({"name": f"files/{fname}", "digest": {"sha256": sha}})
+    for rel, sha in sorted(c["recipe"].items()):
+        out.append({"name": f"recipe/{p.name}/{rel}", "digest": {"sha256": sha}})
+    return out
+
+
+def _subjects(rec: ImageRecord) -> list[dict[str, Any]]:
+    repo = rec.tag.rsplit(":", 1)[0]
+    out = []
+    if rec.manifest_digest:
+        out.append({"name": repo, "digest": {"sha256": _hex(rec.manifest_digest)}, "mediaType": MEDIA_MANIFEST})
+    out.append({"name": repo, "digest": {"sha256": _hex(rec.image_id)}, "mediaType": MEDIA_CONFIG})
+    return out
+
+
+def statement(p: Plan, rec: ImageRecord) -> dict[str, Any]:
+    """The in-toto Statement v1 with its SLSA Provenance v1 predicate."""
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": _subjects(rec),
+        "predicateType": SLSA_PROVENANCE,
+        "predicate": {
+            "buildDefinition": {
+                "buildType": BUILD_TYPE,
+                "externalParameters": {"image": p.name, "platform": p.platform, "lock_hash": p.lock_hash},
+                "internalParameters": {"input_address": p.address, "plan": p.closure,
+                                       "builder_version": __version__},
+                "resolvedDependencies": _dependencies(p),
+            },
+            "runDetails": {
+                "builder": {"id": BUILDER_ID, "version": {"builder": __version__}},
+                "metadata": {"invocationId": p.address},
+                "byproducts": [{"name": f"diff_ids/{i}", "digest": {"sha256": _hex(d)}}
+                               for i, d in enumerate(rec.diff_ids)],
+            },
+        },
+    }
+
+
+def _component(ref: str, ctype: str, name: str, sha: str | None, **extra: Any) -> dict[str, Any]:
+    comp: dict[str, Any] = {"type": ctype, "bom-ref": ref, "name": name}
+    if sha:
+        comp["hashes"] = [{"alg": "SHA-256", "content": sha}]
+    comp.update(extra)
+    return comp
+
+
+def sbom(p: Plan, rec: ImageRecord) -> dict[str, Any]:
+    """The CycloneDX 1.5 SBOM: the image, and each input that went into it, each with its purl."""
+    c = p.closure
+    comps: list[dict[str, Any]] = []
+    for sname, s in sorted(c["sources"].items()):
+        patches = [{"type": "unofficial", "diff": {"url": pp["file"]}} for pp in s["patches"]]
+        comp = _component(f"source:{sname}", "application", sname, None, version=s["commit"],
+                          purl=source_purl(sname, s["url"], s["commit"]),
+                          externalReferences=[{"type": "vcs", "url": scrub_url(s["url"])}],
+                          properties=[{"name": "io.builder.tree-sha256", "value": s["tree_sha256"]}])
+        if patches:
+            comp["pedigree"] = {"patches": patches}
+        comps.append(comp)
+        for pp in s["patches"]:
+            comps.append(_component(f"patch:{sname}:{pp['file']}", "file", pp["file"], pp["sha256"],
+                                    purl=file_purl(pp["file"], pp["sha256"]),
+                                    properties=[{"name": "io.builder.patch-of", "value": sname}]))
+    for tname, t in sorted(c["toolchains"].items()):
+        arts = t.get("artifacts") or {}
+        props = [{"name": f"io.builder.artifact.{plat}", "value": sha} for plat, sha in sorted(arts.items())]
+        art = arts.get(p.platform) or (next(iter(sorted(arts.values()))) if arts else None)
+        comps.append(_component(f"toolchain:{tname}", "application", tname, art,
+                                version=str(t.get("version") or "unknown"),
+                                purl=toolchain_purl(tname, t.get("version"), art),
+                                properties=[{"name": "io.builder.kind", "value": t["kind"]}, *props]))
+    base = c.get("base")
+    if base:
+        comps.append(_component("base", "container", base["ref"].split("@", 1)[0], _hex(base["manifest_digest"]),
+                                version=base["manifest_digest"],
+                                purl=oci_purl(base["ref"], base["manifest_digest"], p.platform)))
+    for fname, sha in sorted(c["files"].items()):
+        comps.append(_component(f"file:{fname}", "file", fname, sha, purl=file_purl(fname, sha)))
+    for rel, sha in sorted(c["recipe"].items()):
+        path = f"images/{p.name}/{rel}"
+        comps.append(_component(f"recipe:{rel}", "file", path, sha, purl=file_purl(path, sha)))
+    props = [{"name": "io.builder.input-address", "value": p.address},
+             {"name": "io.builder.lock-hash", "value": p.lock_hash},
+             {"name": "io.builder.image-id", "value": rec.image_id},
+             {"name": "io.builder.platform", "value": p.platform}]
+    if rec.manifest_digest:
+        props.append({"name": "io.builder.manifest-digest", "value": rec.manifest_digest})
+    props += [{"name": f"io.builder.diff-id.{i}", "value": d} for i, d in enumerate(rec.diff_ids)]
+    image = _component("image", "container", rec.tag.rsplit(":", 1)[0], _hex(rec.image_id),
+                       version=p.address[:32], properties=props)
+    if rec.manifest_digest:  # (an image is named by its manifest's digest; a local one has no registry)
+        image["purl"] = oci_purl(rec.tag, rec.manifest_digest, p.platform, registry=False)
+    return {
+        "bomFormat": "CycloneDX",
+        "specVersion": "1.5",
+        "serialNumber": f"urn:uuid:{uuid.uuid5(_NAMESPACE, p.address)}",
+        "version": 1,
+        "metadata": {
+            "timestamp": rfc3339(p.source_date_epoch),
+            "tools": {"components": [{"type": "application", "name": "builder", "version": __version__}]},
+            "component": image,
+        },
+        "components": comps,
+        "dependencies": [{"ref": "image", "dependsOn": [x["bom-ref"] for x in comps]},
+                         *({"ref": x["bom-ref"]} for x in comps)],
+    }
+
+
+def documents(p: Plan, rec: ImageRecord) -> dict[str, bytes]:
+    return {SBOM: pretty_json(sbom(p, rec)), STATEMENT: pretty_json(statement(p, rec))}
+
+
+def folder(store: Path, input_address: str) -> Path:
+    return store / "provenance" / input_address
+
+
+def write(store: Path, p: Plan, rec: ImageRecord) -> Path:
+    d = folder(store, p.address)
+    for name, data in documents(p, rec).items():
+        atomic_write(d / name, data)
+    return d
+
+
+def ensure(store: Path, p: Plan, rec: ImageRecord) -> Path:
+    """Write the documents unless the store already holds exactly these bytes."""
+    d = folder(store, p.address)
+    docs = documents(p, rec)
+    if all((d / n).is_file() and (d / n).read_bytes() == data for n, data in docs.items()):
+        return d
+    return write(store, p, rec)
+
+
+def read(store: Path, input_address: str) -> dict[str, bytes] | None:
+    d = folder(store, input_address)
+    if not all((d / n).is_file() for n in DOCUMENTS):
+        return None
+    return {n: (d / n).read_bytes() for n in DOCUMENTS}
+
+
+def signed(docs: dict[str, bytes], secret: sign.SecretKey, image_id: str) -> dict[str, bytes]:
+    """Each document and its minisign signature (the trusted comment names the image)."""
+    out: dict[str, bytes] = {}
+    for name, data in sorted(docs.items()):
+        out[name] = data
+        out[name + SIG_SUFFIX] = sign.sign(data, secret, f"builder provenance {name} {image_id}").encode()
+    return out
+
+
+def pae(payload_type: str, payload: bytes) -> bytes:
+    """DSSE v1's pre-authentication encoding: what the envelope's signatures sign."""
+    t = payload_type.encode("utf-8")
+    return b"DSSEv1 %d %b %d %b" % (len(t), t, len(payload), payload)
+
+
+def envelope(payload: bytes, secret: sign.SecretKey) -> bytes:
+    """The statement in a DSSE envelope, signed (Ed25519 over the PAE) with the bundle key; its keyid is
+    the key's minisign id. One line of JSON and a newline: an in-toto attestation bundle of one."""
+    sig = sign.sign_raw(pae(PAYLOAD_TYPE, payload), secret)
+    env = {"payloadType": PAYLOAD_TYPE, "payload": base64.b64encode(payload).decode("ascii"),
+           "signatures": [{"keyid": secret.public_key.key_id_hex, "sig": base64.b64encode(sig).decode("ascii")}]}
+    return (json.dumps(env, separators=(",", ":"), sort_keys=True) + "\n").encode("ascii")
+
+
+def _b64(value: Any, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise VerifyError(f"{what}: not base64 text")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise VerifyError(f"{what}: not base64 text") from None
+
+
+def open_envelope(data: bytes, key: sign.PublicKey, where: str) -> bytes:
+    """A DSSE envelope's payload, once a signature by ``key`` over its PAE checks (a signature naming
+    another keyid is passed over; DSSE's keyid is a hint). One-line VerifyError otherwise."""
+    lines = [ln for ln in data.splitlines() if ln.strip()]
+    if len(lines) != 1:
+        raise VerifyError(f"{where}: expected one DSSE envelope (one line of JSON), found {len(lines)} lines")
+    try:
+        env = json.loads(lines[0])
+    except (ValueError, RecursionError):
+        raise VerifyError(f"{where}: not JSON") from None
+    if not isinstance(env, dict) or env.get("payloadType") != PAYLOAD_TYPE:
+        raise VerifyError(f"{where}: not a DSSE envelope of payload type {PAYLOAD_TYPE}")
+    payload = _b64(env.get("payload"), f"{where}: payload")
+    sigs = env.get("signatures")
+    if not isinstance(sigs, list) or not sigs:
+        raise VerifyError(f"{where}: no signatures")
+    message = pae(PAYLOAD_TYPE, payload)
+    tried = 0
+    for s in sigs:
+        if not isinstance(s, dict) or s.get("keyid", key.key_id_hex) != key.key_id_hex:
+            continue
+        tried += 1
+        try:
+            sign.verify_raw(message, _b64(s.get("sig"), f"{where}: sig"), key, source=where)
+        except VerifyError:
+            continue
+        return payload
+    if not tried:
+        raise VerifyError(f"{where}: no signature by key {key.key_id_hex}")
+    raise VerifyError(f"{where}: signature verification failed: the payload does not match its signature")
+
+
+def check_documents(docs: dict[str, bytes], image: dict[str, Any], where: str) -> None:
+    """Each document names this image: the statement's subject (config digest) and the SBOM's image hash
+    are the ImageID, and the DiffIDs are the manifest's. VerifyError naming the document otherwise."""
+    image_hex = _hex(str(image["image_id"]))
+    try:
+        st = json.loads(docs[STATEMENT])
+        bom = json.loads(docs[SBOM])
+    except (KeyError, ValueError) as e:
+        raise VerifyError(f"{where}: provenance document missing or not JSON: {e}") from None
+    if st.get("_type") != STATEMENT_TYPE or st.get("predicateType") != SLSA_PROVENANCE:
+        raise VerifyError(f"{where}/{STATEMENT}: not an in-toto Statement v1 with a SLSA Provenance v1 predicate")
+    subjects = [s.get("digest", {}).get("sha256") for s in st.get("subject") or [] if isinstance(s, dict)]
+    if image_hex not in subjects:
+        raise VerifyError(f"{where}/{STATEMENT}: no subject is image {image['image_id']}")
+    byproducts = (st.get("predicate") or {}).get("runDetails", {}).get("byproducts") or []
+    diff_ids = ["sha256:" + str(b.get("digest", {}).get("sha256")) for b in byproducts
+                if str(b.get("name", "")).startswith("diff_ids/")]
+    if diff_ids != list(image["diff_ids"]):
+        raise VerifyError(f"{where}/{STATEMENT}: its DiffIDs are not the image's")
+    comp = (bom.get("metadata") or {}).get("component") or {}
+    hashes = [h.get("content") for h in comp.get("hashes") or []]
+    if bom.get("bomFormat") != "CycloneDX" or image_hex not in hashes:
+        raise VerifyError(f"{where}/{SBOM}: the SBOM does not describe image {image['image_id']}")
+
+
+def verify_bundle_docs(bundle_dir: Path, image: dict[str, Any], key_text: bytes) -> list[str]:
+    """The signed documents a bundle carries, checked: signature (the bundle key) and subject, and the DSSE
+    envelope (its signature, and its payload the statement beside it) when the bundle carries one (its
+    signed manifest says whether it does). Returns the names checked ([] when the bundle carries none)."""
+    d = bundle_dir / BUNDLE_DIR
+    if not d.is_dir():
+        return []
+    docs: dict[str, bytes] = {}
+    for name in DOCUMENTS:
+        f, s = d / name, d / (name + SIG_SUFFIX)
+        if not f.is_file() or not s.is_file():
+            raise VerifyError(f"{d}: {name} or its signature is missing")
+        data = f.read_bytes()
+        sign.verify(data, s.read_bytes(), key_text, source=f"{BUNDLE_DIR}/{name}{SIG_SUFFIX}")
+        docs[name] = data
+    check_documents(docs, image, str(d))
+    checked = sorted(docs)
+    env = d / ENVELOPE
+    if env.is_file():
+        where = f"{BUNDLE_DIR}/{ENVELOPE}"
+        payload = open_envelope(env.read_bytes(), sign.parse_public_key(key_text), where)
+        if payload != docs[STATEMENT]:
+            raise VerifyError(f"{where}: its payload is not {BUNDLE_DIR}/{STATEMENT}")
+        checked.append(ENVELOPE)
+    return sorted(checked)
+
+
+def bundle_files(store: Path, rec: ImageRecord, secret: sign.SecretKey) -> dict[str, bytes]:
+    """The files a bundle carries for its image's provenance (``provenance/NAME`` and its signature, and
+    the statement's DSSE envelope); {} when the store holds none for this image (a record from before
+    provenance: `builder image` writes them)."""
+    docs = read(store, rec.input_address)
+    if docs is None:
+        return {}
+    files = signed(docs, secret, rec.image_id)
+    files[ENVELOPE] = envelope(docs[STATEMENT], secret)
+    return {f"{BUNDLE_DIR}/{name}": data for name, data in sorted(files.items())}

@@ -1,1 +1,0 @@
-"""Model weights: the content-addressed model store and `builder fetch`."""

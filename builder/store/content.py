@@ -1,0 +1,338 @@
+"""The content-addressed store: every fetched input lives here under its hash.
+
+Layout under the store root (default `.cache/builder` in the project):
+  objects/<sha256>        files: patches, wheels, toolchain archives, plain files
+  trees/<tree_sha256>/    source trees exported at their locked commit (patches not applied)
+  images/<address>.json   what `builder image` built (see imagerecord.py)
+  provenance/<address>/   the image's SBOM and provenance statement (provenance.py)
+  locks/push-<address>.lock  held while that image is pushed (registry.py)
+  git/                    bare mirror caches (gitsrc.py)
+  tmp/                    staging: every entry is written here, verified, then os.replace()d
+  .lock                   flock held while entries are added or collected
+
+An entry is visible only once complete and verified: a process killed mid-write leaves
+at most a folder under tmp/, which the next writer removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from builder.errors import ResolveError, VerifyError
+from builder.foundation.canon import file_lock, fsync_dir, sha256_tree
+from builder.foundation.hashing import READ_SIZE, sha256_file
+from builder.lock import plainfiles as fetch
+
+
+@dataclass
+class GcReport:
+    removed: list[str]
+    kept: int
+    freed_bytes: int
+
+
+class Store:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.objects = root / "objects"
+        self.trees = root / "trees"
+        self.tmp = root / "tmp"
+
+    # ---- plumbing ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with file_lock(self.root / ".lock"):
+            yield
+
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[Path]:
+        """A fresh folder inside the store (same filesystem, so rename is atomic)."""
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        d = Path(tempfile.mkdtemp(prefix=f"stage-{os.getpid()}-", dir=self.tmp))
+        try:
+            yield d
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def clean_tmp(self) -> None:
+        """Remove staging left by killed writers (call with the store lock held)."""
+        if self.tmp.is_dir():
+            for p in self.tmp.iterdir():
+                if _owner_alive(p.name):
+                    continue  # a live process is still writing there
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+
+    # ---- files ------------------------------------------------------------------------
+
+    def object_path(self, sha256: str) -> Path:
+        return self.objects / sha256
+
+    def has(self, sha256: str) -> bool:
+        return self.object_path(sha256).is_file()
+
+    def verified(self, sha256: str, what: str) -> Path:
+        """The object's path after re-hashing it: the store never hands out bytes it has not checked."""
+        p = self.object_path(sha256)
+        if not p.is_file():
+            raise ResolveError(f"{what}: not in the store (sha256 {sha256[:16]})")
+        got, _ = sha256_file(p)
+        if got != sha256:
+            raise VerifyError(f"{what}: store entry {sha256[:16]} is corrupt (its bytes hash to {got[:16]}); "
+                              f"run `builder gc --verify` and fetch again")
+        return p
+
+    def put_file(self, src: Path, sha256: str, what: str) -> Path:
+        """Copy a file in, verifying it against the expected hash on the way."""
+        return self.put_stream(_read_chunks(src), sha256, what)
+
+    def put_stream(self, chunks: Iterable[bytes], sha256: str, what: str) -> Path:
+        """Write chunks into staging, check their sha256, then rename into objects/ (under the lock)."""
+        dest = self.object_path(sha256)
+        if dest.is_file():
+            return self.verified(sha256, what)
+        with self.locked():
+            self.clean_tmp()
+            if dest.is_file():  # another writer finished it while we waited for the lock
+                return self.verified(sha256, what)
+            with self.staging() as st:
+                tmp = st / "blob"
+                h = hashlib.sha256()
+                with open(tmp, "wb") as f:
+                    for c in chunks:
+                        h.update(c)
+                        f.write(c)
+                    f.flush()
+                    os.fsync(f.fileno())
+                got = h.hexdigest()
+                if got != sha256:
+                    raise VerifyError(f"{what}: bytes do not match the lock (expected sha256 {sha256[:16]}, "
+                                      f"got {got[:16]})")
+                self.objects.mkdir(parents=True, exist_ok=True)
+                os.chmod(tmp, 0o444)
+                os.replace(tmp, dest)
+                fsync_dir(self.objects)
+        return dest
+
+    def fetch_url(self, url: str | None, sha256: str, what: str, *, root: Path, offline: bool,
+                  filename: str | None = None) -> Path:
+        """A file by url (project path, file:// or http(s)://) from the store, or copied/downloaded
+        into it, verified by sha256."""
+        if self.has(sha256):
+            return self.verified(sha256, what)
+        if url is None:
+            raise ResolveError(f"{what}: no URL to fetch from")
+        if not fetch.is_remote(url):
+            local = fetch.local_path(url, root, where=f"{what}.url")
+            if not local.is_file():
+                raise ResolveError(f"{what}: no such file: {url}")
+            return self.put_file(local, sha256, what)
+        if offline:
+            raise ResolveError(f"{what}: {filename + ' is ' if filename else ''}not in the store "
+                               f"and --offline was given")
+        with self.staging() as st:
+            fetch.download(url, st / "dl", sha256)
+            return self.put_file(st / "dl", sha256, what)
+
+    # ---- trees ------------------------------------------------------------------------
+
+    def tree_path(self, tree_sha256: str) -> Path:
+        return self.trees / tree_sha256
+
+    def put_tree(self, tree_sha256: str, export: Callable[[Path], None], what: str,
+                 hasher: Callable[[Path], str] = sha256_tree) -> Path:
+        """Export a tree into staging, check its hash, then rename it into place."""
+        dest = self.tree_path(tree_sha256)
+        if dest.is_dir():
+            return dest
+        with self.locked():
+            self.clean_tmp()
+            if dest.is_dir():
+                return dest
+            with self.staging() as st:
+                work = st / "tree"
+                work.mkdir()
+                export(work)
+                got = hasher(work)
+                if got != tree_sha256:
+                    raise VerifyError(f"{what}: exported tree does not match the lock (expected "
+                                      f"{tree_sha256[:16]}, got {got[:16]})")
+                self.trees.mkdir(parents=True, exist_ok=True)
+                os.replace(work, dest)
+                fsync_dir(self.trees)
+        return dest
+
+    def verified_tree(self, tree_sha256: str, what: str, hasher: Callable[[Path], str] = sha256_tree) -> Path:
+        dest = self.tree_path(tree_sha256)
+        if not dest.is_dir():
+            raise ResolveError(f"{what}: tree {tree_sha256[:16]} not in the store")
+        got = hasher(dest)
+        if got != tree_sha256:
+            raise VerifyError(f"{what}: store tree {tree_sha256[:16]} is corrupt (hashes to {got[:16]}); "
+                              f"run `builder gc --verify`")
+        return dest
+
+    # ---- wheels -----------------------------------------------------------------------
+
+    def fetch_wheel(self, package: str, version: str, filename: str, sha256: str, what: str,
+                    wheelhouses: list[Path], offline: bool) -> Path:
+        """A wheel from the store, a local wheelhouse, or pip (online), verified by sha256."""
+        if self.has(sha256):
+            return self.verified(sha256, what)
+        for wh in wheelhouses:
+            cand = wh / filename
+            if cand.is_file():
+                return self.put_file(cand, sha256, what)
+        if offline:
+            raise ResolveError(f"{what}: {filename} is not in the store or a wheelhouse "
+                               f"({', '.join(map(str, wheelhouses)) or 'none'}) and --offline was given")
+        with self.staging() as st:
+            plat = _pip_platform(filename)
+            cmd = ["python3", "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(st),
+                   f"{package}=={version}"]
+            if plat:
+                cmd[6:6] = ["--platform", plat]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            got = st / filename
+            if r.returncode != 0 or not got.is_file():
+                raise ResolveError(f"{what}: pip could not download {filename}")
+            return self.put_file(got, sha256, what)
+
+    # ---- gc ---------------------------------------------------------------------------
+
+    def gc(self, keep_objects: set[str], keep_trees: set[str], keep_images: set[str],
+           verify: bool = False, dry_run: bool = False) -> GcReport:
+        """Remove objects, trees and image records not in the keep sets (and, with ``verify``, those whose
+        bytes no longer match their name), plus staging left by killed writers. ``dry_run``: only report."""
+        removed: list[str] = []
+        freed = 0
+        kept = 0
+        if not self.root.is_dir():
+            return GcReport(removed=removed, kept=kept, freed_bytes=freed)
+        with self.locked():
+            if not dry_run:
+                self.clean_tmp()
+            for folder, keep in ((self.objects, keep_objects), (self.root / "images", keep_images)):
+                if not folder.is_dir():
+                    continue
+                for p in sorted(folder.iterdir()):
+                    key = p.name.removesuffix(".json")
+                    bad = verify and folder == self.objects and sha256_file(p)[0] != key
+                    if key in keep and not bad:
+                        kept += 1
+                        continue
+                    freed += p.stat().st_size
+                    if not dry_run:
+                        p.unlink()
+                    removed.append(f"{folder.name}/{p.name}")
+            # what is kept beside an image record goes with it: its provenance folder, its push lock
+            prov = self.root / "provenance"
+            if prov.is_dir():
+                for p in sorted(prov.iterdir()):
+                    if p.name in keep_images:
+                        kept += 1
+                        continue
+                    freed += _size(p)
+                    if not dry_run and p.is_dir() and not p.is_symlink():
+                        _rmtree_ro(p)
+                    elif not dry_run:
+                        p.unlink()
+                    removed.append(f"provenance/{p.name}")
+            locks = self.root / "locks"
+            if locks.is_dir():
+                for p in sorted(locks.glob("push-*.lock")):
+                    if p.name.removeprefix("push-").removesuffix(".lock") in keep_images:
+                        kept += 1
+                        continue
+                    if not dry_run and not _unlink_unheld(p):
+                        kept += 1  # a push of it is under way right now
+                        continue
+                    removed.append(f"locks/{p.name}")
+            if self.trees.is_dir():
+                for p in sorted(self.trees.iterdir()):
+                    if p.name in keep_trees and not (verify and sha256_tree(p) != p.name):
+                        kept += 1
+                        continue
+                    freed += _size(p)
+                    if not dry_run:
+                        _rmtree_ro(p)
+                    removed.append(f"trees/{p.name}")
+        return GcReport(removed=removed, kept=kept, freed_bytes=freed)
+
+
+def _size(p: Path) -> int:
+    if not p.is_dir() or p.is_symlink():
+        return p.lstat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _unlink_unheld(p: Path) -> bool:
+    """Remove a lock file nobody holds (False, leaving it, while a process holds it)."""
+    try:
+        fd = os.open(p, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        p.unlink(missing_ok=True)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _owner_alive(name: str) -> bool:
+    """Staging names carry their writer's pid (`stage-<pid>-…`, `image-<pid>-…`)."""
+    parts = name.split("-")
+    if len(parts) < 3 or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if pid == os.getpid():
+        return True  # ours: an image context or download being assembled right now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _rmtree_ro(p: Path) -> None:
+    def onerror(func: Callable[..., object], path: str, exc: object) -> None:
+        os.chmod(os.path.dirname(path), 0o755)
+        with contextlib.suppress(OSError):
+            os.chmod(path, 0o755)
+        func(path)
+
+    shutil.rmtree(p, onerror=onerror)
+
+
+def _read_chunks(path: Path) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(READ_SIZE):
+            yield chunk
+
+
+def _pip_platform(filename: str) -> str | None:
+    # ziglang-0.17.0-py3-none-manylinux_2_17_aarch64.manylinux2014_aarch64.musllinux_1_1_aarch64.whl
+    parts = filename[:-4].split("-")
+    if len(parts) >= 5:
+        return parts[-1].split(".")[0]
+    return None
