@@ -599,11 +599,16 @@ def start_fleet(
     names: Sequence[str] | None = None,
     user: str = SSH_USER,
     timeout: float = 60,
+    owner: str | None = None,
+    labels: dict[str, str] | None = None,
 ) -> Fleet:
     """Start n test hosts in parallel and return the running Fleet (use it as a context manager, or call
     teardown()). ``workdir`` receives id_ed25519(.pub), known_hosts and ssh_config. ``dockerd=False``
-    skips each host's own Docker Engine (faster, ~70 MiB less per host). On any failure everything
-    started is removed before FleetError is raised."""
+    skips each host's own Docker Engine (faster, ~70 MiB less per host). ``owner`` replaces the
+    ``builder-test.owner`` label (HOST:PID of this process, which :func:`reap_stale` removes once the
+    process is gone): a fleet meant to outlive this process names an owner that is not a HOST:PID.
+    ``labels`` are more labels for its containers and network. On any failure everything started is
+    removed before FleetError is raised."""
     if n < 1:
         raise FleetError(f"n={n}: a fleet needs at least one host")
     workdir = Path(workdir).resolve()
@@ -613,13 +618,14 @@ def start_fleet(
     if len(host_names) != n:
         raise FleetError(f"names: {len(host_names)} names for {n} hosts")
     network = f"bt-{secrets.token_hex(4)}"
-    labels = [
+    label_args = [
         "--label",
         f"{LABEL}=1",
         "--label",
         f"builder-test.fleet={network}",
         "--label",
-        f"builder-test.owner={_owner()}",
+        f"builder-test.owner={owner or _owner()}",
+        *[a for k, v in sorted((labels or {}).items()) for a in ("--label", f"{k}={v}")],
     ]
     identity = workdir / "id_ed25519"
     # ssh control sockets need a short path (108 bytes); workdir (pytest tmp_path) may be long.
@@ -656,7 +662,7 @@ def start_fleet(
             capture_output=True,
         )
         pubkey = Path(f"{identity}.pub").read_text().strip()
-        fleet.subnet = _create_network(network, labels)
+        fleet.subnet = _create_network(network, label_args)
         caps = ["--cap-add", "ALL", *[a for c in _cap_drops() for a in ("--cap-drop", c)]]
         sec = [
             "--security-opt",
@@ -686,7 +692,7 @@ def start_fleet(
                 network,
                 "--ip",
                 ip_of[name],
-                *labels,
+                *label_args,
                 "--label",
                 f"builder-test.host={name}",
                 *caps,

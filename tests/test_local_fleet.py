@@ -1,0 +1,95 @@
+"""`python3 -m tests.fleet.local up` and `down` (tests/fleet/local.py), typed as the README's tour types
+them, in a copy of the project: the fleet file builder reads, real ssh to every host as its user, and
+nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from builder.inputs.hosts import fleet_trusted_key, load_fleet, ssh_config_file
+from tests.fleet import local
+from tests.lib import fleetlib, journeylib
+
+
+def _run(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tests.fleet.local", *args], cwd=root, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(root), "NO_COLOR": "1"})
+
+
+def _builder(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([journeylib.BUILDER, *args], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root), "NO_COLOR": "1"})
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--lane", "no-such-lane"], "--lane 'no-such-lane': no such lane in "),
+    (["--hosts", "0"], "--hosts 0: between 1 and 16"),
+    (["--name", "Local"], "--name 'Local': a fleet name is lowercase"),
+])
+def test_up_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path: Path, args: list[str], says: str) -> None:
+    root = journeylib.project_copy(tmp_path / "project")
+    p = _run(root, "up", *args)
+    assert p.returncode == 1 and p.stdout == "", (p.returncode, p.stdout, p.stderr)
+    assert p.stderr.startswith(f"tests.fleet.local: {says}") and p.stderr.count("\n") == 1, p.stderr
+    assert not (root / "hosts" / "local.toml").exists() and not (root / ".cache").exists()
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+def test_up_gives_a_fleet_builder_reads_and_reaches_and_down_removes_all_of_it(tmp_path: Path) -> None:
+    if not fleetlib.docker_available():
+        pytest.fail("Docker Engine not reachable: the local fleet needs it")
+    root = journeylib.project_copy(tmp_path / "project").resolve()
+    path = root / "hosts" / "local.toml"
+    up = _run(root, "up", "--hosts", "3")
+    try:
+        assert up.returncode == 0, up.stderr
+        assert up.stdout == f"{path}\n"
+        assert "builder deploy --fleet local --key keys/builder.key" in up.stderr
+        fleet = load_fleet(path)
+        assert (fleet.fleet.name, fleet.fleet.lane) == ("local", "demo")
+        assert [(h.name, h.rank, h.role) for h in fleet.by_rank()] == [
+            ("spark-1", 0, "head"), ("spark-2", 1, "worker"), ("spark-3", 2, "worker")]
+        # the key the tour's `builder keygen --out keys` writes
+        assert fleet_trusted_key(path, fleet) == root / "keys" / "builder.pub"
+        cfg = ssh_config_file(path, fleet.fleet.ssh_config)
+        assert cfg is not None and cfg.is_relative_to(root / ".cache" / "local-fleet" / "local")
+        # ignored by git: a fresh clone's `git status` stays clean
+        ignored = subprocess.run(["git", "check-ignore", str(path.relative_to(root)), str(cfg.relative_to(root))],
+                                 cwd=journeylib.ROOT, capture_output=True, text=True)
+        assert ignored.returncode == 0 and len(ignored.stdout.splitlines()) == 2, ignored.stdout
+
+        listed = _builder(root, "hosts", "--fleet", "local", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert [r["name"] for r in json.loads(listed.stdout)] == ["spark-1", "spark-2", "spark-3"]
+        for h in fleet.hosts:
+            r = subprocess.run(["ssh", "-F", str(cfg), h.name, "id -un; stat -c %U /var/lib/builder /srv/models "
+                                "/srv/engram; docker info -f '{{.ServerVersion}}'; hostname -i"],
+                               capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+            assert r.returncode == 0, (h.name, r.stderr)
+            lines = r.stdout.split()
+            assert lines[:4] == ["spark"] * 4, (h.name, lines)  # its user, owning the folders builder installs into
+            assert lines[5] == h.address, (h.name, lines)  # its own dockerd answered; the address is its IP
+
+        # the hosts outlive `up`'s process, and are not a killed test's left-overs
+        fleetlib.reap_stale()
+        containers, networks = local.running(root, "local")
+        assert len(containers) == 3 and len(networks) == 1
+
+        again = _run(root, "up")
+        assert again.returncode == 1 and "local fleet 'local' is up (3 containers)" in again.stderr, again.stderr
+        assert again.stderr.count("\n") == 1
+    finally:
+        down = _run(root, "down")
+    assert down.returncode == 0, down.stderr
+    assert down.stderr.startswith("removed: 3 container(s), network "), down.stderr
+    assert local.running(root, "local") == ([], [])
+    assert not path.exists() and not (root / ".cache" / "local-fleet" / "local").exists()
+    again = _run(root, "down")
+    assert again.returncode == 0 and again.stderr == "local fleet 'local': nothing to remove\n", again.stderr
