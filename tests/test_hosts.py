@@ -148,24 +148,30 @@ def test_every_file_a_fleet_names_is_taken_from_the_fleet_files_folder(
 def test_hosts_and_its_ansible_inventory_agree_on_a_fleet_whose_ssh_config_is_not_there_yet(
     tmp_path: Path,
 ) -> None:
-    """The shipped test fleet names an ssh_config that exists only while its hosts run: `builder hosts`
-    lists it, and `builder hosts --ansible` over every fleet writes it too (the path, for ssh to read when
-    Ansible connects), rather than exit 2 over the missing file."""
-    r = _cli(ROOT, "hosts", "--json")
+    """A fleet may name an ssh_config that exists only while its hosts run (the local fleet's is written by
+    `python3 -m tests.fleet.local up`): `builder hosts` lists it, and `builder hosts --ansible` over every
+    fleet writes it too (the path, for ssh to read when Ansible connects), rather than exit 2 over the
+    missing file."""
+    root = auditlib.make_project(tmp_path / "proj", lock=False)["pins"].parent
+    factory.write_fleet(root, factory.fleet("pending", "demo", [factory.host("spark-1", 0), factory.host("spark-2", 1)],
+                                            ssh_config="../.cache/pending/ssh_config"))
+    factory.write_fleet(root, factory.fleet("plain", "demo", [factory.host("spark-a", 0, ssh="op@192.0.2.1")]))
+    r = _cli(root, "hosts", "--json")
     assert r.returncode == 0, r.stderr
     listed = {(x["fleet"], x["name"]) for x in json.loads(r.stdout)}
-    assert ("test-fleet", "spark-test-1") in listed
+    assert listed == {("pending", "spark-1"), ("pending", "spark-2"), ("plain", "spark-a")}
     inv = tmp_path / "inv.yml"
-    r = _cli(ROOT, "hosts", "--ansible", str(inv))
+    r = _cli(root, "hosts", "--ansible", str(inv))
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     text = inv.read_text()
     written = {(g, h) for g, h in re.findall(r"^    (\S+):\n|^        (\S+):$", text, re.M)}
     assert {h for _, h in written if h} == {name for _, name in listed}
-    cfg = (ROOT / "hosts" / "test-fleet.toml").parent / "../.cache/test-fleet/ssh_config"
-    assert f'ansible_ssh_common_args: "-F {cfg.resolve()}"' in text
+    cfg = (root / "hosts" / "../.cache/pending/ssh_config").resolve()
+    assert not cfg.exists()
+    assert f'ansible_ssh_common_args: "-F {cfg}"' in text
     ini = tmp_path / "inv.ini"
-    assert _cli(ROOT, "hosts", "--fleet", "test-fleet", "--ansible", str(ini)).returncode == 0
-    assert f"ansible_ssh_common_args='-F {cfg.resolve()}'" in ini.read_text()
+    assert _cli(root, "hosts", "--fleet", "pending", "--ansible", str(ini)).returncode == 0
+    assert f"ansible_ssh_common_args='-F {cfg}'" in ini.read_text()
     if shutil.which("ansible-inventory"):
         p = subprocess.run(["ansible-inventory", "-i", str(inv), "--list"], capture_output=True, text=True,
                            timeout=120, env={**os.environ, "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible")})

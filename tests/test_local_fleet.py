@@ -1,6 +1,6 @@
 """`python3 -m tests.fleet.local up` and `down` (tests/fleet/local.py), typed as the README's tour types
-them, in a copy of the project: the fleet file builder reads, real ssh to every host as its user, and
-nothing left behind."""
+them, in a copy of the project: the fleet file builder reads, real ssh to every host as its user, the
+tour's `builder deploy --fleet local` of the demo lane, and nothing left behind."""
 
 from __future__ import annotations
 
@@ -23,13 +23,16 @@ def _run(root: Path, *args: str, timeout: float = 300) -> subprocess.CompletedPr
 
 
 def _builder(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([journeylib.BUILDER, *args], cwd=root, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(root), "NO_COLOR": "1"})
+    p = subprocess.run([journeylib.BUILDER, *args], cwd=root, capture_output=True, text=True, timeout=600,
+                       env=journeylib.builder_env(root.parent / "work"))
+    assert p.returncode == 0, f"builder {' '.join(args)}: exit {p.returncode}: {p.stderr[-3000:]}"
+    return p
 
 
 @pytest.mark.parametrize(("args", "says"), [
     (["--lane", "no-such-lane"], "--lane 'no-such-lane': no such lane in "),
     (["--hosts", "0"], "--hosts 0: between 1 and 16"),
+    (["--hosts", "3"], "--hosts 3: lane 'demo' runs 2 ranks (serve.tensor_parallel), one a host"),
     (["--name", "Local"], "--name 'Local': a fleet name is lowercase"),
 ])
 def test_up_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path: Path, args: list[str], says: str) -> None:
@@ -42,18 +45,19 @@ def test_up_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path: Path, arg
 
 @pytest.mark.fleet
 @pytest.mark.docker
-def test_up_gives_a_fleet_builder_reads_and_reaches_and_down_removes_all_of_it(tmp_path: Path) -> None:
+@pytest.mark.build
+def test_up_gives_a_fleet_the_tour_deploys_onto_and_down_removes_all_of_it(tmp_path: Path) -> None:
     if not fleetlib.docker_available():
         pytest.fail("Docker Engine not reachable: the local fleet needs it")
     root = journeylib.project_copy(tmp_path / "project").resolve()
     path = root / "hosts" / "local.toml"
-    up = _run(root, "up", "--hosts", "3")
+    up = _run(root, "up", "--lane", "demo-tp3")
     try:
         assert up.returncode == 0, up.stderr
         assert up.stdout == f"{path}\n"
         assert "builder deploy --fleet local --key keys/builder.key" in up.stderr
         fleet = load_fleet(path)
-        assert (fleet.fleet.name, fleet.fleet.lane) == ("local", "demo")
+        assert (fleet.fleet.name, fleet.fleet.lane) == ("local", "demo-tp3")
         assert [(h.name, h.rank, h.role) for h in fleet.by_rank()] == [
             ("spark-1", 0, "head"), ("spark-2", 1, "worker"), ("spark-3", 2, "worker")]
         # the key the tour's `builder keygen --out keys` writes
@@ -66,7 +70,6 @@ def test_up_gives_a_fleet_builder_reads_and_reaches_and_down_removes_all_of_it(t
         assert ignored.returncode == 0 and len(ignored.stdout.splitlines()) == 2, ignored.stdout
 
         listed = _builder(root, "hosts", "--fleet", "local", "--json")
-        assert listed.returncode == 0, listed.stderr
         assert [r["name"] for r in json.loads(listed.stdout)] == ["spark-1", "spark-2", "spark-3"]
         for h in fleet.hosts:
             r = subprocess.run(["ssh", "-F", str(cfg), h.name, "id -un; stat -c %U /var/lib/builder /srv/models "
@@ -76,6 +79,17 @@ def test_up_gives_a_fleet_builder_reads_and_reaches_and_down_removes_all_of_it(t
             lines = r.stdout.split()
             assert lines[:4] == ["spark"] * 4, (h.name, lines)  # its user, owning the folders builder installs into
             assert lines[5] == h.address, (h.name, lines)  # its own dockerd answered; the address is its IP
+
+        # the tour, as the README types it
+        for step in (["lock", "--offline", "demo-tp3"], ["fetch", "--offline", "demo-tp3"],
+                     ["image", "demo", "--offline"], ["keygen", "--out", "keys"]):
+            _builder(root, *step)
+        deploy = _builder(root, "deploy", "--fleet", "local", "--key", "keys/builder.key", "--with-image",
+                          "--with-models", "--json")
+        assert json.loads(deploy.stdout)["result"] == "deployed", deploy.stdout[-2000:]
+        status = json.loads(_builder(root, "status", "--fleet", "local", "--json").stdout)
+        assert status["exit"] == 0 and [(h, s["up"], s["on_lock"]) for h, s in sorted(status["hosts"].items())] == [
+            ("spark-1", True, True), ("spark-2", True, True), ("spark-3", True, True)], status
 
         # the hosts outlive `up`'s process, and are not a killed test's left-overs
         fleetlib.reap_stale()

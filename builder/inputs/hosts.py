@@ -27,11 +27,16 @@ from builder.inputs.schema import Name, Strict
 class Fabric(Strict):
     """The RoCE fabric of one host: one IPv4 per rail, RDMA device names, the GID index."""
 
-    rails: list[str] = []
-    interfaces: list[str] = []
-    rdma_devices: list[str] = []
-    gid_index: int | Literal["auto"] = "auto"
-    mtu: int = Field(default=9000, ge=576, le=9216)
+    rails: list[str] = Field(default=[], description="one IPv4 address per RoCE rail of this host",
+                             examples=[["192.0.2.110", "198.51.100.210"]])
+    interfaces: list[str] = Field(default=[], description="the network interfaces of the rails, in rail order "
+                                  "(`{interfaces}` and `{interface}` in a lane)", examples=[["enp1s0f0np0"]])
+    rdma_devices: list[str] = Field(default=[], description="the RDMA devices the audit checks and a lane's "
+                                    "`rdma` devices mount (`{rdma_devices}`)", examples=[["rocep1s0f0"]])
+    gid_index: int | Literal["auto"] = Field(
+        default="auto", description="the RoCE GID index (`{gid_index}`); `auto`: the lane gets no "
+        "`NCCL_IB_GID_INDEX`", examples=[3])
+    mtu: int = Field(default=9000, ge=576, le=9216, description="the rails' MTU the audit expects")
 
     @field_validator("rails")
     @classmethod
@@ -45,9 +50,13 @@ class Fabric(Strict):
 
 
 class Paths(Strict):
-    models: str = "/srv/models"
-    engram: str = "/srv/engram"
-    bundles: str = "/var/lib/builder"
+    """Where builder installs on the host (absolute paths; builder/store/placement.py places each file)."""
+
+    models: str = Field(default="/srv/models", description="the model store: each model's files")
+    engram: str = Field(default="/srv/engram", description="the Engram shards of the host's rank",
+                        examples=["/nvme/engram"])
+    bundles: str = Field(default="/var/lib/builder", description="releases, `current`, `previous`, the "
+                         "apply record, derivations and the trusted key")
 
     @field_validator("models", "engram", "bundles")
     @classmethod
@@ -69,8 +78,9 @@ class Burn(Strict):
     killed at its timeout: a container outlives its killed CLI."""
 
     enabled: bool = Field(default=True, description="false: the opt-out (the burn check skips, saying so)")
-    command: list[str] = Field(min_length=1)
-    seconds: float = Field(default=12.0, ge=1, le=60, description="the load's length (recipes.md §14 #5: 10-15 s)")
+    command: list[str] = Field(min_length=1, description="the load's argv, run on the host; it prints one JSON "
+                               "line with its `tflops`", examples=[["python3", "-c", "{matmul}", "{request}"]])
+    seconds: float = Field(default=12.0, ge=1, le=60, description="the load's length (the GB10 recipe burns 10-15 s)")
     timeout_s: float = Field(default=120.0, ge=5, le=600, description="the load is killed past this")
     min_tflops: float | None = Field(default=None, gt=0, description="the floor, where the band's is not wanted")
     cleanup: list[str] | None = Field(
@@ -81,40 +91,60 @@ class Burn(Strict):
 class Expect(Strict):
     """What the audit expects of the host (never read from the host itself)."""
 
-    gpu_name: str | None = None
-    gpu_count: int = Field(default=1, ge=0)
-    compute_cap: str | None = None
-    driver_version: str | None = None
-    cuda_version: str | None = None
-    persistence_mode: bool | None = True
-    gpu_clock_mhz: int | None = Field(default=None, ge=0, description="sustained SM clock target")
-    min_free_memory_gib: float = Field(default=0, ge=0)
-    max_swap_used_gib: float | None = Field(default=None, ge=0)
-    min_free_disk_gib: float = Field(default=0, ge=0)
-    nfs_mounts: list[str] = []
-    docker: bool = True
-    nvidia_runtime: bool = True
-    rdma: bool = True
+    gpu_name: str | None = Field(default=None, description="every GPU's name as nvidia-smi gives it (unset: "
+                                 "not checked)", examples=["NVIDIA GB10"])
+    gpu_count: int = Field(default=1, ge=0, description="how many GPUs the host has (0: none, and the GPU "
+                           "checks say so)")
+    compute_cap: str | None = Field(default=None, description="every GPU's compute capability (unset: not "
+                                    "checked)", examples=["12.1"])
+    driver_version: str | None = Field(default=None, description="the NVIDIA driver version (unset: not "
+                                       "checked)", examples=["580.159.04"])
+    cuda_version: str | None = Field(default=None, description="the CUDA version the driver reports (unset: "
+                                     "not checked)", examples=["13.0"])
+    persistence_mode: bool | None = Field(default=True, description="every GPU's persistence mode")
+    gpu_clock_mhz: int | None = Field(default=None, ge=0, description="sustained SM clock target: every GPU's "
+                                      "max SM clock at least this (unset: not checked)", examples=[2100])
+    min_free_memory_gib: float = Field(default=0, ge=0, description="the memory gate: MemAvailable at least "
+                                       "this many GiB (0: not checked)", examples=[112])
+    max_swap_used_gib: float | None = Field(default=None, ge=0, description="swap in use at most this many GiB "
+                                            "(unset: not checked)")
+    min_free_disk_gib: float = Field(default=0, ge=0, description="free disk under `paths.models` at least "
+                                     "this many GiB (0: not checked)", examples=[530])
+    nfs_mounts: list[str] = Field(default=[], description="NFS mount points the host must have mounted and "
+                                  "in /etc/fstab", examples=[["/mnt/shared"]])
+    docker: bool = Field(default=True, description="the host runs a Docker Engine the ssh user may use")
+    nvidia_runtime: bool = Field(default=True, description="its Docker Engine has the NVIDIA runtime (GPU "
+                                 "lanes' container options apply only then)")
+    rdma: bool = Field(default=True, description="the host has RDMA devices (the fabric checks run; a lane's "
+                       "`rdma` devices are mounted)")
     memory_wait_s: float = Field(
         default=0, ge=0, le=600,
         description="short of min_free_memory_gib: drop the page cache and wait this long for it (0: refuse at once)")
-    burn: Burn | None = None
+    burn: Burn | None = Field(default=None, description="the burn gate's load (unset: the burn check skips, "
+                              "saying so)")
 
 
 class Host(Strict):
-    name: Name
+    """One host of the fleet: how to reach it, its rank, and what the audit expects of it."""
+
+    name: Name = Field(description="the host's name in builder (`builder ship FLEET/NAME`, the audit's "
+                       "matrix); unique in the fleet", examples=["spark-1"])
     ssh: str = Field(
         min_length=1,
         description="ssh target: [user@]host[:port], [user@][v6addr]:port or an ssh_config alias "
         "(the container's name for connection = docker)",
+        examples=["operator@192.0.2.10", "spark-1"],
     )
-    connection: Literal["ssh", "docker", "local"] = "ssh"
-    rank: int = Field(ge=0, le=63)
-    role: Literal["head", "worker"]
+    connection: Literal["ssh", "docker", "local"] = Field(
+        default="ssh", description="how the audit reaches the host: ssh, `docker exec` into a container, or "
+        "this machine itself")
+    rank: int = Field(ge=0, le=63, description="the host's rank in the lane; the ranks of a fleet are 0..N-1")
+    role: Literal["head", "worker"] = Field(description="`head` for rank 0 (it serves the API), `worker` for "
+                                            "every other rank")
     address: str | None = Field(default=None, description="the address other ranks use (rendezvous)")
-    fabric: Fabric = Fabric()
-    paths: Paths = Paths()
-    expect: Expect = Expect()
+    fabric: Fabric = Field(default=Fabric(), description="the host's RoCE fabric")
+    paths: Paths = Field(default=Paths(), description="where builder installs on the host")
+    expect: Expect = Field(default=Expect(), description="what the audit expects of the host")
 
     @field_validator("ssh")
     @classmethod
@@ -125,13 +155,22 @@ class Host(Strict):
 
 
 class FleetInfo(Strict):
-    name: Name
-    lane: Name
-    trusted_key: str | None = Field(default=None, description="minisign public key file for bundles")
-    ssh_config: str | None = Field(default=None, description="relative paths: from this file's folder")
-    registry: str | None = Field(default=None, description="https://host:port the hosts pull the image from")
-    registry_ca: str | None = Field(default=None, description="the CA file of its TLS (from this file's folder)")
-    note: str | None = None
+    """The fleet as a whole: its name, its lane, and the files every host shares. A relative path is taken
+    from the fleet file's folder, wherever builder runs."""
+
+    name: Name = Field(description="the fleet's name (`--fleet NAME`); unique among the fleet files of "
+                       "`hosts/`", examples=["spark-tp4"])
+    lane: Name = Field(description="the lane of `pins.toml` the fleet runs", examples=["tensorfold-tp4"])
+    trusted_key: str | None = Field(default=None, description="the public key file (minisign format) the "
+                                    "hosts trust bundles signed by: what `builder keygen --out keys` writes as "
+                                    "`keys/builder.pub`", examples=["../keys/builder.pub"])
+    ssh_config: str | None = Field(default=None, description="an ssh_config file that audit, ship and deploy "
+                                   "give ssh (`ssh -F`)", examples=["../.cache/local-fleet/local/ssh_config"])
+    registry: str | None = Field(default=None, description="https://host:port the hosts pull the image from",
+                                 examples=["https://spark-head:5000"])
+    registry_ca: str | None = Field(default=None, description="the CA file of the registry's TLS",
+                                    examples=["ca.crt"])
+    note: str | None = Field(default=None, description="free text, for the reader")
 
     @field_validator("registry")
     @classmethod
@@ -177,8 +216,11 @@ def fleet_trusted_key(fleet_file: Path, fleet: Fleet) -> Path | None:
 
 
 class Fleet(Strict):
-    fleet: FleetInfo
-    hosts: list[Host] = Field(min_length=1)
+    """A fleet file, `hosts/NAME.toml`: a `[fleet]` table and one `[[hosts]]` table per host."""
+
+    fleet: FleetInfo = Field(description="the fleet as a whole")
+    hosts: list[Host] = Field(min_length=1, description="one table per host, rank 0 (the head) and the "
+                              "workers")
 
     @model_validator(mode="after")
     def _ranks(self) -> Fleet:

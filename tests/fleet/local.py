@@ -1,16 +1,17 @@
 """A fleet of local test hosts to try builder on without Sparks.
 
-    python3 -m tests.fleet.local up [--hosts N] [--lane demo] [--name local]
+    python3 -m tests.fleet.local up [--lane demo] [--hosts N] [--name local]
     python3 -m tests.fleet.local down [--name local]
 
-`up` starts N test hosts (tests/lib/fleetlib.py: containers of the image tests/fleet/build-testhost.sh
-builds, each with a real sshd, its own dockerd and the `spark` user) on a private Docker network, makes on
-each the folders builder installs into (what an operator does once on a new Spark), and writes the fleet
-file `hosts/NAME.toml` (rank 0 the head, the others workers, the lane named) with its ssh key, known
-hosts and ssh_config under `.cache/local-fleet/NAME/`; both are ignored by git. It prints the fleet
-file's path on stdout and the commands to run next on stderr. The hosts have no GPU and no RDMA, and
-their fleet file expects none: a lane whose image runs without a GPU (the `demo` lane, or a seed lane's
-on the simulator image) deploys onto them.
+`up` starts N test hosts (by default as many as the lane has ranks) on a private Docker network: the
+containers of tests/lib/fleetlib.py, from the image tests/fleet/build-testhost.sh builds, each with a
+real sshd, its own dockerd and the user `spark`. On each it makes the folders builder installs into
+(what an operator does once on a new Spark). It writes the fleet file `hosts/NAME.toml` (rank 0 the head,
+the others workers, the lane named) and, under `.cache/local-fleet/NAME/`, its ssh key, known hosts and
+ssh_config; git ignores both. It prints the fleet file's path on stdout and the commands to run next on
+stderr. The hosts have no GPU and no RDMA, and their fleet file expects none: a lane whose image runs
+without a GPU deploys onto them (the `demo` lanes; tests/test_seed_fleet.py runs the seed lanes so, on
+the simulator image).
 
 `down` removes exactly what `up` made: the containers and the network labelled with this project's
 folder and the fleet's name, the fleet file (when `up` wrote it) and the folder under `.cache/`.
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 from builder.errors import ConfigError
 from builder.foundation.canon import atomic_write
@@ -68,13 +70,13 @@ def running(root: Path, name: str) -> tuple[list[str], list[str]]:
     return containers, networks
 
 
-def lane_images(root: Path) -> dict[str, str]:
-    """Each lane of the project's pins and the image it runs."""
+def lanes(root: Path) -> dict[str, dict[str, Any]]:
+    """Each lane of the project's pins (a lane based on another: its whole table)."""
     pins = root / "pins.toml"
     try:
         with open(pins, "rb") as f:
             doc = tomllib.load(f)
-        return {k: str(v.get("image", "?")) for k, v in expand_lanes(doc, pins).get("lanes", {}).items()}
+        return dict(expand_lanes(doc, pins).get("lanes", {}))
     except (OSError, tomllib.TOMLDecodeError, ConfigError, KeyError) as e:
         raise LocalFleetError(f"{pins}: {e}") from None
 
@@ -90,16 +92,21 @@ def fleet_text(name: str, lane: str, fleet: fleetlib.Fleet) -> str:
     return f"{MARKER}\n{factory.toml(doc)}"
 
 
-def up(root: Path, name: str, n: int, lane: str) -> Path:
-    """Start the hosts and write their fleet file; returns its path."""
+def up(root: Path, name: str, n: int | None, lane: str) -> Path:
+    """Start the hosts (n: the lane's tensor_parallel when None) and write their fleet file; returns its path."""
     if not re.fullmatch(NAME_RE, name):
         raise LocalFleetError(f"--name {name!r}: a fleet name is lowercase letters, digits, '.', '_', '-'")
-    if not 1 <= n <= 16:
-        raise LocalFleetError(f"--hosts {n}: between 1 and 16")
-    known = lane_images(root)
+    known = lanes(root)
     if lane not in known:
         raise LocalFleetError(f"--lane {lane!r}: no such lane in {root / 'pins.toml'} "
                               f"(have: {', '.join(sorted(known))})")
+    ranks = known[lane].get("serve", {}).get("tensor_parallel")
+    n = n if n is not None else ranks or 2
+    if not 1 <= n <= 16:
+        raise LocalFleetError(f"--hosts {n}: between 1 and 16")
+    if ranks is not None and n != ranks:
+        raise LocalFleetError(f"--hosts {n}: lane {lane!r} runs {ranks} ranks (serve.tensor_parallel), "
+                              "one a host")
     path = fleet_file(root, name)
     if not fleetlib.docker_available():
         raise LocalFleetError("Docker Engine not reachable (docker info failed)")
@@ -166,9 +173,10 @@ def down(root: Path, name: str) -> list[str]:
 def next_steps(root: Path, name: str, path: Path, lane: str) -> str:
     rel = path.relative_to(root) if path.is_relative_to(root) else path
     cfg = state_dir(root, name) / "ssh_config"
+    image = lanes(root)[lane].get("image", "…")
     return "\n".join([
         f"{rel}: fleet {name!r}, lane {lane!r}. Next:",
-        f"  builder lock --offline {lane} && builder fetch --offline {lane} && builder image {lane_images(root)[lane]}",
+        f"  builder lock --offline {lane} && builder fetch --offline {lane} && builder image {image}",
         "  builder keygen --out keys        # once; the fleet trusts keys/builder.pub",
         f"  builder deploy --fleet {name} --key keys/builder.key --with-image --with-models",
         f"  builder status --fleet {name}",
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m tests.fleet.local", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     u = sub.add_parser("up", help="start N local test hosts and write hosts/NAME.toml")
-    u.add_argument("--hosts", type=int, default=2, help="how many hosts (default 2)")
+    u.add_argument("--hosts", type=int, default=None, help="how many hosts (default: the lane's ranks)")
     u.add_argument("--lane", default="demo", help="the fleet's lane (default demo)")
     d = sub.add_parser("down", help="remove what `up` made")
     for p in (u, d):

@@ -211,23 +211,9 @@ def failing(report: dict[str, Any]) -> set[tuple[str, str]]:
     }
 
 
-@contextmanager
-def journey(
-    workdir: Path, n: int, *, lane: str = "demo", name: str = "journey", store: Path | None = None,
-    expect: dict[str, Any] = EXPECT, prepare: Callable[[fleetlib.Fleet, fleetlib.Host], None] | None = None,
-    bundle: bool = True, ship: bool = True, image: str = "demo",
-    before_lock: Callable[[Path], None] | None = None,
-) -> Iterator[Journey]:
-    """n test hosts with the lane installed by the CLI from the shipped pins (not started).
-    ``bundle=False`` stops after `builder keygen` (no bundle, nothing installed: `builder deploy` makes
-    the bundles); ``ship=False`` after `builder bundle` (nothing installed). ``before_lock`` changes the
-    copy (its root) before the lock (its pins through tests.lib.factory.edit_pins); ``image`` is the
-    lane's image `builder image` builds."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    root = project_copy(workdir / "project")
-    if before_lock is not None:
-        before_lock(root)
-    keys = workdir / "keys"
+def builder_env(workdir: Path, store: Path | None = None) -> dict[str, str]:
+    """The environment a journey's `builder` commands run in: this checkout's builder, the store, ssh
+    folder, Hugging Face home and config under `workdir` (the ssh folder made), offline, no colour."""
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("BUILDER_", "HF_", "SSH_AUTH"))
     }
@@ -245,7 +231,28 @@ def journey(
         env["BUILDER_WHEELHOUSE"] = os.environ["BUILDER_WHEELHOUSE"]
     elif (ROOT / ".cache" / "wheelhouse").is_dir():
         env["BUILDER_WHEELHOUSE"] = str(ROOT / ".cache" / "wheelhouse")
-    (workdir / "ssh").mkdir(mode=0o700, exist_ok=True)
+    (workdir / "ssh").mkdir(mode=0o700, parents=True, exist_ok=True)
+    return env
+
+
+@contextmanager
+def journey(
+    workdir: Path, n: int, *, lane: str = "demo", name: str = "journey", store: Path | None = None,
+    expect: dict[str, Any] = EXPECT, prepare: Callable[[fleetlib.Fleet, fleetlib.Host], None] | None = None,
+    bundle: bool = True, ship: bool = True, image: str = "demo",
+    before_lock: Callable[[Path], None] | None = None,
+) -> Iterator[Journey]:
+    """n test hosts with the lane installed by the CLI from the shipped pins (not started).
+    ``bundle=False`` stops after `builder keygen` (no bundle, nothing installed: `builder deploy` makes
+    the bundles); ``ship=False`` after `builder bundle` (nothing installed). ``before_lock`` changes the
+    copy (its root) before the lock (its pins through tests.lib.factory.edit_pins); ``image`` is the
+    lane's image `builder image` builds."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    root = project_copy(workdir / "project")
+    if before_lock is not None:
+        before_lock(root)
+    keys = workdir / "keys"
+    env = builder_env(workdir, store)
     fleet = fleetlib.start_fleet(n, workdir / "fleet")
     try:
         (root / "hosts" / f"{name}.toml").write_text(fleet_toml(name, lane, fleet, keys, expect))
