@@ -3,6 +3,7 @@ of builder/ naming each of its modules, and each top-level module of builder/.""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -61,3 +62,44 @@ def test_each_top_level_module_of_builder_is_named() -> None:
     said = set().union(*(names(r) for k, r in rows.items() if k.startswith("`builder/*.py`")))
     modules = {Path(p).stem for p in tracked() if re.fullmatch(r"builder/[^/]+\.py", p)} - {"__init__"}
     assert modules and not modules - said, f"README layout table does not name builder/{sorted(modules - said)}"
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lowercase, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    return {slug(m) for m in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def pages() -> list[str]:
+    return ["README.md", *sorted(p for p in tracked() if p.startswith("docs/") and p.endswith(".md"))]
+
+
+def test_every_relative_link_of_the_readme_and_docs_reaches_a_file_of_the_repo() -> None:
+    """A reader of a clone can follow every link: to a tracked file or folder, and to a heading it has."""
+    files = set(tracked())
+    bad = []
+    for page in pages():
+        text = (ROOT / page).read_text()
+        for target in LINK.findall(text):
+            if re.match(r"^[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            rel = Path(page).parent.joinpath(path).as_posix() if path else page
+            rel = str(Path(os.path.normpath(rel)))
+            if rel not in files and not any(f.startswith(rel + "/") for f in files):
+                bad.append(f"{page}: ({target}): no such file in the repo")
+            elif anchor and rel.endswith(".md") and anchor not in anchors((ROOT / rel).read_text()):
+                bad.append(f"{page}: ({target}): {rel} has no heading #{anchor}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_readme_and_docs_name_no_file_outside_the_repo() -> None:
+    bad = [f"{page}: {m}" for page in pages()
+           for m in re.findall(r"\S*(?:\.\./shared|/work/shared)\S*", (ROOT / page).read_text())]
+    assert not bad, "\n".join(bad)

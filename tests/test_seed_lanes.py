@@ -1,5 +1,6 @@
-"""The shipped seed lanes, rendered by `builder launch` on the shipped fleet files, against what
-../shared/reference/recipes.md §10 says each rank of each recipe runs.
+"""The shipped seed lanes, rendered by `builder launch` on the shipped fleet files, against what each
+rank of each seed's recipe runs (its launch scripts, as the recipes record them; the section numbers
+below are the recipes').
 
 Each expectation below cites the recipe fact it checks; the values come from the recipe, not from
 builder's own rendering. Nothing is built or contacted: `builder launch` renders from the pins and
