@@ -34,6 +34,7 @@ def _builder(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (["--hosts", "0"], "--hosts 0: between 1 and 16"),
     (["--hosts", "3"], "--hosts 3: lane 'demo' runs 2 ranks (serve.tensor_parallel), one a host"),
     (["--name", "Local"], "--name 'Local': a fleet name is lowercase"),
+    (["--lane", "vllm-mia-tp2"], "--lane 'vllm-mia-tp2': its image 'vllm-mia' does not run on the test hosts"),
 ])
 def test_up_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path: Path, args: list[str], says: str) -> None:
     root = journeylib.project_copy(tmp_path / "project")
@@ -107,3 +108,39 @@ def test_up_gives_a_fleet_the_tour_deploys_onto_and_down_removes_all_of_it(tmp_p
     assert not path.exists() and not (root / ".cache" / "local-fleet" / "local").exists()
     again = _run(root, "down")
     assert again.returncode == 0 and again.stderr == "local fleet 'local': nothing to remove\n", again.stderr
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+def test_up_simulate_gives_a_seed_lane_in_a_copy_the_tour_deploys_and_down_removes_it(tmp_path: Path) -> None:
+    if not fleetlib.docker_available():
+        pytest.fail("Docker Engine not reachable: the local fleet needs it")
+    root = journeylib.project_copy(tmp_path / "project").resolve()
+    shipped = sorted(p.name for p in (root / "hosts").iterdir())
+    pins = (root / "pins.toml").read_bytes()
+    up = _run(root, "up", "--lane", "tensorfold-tp2", "--simulate")
+    project = root / ".cache" / "local-fleet" / "local" / "project"
+    try:
+        assert up.returncode == 0, up.stderr
+        assert up.stdout == f"{project / 'hosts' / 'local.toml'}\n"
+        assert "cd .cache/local-fleet/local/project" in up.stderr, up.stderr
+        # the operator's project is untouched: the fleet file and the simulator's pins are in the copy
+        assert sorted(p.name for p in (root / "hosts").iterdir()) == shipped
+        assert (root / "pins.toml").read_bytes() == pins
+        assert b"images/sim" in (project / "pins.toml").read_bytes()
+        fleet = load_fleet(project / "hosts" / "local.toml")
+        assert fleet.fleet.lane == "tensorfold-tp2" and len(fleet.hosts) == 2
+        for step in (["lock", "--offline", "tensorfold-tp2"], ["fetch", "--offline", "tensorfold-tp2"],
+                     ["image", "tensorfold-tp2", "--offline"], ["keygen", "--out", "keys"]):
+            _builder(project, *step)
+        deploy = _builder(project, "deploy", "--fleet", "local", "--key", "keys/builder.key", "--with-image",
+                          "--with-models", "--json")
+        assert json.loads(deploy.stdout)["result"] == "deployed", deploy.stdout[-2000:]
+        status = json.loads(_builder(project, "status", "--fleet", "local", "--json").stdout)
+        assert status["exit"] == 0 and all(s["up"] and s["on_lock"] for s in status["hosts"].values()), status
+    finally:
+        down = _run(root, "down")
+    assert down.returncode == 0, down.stderr
+    assert local.running(root, "local") == ([], []) and not (root / ".cache" / "local-fleet" / "local").exists()
+    assert sorted(p.name for p in (root / "hosts").iterdir()) == shipped

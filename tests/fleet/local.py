@@ -1,6 +1,6 @@
 """A fleet of local test hosts to try builder on without Sparks.
 
-    python3 -m tests.fleet.local up [--lane demo] [--hosts N] [--name local]
+    python3 -m tests.fleet.local up [--lane demo] [--simulate] [--hosts N] [--name local]
     python3 -m tests.fleet.local down [--name local]
 
 `up` starts N test hosts (by default as many as the lane has ranks) on a private Docker network: the
@@ -10,11 +10,17 @@ real sshd, its own dockerd and the user `spark`. On each it makes the folders bu
 the others workers, the lane named) and, under `.cache/local-fleet/NAME/`, its ssh key, known hosts and
 ssh_config; git ignores both. It prints the fleet file's path on stdout and the commands to run next on
 stderr. The hosts have no GPU and no RDMA, and their fleet file expects none: a lane whose image runs
-without a GPU deploys onto them (the `demo` lanes; tests/test_seed_fleet.py runs the seed lanes so, on
-the simulator image).
+without a GPU deploys onto them (the `demo` lanes).
+
+A seed lane's image needs a GB10. With `--simulate`, `up` makes a copy of the project under
+`.cache/local-fleet/NAME/project/` whose pins run the lane on the simulator engine, with small stand-ins
+for its models and kit (tests/lib/simlane.py, as tests/test_seed_fleet.py runs every seed lane), and
+writes the fleet file into that copy's `hosts/`: the tour runs there, on the lane's own launch files,
+env, mounts, start order and derivations. Without it, a lane whose image does not run here is refused.
 
 `down` removes exactly what `up` made: the containers and the network labelled with this project's
-folder and the fleet's name, the fleet file (when `up` wrote it) and the folder under `.cache/`.
+folder and the fleet's name, the fleet file (when `up` wrote it) and the folder under `.cache/` (with
+the simulator's project and what the tour made in it).
 Labelled so, the hosts are not test left-overs: `fleetlib.reap_stale()` leaves them alone.
 
 Every failure is one line naming what failed, and exit 1.
@@ -23,6 +29,8 @@ Every failure is one line naming what failed, and exit 1.
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import re
 import shutil
 import subprocess
@@ -35,7 +43,7 @@ from builder.errors import ConfigError
 from builder.foundation.canon import atomic_write
 from builder.inputs.pins import expand_lanes
 from builder.inputs.schema import NAME_RE
-from tests.lib import factory, fleetlib
+from tests.lib import factory, fleetlib, journeylib, simlane
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the first line of a fleet file `up` writes; `down` removes only a file that starts with it
@@ -81,19 +89,40 @@ def lanes(root: Path) -> dict[str, dict[str, Any]]:
         raise LocalFleetError(f"{pins}: {e}") from None
 
 
-def fleet_text(name: str, lane: str, fleet: fleetlib.Fleet) -> str:
-    """The fleet file: paths relative to hosts/ (the fleet file's folder), the key `builder keygen
-    --out keys` writes trusted, as the README's tour has it."""
+def fleet_text(name: str, lane: str, fleet: fleetlib.Fleet, path: Path) -> str:
+    """The fleet file at `path`: paths relative to its folder, the key `builder keygen --out keys` writes
+    trusted, as the README's tour has it."""
     rows = [factory.host(h.name, rank, address=h.ip, paths=factory.HOST_PATHS, expect=EXPECT)
             for rank, h in enumerate(fleet.hosts)]
-    doc = factory.fleet(name, lane, rows, ssh_config=f"../.cache/local-fleet/{name}/ssh_config",
+    doc = factory.fleet(name, lane, rows, ssh_config=os.path.relpath(fleet.ssh_config, path.parent),
                         trusted_key="../keys/builder.pub",
                         note=f"{len(rows)} local test hosts (containers); no GPU, no RDMA")
     return f"{MARKER}\n{factory.toml(doc)}"
 
 
-def up(root: Path, name: str, n: int | None, lane: str) -> Path:
-    """Start the hosts (n: the lane's tensor_parallel when None) and write their fleet file; returns its path."""
+def machine_platform() -> str:
+    return "linux/arm64" if platform.machine() in ("aarch64", "arm64") else "linux/amd64"
+
+
+def image_runs_here(root: Path, image: str) -> bool:
+    """Whether `builder image` builds the lane's image for this machine's platform (a published image, or
+    one for another platform, does not run on the test hosts)."""
+    with open(root / "pins.toml", "rb") as f:
+        spec = tomllib.load(f).get("images", {}).get(image, {})
+    return "published" not in spec and spec.get("platform", machine_platform()) == machine_platform()
+
+
+def simulator_project(root: Path, work: Path, lane: str, image: str) -> Path:
+    """A copy of the project whose pins run the lane on the simulator engine (tests/lib/simlane.py)."""
+    project = journeylib.project_copy(work / "project", root)
+    simlane.substitute(project, lane, image, work / "stand-ins")
+    return project
+
+
+def up(root: Path, name: str, n: int | None, lane: str, simulate: bool = False) -> Path:
+    """Start the hosts (n: the lane's tensor_parallel when None) and write their fleet file; returns its path.
+    With `simulate` the fleet file is in a copy of the project that runs the lane on the simulator engine
+    (`.cache/local-fleet/NAME/project/`)."""
     if not re.fullmatch(NAME_RE, name):
         raise LocalFleetError(f"--name {name!r}: a fleet name is lowercase letters, digits, '.', '_', '-'")
     known = lanes(root)
@@ -107,6 +136,11 @@ def up(root: Path, name: str, n: int | None, lane: str) -> Path:
     if ranks is not None and n != ranks:
         raise LocalFleetError(f"--hosts {n}: lane {lane!r} runs {ranks} ranks (serve.tensor_parallel), "
                               "one a host")
+    image = str(known[lane].get("image", ""))
+    if not simulate and not image_runs_here(root, image):
+        raise LocalFleetError(f"--lane {lane!r}: its image {image!r} does not run on the test hosts "
+                              f"({machine_platform()}, no GPU); add --simulate to run the lane on the simulator "
+                              "engine")
     path = fleet_file(root, name)
     if not fleetlib.docker_available():
         raise LocalFleetError("Docker Engine not reachable (docker info failed)")
@@ -123,6 +157,12 @@ def up(root: Path, name: str, n: int | None, lane: str) -> Path:
                               f"`sudo {fleetlib.FLEET_DIR / 'build-testhost.sh'}`")
     work = state_dir(root, name)
     shutil.rmtree(work, ignore_errors=True)
+    if simulate:
+        try:
+            path = fleet_file(simulator_project(root, work, lane, image), name)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
     print(f"starting {n} test host(s) …", file=sys.stderr)
     fleet = fleetlib.start_fleet(
         n, work, image=tag, build=False, names=[f"spark-{i}" for i in range(1, n + 1)],
@@ -136,7 +176,7 @@ def up(root: Path, name: str, n: int | None, lane: str) -> Path:
         # the fleet file's ssh_config: without ControlMaster (the control folder goes with this process)
         fleet.plain_ssh_config.replace(fleet.ssh_config)
         shutil.rmtree(fleet.control_dir, ignore_errors=True)
-        atomic_write(path, fleet_text(name, lane, fleet).encode())
+        atomic_write(path, fleet_text(name, lane, fleet, path).encode())
     except BaseException:
         fleet.teardown()
         shutil.rmtree(work, ignore_errors=True)
@@ -171,16 +211,19 @@ def down(root: Path, name: str) -> list[str]:
 
 
 def next_steps(root: Path, name: str, path: Path, lane: str) -> str:
-    rel = path.relative_to(root) if path.is_relative_to(root) else path
+    project = path.parent.parent  # (hosts/NAME.toml of the project the tour runs in)
     cfg = state_dir(root, name) / "ssh_config"
     image = lanes(root)[lane].get("image", "…")
+    where = [f"  cd {os.path.relpath(project)}   # the simulator's copy of the project"] if project != root else []
     return "\n".join([
-        f"{rel}: fleet {name!r}, lane {lane!r}. Next:",
+        f"{os.path.relpath(path)}: fleet {name!r}, lane {lane!r}. Next:",
+        *where,
         f"  builder lock --offline {lane} && builder fetch --offline {lane} && builder image {image}",
         "  builder keygen --out keys        # once; the fleet trusts keys/builder.pub",
         f"  builder deploy --fleet {name} --key keys/builder.key --with-image --with-models",
         f"  builder status --fleet {name}",
         f"  ssh -F {cfg} spark-1             # a host, as its user",
+        *([f"  cd {os.path.relpath(root, project)}"] if project != root else []),
         f"  python3 -m tests.fleet.local down{'' if name == 'local' else f' --name {name}'}",
     ])
 
@@ -191,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     u = sub.add_parser("up", help="start N local test hosts and write hosts/NAME.toml")
     u.add_argument("--hosts", type=int, default=None, help="how many hosts (default: the lane's ranks)")
     u.add_argument("--lane", default="demo", help="the fleet's lane (default demo)")
+    u.add_argument("--simulate", action="store_true",
+                   help="run the lane on the simulator engine, in a copy of the project under .cache/local-fleet/")
     d = sub.add_parser("down", help="remove what `up` made")
     for p in (u, d):
         p.add_argument("--name", default="local", help="the fleet's name (default local)")
@@ -199,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     root = a.root.resolve()
     try:
         if a.command == "up":
-            path = up(root, a.name, a.hosts, a.lane)
+            path = up(root, a.name, a.hosts, a.lane, a.simulate)
             print(next_steps(root, a.name, path, a.lane), file=sys.stderr)
             print(path)
         else:

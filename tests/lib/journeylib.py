@@ -35,14 +35,15 @@ EXPECT: dict[str, Any] = {"gpu_count": 0, "persistence_mode": False, "nvidia_run
                           "min_free_memory_gib": 0.1, "min_free_disk_gib": 0.1}
 
 
-def project_copy(dest: Path) -> Path:
-    """The checkout's files as a fresh clone would have them (tracked, and new files not ignored)."""
+def project_copy(dest: Path, source: Path = ROOT) -> Path:
+    """The checkout's files (or those of the git work tree `source`) as a fresh clone would have them
+    (tracked, and new files not ignored)."""
     out = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, check=True,
+        cwd=source, capture_output=True, check=True,
     ).stdout.decode().split("\0")
     for rel in filter(None, out):
-        src = ROOT / rel
+        src = source / rel
         if not src.is_file():  # deleted in the work tree, not yet in the index
             continue
         d = dest / rel
