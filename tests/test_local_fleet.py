@@ -117,6 +117,8 @@ def test_up_simulate_gives_a_seed_lane_in_a_copy_the_tour_deploys_and_down_remov
     if not fleetlib.docker_available():
         pytest.fail("Docker Engine not reachable: the local fleet needs it")
     root = journeylib.project_copy(tmp_path / "project").resolve()
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)  # (a clone: --simulate copies what git holds)
+    subprocess.run(["git", "add", "-A"], cwd=root, check=True)
     shipped = sorted(p.name for p in (root / "hosts").iterdir())
     pins = (root / "pins.toml").read_bytes()
     up = _run(root, "up", "--lane", "tensorfold-tp2", "--simulate")

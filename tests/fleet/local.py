@@ -114,7 +114,10 @@ def image_runs_here(root: Path, image: str) -> bool:
 
 def simulator_project(root: Path, work: Path, lane: str, image: str) -> Path:
     """A copy of the project whose pins run the lane on the simulator engine (tests/lib/simlane.py)."""
-    project = journeylib.project_copy(work / "project", root)
+    try:
+        project = journeylib.project_copy(work / "project", root)
+    except subprocess.CalledProcessError:
+        raise LocalFleetError(f"{root}: not a git work tree (--simulate copies the files a clone holds)") from None
     simlane.substitute(project, lane, image, work / "stand-ins")
     return project
 
