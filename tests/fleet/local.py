@@ -158,19 +158,20 @@ def up(root: Path, name: str, n: int | None, lane: str, simulate: bool = False) 
     if not fleetlib.image_exists(tag):
         raise LocalFleetError(f"{tag}: test host image missing; build it once with "
                               f"`sudo {fleetlib.FLEET_DIR / 'build-testhost.sh'}`")
-    work = state_dir(root, name)
+    work = state_dir(root, name)  # (a fleet not up: what its folder held is gone with it)
     shutil.rmtree(work, ignore_errors=True)
-    if simulate:
-        try:
+    try:
+        if simulate:
             path = fleet_file(simulator_project(root, work, lane, image), name)
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)
-            raise
-    print(f"starting {n} test host(s) …", file=sys.stderr)
-    fleet = fleetlib.start_fleet(
-        n, work, image=tag, build=False, names=[f"spark-{i}" for i in range(1, n + 1)],
-        owner=f"local-fleet/{name}", labels={PROJECT_LABEL: str(root), FLEET_LABEL: name},
-    )
+        print(f"starting {n} test host(s) …", file=sys.stderr)
+        # (on a failure start_fleet removes every host it started)
+        fleet = fleetlib.start_fleet(
+            n, work, image=tag, build=False, names=[f"spark-{i}" for i in range(1, n + 1)],
+            owner=f"local-fleet/{name}", labels={PROJECT_LABEL: str(root), FLEET_LABEL: name},
+        )
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     try:
         for h in fleet.hosts:
             # what an operator does once on a new Spark (README's tour): the folders builder installs into
