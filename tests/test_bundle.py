@@ -8,6 +8,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -23,12 +24,17 @@ from builder.bundle import (
     make_bundle,
     make_fleet_bundles,
     parse_size,
+    render_bundle,
     verify_dir,
     write_stream,
 )
-from builder.errors import BuilderError, ConfigError, VerifyError
+from builder.bundle.render import lane_record
+from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
 from builder.foundation import sign
 from builder.foundation.hashing import READ_SIZE
+from builder.image import registry
+from builder.image.imagerecord import write_record
+from builder.inputs.hosts import find_host
 from builder.installer.manifest import bundle_id_of
 from tests.lib import bundlelib as bl
 from tests.lib import factory
@@ -447,3 +453,50 @@ def test_image_archive_is_deterministic(tmp_path: Path) -> None:
     assert m[0]["Config"] == f"blobs/sha256/{p.image_id.removeprefix('sha256:')}"
     assert not [x for x in tmp_path.iterdir() if x.name.startswith(".tmp-")]
     subprocess.run(["docker", "image", "rm", "-f", p.image_id], capture_output=True)
+
+
+# --------------------------------------------------------------------------- a fleet with a registry
+
+
+def _registry_project(tmp_path: Path, url: str) -> tuple[Project, str]:
+    """A project whose fleet names the registry at ``url`` and whose image record names its manifest;
+    returns it and the manifest's digest."""
+    p = make_project(tmp_path)
+    (p.root / "hosts" / "test.toml").write_text(bl.fleet_toml(p.hosts, registry=url))
+    ctx = _ctx(p)
+    rec = lane_record(ctx, bl.LANE)
+    rec = rec.model_copy(update={"config_size": 321, "layer_sizes": [1234]})
+    write_record(p.store, rec)
+    manifest_bytes = registry.manifest_of(rec)
+    assert manifest_bytes is not None
+    return p, "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
+
+
+def test_render_bundle_alone_sends_nothing_to_the_registry(tmp_path: Path) -> None:
+    """render_bundle makes files only: the bundle names the image by the digest its record gives, and
+    the fleet's registry (a listening socket here) is never connected to."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        p, digest = _registry_project(tmp_path, f"http://127.0.0.1:{port}")
+        ctx = _ctx(p)
+        fleet_path, fleet, host = find_host(ctx.hosts_dir, "spark-b")
+        res = render_bundle(ctx, fleet_path, fleet, host, tmp_path / "b", BundleOptions(key=p.key, with_image=True))
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # (a connection would be waiting here, accepted by the kernel)
+    image = manifest(res.path)["image"]
+    assert image["pull"] == res.pull == f"127.0.0.1:{port}/builder/tiny@{digest}"
+    assert image["archive"] is None and not (res.path / "image.tar").exists()
+
+
+def test_an_unreachable_registry_fails_before_any_file_is_written(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]  # (closed again: nothing listens there)
+    p, _ = _registry_project(tmp_path, f"http://127.0.0.1:{port}")
+    out = tmp_path / "b"
+    with pytest.raises(UnreachableError, match=f"registry 127.0.0.1:{port}: cannot reach"):
+        make_bundle(_ctx(p), "spark-b", BundleOptions(key=p.key, out=out, with_image=True))
+    assert not out.exists() and not [x for x in tmp_path.iterdir() if x.name.startswith(".tmp-")]
+    # without --with-image nothing is pushed: the bundle names what an earlier push recorded (nothing here)
+    res = make_bundle(_ctx(p), "spark-b", BundleOptions(key=p.key, out=out))
+    assert res.pull is None and "pull" not in manifest(out)["image"]

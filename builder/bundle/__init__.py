@@ -23,7 +23,8 @@ modes are fixed, so the same lock, inventory and image give the same bytes (Ed25
 deterministic too). Every file is streamed (4 MiB buffers): memory stays flat whatever the sizes.
 
 Where each part lives: ``render`` (the inputs, what a rank holds, the manifest, the folder moved into
-place), ``parts`` (the streaming part writer), ``archive``
+place: files only), ``make`` (the steps of `builder bundle`: the registry's preflight, rendering, then
+the push to a fleet's registry), ``parts`` (the streaming part writer), ``archive``
 (the image as a `docker load` archive), ``keys`` (the signing and trusted keys), ``verify``,
 ``hostpkg`` (install.pyz, the zipapp of builder.installer).
 """
@@ -31,6 +32,7 @@ place), ``parts`` (the streaming part writer), ``archive``
 from __future__ import annotations
 
 from builder.bundle.keys import keygen, public_key_for, read_public_key, signing_key_path
+from builder.bundle.make import make_bundle, make_fleet_bundles
 from builder.bundle.parts import WrittenFile, write_bytes, write_stream
 from builder.bundle.render import (
     BundleInputs,
@@ -39,8 +41,6 @@ from builder.bundle.render import (
     RankLaunch,
     check_lane,
     load_bundle_inputs,
-    make_bundle,
-    make_fleet_bundles,
     parse_size,
     rank_launch,
     rank_models,

@@ -11,7 +11,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from builder.image import mounttargets as targets
 from builder.image import provenance, registry
 from builder.image.imagerecord import ImageRecord, require_record
 from builder.image.plan import make_plan
-from builder.inputs.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
+from builder.inputs.hosts import Fleet, Host, check_against_pins
 from builder.inputs.pins import Pins, load_pins
 from builder.installer.manifest import (
     FORMAT,
@@ -75,6 +75,8 @@ class BundleResult:
     size: int
     unchanged: bool
     parts: int = 0
+    #: the reference by digest the bundle names for a fleet with a registry (None: no registry, or an archive)
+    pull: str | None = None
 
 
 @dataclass
@@ -134,17 +136,22 @@ def _entry(f: PlacedFile) -> dict[str, Any]:
     return {"model": f.model, "file": f.file, "path": f.path, "size": f.size, "sha256": f.sha256}
 
 
+def lane_record(ctx: BundleInputs, lane_name: str) -> ImageRecord:
+    """The record of the lane's image, built for the current lock (ConfigError naming the image otherwise)."""
+    lane = ctx.pins.lanes[lane_name]
+    plan = make_plan(ctx.pins, ctx.lock, lane.image, ctx.root)
+    return require_record(ctx.store, lane.image, plan.address)
+
+
 def rank_launch(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> RankLaunch:
     """The image record (the image must be built for the current lock), the rank's model files and
     its launch files, rendered (a pure function of the lock, the inventory and the record)."""
-    lane = ctx.pins.lanes[lane_name]
-    plan = make_plan(ctx.pins, ctx.lock, lane.image, ctx.root)
-    rec = require_record(ctx.store, lane.image, plan.address)
+    rec = lane_record(ctx, lane_name)
     targets.check(ctx.pins, lane_name, rec)  # a mount over a path the image lacks: refused, bundle and deploy
     placed = host_files(ctx.pins, ctx.lock, lane_name, host)
     models = [_entry(f) for f in placed]
     image = {
-        "name": lane.image,
+        "name": ctx.pins.lanes[lane_name].image,
         "input_address": rec.input_address,
         "image_id": rec.image_id,
         "diff_ids": list(rec.diff_ids),
@@ -169,7 +176,7 @@ def rank_launch(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> 
                       placed={f.path: f for f in placed})
 
 
-# --------------------------------------------------------------------------- making bundles
+# --------------------------------------------------------------------------- rendering a bundle
 
 
 def check_lane(ctx: BundleInputs, fleet_path: Path, fleet: Fleet) -> str:
@@ -187,39 +194,88 @@ def check_lane(ctx: BundleInputs, fleet_path: Path, fleet: Fleet) -> str:
     return name
 
 
-def make_bundle(ctx: BundleInputs, host_ref: str, opts: BundleOptions) -> BundleResult:
-    fleet_path, fleet, host = find_host(ctx.hosts_dir, host_ref)
-    out = opts.out if opts.out is not None else ctx.root / "out" / "bundles" / fleet.fleet.name / host.name
-    return render_bundle(ctx, fleet_path, fleet, host, out, opts)
-
-
-def make_fleet_bundles(ctx: BundleInputs, fleet_name: str, opts: BundleOptions) -> list[BundleResult]:
-    fleet_path, fleet = find_fleet(ctx.hosts_dir, fleet_name)
-    base = opts.out if opts.out is not None else ctx.root / "out" / "bundles" / fleet.fleet.name
-    check_lane(ctx, fleet_path, fleet)
-    return [render_bundle(ctx, fleet_path, fleet, h, base / h.name, opts) for h in fleet.by_rank()]
-
-
 def render_bundle(
     ctx: BundleInputs, fleet_path: Path, fleet: Fleet, host: Host, out: Path, opts: BundleOptions
 ) -> BundleResult:
     """Write host's bundle into a temporary folder beside ``out``, sign it, fsync it, then put it at
-    ``out`` whole (an old bundle there is replaced only once the new one is complete)."""
+    ``out`` whole (an old bundle there is replaced only once the new one is complete). Files only: a
+    fleet with a registry gets the image by the digest its record names, and nothing is sent to the
+    registry here (builder.bundle.make pushes it, after)."""
     if opts.part_size < 1:
         raise ConfigError("--part-size: must be at least 1 byte")
     lane_name = check_lane(ctx, fleet_path, fleet)
     launch = rank_launch(ctx, fleet, host, lane_name)
-    rec, image, models = launch.record, launch.image, launch.models
-    placed_files = launch.placed or {}
+    rec = launch.record
     secret = sign.load_secret_key(signing_key_path(opts.key))  # fail early (exit 2), before any write
-    on_bytes = None
-    if opts.progress is not None:
-        work = sum(m["size"] for m in models) if opts.with_models else 0
-        if opts.with_image and fleet.fleet.registry is None:  # the archive: its layers' and config's bytes
-            omit = thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
-            work += sum(rec.layer_sizes[omit:]) + (rec.config_size or 0)
-        on_bytes = opts.progress(f"{fleet.fleet.name}/{host.name}", work)
+    pull = _pull_reference(fleet_path, fleet, rec, opts)
+    on_bytes = _progress_for(fleet, host, launch, opts)
+    omitted = thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
+    archive = IMAGE_ARCHIVE if opts.with_image and pull is None else None
+    with _staging(out) as tmp:
+        written = [write_bytes(data, rel, tmp, opts.part_size, mode)
+                   for rel, (data, mode) in sorted(launch.files.items())]
+        written.append(write_bytes(hostpkg.zipapp(), hostpkg.NAME, tmp, opts.part_size, "0755"))
+        for rel, data in provenance.bundle_files(ctx.store, rec, secret).items():
+            written.append(write_bytes(data, rel, tmp, opts.part_size, "0644"))
+        if archive is not None:
+            written.append(_write_image_archive(rec, omitted, tmp, opts.part_size, on_bytes))
+        model_entries, linked = _bundle_models(ctx, launch, tmp, opts.with_models, written, on_bytes)
+        body: dict[str, Any] = {
+            "format": FORMAT,
+            "kind": KIND,
+            **launch.identity,
+            "image": {**launch.image, "archive": archive, **({"pull": pull} if pull else {}),
+                      **({"omitted_layers": omitted} if omitted and archive else {})},
+            "files": sorted((w.entry() for w in written), key=lambda e: e["path"]),
+            "models": model_entries,
+        }
+        bid, mbytes = _write_manifest(tmp, body, secret)
+        _fsync_tree(tmp, linked)
+        unchanged = False
+        with contextlib.suppress(OSError):
+            unchanged = (out / MANIFEST).read_bytes() == mbytes
+        _replace_dir(tmp, out)
+    return BundleResult(
+        fleet=fleet.fleet.name,
+        host=host.name,
+        rank=host.rank,
+        path=out,
+        bundle_id=bid,
+        files=len(written),
+        size=sum(w.size for w in written),
+        unchanged=unchanged,
+        parts=sum(len(w.parts) for w in written),
+        pull=pull,
+    )
 
+
+def _pull_reference(fleet_path: Path, fleet: Fleet, rec: ImageRecord, opts: BundleOptions) -> str | None:
+    """The reference by digest a fleet with a registry pulls the image by (with --with-image: the one the
+    push after rendering makes; without: the one an earlier push recorded, if any)."""
+    pull = registry.fleet_pull_reference(fleet_path, fleet, rec, pushing=opts.with_image)
+    if pull is None and opts.with_image and fleet.fleet.registry is not None:
+        raise ConfigError(f"images.{rec.name}: its record names no manifest (a record of an older build): "
+                          f"push it first (`builder push {rec.name}`)")
+    return pull
+
+
+def _progress_for(fleet: Fleet, host: Host, launch: RankLaunch, opts: BundleOptions) -> Callable[[int], None] | None:
+    """The callback the bundle's bulk bytes advance: the model files it holds and the image archive it
+    carries (its layers' and config's bytes); None without opts.progress."""
+    if opts.progress is None:
+        return None
+    rec = launch.record
+    work = sum(m["size"] for m in launch.models) if opts.with_models else 0
+    if opts.with_image and fleet.fleet.registry is None:
+        omit = thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
+        work += sum(rec.layer_sizes[omit:]) + (rec.config_size or 0)
+    return opts.progress(f"{fleet.fleet.name}/{host.name}", work)
+
+
+@contextlib.contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A fresh temporary folder beside ``out``, under the lock on ``out`` (stale ones of a killed run
+    removed first); removed again when the body fails."""
     parent = out.parent
     parent.mkdir(parents=True, exist_ok=True)
     with file_lock(parent / f".{out.name}.lock"):
@@ -228,103 +284,88 @@ def render_bundle(
         tmp = parent / f".tmp-{out.name}-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir(mode=0o755)
         try:
-            written: list[WrittenFile] = []
-            for rel, (data, mode) in sorted(launch.files.items()):
-                written.append(write_bytes(data, rel, tmp, opts.part_size, mode))
-            written.append(write_bytes(hostpkg.zipapp(), hostpkg.NAME, tmp, opts.part_size, "0755"))
-            archive = None
-            # a fleet with a registry gets the image by digest (pushed now with --with-image), not an archive
-            pull = registry.fleet_pull_reference(ctx.store, fleet_path, fleet, rec, push=opts.with_image)
-            for rel, data in provenance.bundle_files(ctx.store, rec, secret).items():
-                written.append(write_bytes(data, rel, tmp, opts.part_size, "0644"))
-            omitted = thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
-            if opts.with_image and pull is None:
-                work = tmp.parent / f"{tmp.name}-work"
-                try:
-                    with image_archive(
-                        rec.image_id, work, tag=rec.tag, mtime=rec.source_date_epoch,
-                        omit=frozenset(rec.diff_ids[:omitted]),
-                    ) as stream:
-                        written.append(write_stream(stream, IMAGE_ARCHIVE, tmp, opts.part_size, "0644",
-                                                    on_bytes=on_bytes))
-                finally:
-                    shutil.rmtree(work, ignore_errors=True)
-                archive = IMAGE_ARCHIVE
-            model_entries = []
-            placed: set[str] = set()
-            store = ModelStore(ctx.store)
-            for m in models:
-                bundled = None
-                if opts.with_models:
-                    # The store's object, linked whole (never in parts: a part would be a second copy
-                    # of the bytes); ship resumes a model file by offset instead.
-                    wanted = wanted_for(ctx.lock, placed_files[m["path"]])
-                    hashed = [0]
-
-                    def step(n: int, hashed: list[int] = hashed) -> None:  # the store hashing it
-                        hashed[0] += n
-                        if on_bytes is not None:
-                            on_bytes(n)
-
-                    in_store(ctx.pins, ctx.root, store, wanted, ctx.lock, step)
-                    bundled = f"models/{m['model']}/{m['file']}"
-                    how = store.place(wanted, tmp / bundled)
-                    if how == "linked":
-                        placed.add(bundled)
-                    if on_bytes is not None and hashed[0] < m["size"]:  # linked as it was vouched for
-                        on_bytes(m["size"] - hashed[0])
-                    written.append(WrittenFile(bundled, m["size"], m["sha256"], "0644"))
-                model_entries.append({**m, "bundled": bundled})
-            body: dict[str, Any] = {
-                "format": FORMAT,
-                "kind": KIND,
-                **launch.identity,
-                "image": {**image, "archive": archive, **({"pull": pull} if pull else {}),
-                          **({"omitted_layers": omitted} if omitted and archive else {})},
-                "files": sorted((w.entry() for w in written), key=lambda e: e["path"]),
-                "models": model_entries,
-            }
-            bid = hashlib.sha256(canonical_json(body)).hexdigest()
-            manifest = {**body, "bundle_id": bid}
-            check_manifest(manifest)  # the installer must accept what we write
-            mbytes = pretty_json(manifest)
-            (tmp / MANIFEST).write_bytes(mbytes)
-            os.chmod(tmp / MANIFEST, 0o644)
-            sig = sign.sign(mbytes, secret, trusted_comment_for(manifest))
-            (tmp / SIGNATURE).write_text(sig, encoding="utf-8")
-            os.chmod(tmp / SIGNATURE, 0o644)
-            # Durability before the rename: every file (write_stream already fsynced the data it
-            # wrote, so this is cheap for those; it catches the manifest, the signature and the
-            # modes set after), then every folder, deepest first, so each entry is on disk.
-            # A file linked from the store is the store's, already on disk (and its mode is the store's).
-            for dirpath, _dirs, files in sorted(os.walk(tmp), key=lambda t: -len(t[0])):
-                os.chmod(dirpath, 0o755)
-                for fn in files:
-                    full = os.path.join(dirpath, fn)
-                    if os.path.relpath(full, tmp) in placed:
-                        continue
-                    with open(full, "rb") as fh:
-                        os.fsync(fh.fileno())
-                fsync_dir(dirpath)
-            unchanged = False
-            with contextlib.suppress(OSError):
-                unchanged = (out / MANIFEST).read_bytes() == mbytes
-            _replace_dir(tmp, out)
+            yield tmp
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    total = sum(w.size for w in written)
-    return BundleResult(
-        fleet=fleet.fleet.name,
-        host=host.name,
-        rank=host.rank,
-        path=out,
-        bundle_id=bid,
-        files=len(written),
-        size=total,
-        unchanged=unchanged,
-        parts=sum(len(w.parts) for w in written),
-    )
+
+
+def _write_image_archive(rec: ImageRecord, omitted: int, tmp: Path, part_size: int,
+                         on_bytes: Callable[[int], None] | None) -> WrittenFile:
+    """The image as a `docker load` archive (less its first ``omitted`` layers: a thin bundle), in parts."""
+    work = tmp.parent / f"{tmp.name}-work"
+    try:
+        with image_archive(
+            rec.image_id, work, tag=rec.tag, mtime=rec.source_date_epoch, omit=frozenset(rec.diff_ids[:omitted]),
+        ) as stream:
+            return write_stream(stream, IMAGE_ARCHIVE, tmp, part_size, "0644", on_bytes=on_bytes)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _bundle_models(
+    ctx: BundleInputs, launch: RankLaunch, tmp: Path, with_models: bool, written: list[WrittenFile],
+    on_bytes: Callable[[int], None] | None,
+) -> tuple[list[dict[str, Any]], set[str]]:
+    """The manifest's model entries, each with where the bundle holds it (``bundled``, with_models) else
+    None; with_models, every file placed under models/ and appended to ``written``. Returns the entries
+    and the bundle paths linked from the store (the store's files: already on disk)."""
+    entries: list[dict[str, Any]] = []
+    linked: set[str] = set()
+    store = ModelStore(ctx.store)
+    placed_files = launch.placed or {}
+    for m in launch.models:
+        bundled = None
+        if with_models:
+            # The store's object, linked whole (never in parts: a part would be a second copy
+            # of the bytes); ship resumes a model file by offset instead.
+            wanted = wanted_for(ctx.lock, placed_files[m["path"]])
+            hashed = [0]
+
+            def step(n: int, hashed: list[int] = hashed) -> None:  # the store hashing it
+                hashed[0] += n
+                if on_bytes is not None:
+                    on_bytes(n)
+
+            in_store(ctx.pins, ctx.root, store, wanted, ctx.lock, step)
+            bundled = f"models/{m['model']}/{m['file']}"
+            if store.place(wanted, tmp / bundled) == "linked":
+                linked.add(bundled)
+            if on_bytes is not None and hashed[0] < m["size"]:  # linked as it was vouched for
+                on_bytes(m["size"] - hashed[0])
+            written.append(WrittenFile(bundled, m["size"], m["sha256"], "0644"))
+        entries.append({**m, "bundled": bundled})
+    return entries, linked
+
+
+def _write_manifest(tmp: Path, body: dict[str, Any], secret: sign.SecretKey) -> tuple[str, bytes]:
+    """manifest.json (the body and its bundle id) and its signature; returns (bundle id, manifest bytes)."""
+    bid = hashlib.sha256(canonical_json(body)).hexdigest()
+    manifest = {**body, "bundle_id": bid}
+    check_manifest(manifest)  # the installer must accept what we write
+    mbytes = pretty_json(manifest)
+    (tmp / MANIFEST).write_bytes(mbytes)
+    os.chmod(tmp / MANIFEST, 0o644)
+    sig = sign.sign(mbytes, secret, trusted_comment_for(manifest))
+    (tmp / SIGNATURE).write_text(sig, encoding="utf-8")
+    os.chmod(tmp / SIGNATURE, 0o644)
+    return bid, mbytes
+
+
+def _fsync_tree(tmp: Path, linked: set[str]) -> None:
+    """Durability before the rename: every file (write_stream already fsynced the data it wrote, so
+    this is cheap for those; it catches the manifest, the signature and the modes set after), then
+    every folder, deepest first, so each entry is on disk. A file linked from the store (``linked``:
+    paths in the bundle) is the store's, already on disk (and its mode is the store's)."""
+    for dirpath, _dirs, files in sorted(os.walk(tmp), key=lambda t: -len(t[0])):
+        os.chmod(dirpath, 0o755)
+        for fn in files:
+            full = os.path.join(dirpath, fn)
+            if os.path.relpath(full, tmp) in linked:
+                continue
+            with open(full, "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(dirpath)
 
 
 def _replace_dir(new: Path, out: Path) -> None:

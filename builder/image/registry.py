@@ -27,7 +27,7 @@ import re
 import tempfile
 import time
 import urllib.error
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -351,17 +351,22 @@ def push_image(store: Path, rec: ImageRecord, target: Target, *,
 
     One push of an image at a time (a lock beside its record): the bundles of a fleet are made at once,
     and the second finds the registry holding what the first sent."""
-    repository = target.repository(rec.name)
-    client = _Client(target, repository)
-    try:
-        with file_lock(store / "locks" / f"push-{rec.input_address}.lock"):
-            rec = read_record(store, rec.input_address) or rec
-            res, rec = _push(store, rec, target, client, on_log, progress)
-    except urllib.error.HTTPError as e:
-        raise BuilderError(f"{client.where}: HTTP {e.code} for {repository}") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        raise UnreachableError(f"{client.where}: cannot reach {target.url}: {network_reason(e)}") from None
+    client = _Client(target, target.repository(rec.name))
+    with _one_line_errors(client), file_lock(store / "locks" / f"push-{rec.input_address}.lock"):
+        rec = read_record(store, rec.input_address) or rec
+        res, rec = _push(store, rec, target, client, on_log, progress)
     return res, rec
+
+
+@contextlib.contextmanager
+def _one_line_errors(client: _Client) -> Iterator[None]:
+    """An HTTP error or a dropped link as one line naming the registry."""
+    try:
+        yield
+    except urllib.error.HTTPError as e:
+        raise BuilderError(f"{client.where}: HTTP {e.code} for {client.reg.ref.repository}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        raise UnreachableError(f"{client.where}: cannot reach {client.target.url}: {network_reason(e)}") from None
 
 
 def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
@@ -467,15 +472,41 @@ def reference_for(rec: ImageRecord, target: Target) -> str | None:
     return ref
 
 
-def fleet_pull_reference(store: Path, fleet_path: Path, fleet: Fleet, rec: ImageRecord, *, push: bool) -> str | None:
-    """The reference by digest a fleet's hosts pull the image by (None when the fleet names no registry).
-
-    ``push``: push it first (what the registry holds is not sent), so the reference is there to pull;
-    else the reference recorded by an earlier push, or None when it was never pushed there."""
+def fleet_target(fleet_path: Path, fleet: Fleet) -> Target | None:
+    """The fleet's registry (None when it names none). ConfigError naming the file and key when it is
+    not a registry URL or its CA file is missing; nothing is sent."""
     if fleet.fleet.registry is None:
         return None
-    target = parse_target(fleet.fleet.registry, f"{fleet_path}: fleet.registry", fleet_registry_ca(fleet_path, fleet))
-    if push:
-        res, _ = push_image(store, rec, target)
-        return res.reference
+    return parse_target(fleet.fleet.registry, f"{fleet_path}: fleet.registry", fleet_registry_ca(fleet_path, fleet))
+
+
+def planned_reference(rec: ImageRecord, target: Target) -> str | None:
+    """The reference by digest the image has in ``target`` once pushed, from the record alone (None for a
+    record of an older build, whose manifest only the engine's bytes tell)."""
+    manifest = manifest_of(rec)
+    return None if manifest is None else target.reference(rec.name, _sha(manifest))
+
+
+def fleet_pull_reference(fleet_path: Path, fleet: Fleet, rec: ImageRecord, *, pushing: bool) -> str | None:
+    """The reference by digest a fleet's hosts pull the image by (None when the fleet names no registry).
+    Nothing is sent: ``pushing``, the reference the push that follows makes (``planned_reference``);
+    else the reference recorded by an earlier push, or None when it was never pushed there."""
+    target = fleet_target(fleet_path, fleet)
+    if target is None:
+        return None
+    if pushing:
+        return planned_reference(rec, target)
     return reference_for(rec, target)
+
+
+def check_reachable(rec: ImageRecord, target: Target) -> None:
+    """One HEAD request for the image's manifest (else its config, for a record that cannot name its
+    manifest): the registry answers, with the credentials a push would use. UnreachableError or
+    BuilderError, one line, otherwise."""
+    client = _Client(target, target.repository(rec.name))
+    manifest = manifest_of(rec)
+    with _one_line_errors(client):
+        if manifest is not None:
+            client.has("manifests", _sha(manifest))
+        else:
+            client.has("blobs", rec.image_id)

@@ -89,18 +89,11 @@ def install(
         img = manifest["image"]
         have_layers = image_present(img["image_id"])
         vouch = vouching(r, old, admit)
-        if (
-            current == bid
-            and old
-            and old.get("bundle_id") == bid
-            and have_layers is not None
-            and release_ok(r.release(bid), manifest, mbytes)
-            and all(model_ok(m, vouch) is None for m in manifest["models"])
-        ):
+        if _installed_whole(r, manifest, mbytes, old, current, have_layers, vouch):
             check_all_hashes(bundle_dir, manifest["files"])
             say("bundle %s is already installed; nothing to do" % bid[:16])
             if admit.stage:
-                mark_staged(r, manifest, mbytes, old.get("previous_bundle_id"))
+                mark_staged(r, manifest, mbytes, old.get("previous_bundle_id") if old else None)
             if remove_source:
                 _remove_source(r, bundle_dir)
             return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid)}
@@ -108,48 +101,80 @@ def install(
         check_image_source(img, have_layers)
         if have_layers is None and img["archive"] is not None and img.get("omitted_layers"):
             check_thin(img)
-        bundled = {f["path"]: f for f in manifest["files"]}
-        needs: list[tuple[str, int]] = []
-        for m in manifest["models"]:
-            why = model_ok(m, vouch)
-            if why is None:
-                continue
-            if m["bundled"] is None:
-                raise InstallError(
-                    "model file %s: %s (the bundle does not carry it; copy it there or bundle "
-                    "with --with-models)" % (m["path"], why)
-                )
-            needs.append((m["path"], m["size"]))
-        if have_layers is None and img["archive"] is not None:
-            archive = bundled[img["archive"]]
-            needs.append((docker_root() or r.root, 2 * archive["size"]))
-        needs.append(
-            (r.releases, sum(f["size"] for f in release_files(manifest)) + len(mbytes) + len(sbytes))
-        )
-        check_disk(needs, admit.reserve)
+        _check_room(r, manifest, len(mbytes) + len(sbytes), have_layers, vouch, admit.reserve)
         # 4. image, models, release, switch, record
         placing = [m for m in manifest["models"] if model_ok(m, vouch) is not None]
-        loading = have_layers is None and img["archive"] is not None
-        streamed = {bundled[m["bundled"]]["path"] for m in placing} | ({img["archive"]} if loading else set())
-        check_all_hashes(bundle_dir, [f for f in manifest["files"] if f["path"] not in streamed])
-        written = _write_models(bundle_dir, bundled, placing, link=remove_source)
-        try:
-            if loading:
-                load_image(bundle_dir, manifest)
-            elif have_layers is None:
-                pull_image(manifest)
-        except BaseException:
-            _discard(written)
-            raise
-        for tmp, dest in written:
-            os.replace(tmp, dest)
-        for d in sorted({os.path.dirname(dest) for _, dest in written}):
-            fsync_dir(d)
+        _place_image_and_models(bundle_dir, manifest, placing, have_layers, link=remove_source)
         stage_release(r, bundle_dir, manifest, mbytes, sbytes)
         res = switch_in(r, manifest, mbytes, admit.stage, current, admit.trusted_key if new_key else None)
         if remove_source:
             _remove_source(r, bundle_dir)
         return res
+
+
+def _installed_whole(r: Root, manifest: dict[str, Any], mbytes: bytes, old: dict[str, Any] | None,
+                     current: str | None, have_layers: Any, vouch: list[dict[str, Any] | None]) -> bool:
+    """The bundle is current, the apply record names it, and the host holds its image, its release and
+    every model file."""
+    bid = manifest["bundle_id"]
+    return bool(
+        current == bid
+        and old
+        and old.get("bundle_id") == bid
+        and have_layers is not None
+        and release_ok(r.release(bid), manifest, mbytes)
+        and all(model_ok(m, vouch) is None for m in manifest["models"])
+    )
+
+
+def _check_room(r: Root, manifest: dict[str, Any], signed_size: int, have_layers: Any,
+                vouch: list[dict[str, Any] | None], reserve: int) -> None:
+    """Every model file to place is carried by the bundle, and there is room for those, for the image
+    archive's load (twice its size, in the engine's root) and for the release (``signed_size``: its
+    manifest's and signature's bytes)."""
+    img = manifest["image"]
+    bundled = {f["path"]: f for f in manifest["files"]}
+    needs: list[tuple[str, int]] = []
+    for m in manifest["models"]:
+        why = model_ok(m, vouch)
+        if why is None:
+            continue
+        if m["bundled"] is None:
+            raise InstallError(
+                "model file %s: %s (the bundle does not carry it; copy it there or bundle "
+                "with --with-models)" % (m["path"], why)
+            )
+        needs.append((m["path"], m["size"]))
+    if have_layers is None and img["archive"] is not None:
+        archive = bundled[img["archive"]]
+        needs.append((docker_root() or r.root, 2 * archive["size"]))
+    needs.append((r.releases, sum(f["size"] for f in release_files(manifest)) + signed_size))
+    check_disk(needs, reserve)
+
+
+def _place_image_and_models(bundle_dir: str, manifest: dict[str, Any], placing: list[dict[str, Any]],
+                            have_layers: Any, *, link: bool) -> None:
+    """Hash the bundle's files that are not streamed, write the model files to place beside their
+    places, load (or pull) the image, then move the model files into place; a load or pull that fails
+    leaves no model file written."""
+    img = manifest["image"]
+    bundled = {f["path"]: f for f in manifest["files"]}
+    loading = have_layers is None and img["archive"] is not None
+    streamed = {bundled[m["bundled"]]["path"] for m in placing} | ({img["archive"]} if loading else set())
+    check_all_hashes(bundle_dir, [f for f in manifest["files"] if f["path"] not in streamed])
+    written = _write_models(bundle_dir, bundled, placing, link=link)
+    try:
+        if loading:
+            load_image(bundle_dir, manifest)
+        elif have_layers is None:
+            pull_image(manifest)
+    except BaseException:
+        _discard(written)
+        raise
+    for tmp, dest in written:
+        os.replace(tmp, dest)
+    for d in sorted({os.path.dirname(dest) for _, dest in written}):
+        fsync_dir(d)
 
 
 def _link_whole(src: str, tmp: str) -> bool:

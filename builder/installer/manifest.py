@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 from .errors import InstallError
@@ -96,6 +97,23 @@ def under(path: str, root: str) -> bool:
 
 def check_manifest(obj: Any) -> dict[str, Any]:
     """Validate a manifest's structure and every path rule; return it. InstallError on the first problem."""
+    _check_identity(obj)
+    img = obj["image"]
+    _check_image(img)
+    paths = obj["paths"]
+    _want(paths, {"bundles": str, "models": str, "engram": str}, "paths")
+    for k in ("bundles", "models", "engram"):
+        check_abs_path(paths[k], "paths." + k)
+    names, physical = _check_files(obj["files"])
+    _check_no_file_under_a_file(physical)
+    if img["archive"] is not None and img["archive"] not in names:
+        raise _err("image.archive", "names no file of the bundle")
+    _check_models(obj["models"], obj["files"], names, paths)
+    return obj
+
+
+def _check_identity(obj: Any) -> None:
+    """The top level's keys, and who the bundle is for: format, kind, id, fleet, host, lane, rank, role."""
     _want(
         obj,
         {
@@ -136,7 +154,10 @@ def check_manifest(obj: Any) -> dict[str, Any]:
         raise _err("role", "rank 0 is the head and only rank 0")
     if not HEX64.match(obj["lock_hash"]):
         raise _err("lock_hash", "not a sha256")
-    img = obj["image"]
+
+
+def _check_image(img: Any) -> None:
+    """``image``: its digests, and how the host gets it (the archive, a pull by digest, a thin archive)."""
     _want(
         img,
         {"name": str, "input_address": str, "image_id": str, "diff_ids": list, "archive": "str?", "pull": "str?",
@@ -157,24 +178,22 @@ def check_manifest(obj: Any) -> dict[str, Any]:
         raise _err("image.pull", "not a registry reference by digest (host:port/repo@sha256:...)")
     if "omitted_layers" in img and (img["archive"] is None or not 0 < img["omitted_layers"] <= len(img["diff_ids"])):
         raise _err("image.omitted_layers", "must count leading layers of a carried archive")
-    paths = obj["paths"]
-    _want(paths, {"bundles": str, "models": str, "engram": str}, "paths")
-    for k in ("bundles", "models", "engram"):
-        check_abs_path(paths[k], "paths." + k)
 
-    seen: dict[str, str] = {}
-    physical: list[str] = []
+
+def _check_files(files: list[Any]) -> tuple[set[str], dict[str, str]]:
+    """``files``: each entry and its parts. Returns the files' paths and the folder's own files (a part
+    instead of a file in parts), each with where the manifest lists it, in the manifest's order."""
+    physical: dict[str, str] = {}
 
     def claim(p: str, where: str) -> None:
         if p in RESERVED:
             raise _err(where, "path %r is reserved" % p)
-        if p in seen:
+        if p in physical:
             raise _err(where, "path %r listed twice" % p)
-        seen[p] = where
-        physical.append(p)
+        physical[p] = where
 
     names = set()
-    for i, f in enumerate(obj["files"]):
+    for i, f in enumerate(files):
         w = "files[%d]" % i
         _want(
             f, {"path": str, "size": int, "sha256": str, "mode": str, "parts": list}, w, optional=("parts",)
@@ -193,32 +212,44 @@ def check_manifest(obj: Any) -> dict[str, Any]:
         if parts is None:
             claim(f["path"], w + ".path")
             continue
-        if len(parts) < 2:
-            raise _err(w + ".parts", "a file in parts has at least two")
-        total = 0
-        for j, p in enumerate(parts):
-            pw = "%s.parts[%d]" % (w, j)
-            _want(p, {"path": str, "size": int, "sha256": str}, pw)
-            expect = "parts/%s.part%04d" % (f["path"], j)
-            if p["path"] != expect:
-                raise _err(pw + ".path", "expected %r" % expect)
-            if p["size"] <= 0 or not HEX64.match(p["sha256"]):
-                raise _err(pw, "bad size or sha256")
-            total += p["size"]
-            claim(p["path"], pw + ".path")
-        if total != f["size"]:
-            raise _err(w + ".parts", "part sizes add up to %d, not %d" % (total, f["size"]))
-    # a file may not also be a folder of another file
+        _check_parts(f, parts, w, claim)
+    return names, physical
+
+
+def _check_parts(f: dict[str, Any], parts: list[Any], w: str, claim: Callable[[str, str], None]) -> None:
+    """A file in parts (``w``: where the manifest lists it): at least two, named in order, their sizes
+    adding up to the file's; each part's path is claimed as it is checked."""
+    if len(parts) < 2:
+        raise _err(w + ".parts", "a file in parts has at least two")
+    total = 0
+    for j, p in enumerate(parts):
+        pw = "%s.parts[%d]" % (w, j)
+        _want(p, {"path": str, "size": int, "sha256": str}, pw)
+        expect = "parts/%s.part%04d" % (f["path"], j)
+        if p["path"] != expect:
+            raise _err(pw + ".path", "expected %r" % expect)
+        if p["size"] <= 0 or not HEX64.match(p["sha256"]):
+            raise _err(pw, "bad size or sha256")
+        total += p["size"]
+        claim(p["path"], pw + ".path")
+    if total != f["size"]:
+        raise _err(w + ".parts", "part sizes add up to %d, not %d" % (total, f["size"]))
+
+
+def _check_no_file_under_a_file(physical: dict[str, str]) -> None:
+    """A file may not also be a folder of another file."""
     for ph in physical:
         pre = ph.split("/")
         for depth in range(1, len(pre)):
-            if "/".join(pre[:depth]) in seen:
-                raise _err(seen[ph], "path %r lies under the file %r" % (ph, "/".join(pre[:depth])))
-    if img["archive"] is not None and img["archive"] not in names:
-        raise _err("image.archive", "names no file of the bundle")
+            if "/".join(pre[:depth]) in physical:
+                raise _err(physical[ph], "path %r lies under the file %r" % (ph, "/".join(pre[:depth])))
 
+
+def _check_models(models: list[Any], files: list[dict[str, Any]], names: set[str], paths: dict[str, str]) -> None:
+    """``models``: each file the host must hold, under paths.models or paths.engram, listed once; one
+    the bundle carries (``bundled``) is a models/ file of the bundle of the same size and sha256."""
     targets = set()
-    for i, m in enumerate(obj["models"]):
+    for i, m in enumerate(models):
         w = "models[%d]" % i
         _want(m, {"model": str, "file": str, "path": str, "size": int, "sha256": str, "bundled": "str?"}, w)
         if not NAME.match(m["model"]):
@@ -235,10 +266,9 @@ def check_manifest(obj: Any) -> dict[str, Any]:
         if b is not None:
             if not b.startswith("models/") or b not in names:
                 raise _err(w + ".bundled", "names no models/ file of the bundle")
-            fe = [f for f in obj["files"] if f["path"] == b][0]
+            fe = [f for f in files if f["path"] == b][0]
             if fe["size"] != m["size"] or fe["sha256"] != m["sha256"]:
                 raise _err(w + ".bundled", "size or sha256 differ from the bundled file")
-    return obj
 
 
 def physical_files(manifest: dict[str, Any]) -> dict[str, tuple[int, str]]:

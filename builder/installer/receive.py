@@ -5,6 +5,7 @@ into the file it ends up in, then installed (the protocol is below)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -12,7 +13,7 @@ import os
 import shutil
 import stat
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .engine import Load, docker_root, image_present, pull_image
@@ -241,6 +242,157 @@ def _received_whole(receipts: dict[str, Any], inc: _Incoming) -> bool:
                            st.st_ino) is None
 
 
+@dataclasses.dataclass
+class _Survey:
+    """What the host holds of a bundle, found before anything is asked for: the records that vouch for
+    placed files, the model files to place, whether its release is there whole, what differs on the
+    host (a repair names it), the image's layers the engine holds, and (an archive to load) the
+    engine's root, still being asked."""
+
+    vouch: list[dict[str, Any] | None]
+    placing: list[dict[str, Any]]
+    release_there: bool
+    differed: list[str]
+    have_layers: Any
+    root_q: Future[Any] | None
+
+
+def _survey(r: Root, manifest: dict[str, Any], mbytes: bytes, old: dict[str, Any] | None,
+            admit: Admission) -> _Survey:
+    bid = manifest["bundle_id"]
+    img = manifest["image"]
+    # the engine's answers (each a docker CLI start and an API call) while the files are checked
+    asked = ThreadPoolExecutor(max_workers=2, thread_name_prefix="docker")
+    layers_q = asked.submit(image_present, img["image_id"])
+    root_q = asked.submit(docker_root) if img["archive"] is not None else None
+    asked.shutdown(wait=False)
+    vouch = vouching(r, old, admit)
+    placing = [m for m in manifest["models"] if model_ok(m, vouch) is not None]
+    release_there = os.path.isdir(r.release(bid)) and release_ok(r.release(bid), manifest, mbytes)
+    # what differs on the host from the manifest (a repair names it): model files to place again, and
+    # the launch files of a release already there whose bytes changed
+    differed = [m["path"] for m in placing if os.path.lexists(m["path"])]
+    if os.path.isdir(r.release(bid)) and not release_there:
+        differed += [fe["path"] for fe in release_files(manifest)
+                     if not release_ok_file(os.path.join(r.release(bid), fe["path"]), fe)]
+    return _Survey(vouch=vouch, placing=placing, release_there=release_there, differed=differed,
+                   have_layers=layers_q.result(), root_q=root_q)
+
+
+def _reply(out: Any, obj: dict[str, Any]) -> None:
+    out.write((json.dumps(obj, sort_keys=True) + "\n").encode("utf-8"))
+    out.flush()
+
+
+def _unchanged(r: Root, manifest: dict[str, Any], mbytes: bytes, old: dict[str, Any] | None,
+               current: str | None, survey: _Survey, admit: Admission, out: Any) -> dict[str, Any] | None:
+    """The result when the host holds the bundle whole, staged (with admit.stage) or installed and
+    current: nothing is wanted (the reply says so). None otherwise."""
+    bid = manifest["bundle_id"]
+    ready = survey.have_layers is not None and survey.release_there and not survey.placing
+    if admit.stage and ready and r.link("staged") == bid and r.read_record(r.staged_record):
+        _reply(out, {"want": []})
+        say("bundle %s is already staged; nothing to do" % bid[:16])
+        return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid), "received": []}
+    if ready and current == bid and old and old.get("bundle_id") == bid:
+        _reply(out, {"want": []})
+        say("bundle %s is already installed; nothing to do" % bid[:16])
+        if admit.stage:
+            mark_staged(r, manifest, mbytes, old.get("previous_bundle_id"))
+        return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid), "received": []}
+    return None
+
+
+def _wanted(manifest: dict[str, Any], inc_dir: str, survey: _Survey,
+            load: bool) -> tuple[_Incoming | None, list[_Incoming], list[_Incoming]]:
+    """The files to receive, in the order they are asked for: the image archive first (``load``), so
+    that docker load runs while the rest arrives; the release's files (unless there whole); the model
+    files last. Returns (the archive's, all of them, the model files' in survey.placing's order)."""
+    bid = manifest["bundle_id"]
+    img = manifest["image"]
+    files = {f["path"]: f for f in manifest["files"]}
+    archive = _Incoming(files[img["archive"]], os.path.join(inc_dir, img["archive"])) if load else None
+    wanted: list[_Incoming] = [archive] if archive is not None else []
+    if not survey.release_there:
+        wanted += [_Incoming(fe, os.path.join(inc_dir, fe["path"])) for fe in release_files(manifest)]
+    models: list[_Incoming] = []
+    for m in survey.placing:
+        if m["bundled"] is None:
+            raise InstallError(
+                "model file %s: %s (the bundle does not carry it; copy it there or bundle "
+                "with --with-models)" % (m["path"], model_ok(m, survey.vouch))
+            )
+        d, mine = os.path.dirname(m["path"]), tmp_stem(m["path"]) + "recv-" + bid[:16]
+        with contextlib.suppress(FileNotFoundError):
+            for n in os.listdir(d):  # what a receive of another bundle left for this file
+                if n.startswith(tmp_stem(m["path"])) and n != mine:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(d, n))
+        models.append(_Incoming(files[m["bundled"]], os.path.join(d, mine)))
+    return archive, wanted + models, models
+
+
+def _drop_other_receives(r: Root, bid: str) -> None:
+    """Another bundle's unfinished receive: its disk back."""
+    for n in os.listdir(r.incoming) if os.path.isdir(r.incoming) else []:
+        if HEX64.match(n) and n != bid:
+            shutil.rmtree(os.path.join(r.incoming, n), ignore_errors=True)
+
+
+def _still_wanted(wanted: list[_Incoming], receipts: dict[str, Any]) -> list[_Incoming]:
+    """The files an earlier receive's receipt does not vouch for, each resumed from what is there."""
+    todo = []
+    for w in wanted:
+        if _received_whole(receipts, w):
+            continue
+        w.resume()
+        todo.append(w)
+    return todo
+
+
+def _take_stream(inp: Any, todo: list[_Incoming], archive: _Incoming | None, img: dict[str, Any],
+                 receipts: dict[str, Any], receipts_path: str) -> tuple[int, Load | None]:
+    """Receive every file of todo from inp, in order; a big one's receipt kept as it is in; the image
+    archive's docker load started once its every byte is in. Returns (bytes received, the load, running)."""
+    got = 0
+    loading: Load | None = None
+    try:
+        if archive is not None and archive not in todo:  # received whole by an earlier, cut ship
+            loading = Load(img, archive.entry["size"], archive.dest)
+        for w in todo:
+            start = w.offset
+            w.receive(inp)
+            got += w.entry["size"] - start
+            if w.big:  # (fsynced: its receipt may vouch for it)
+                st = os.stat(w.dest)
+                receipts[w.dest] = {"size": st.st_size, "sha256": w.entry["sha256"],
+                                    "mtime": st.st_mtime_ns, "inode": st.st_ino}
+                atomic_write(receipts_path, json.dumps(receipts, sort_keys=True).encode("utf-8"))
+            if w is archive:  # its every byte is in and checked: docker load reads it while the rest arrives
+                loading = Load(img, w.entry["size"], w.dest)
+        # every wanted byte is in and checked: the small files on disk, then load, place, stage, switch
+        for w in todo:
+            if not w.big:
+                fsync_file(w.dest)
+    except BaseException:
+        if loading is not None:
+            with contextlib.suppress(InstallError):
+                loading.finish()
+        raise
+    return got, loading
+
+
+def _place_models(placing: list[dict[str, Any]], models: list[_Incoming]) -> None:
+    """Each received model file moved to its path, then each folder they went into fsynced."""
+    for i, m in enumerate(placing):
+        w = models[i]  # (zip's strict= is newer than python 3.8)
+        say("placing model file %s" % m["path"])
+        os.chmod(w.dest, 0o644)
+        os.replace(w.dest, m["path"])
+    for d in sorted({os.path.dirname(m["path"]) for m in placing}):
+        fsync_dir(d)
+
+
 def receive(
     root: str, inp: Any, out: Any, admit: Admission = Admission()  # noqa: B008  (frozen, so one shared default is safe)
 ) -> dict[str, Any]:
@@ -255,114 +407,30 @@ def receive(
         old = host_record(r, manifest, admit.host)
         current = r.link("current")
         img = manifest["image"]
-        # the engine's answers (each a docker CLI start and an API call) while the files are checked
-        asked = ThreadPoolExecutor(max_workers=2, thread_name_prefix="docker")
-        layers_q = asked.submit(image_present, img["image_id"])
-        root_q = asked.submit(docker_root) if img["archive"] is not None else None
-        asked.shutdown(wait=False)
-        vouch = vouching(r, old, admit)
-        placing = [m for m in manifest["models"] if model_ok(m, vouch) is not None]
-        release_there = os.path.isdir(r.release(bid)) and release_ok(r.release(bid), manifest, mbytes)
-        # what differs on the host from the manifest (a repair names it): model files to place again, and
-        # the launch files of a release already there whose bytes changed
-        differed = [m["path"] for m in placing if os.path.lexists(m["path"])]
-        if os.path.isdir(r.release(bid)) and not release_there:
-            differed += [fe["path"] for fe in release_files(manifest)
-                         if not release_ok_file(os.path.join(r.release(bid), fe["path"]), fe)]
-        have_layers = layers_q.result()
-
-        def reply(obj: dict[str, Any]) -> None:
-            out.write((json.dumps(obj, sort_keys=True) + "\n").encode("utf-8"))
-            out.flush()
-
-        ready = have_layers is not None and release_there and not placing
-        if admit.stage and ready and r.link("staged") == bid and r.read_record(r.staged_record):
-            reply({"want": []})
-            say("bundle %s is already staged; nothing to do" % bid[:16])
-            return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid), "received": []}
-        if ready and current == bid and old and old.get("bundle_id") == bid:
-            reply({"want": []})
-            say("bundle %s is already installed; nothing to do" % bid[:16])
-            if admit.stage:
-                mark_staged(r, manifest, mbytes, old.get("previous_bundle_id"))
-            return {"result": "unchanged", "bundle_id": bid, "release": r.release(bid), "received": []}
-        check_image_source(img, have_layers)
-        files = {f["path"]: f for f in manifest["files"]}
+        survey = _survey(r, manifest, mbytes, old, admit)
+        done = _unchanged(r, manifest, mbytes, old, current, survey, admit, out)
+        if done is not None:
+            return done
+        check_image_source(img, survey.have_layers)
         inc_dir = os.path.join(r.incoming, bid)
-        # the image archive first, so that docker load runs while the rest arrives; the model files last
-        load = have_layers is None and img["archive"] is not None
-        archive = _Incoming(files[img["archive"]], os.path.join(inc_dir, img["archive"])) if load else None
-        wanted: list[_Incoming] = [archive] if archive is not None else []
-        if not release_there:
-            wanted += [_Incoming(fe, os.path.join(inc_dir, fe["path"])) for fe in release_files(manifest)]
-        models: list[_Incoming] = []
-        for m in placing:
-            if m["bundled"] is None:
-                raise InstallError(
-                    "model file %s: %s (the bundle does not carry it; copy it there or bundle "
-                    "with --with-models)" % (m["path"], model_ok(m, vouch))
-                )
-            d, mine = os.path.dirname(m["path"]), tmp_stem(m["path"]) + "recv-" + bid[:16]
-            with contextlib.suppress(FileNotFoundError):
-                for n in os.listdir(d):  # what a receive of another bundle left for this file
-                    if n.startswith(tmp_stem(m["path"])) and n != mine:
-                        with contextlib.suppress(OSError):
-                            os.unlink(os.path.join(d, n))
-            models.append(_Incoming(files[m["bundled"]], os.path.join(d, mine)))
-        wanted += models
-        for n in os.listdir(r.incoming) if os.path.isdir(r.incoming) else []:
-            if HEX64.match(n) and n != bid:  # another bundle's unfinished receive: its disk back
-                shutil.rmtree(os.path.join(r.incoming, n), ignore_errors=True)
+        load = survey.have_layers is None and img["archive"] is not None
+        archive, wanted, models = _wanted(manifest, inc_dir, survey, load)
+        _drop_other_receives(r, bid)
         receipts_path = os.path.join(inc_dir, RECEIPTS)
         receipts = _receipts(receipts_path)
-        todo = []
-        for w in wanted:
-            if _received_whole(receipts, w):
-                continue
-            w.resume()
-            todo.append(w)
+        todo = _still_wanted(wanted, receipts)
         needs = [(w.dest, w.entry["size"] - w.offset) for w in todo]
-        if load and root_q is not None:
-            needs.append((root_q.result() or r.root, 2 * files[img["archive"]]["size"]))
+        if archive is not None and survey.root_q is not None:
+            needs.append((survey.root_q.result() or r.root, 2 * archive.entry["size"]))
         check_disk(needs, admit.reserve)
-        reply({"want": [[w.path, w.offset] for w in todo]})
-        got = 0
-        loading: Load | None = None
-        try:
-            if archive is not None and archive not in todo:  # received whole by an earlier, cut ship
-                loading = Load(img, archive.entry["size"], archive.dest)
-            for w in todo:
-                start = w.offset
-                w.receive(inp)
-                got += w.entry["size"] - start
-                if w.big:  # (fsynced: its receipt may vouch for it)
-                    st = os.stat(w.dest)
-                    receipts[w.dest] = {"size": st.st_size, "sha256": w.entry["sha256"],
-                                        "mtime": st.st_mtime_ns, "inode": st.st_ino}
-                    atomic_write(receipts_path, json.dumps(receipts, sort_keys=True).encode("utf-8"))
-                if w is archive:  # its every byte is in and checked: docker load reads it while the rest arrives
-                    loading = Load(img, w.entry["size"], w.dest)
-            # every wanted byte is in and checked: the small files on disk, then load, place, stage, switch
-            for w in todo:
-                if not w.big:
-                    fsync_file(w.dest)
-        except BaseException:
-            if loading is not None:
-                with contextlib.suppress(InstallError):
-                    loading.finish()
-            raise
+        _reply(out, {"want": [[w.path, w.offset] for w in todo]})
+        got, loading = _take_stream(inp, todo, archive, img, receipts, receipts_path)
         if loading is not None:
             loading.finish()
-        elif have_layers is None:
+        elif survey.have_layers is None:
             pull_image(manifest)
-        for i, m in enumerate(placing):
-            w = models[i]  # (zip's strict= is newer than python 3.8)
-            say("placing model file %s" % m["path"])
-            os.chmod(w.dest, 0o644)
-            os.replace(w.dest, m["path"])
-        for d in sorted({os.path.dirname(m["path"]) for m in placing}):
-            fsync_dir(d)
-        if not release_there:
+        _place_models(survey.placing, models)
+        if not survey.release_there:
             stage_release(r, inc_dir, {**manifest, "files": [
                 {k: v for k, v in f.items() if k != "parts"} for f in manifest["files"]]}, mbytes, sbytes,
                 link=True)
@@ -370,5 +438,5 @@ def receive(
         shutil.rmtree(inc_dir, ignore_errors=True)
         res["received"] = [w.path for w in todo]
         res["bytes_received"] = got
-        res["differed"] = differed
+        res["differed"] = survey.differed
         return res

@@ -208,81 +208,111 @@ def fetch(
 ) -> FetchReport:
     store = ModelStore(store_dir)
     wanted = select(pins, lock, names)
-    report = FetchReport()
-    bar = progress or NoProgress()
-    lock_report = threading.Lock()
+    fetcher = _Fetcher(pins, lock, root, store, offline=offline, verify=verify, bar=progress or NoProgress())
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(fetcher.one, wanted))
+    return fetcher.report
 
-    def note(kind: list[Any], item: Any) -> None:
-        with lock_report:
+
+class _Fetcher:
+    """One fetch: each wanted file from the first place that has it (the store, the project's own copy,
+    the HF cache, the tree, a URL, the Hub), noted in the report (from several threads)."""
+
+    def __init__(self, pins: Pins, lock: Lock, root: Path, store: ModelStore, *, offline: bool, verify: bool,
+                 bar: Progress) -> None:
+        self.pins, self.lock, self.root, self.store = pins, lock, root, store
+        self.offline, self.verify, self.bar = offline, verify, bar
+        self.report = FetchReport()
+        self._report_lock = threading.Lock()
+
+    def note(self, kind: list[Any], item: Any) -> None:
+        with self._report_lock:
             kind.append(item)
 
-    def hashed(w: Wanted, verb: str, run: Callable[[Callable[[int], None]], Any]) -> Any:
-        bar.start(w, verb)
+    def hashed(self, w: Wanted, verb: str, run: Callable[[Callable[[int], None]], Any]) -> Any:
+        self.bar.start(w, verb)
         try:
-            return run(bar.advance)
+            return run(self.bar.advance)
         finally:
-            bar.finish(w)
+            self.bar.finish(w)
 
-    def one(w: Wanted) -> None:
+    def one(self, w: Wanted) -> None:
         try:
-            if store.has(w):
-                why = hashed(w, "verify", lambda adv: store.verify(w, adv)) if verify else None
-                if why is None:
-                    store.link_view(w)
-                    note(report.present, w)
-                    return
-                store.remove(w)
-                if offline:
-                    note(report.failed, (w, f"{w.where}: {why}; removed"))
-                    return
-                note(report.repaired, (w, f"{w.where}: {why}; removed, fetching again"))
-            src = own_copy(pins, root, w)
-            if src is not None:
-                hashed(w, "hash", lambda adv: store.import_file(src, w, adv))
-                note(report.imported, w)
+            if self._settled_by_the_store(w) or self._imported(w):
                 return
-            cached = hf_cached(pins, w)
-            if cached is not None:
-                try:
-                    hashed(w, "hash", lambda adv: store.import_file(cached, w, adv))
-                    note(report.imported, w)
-                    return
-                except VerifyError as e:
-                    # huggingface_hub never hashes its cache: a wrong copy there goes, or it comes back
-                    hf.forget_cached(pins.models[w.model].repo, w.commit, w.path)
-                    why = f"{e}; removed from the HF cache"
-                    if offline:
-                        note(report.failed, (w, why))
-                        return
-                    note(report.repaired, (w, f"{why}, fetching again"))
-            if from_tree(pins, lock, root, store, w, offline=offline):
-                bar.advance(w.size)
-                note(report.imported, w)
-            elif w.kind == "kits":  # a local kit's folder is the only place its files come from
-                note(report.failed, (w, f"{w.where}: not in the store, and not in the kit's folder "
-                                        f"{kits.folder(pins.kits[w.model], root)}"))
-            elif offline:
-                note(report.missing, w)
-            elif w.kind == "files":
-                bar.start(w, "get")
-                try:
-                    download_url(store, pins.files[w.model].url, root, w)
-                    bar.advance(w.size)
-                finally:
-                    bar.finish(w)
-                note(report.downloaded, w)
-            elif offline_mode():
-                note(report.failed, (w, f"{w.where}: not in the store or the HF cache, and HF_HUB_OFFLINE is "
-                                        "set (huggingface_hub downloads nothing)"))
-            else:
-                download(store, pins.models[w.model].repo, w, bar)
-                note(report.downloaded, w)
+            self._brought(w)
         except (BuilderError, VerifyError) as e:
-            note(report.failed, (w, str(e)))
+            self.note(self.report.failed, (w, str(e)))
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        list(pool.map(one, wanted))
-    return report
+    def _settled_by_the_store(self, w: Wanted) -> bool:
+        """True when the store's copy settles w: it is there (and, verifying, checks out), or it was
+        wrong, is removed, and offline nothing may replace it. False: still to fetch."""
+        store = self.store
+        if not store.has(w):
+            return False
+        why = self.hashed(w, "verify", lambda adv: store.verify(w, adv)) if self.verify else None
+        if why is None:
+            store.link_view(w)
+            self.note(self.report.present, w)
+            return True
+        store.remove(w)
+        if self.offline:
+            self.note(self.report.failed, (w, f"{w.where}: {why}; removed"))
+            return True
+        self.note(self.report.repaired, (w, f"{w.where}: {why}; removed, fetching again"))
+        return False
+
+    def _imported(self, w: Wanted) -> bool:
+        """True when w is settled from a copy on this machine: the project's own, else the HF cache (a
+        wrong copy there is removed; offline, that fails w)."""
+        pins, store = self.pins, self.store
+        src = own_copy(pins, self.root, w)
+        if src is not None:
+            self.hashed(w, "hash", lambda adv: store.import_file(src, w, adv))
+            self.note(self.report.imported, w)
+            return True
+        cached = hf_cached(pins, w)
+        if cached is None:
+            return False
+        try:
+            self.hashed(w, "hash", lambda adv: store.import_file(cached, w, adv))
+            self.note(self.report.imported, w)
+            return True
+        except VerifyError as e:
+            # huggingface_hub never hashes its cache: a wrong copy there goes, or it comes back
+            hf.forget_cached(pins.models[w.model].repo, w.commit, w.path)
+            why = f"{e}; removed from the HF cache"
+            if self.offline:
+                self.note(self.report.failed, (w, why))
+                return True
+            self.note(self.report.repaired, (w, f"{why}, fetching again"))
+            return False
+
+    def _brought(self, w: Wanted) -> None:
+        """w from the tree, else (not offline) its URL or the Hub; else noted missing or failed."""
+        pins, report, bar = self.pins, self.report, self.bar
+        if from_tree(pins, self.lock, self.root, self.store, w, offline=self.offline):
+            bar.advance(w.size)
+            self.note(report.imported, w)
+        elif w.kind == "kits":  # a local kit's folder is the only place its files come from
+            self.note(report.failed, (w, f"{w.where}: not in the store, and not in the kit's folder "
+                                         f"{kits.folder(pins.kits[w.model], self.root)}"))
+        elif self.offline:
+            self.note(report.missing, w)
+        elif w.kind == "files":
+            bar.start(w, "get")
+            try:
+                download_url(self.store, pins.files[w.model].url, self.root, w)
+                bar.advance(w.size)
+            finally:
+                bar.finish(w)
+            self.note(report.downloaded, w)
+        elif offline_mode():
+            self.note(report.failed, (w, f"{w.where}: not in the store or the HF cache, and HF_HUB_OFFLINE is "
+                                         "set (huggingface_hub downloads nothing)"))
+        else:
+            download(self.store, pins.models[w.model].repo, w, bar)
+            self.note(report.downloaded, w)
 
 
 def bytes_to_bring(pins: Pins, lock: Lock, root: Path, store_dir: Path, names: list[str], *,

@@ -90,12 +90,15 @@ class Project:
 
 
 def fleet_toml(
-    hosts: list[dict[str, Any]], *, ssh_config: str | None = None, trusted_key: str | None = None, lane: str = LANE
+    hosts: list[dict[str, Any]], *, ssh_config: str | None = None, trusted_key: str | None = None, lane: str = LANE,
+    registry: str | None = None,
 ) -> str:
-    """The test fleet over `hosts` (dicts of host keys, as DEFAULT_HOSTS): no GPU, no NVIDIA runtime."""
+    """The test fleet over `hosts` (dicts of host keys, as DEFAULT_HOSTS): no GPU, no NVIDIA runtime;
+    ``registry``: its `fleet.registry`."""
     rows = [factory.host(**{"fabric": {}, "paths": {}, **h, "expect": {"gpu_count": 0, "nvidia_runtime": False}})
             for h in hosts]
-    return factory.toml(factory.fleet(FLEET, lane, rows, ssh_config=ssh_config, trusted_key=trusted_key))
+    return factory.toml(factory.fleet(FLEET, lane, rows, ssh_config=ssh_config, trusted_key=trusted_key,
+                                      registry=registry))
 
 
 DEFAULT_HOSTS: list[dict[str, Any]] = [

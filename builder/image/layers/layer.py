@@ -79,40 +79,8 @@ def normalize_layer(
     epoch = int(source_date_epoch)
     skipped: list[str] = []
     with tarfile.open(src, "r:", encoding="utf-8", errors="surrogateescape") as tf:
-        members: dict[str, tarfile.TarInfo] = {}
-        sources: dict[str, tarfile.TarInfo] = {}  # name -> the regular entry holding its bytes
-        for m in tf:
-            name = clean_name(m.name, where)
-            if not name:
-                continue
-            if not (m.isreg() or m.isdir() or m.issym() or m.islnk()):
-                skipped.append(name)
-                continue
-            members.pop(name, None)
-            sources.pop(name, None)
-            if m.islnk():
-                target = sources.get(clean_name(m.linkname, where))
-                if target is None:
-                    raise BuilderError(
-                        f"{where}: hard link {name!r} -> {m.linkname!r}: target not in this layer"
-                    )
-                sources[name] = target
-            elif m.isreg():
-                sources[name] = m
-            members[name] = m
-        # Every parent directory, explicitly.
-        for name in list(members):
-            parent = name.rpartition("/")[0]
-            while parent and parent not in members:
-                d = tarfile.TarInfo(parent)
-                d.type = tarfile.DIRTYPE
-                d.mode = 0o755
-                d.mtime = epoch
-                members[parent] = d
-                parent = parent.rpartition("/")[0]
-            if parent and not members[parent].isdir():
-                raise BuilderError(f"{where}: {name!r} lies under {parent!r}, which is not a directory")
-
+        members, sources = _read_members(tf, skipped, where)
+        _add_parents(members, epoch, where)
         sink = _HashingWriter(dst)
         with tarfile.open(
             fileobj=sink,  # type: ignore[arg-type]
@@ -122,30 +90,83 @@ def normalize_layer(
             errors="surrogateescape",
         ) as out:
             for name in sorted(members, key=sort_key):
-                m = members[name]
-                ti = tarfile.TarInfo(name)
-                ti.mode = m.mode & 0o7777
-                ti.mtime = max(0, min(int(m.mtime), epoch))
-                if keep_owners:
-                    ti.uid, ti.gid = m.uid, m.gid
-                ti.uname = ti.gname = ""
-                ti.pax_headers = {k: v for k, v in m.pax_headers.items() if k in KEPT_PAX}
-                if m.isdir():
-                    ti.type = tarfile.DIRTYPE
-                    out.addfile(ti)
-                elif m.issym():
-                    ti.type = tarfile.SYMTYPE
-                    ti.linkname = m.linkname
-                    out.addfile(ti)
-                else:
-                    source = sources[name]
-                    ti.type = tarfile.REGTYPE
-                    ti.size = source.size
-                    if m.islnk():
-                        ti.mode = source.mode & 0o7777
-                    data = tf.extractfile(source)
-                    if data is None:
-                        raise BuilderError(f"{where}: cannot read {name!r}")
-                    with data:
-                        out.addfile(ti, data)
+                _write_member(tf, out, name, members[name], sources, epoch, keep_owners, where)
     return LayerResult("sha256:" + sink.sha.hexdigest(), sink.size, tuple(skipped))
+
+
+def _read_members(
+    tf: tarfile.TarFile, skipped: list[str], where: str
+) -> tuple[dict[str, tarfile.TarInfo], dict[str, tarfile.TarInfo]]:
+    """The layer's entries by clean name (later duplicates win; special files appended to ``skipped``),
+    and for each regular file or hard link the regular entry holding its bytes."""
+    members: dict[str, tarfile.TarInfo] = {}
+    sources: dict[str, tarfile.TarInfo] = {}  # name -> the regular entry holding its bytes
+    for m in tf:
+        name = clean_name(m.name, where)
+        if not name:
+            continue
+        if not (m.isreg() or m.isdir() or m.issym() or m.islnk()):
+            skipped.append(name)
+            continue
+        members.pop(name, None)
+        sources.pop(name, None)
+        if m.islnk():
+            target = sources.get(clean_name(m.linkname, where))
+            if target is None:
+                raise BuilderError(
+                    f"{where}: hard link {name!r} -> {m.linkname!r}: target not in this layer"
+                )
+            sources[name] = target
+        elif m.isreg():
+            sources[name] = m
+        members[name] = m
+    return members, sources
+
+
+def _add_parents(members: dict[str, tarfile.TarInfo], epoch: int, where: str) -> None:
+    """Every parent directory, explicitly (0755, mtime ``epoch``); BuilderError for an entry under a
+    parent that is not a directory."""
+    for name in list(members):
+        parent = name.rpartition("/")[0]
+        while parent and parent not in members:
+            d = tarfile.TarInfo(parent)
+            d.type = tarfile.DIRTYPE
+            d.mode = 0o755
+            d.mtime = epoch
+            members[parent] = d
+            parent = parent.rpartition("/")[0]
+        if parent and not members[parent].isdir():
+            raise BuilderError(f"{where}: {name!r} lies under {parent!r}, which is not a directory")
+
+
+def _write_member(
+    tf: tarfile.TarFile, out: tarfile.TarFile, name: str, m: tarfile.TarInfo,
+    sources: dict[str, tarfile.TarInfo], epoch: int, keep_owners: bool, where: str,
+) -> None:
+    """One entry, canonically: mode bits only, clamped mtime, no owner names (owners 0/0 unless
+    ``keep_owners``), only the kept PAX records; a hard link as a regular file with its target's bytes."""
+    ti = tarfile.TarInfo(name)
+    ti.mode = m.mode & 0o7777
+    ti.mtime = max(0, min(int(m.mtime), epoch))
+    if keep_owners:
+        ti.uid, ti.gid = m.uid, m.gid
+    ti.uname = ti.gname = ""
+    ti.pax_headers = {k: v for k, v in m.pax_headers.items() if k in KEPT_PAX}
+    if m.isdir():
+        ti.type = tarfile.DIRTYPE
+        out.addfile(ti)
+    elif m.issym():
+        ti.type = tarfile.SYMTYPE
+        ti.linkname = m.linkname
+        out.addfile(ti)
+    else:
+        source = sources[name]
+        ti.type = tarfile.REGTYPE
+        ti.size = source.size
+        if m.islnk():
+            ti.mode = source.mode & 0o7777
+        data = tf.extractfile(source)
+        if data is None:
+            raise BuilderError(f"{where}: cannot read {name!r}")
+        with data:
+            out.addfile(ti, data)

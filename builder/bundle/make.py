@@ -1,0 +1,90 @@
+"""`builder bundle`'s steps, for one host or a whole fleet: the lane checked, the registry's preflight,
+each host's bundle rendered (builder.bundle.render: files only), then the registry push.
+
+A fleet with a registry gets the image by digest, not as an archive: with --with-image the bundle names
+the reference its record gives, and the image is pushed after rendering (what the registry holds is not
+sent), so the hosts can pull what the bundle names. The preflight before rendering checks the registry's
+URL and CA file and asks it once, so a bad or unreachable registry fails before any file is written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from builder.bundle.render import (
+    BundleInputs,
+    BundleOptions,
+    BundleResult,
+    check_lane,
+    lane_record,
+    render_bundle,
+)
+from builder.errors import VerifyError
+from builder.image import registry
+from builder.image.imagerecord import ImageRecord
+from builder.inputs.hosts import Fleet, find_fleet, find_host
+
+
+@dataclass(frozen=True)
+class RegistryPush:
+    """The push that follows rendering: the fleet file (for messages), its registry, the lane's image
+    (the push reads its record again, under its lock)."""
+
+    fleet_path: Path
+    target: registry.Target
+    record: ImageRecord
+
+
+def make_bundle(ctx: BundleInputs, host_ref: str, opts: BundleOptions) -> BundleResult:
+    """One host's bundle (``out``: opts.out, else out/bundles/FLEET/HOST), its image pushed where the
+    fleet has a registry and opts.with_image."""
+    fleet_path, fleet, host = find_host(ctx.hosts_dir, host_ref)
+    out = opts.out if opts.out is not None else ctx.root / "out" / "bundles" / fleet.fleet.name / host.name
+    pending = registry_preflight(ctx, fleet_path, fleet, check_lane(ctx, fleet_path, fleet), opts)
+    result = render_bundle(ctx, fleet_path, fleet, host, out, opts)
+    if pending is not None:
+        push_image(ctx, pending, [result])
+    return result
+
+
+def make_fleet_bundles(ctx: BundleInputs, fleet_name: str, opts: BundleOptions) -> list[BundleResult]:
+    """Every host's bundle of the fleet, by rank (under opts.out, else out/bundles/FLEET), then one push."""
+    fleet_path, fleet = find_fleet(ctx.hosts_dir, fleet_name)
+    base = opts.out if opts.out is not None else ctx.root / "out" / "bundles" / fleet.fleet.name
+    pending = registry_preflight(ctx, fleet_path, fleet, check_lane(ctx, fleet_path, fleet), opts)
+    results = [render_bundle(ctx, fleet_path, fleet, h, base / h.name, opts) for h in fleet.by_rank()]
+    if pending is not None:
+        push_image(ctx, pending, results)
+    return results
+
+
+def registry_preflight(
+    ctx: BundleInputs, fleet_path: Path, fleet: Fleet, lane_name: str, opts: BundleOptions
+) -> RegistryPush | None:
+    """Before rendering, for --with-image on a fleet with a registry: the registry's URL and CA file are
+    valid and it answers (one request), else a one-line error and nothing written. Returns the push to
+    run after rendering (None: nothing to push). A record of an older build cannot name its manifest
+    (only the engine's bytes tell it): that image is pushed here, and its record learns the manifest
+    the bundle then names."""
+    if not opts.with_image:
+        return None
+    target = registry.fleet_target(fleet_path, fleet)
+    if target is None:
+        return None
+    rec = lane_record(ctx, lane_name)
+    if registry.planned_reference(rec, target) is None:
+        registry.push_image(ctx.store, rec, target)
+    else:
+        registry.check_reachable(rec, target)
+    return RegistryPush(fleet_path=fleet_path, target=target, record=rec)
+
+
+def push_image(ctx: BundleInputs, pending: RegistryPush, results: list[BundleResult]) -> None:
+    """After rendering: push the image the bundles name (what the registry holds is not sent), then make
+    sure the registry holds it at the reference each bundle names (VerifyError otherwise)."""
+    res, _ = registry.push_image(ctx.store, pending.record, pending.target)
+    for r in results:
+        if r.pull is not None and r.pull != res.reference:
+            raise VerifyError(f"{pending.fleet_path}: fleet.registry: the image was pushed as {res.reference}, "
+                              f"the bundle of {r.host} names {r.pull}")
