@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import http.server
 import io
 import json
 import os
@@ -13,6 +14,7 @@ import stat
 import subprocess
 import sys
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -500,3 +502,37 @@ def test_an_unreachable_registry_fails_before_any_file_is_written(tmp_path: Path
     # without --with-image nothing is pushed: the bundle names what an earlier push recorded (nothing here)
     res = make_bundle(_ctx(p), "spark-b", BundleOptions(key=p.key, out=out))
     assert res.pull is None and "pull" not in manifest(out)["image"]
+
+
+def test_a_push_that_fails_after_rendering_leaves_no_bundle(tmp_path: Path) -> None:
+    """The registry answers the preflight (its HEAD: not held yet) and then fails the push: the bundle
+    just rendered is removed, so no bundle names an image its registry lacks (a deploy would take such a
+    bundle as current)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:  # noqa: N802 (the stdlib's naming)
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def _fail(self) -> None:
+            self.send_response(500)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_POST = do_PUT = do_PATCH = _fail  # noqa: N815
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        p, _ = _registry_project(tmp_path, f"http://127.0.0.1:{server.server_address[1]}")
+        out = tmp_path / "b"
+        with pytest.raises(BuilderError):
+            make_bundle(_ctx(p), "spark-b", BundleOptions(key=p.key, out=out, with_image=True))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not out.exists() and not [x for x in tmp_path.iterdir() if x.name.startswith(".tmp-")]

@@ -9,6 +9,7 @@ URL and CA file and asks it once, so a bad or unreachable registry fails before 
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,8 +83,16 @@ def registry_preflight(
 
 def push_image(ctx: BundleInputs, pending: RegistryPush, results: list[BundleResult]) -> None:
     """After rendering: push the image the bundles name (what the registry holds is not sent), then make
-    sure the registry holds it at the reference each bundle names (VerifyError otherwise)."""
-    res, _ = registry.push_image(ctx.store, pending.record, pending.target)
+    sure the registry holds it at the reference each bundle names (VerifyError otherwise). A push that
+    fails or is interrupted removes the bundles just rendered: a bundle naming an image its registry lacks
+    would look current to a deploy, and `builder bundle` run again makes and pushes it."""
+    try:
+        res, _ = registry.push_image(ctx.store, pending.record, pending.target)
+    except BaseException:
+        for r in results:
+            if not r.unchanged:
+                shutil.rmtree(r.path, ignore_errors=True)
+        raise
     for r in results:
         if r.pull is not None and r.pull != res.reference:
             raise VerifyError(f"{pending.fleet_path}: fleet.registry: the image was pushed as {res.reference}, "
