@@ -137,6 +137,49 @@ def test_what_builder_fetched_is_what_hf_cache_ls_and_scan_cache_dir_see(proj: P
     assert ls.returncode == 0 and "org/tiny" in ls.stdout, ls.stdout + ls.stderr
 
 
+OFFLINE_BY_BRANCH = """
+import json
+from huggingface_hub import hf_hub_download, snapshot_download
+print(json.dumps([hf_hub_download("org/tiny", "model.safetensors", revision="main"),
+                  snapshot_download("org/tiny", revision="main")]))
+"""
+
+
+def hf_offline(proj: Path) -> subprocess.CompletedProcess[str]:
+    """huggingface_hub itself, offline, in a process of its own (it reads HF_HUB_OFFLINE when imported),
+    asked for org/tiny by branch; a closed port as its endpoint, should it try the network."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(proj / "hf-home"), HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9")
+    return subprocess.run([sys.executable, "-c", OFFLINE_BY_BRANCH], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_after_a_fetch_huggingface_hub_offline_finds_the_model_by_branch(proj: Path, hub: FakeHub) -> None:
+    assert cli(proj, hub, "fetch", "tiny").returncode == 0
+    commit = wanted(proj, "config.json").commit
+    ref = proj / "hf-home" / "hub" / "models--org--tiny" / "refs" / "main"
+    assert ref.read_bytes() == commit.encode()  # as huggingface_hub writes it: the commit, no newline
+    r = hf_offline(proj)
+    assert r.returncode == 0, r.stderr
+    path, snap = json.loads(r.stdout)
+    assert Path(path).read_bytes() == BIG and Path(snap) == hf_snapshot(proj, "config.json").parent
+    # the ref is what it needs: without it, huggingface_hub offline cannot tell which snapshot is main;
+    # a fetch of what the store already holds records it again
+    ref.unlink()
+    assert hf_offline(proj).returncode != 0
+    r = cli(proj, None, "fetch", "--offline", "--json", "tiny")
+    assert r.returncode == 0 and len(json.loads(r.stdout)["present"]) == len(FILES)
+    assert ref.read_bytes() == commit.encode() and hf_offline(proj).returncode == 0
+    # `builder lock --offline` of the model pinned @main: the commit and files the Hub gave
+    online = json.loads((proj / "pins.lock").read_text())["models"]["tiny"]
+    (proj / "pins.lock").unlink()
+    r = cli(proj, None, "lock", "--offline", "tiny")
+    assert r.returncode == 0, r.stderr
+    offline = json.loads((proj / "pins.lock").read_text())["models"]["tiny"]
+    assert (offline["revision"], offline["commit"], offline["source"]) == ("main", commit, "local")
+    assert offline["files"] == online["files"]
+
+
 def test_a_connection_cut_mid_file_resumes_from_what_was_written(tmp_path: Path, hub: FakeHub) -> None:
     """huggingface_hub writes a download in chunks of DOWNLOAD_CHUNK_SIZE (10 MiB) and, when the link
     drops, asks for the rest from the last byte it wrote (an HTTP Range request), up to five times in a
