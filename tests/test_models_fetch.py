@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -387,7 +388,9 @@ def test_a_download_is_hashed_as_it_lands_and_not_read_again(tmp_path: Path, hub
     import huggingface_hub.constants as hc
 
     data = os.urandom(1 << 20) * 24
-    commit = hub.add_repo("org/big", {"w.safetensors": data, "c.json": b"{}"}, lfs={"w.safetensors"})
+    other = os.urandom(1 << 20) * 2
+    commit = hub.add_repo("org/big", {"w.safetensors": data, "v.safetensors": other, "c.json": b"{}"},
+                          lfs={"w.safetensors", "v.safetensors"})
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
     read: list[str] = []
@@ -404,3 +407,13 @@ def test_a_download_is_hashed_as_it_lands_and_not_read_again(tmp_path: Path, hub
     assert len(read) == 1 and read != [sha], read  # the small file alone was read whole
     assert os.path.samefile(got, store.object_path(sha)) and store.vouched(w)
     assert hashlib.sha256(store.object_path(sha).read_bytes()).hexdigest() == sha
+    # what finds the download in flight is huggingface_hub's own cache scan (its incomplete files): where
+    # it lists none, the file is read whole once it has arrived
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "scan_cache_dir",
+                        lambda cache_dir=None: SimpleNamespace(incomplete_files=frozenset()))
+    osha = hashlib.sha256(other).hexdigest()
+    core.download(store, "org/big", Wanted(model="big", commit=commit, path="v.safetensors", size=len(other),
+                                           sha256=osha))
+    assert read[1:] == [osha] and store.object_path(osha).read_bytes() == other
