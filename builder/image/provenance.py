@@ -22,7 +22,6 @@ import re
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 from builder import __version__
 from builder.errors import VerifyError
@@ -61,26 +60,16 @@ def _hex(digest: str) -> str:
 # ---------------------------------------------------------------- package URLs (github.com/package-url/purl-spec)
 
 
-def _pq(text: str, safe: str = "") -> str:
-    """purl percent-encoding (as the spec's reference implementations write it: ':' stays)."""
-    return quote(text, safe=safe).replace("%3A", ":")
-
-
 def purl(ptype: str, name: str, *, namespace: str = "", version: str | None = None,
          qualifiers: dict[str, str] | None = None) -> str:
-    """``pkg:type/namespace/name@version?qualifiers`` in canonical form: each namespace segment, the name
-    and the version percent-encoded, qualifiers sorted by key, empty ones left out."""
-    out = f"pkg:{ptype}/"
-    segments = [seg for seg in namespace.split("/") if seg]
-    if segments:
-        out += "/".join(_pq(seg) for seg in segments) + "/"
-    out += _pq(name)
-    if version:
-        out += "@" + _pq(version)
-    q = {k: v for k, v in sorted((qualifiers or {}).items()) if v}
-    if q:
-        out += "?" + "&".join(f"{k}={_pq(v, safe='/')}" for k, v in q.items())
-    return out
+    """``pkg:type/namespace/name@version?qualifiers`` in canonical form, as packageurl-python (the purl
+    spec's reference implementation) writes it: each part percent-encoded, the type's own name rules
+    (pypi and github names lower case), qualifiers sorted by key, empty ones left out."""
+    from packageurl import PackageURL  # (at first use: only a build writes provenance)
+
+    q = {k: v for k, v in (qualifiers or {}).items() if v}
+    return str(PackageURL(type=ptype, namespace=namespace.strip("/") or None, name=name, version=version or None,
+                          qualifiers=q or None).to_string())
 
 
 # a repository on a forge that has its own purl type: https://github.com/OWNER/REPO(.git), or the
@@ -131,10 +120,11 @@ def oci_purl(ref: str, digest: str, platform: str | None = None, *, registry: bo
                 qualifiers={"arch": arch, "repository_url": repo if registry else "", "tag": tag})
 
 
-def toolchain_purl(name: str, version: str | None, sha256: str | None) -> str:
+def toolchain_purl(name: str, version: str | None, sha256: str | None, package: str | None = None) -> str:
     """A toolchain by version, and by the artifact's checksum when builder fetched one (a toolchain the
-    base image carries has none: the base's digest pins its bytes)."""
-    return purl("generic", name, version=version,
+    base image carries has none: the base's digest pins its bytes). A wheel is the package index's
+    package (``pkg:pypi/ziglang@0.17.0``); any other toolchain is ``pkg:generic/NAME``."""
+    return purl("pypi" if package else "generic", package or name, version=version,
                 qualifiers={"checksum": f"sha256:{sha256}" if sha256 else ""})
 
 
@@ -183,11 +173,15 @@ def _dependencies(p: Plan) -> list[dict[str, Any]]:
 
 
 def _subjects(rec: ImageRecord) -> list[dict[str, Any]]:
+    """The image's manifest (where it has one) and its config (the ImageID), each named for itself: the
+    image's name at that digest (``NAME@sha256:HEX``), so that no two subjects share a name."""
     repo = rec.tag.rsplit(":", 1)[0]
     out = []
     if rec.manifest_digest:
-        out.append({"name": repo, "digest": {"sha256": _hex(rec.manifest_digest)}, "mediaType": MEDIA_MANIFEST})
-    out.append({"name": repo, "digest": {"sha256": _hex(rec.image_id)}, "mediaType": MEDIA_CONFIG})
+        out.append({"name": f"{repo}@{rec.manifest_digest}", "digest": {"sha256": _hex(rec.manifest_digest)},
+                    "mediaType": MEDIA_MANIFEST})
+    out.append({"name": f"{repo}@{rec.image_id}", "digest": {"sha256": _hex(rec.image_id)},
+                "mediaType": MEDIA_CONFIG})
     return out
 
 
@@ -246,7 +240,7 @@ def sbom(p: Plan, rec: ImageRecord) -> dict[str, Any]:
         art = arts.get(p.platform) or (next(iter(sorted(arts.values()))) if arts else None)
         comps.append(_component(f"toolchain:{tname}", "application", tname, art,
                                 version=str(t.get("version") or "unknown"),
-                                purl=toolchain_purl(tname, t.get("version"), art),
+                                purl=toolchain_purl(tname, t.get("version"), art, t.get("package")),
                                 properties=[{"name": "io.builder.kind", "value": t["kind"]}, *props]))
     base = c.get("base")
     if base:
