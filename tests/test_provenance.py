@@ -91,6 +91,22 @@ def test_documents_pass_their_validators(which: str) -> None:
     _intoto_check(docs[provenance.STATEMENT])
 
 
+@pytest.mark.parametrize("which", ["demo", "with-base"])
+def test_the_sbom_reads_back_into_cyclonedx_python_libs_model(which: str) -> None:
+    """The SBOM's bytes read back into cyclonedx-python-lib's model (Bom.from_json) and written again by
+    its serializer give the same document: nothing in it is outside the library's model."""
+    from cyclonedx.model.bom import Bom
+    from cyclonedx.output.json import JsonV1Dot5
+
+    p = _plan() if which == "demo" else _with_base()
+    doc = json.loads(provenance.documents(p, _record(p))[provenance.SBOM])
+    bom = Bom.from_json(doc)  # type: ignore[attr-defined]
+    assert bom.metadata.component is not None and bom.metadata.component.bom_ref.value == "image"
+    assert {c.bom_ref.value for c in bom.components} == {c["bom-ref"] for c in doc["components"]}
+    assert json.loads(JsonV1Dot5(bom).output_as_string()) == doc
+    assert _cyclonedx_errors(JsonV1Dot5(bom).output_as_string().encode()) is None
+
+
 def test_the_validators_refuse_a_broken_document() -> None:
     """The validators are not lenient: a wrong field is caught by each."""
     p = _plan()
