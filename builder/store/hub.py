@@ -90,23 +90,31 @@ class _Follower:
         self.buf = bytearray(READ_SIZE)
 
     def begin(self) -> None:
-        """huggingface_hub has opened its temporary file (its bar is being made): follow it."""
+        """huggingface_hub has opened its temporary file (its bar is being made): follow it, from a thread
+        of its own, so that the download does not wait for the cache scan that finds the file."""
         if self.thread is not None or not self.ok:
-            return
-        found = self._in_flight()
-        if len(found) != 1:
-            self.ok = False
-            return
-        try:
-            self.fd = os.open(found[0], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            self.ok = False
             return
         self.thread = threading.Thread(target=self._run, name=f"hash {self.w.path}", daemon=True)
         self.thread.start()
 
+    def _open(self) -> bool:
+        """Open the download in flight; False (and the file read in full later) when it is not found as
+        exactly one file, or is gone already (renamed into place before the scan ended)."""
+        found = self._in_flight()
+        if len(found) != 1:
+            self.ok = False
+            return False
+        try:
+            self.fd = os.open(found[0], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            self.ok = False
+            return False
+        return True
+
     def _in_flight(self) -> list[Path]:
-        """The incomplete downloads huggingface_hub's cache scan lists for this file (by its etag)."""
+        """The incomplete downloads huggingface_hub's cache scan lists for this file (by its etag). The
+        scan walks the whole cache (about 0.3 s for 5,000 cached files on 2 busy cores), beside the
+        download, once per file."""
         from huggingface_hub import scan_cache_dir
 
         try:
@@ -141,6 +149,8 @@ class _Follower:
 
     def _run(self) -> None:
         try:
+            if not self._open():
+                return
             while True:
                 self._read_available()
                 with self.cond:
