@@ -1,11 +1,13 @@
-"""Provenance of a built image in the ecosystem's formats: a CycloneDX 1.5 SBOM (each component with its
-package URL, `purl`) and an in-toto Statement v1 with a SLSA Provenance v1 predicate, also carried as a
-DSSE envelope (the form attestation tools read: cosign, slsa-verifier, in-toto).
+"""Provenance of a built image in the ecosystem's formats: a CycloneDX 1.5 SBOM (cyclonedx-python-lib's
+model and serializer; each component with its package URL, `purl`, written by packageurl-python) and an
+in-toto Statement v1 with a SLSA Provenance v1 predicate, also carried as a DSSE envelope (the form
+attestation tools read: cosign, slsa-verifier, in-toto).
 
 Both are pure functions of the plan (the closure: engine source at its commit, each patch, each
 toolchain artifact, the base by digest, each file, the recipe's files) and the image record (the
 ImageID, the OCI manifest digest, the DiffIDs), so the same build gives the same bytes on any
-machine: no wall-clock time goes in (the SBOM's timestamp is SOURCE_DATE_EPOCH). They are written to
+machine with the same cyclonedx-python-lib release (its serializer lays the SBOM out): no wall-clock
+time goes in (the SBOM's timestamp is SOURCE_DATE_EPOCH). They are written to
 the store under ``provenance/<input address>/`` at build time; ``builder bundle`` signs them with the
 bundle key (minisign, as the manifest), wraps the statement in a DSSE envelope signed with the same key
 (``provenance.intoto.jsonl``: one envelope per line, as in-toto's attestation bundles), and carries them
