@@ -11,7 +11,8 @@
       # The Python dependencies, by their nixpkgs attribute names. tests/test_flake.py checks
       # that this list matches pyproject.toml's [project.dependencies] (and dev extras).
       # paramiko is a runtime dependency: the docker SDK's ssh:// transport (DOCKER_HOST=ssh://...) needs it.
-      pythonDeps = [ "click" "pydantic" "rich" "docker" "huggingface-hub" "cryptography" "pytest-testinfra" "pytest" "paramiko" ];
+      pythonDeps = [ "click" "pydantic" "rich" "docker" "huggingface-hub" "cryptography" "pytest-testinfra" "pytest" "paramiko"
+                     "packageurl-python" "cyclonedx-python-lib" ];
       pythonDevDeps = [ "hypothesis" "pytest-xdist" "mypy" ];
       # Tools builder calls at run time.
       runtimeTools = [ "git" "docker-client" "zstd" "openssh" "openssl" "minisign" ];

@@ -216,6 +216,31 @@ def test_unpinned_rewrite_moves_only_with_update(locked: Project) -> None:
     assert locked.run("lock", "--check").rc == 0
 
 
+def test_a_failed_lock_leaves_the_lock_untouched(locked: Project) -> None:
+    """A lock with one input that fails writes nothing: not the inputs that did resolve, not the pins'
+    hash (``inputs_hash``), so `--check` keeps saying the lock does not match the pins."""
+    before = locked.lock.read_bytes()
+    # the plain file changes (it resolves again, alone), while the engine's ref names no branch upstream
+    template = b"{{ messages | tojson }}\n"
+    (locked.root / "files" / "chat.jinja").write_bytes(template)
+    doc = locked.doc(files={"template": {"url": "files/chat.jinja", "sha256": sha(template)}})
+    doc["sources"]["engine"]["ref"] = "no-such-branch"
+    factory.write_pins(locked.root, doc)
+    pins = locked.pins.read_bytes()
+    r = locked.run("lock")
+    one_line_error(r, 1, "sources.engine", "no-such-branch")
+    assert "(unchanged)" in r.err and "files.template:" not in r.err  # nothing said to have moved
+    assert locked.lock.read_bytes() == before and locked.pins.read_bytes() == pins
+    check = locked.run("lock", "--check")
+    assert check.rc == 1 and "pins changed" in check.err, check.err
+    # the ref put right: the same command writes every input, the template's new hash with them
+    doc["sources"]["engine"]["ref"] = "main"
+    factory.write_pins(locked.root, doc)
+    assert locked.run("lock").rc == 0
+    assert json.loads(locked.lock.read_text())["files"]["template"]["sha256"] == sha(template)
+    assert locked.run("lock", "--check").rc == 0
+
+
 def test_model_file_vanished(locked: Project) -> None:
     before = locked.lock.read_bytes()
     (locked.root / "models" / "tiny" / "model-00002-of-00002.safetensors").unlink()
@@ -271,10 +296,12 @@ def test_offline_names_every_unreachable_input(proj: Project, monkeypatch: pytes
         "error: models.big: not in the cache and --offline was given (org/big@main)",
         "error: sources.remote: not in the cache and --offline was given (https://git.example.invalid/engine.git)",
     ]
-    # everything reachable was resolved; nothing half-resolved was written for the rest
+    # a lock that fails writes nothing, not even what did resolve
+    assert not proj.lock.exists()
+    # the demo lane (a local git remote, local files and models) is complete offline
+    assert proj.run("lock", "--offline", "demo").rc == 0
     data = json.loads(proj.lock.read_text())
     assert set(data["files"]) == {"template"} and set(data["models"]) == {"tiny"}
     assert set(data["sources"]) == {"engine"}
-    # the demo lane (a local git remote, local files and models) is complete offline
     assert proj.run("lock", "--check", "demo").rc == 0
     assert proj.run("lock", "--check").rc == 1

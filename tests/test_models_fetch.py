@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -135,6 +136,49 @@ def test_what_builder_fetched_is_what_hf_cache_ls_and_scan_cache_dir_see(proj: P
         pytest.skip("huggingface_hub's `hf` CLI is not on PATH")
     ls = subprocess.run(["hf", "cache", "ls"], capture_output=True, text=True, env=env, timeout=120)
     assert ls.returncode == 0 and "org/tiny" in ls.stdout, ls.stdout + ls.stderr
+
+
+OFFLINE_BY_BRANCH = """
+import json
+from huggingface_hub import hf_hub_download, snapshot_download
+print(json.dumps([hf_hub_download("org/tiny", "model.safetensors", revision="main"),
+                  snapshot_download("org/tiny", revision="main")]))
+"""
+
+
+def hf_offline(proj: Path) -> subprocess.CompletedProcess[str]:
+    """huggingface_hub itself, offline, in a process of its own (it reads HF_HUB_OFFLINE when imported),
+    asked for org/tiny by branch; a closed port as its endpoint, should it try the network."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(proj / "hf-home"), HF_HUB_OFFLINE="1", HF_ENDPOINT="http://127.0.0.1:9")
+    return subprocess.run([sys.executable, "-c", OFFLINE_BY_BRANCH], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def test_after_a_fetch_huggingface_hub_offline_finds_the_model_by_branch(proj: Path, hub: FakeHub) -> None:
+    assert cli(proj, hub, "fetch", "tiny").returncode == 0
+    commit = wanted(proj, "config.json").commit
+    ref = proj / "hf-home" / "hub" / "models--org--tiny" / "refs" / "main"
+    assert ref.read_bytes() == commit.encode()  # as huggingface_hub writes it: the commit, no newline
+    r = hf_offline(proj)
+    assert r.returncode == 0, r.stderr
+    path, snap = json.loads(r.stdout)
+    assert Path(path).read_bytes() == BIG and Path(snap) == hf_snapshot(proj, "config.json").parent
+    # the ref is what it needs: without it, huggingface_hub offline cannot tell which snapshot is main;
+    # a fetch of what the store already holds records it again
+    ref.unlink()
+    assert hf_offline(proj).returncode != 0
+    r = cli(proj, None, "fetch", "--offline", "--json", "tiny")
+    assert r.returncode == 0 and len(json.loads(r.stdout)["present"]) == len(FILES)
+    assert ref.read_bytes() == commit.encode() and hf_offline(proj).returncode == 0
+    # `builder lock --offline` of the model pinned @main: the commit and files the Hub gave
+    online = json.loads((proj / "pins.lock").read_text())["models"]["tiny"]
+    (proj / "pins.lock").unlink()
+    r = cli(proj, None, "lock", "--offline", "tiny")
+    assert r.returncode == 0, r.stderr
+    offline = json.loads((proj / "pins.lock").read_text())["models"]["tiny"]
+    assert (offline["revision"], offline["commit"], offline["source"]) == ("main", commit, "local")
+    assert offline["files"] == online["files"]
 
 
 def test_a_connection_cut_mid_file_resumes_from_what_was_written(tmp_path: Path, hub: FakeHub) -> None:
@@ -344,7 +388,9 @@ def test_a_download_is_hashed_as_it_lands_and_not_read_again(tmp_path: Path, hub
     import huggingface_hub.constants as hc
 
     data = os.urandom(1 << 20) * 24
-    commit = hub.add_repo("org/big", {"w.safetensors": data, "c.json": b"{}"}, lfs={"w.safetensors"})
+    other = os.urandom(1 << 20) * 2
+    commit = hub.add_repo("org/big", {"w.safetensors": data, "v.safetensors": other, "c.json": b"{}"},
+                          lfs={"w.safetensors", "v.safetensors"})
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
     read: list[str] = []
@@ -361,3 +407,13 @@ def test_a_download_is_hashed_as_it_lands_and_not_read_again(tmp_path: Path, hub
     assert len(read) == 1 and read != [sha], read  # the small file alone was read whole
     assert os.path.samefile(got, store.object_path(sha)) and store.vouched(w)
     assert hashlib.sha256(store.object_path(sha).read_bytes()).hexdigest() == sha
+    # what finds the download in flight is huggingface_hub's own cache scan (its incomplete files): where
+    # it lists none, the file is read whole once it has arrived
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "scan_cache_dir",
+                        lambda cache_dir=None: SimpleNamespace(incomplete_files=frozenset()))
+    osha = hashlib.sha256(other).hexdigest()
+    core.download(store, "org/big", Wanted(model="big", commit=commit, path="v.safetensors", size=len(other),
+                                           sha256=osha))
+    assert read[1:] == [osha] and store.object_path(osha).read_bytes() == other

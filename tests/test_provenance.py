@@ -91,6 +91,22 @@ def test_documents_pass_their_validators(which: str) -> None:
     _intoto_check(docs[provenance.STATEMENT])
 
 
+@pytest.mark.parametrize("which", ["demo", "with-base"])
+def test_the_sbom_reads_back_into_cyclonedx_python_libs_model(which: str) -> None:
+    """The SBOM's bytes read back into cyclonedx-python-lib's model (Bom.from_json) and written again by
+    its serializer give the same document: nothing in it is outside the library's model."""
+    from cyclonedx.model.bom import Bom
+    from cyclonedx.output.json import JsonV1Dot5
+
+    p = _plan() if which == "demo" else _with_base()
+    doc = json.loads(provenance.documents(p, _record(p))[provenance.SBOM])
+    bom = Bom.from_json(doc)  # type: ignore[attr-defined]
+    assert bom.metadata.component is not None and bom.metadata.component.bom_ref.value == "image"
+    assert {c.bom_ref.value for c in bom.components} == {c["bom-ref"] for c in doc["components"]}
+    assert json.loads(JsonV1Dot5(bom).output_as_string()) == doc
+    assert _cyclonedx_errors(JsonV1Dot5(bom).output_as_string().encode()) is None
+
+
 def test_the_validators_refuse_a_broken_document() -> None:
     """The validators are not lenient: a wrong field is caught by each."""
     p = _plan()
@@ -195,7 +211,7 @@ def test_every_sbom_component_has_a_canonical_purl(which: str) -> None:
     assert (src.type, src.name, src.version, src.qualifiers) == (
         "generic", "demo-engine", p.closure["sources"]["demo-engine"]["commit"], {})
     art = p.closure["toolchains"]["zig-wheel"]["artifacts"][p.platform]
-    assert purls["toolchain:zig-wheel"] == f"pkg:generic/zig-wheel@0.17.0?checksum=sha256:{art}"
+    assert purls["toolchain:zig-wheel"] == f"pkg:pypi/ziglang@0.17.0?checksum=sha256:{art}"
     assert purls["recipe:Dockerfile"].startswith(f"pkg:generic/images/{p.name}/Dockerfile?checksum=sha256:")
     arch = p.platform.split("/")[1]
     assert purls["image"] == f"pkg:oci/{p.name}@sha256:{'4' * 64}?arch={arch}&tag={p.address[:32]}"
@@ -204,6 +220,43 @@ def test_every_sbom_component_has_a_canonical_purl(which: str) -> None:
         assert purls["base"] == (f"pkg:oci/pytorch@{H}?arch=arm64&repository_url=nvcr.io/nvidia/pytorch"
                                  "&tag=26.07-py3")
         assert purls["toolchain:cuda"] == "pkg:generic/cuda"
+
+
+def _strings(doc: object) -> list[str]:
+    """Every string anywhere in a JSON document."""
+    if isinstance(doc, str):
+        return [doc]
+    if isinstance(doc, dict):
+        return [x for k, v in doc.items() for x in (*_strings(k), *_strings(v))]
+    if isinstance(doc, list):
+        return [x for v in doc for x in _strings(v)]
+    return []
+
+
+@pytest.mark.parametrize("which", ["demo", "with-base"])
+def test_every_purl_of_the_documents_parses_and_the_subjects_are_distinct(which: str) -> None:
+    """Every package URL anywhere in the built documents (the bytes written to the store) parses with
+    packageurl-python and is already its canonical form; the wheel is PyPI's package; no two subjects of
+    the statement share a name, and each names its own digest."""
+    p = _plan() if which == "demo" else _with_base()
+    docs = provenance.documents(p, _record(p))
+    found = [x for name in provenance.DOCUMENTS for x in _strings(json.loads(docs[name])) if x.startswith("pkg:")]
+    bom = json.loads(docs[provenance.SBOM])
+    assert len(found) >= len(bom["components"]) + 1
+    parsed = [PackageURL.from_string(x) for x in found]
+    assert [u.to_string() for u in parsed] == found
+    wheels = [u for u in parsed if u.type == "pypi"]
+    assert [(u.name, u.version) for u in wheels] == [("ziglang", "0.17.0")]
+    assert not [u for u in parsed if u.type == "generic" and u.name in ("zig-wheel", "ziglang")]
+    subjects = json.loads(docs[provenance.STATEMENT])["subject"]
+    names = [s["name"] for s in subjects]
+    assert len(names) == len(set(names)) == 2
+    for s in subjects:
+        assert s["name"].endswith("@sha256:" + s["digest"]["sha256"]), s
+    # a record with no manifest (a local build never pushed): one subject, named for the ImageID
+    rec = _record(p).model_copy(update={"manifest_digest": None})
+    [only] = provenance.statement(p, rec)["subject"]
+    assert only["name"] == f"{rec.tag.rsplit(':', 1)[0]}@{rec.image_id}"
 
 
 @pytest.mark.parametrize(("url", "want"), [

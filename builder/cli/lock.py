@@ -52,7 +52,7 @@ def lock(names: tuple[str, ...], offline: bool, update: tuple[str, ...], check: 
 
         opts.on_hash = on_hash
         rep = core.resolve(c.pins, c.lock, opts)
-    for what, old, new in rep.moved:
+    for what, old, new in rep.moved if rep.written else []:  # (a lock that failed moved nothing)
         output.status(f"{what}: {old} -> {new}")
     if as_json:
         output.data_json({"lock": str(rep.lock_path), "written": rep.written, "resolved": rep.resolved,

@@ -122,6 +122,8 @@ def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
     for t in img.toolchains:
         lt = _need(lock, "toolchains", t, name)
         entry: dict[str, Any] = {"kind": lt.kind, "version": lt.version}
+        if lt.package:  # a wheel: the package index's name for it (its purl, pkg:pypi/NAME)
+            entry["package"] = lt.package
         if lt.platforms:
             # the toolchain runs on the build machine for wheels/zig used as cross compilers;
             # the closure names the artifact for the image platform and the build platform set

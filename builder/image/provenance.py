@@ -1,11 +1,13 @@
-"""Provenance of a built image in the ecosystem's formats: a CycloneDX 1.5 SBOM (each component with its
-package URL, `purl`) and an in-toto Statement v1 with a SLSA Provenance v1 predicate, also carried as a
-DSSE envelope (the form attestation tools read: cosign, slsa-verifier, in-toto).
+"""Provenance of a built image in the ecosystem's formats: a CycloneDX 1.5 SBOM (cyclonedx-python-lib's
+model and serializer; each component with its package URL, `purl`, written by packageurl-python) and an
+in-toto Statement v1 with a SLSA Provenance v1 predicate, also carried as a DSSE envelope (the form
+attestation tools read: cosign, slsa-verifier, in-toto).
 
 Both are pure functions of the plan (the closure: engine source at its commit, each patch, each
 toolchain artifact, the base by digest, each file, the recipe's files) and the image record (the
 ImageID, the OCI manifest digest, the DiffIDs), so the same build gives the same bytes on any
-machine: no wall-clock time goes in (the SBOM's timestamp is SOURCE_DATE_EPOCH). They are written to
+machine with the same cyclonedx-python-lib release (its serializer lays the SBOM out): no wall-clock
+time goes in (the SBOM's timestamp is SOURCE_DATE_EPOCH). They are written to
 the store under ``provenance/<input address>/`` at build time; ``builder bundle`` signs them with the
 bundle key (minisign, as the manifest), wraps the statement in a DSSE envelope signed with the same key
 (``provenance.intoto.jsonl``: one envelope per line, as in-toto's attestation bundles), and carries them
@@ -20,15 +22,15 @@ import binascii
 import json
 import re
 import uuid
+from collections.abc import Iterable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote
 
 from builder import __version__
 from builder.errors import VerifyError
 from builder.foundation import sign
 from builder.foundation.canon import atomic_write, pretty_json
-from builder.image.layers import rfc3339
 from builder.lock.plainfiles import scrub_url
 
 if TYPE_CHECKING:  # (types only: checking a bundle's documents needs neither)
@@ -61,26 +63,16 @@ def _hex(digest: str) -> str:
 # ---------------------------------------------------------------- package URLs (github.com/package-url/purl-spec)
 
 
-def _pq(text: str, safe: str = "") -> str:
-    """purl percent-encoding (as the spec's reference implementations write it: ':' stays)."""
-    return quote(text, safe=safe).replace("%3A", ":")
-
-
 def purl(ptype: str, name: str, *, namespace: str = "", version: str | None = None,
          qualifiers: dict[str, str] | None = None) -> str:
-    """``pkg:type/namespace/name@version?qualifiers`` in canonical form: each namespace segment, the name
-    and the version percent-encoded, qualifiers sorted by key, empty ones left out."""
-    out = f"pkg:{ptype}/"
-    segments = [seg for seg in namespace.split("/") if seg]
-    if segments:
-        out += "/".join(_pq(seg) for seg in segments) + "/"
-    out += _pq(name)
-    if version:
-        out += "@" + _pq(version)
-    q = {k: v for k, v in sorted((qualifiers or {}).items()) if v}
-    if q:
-        out += "?" + "&".join(f"{k}={_pq(v, safe='/')}" for k, v in q.items())
-    return out
+    """``pkg:type/namespace/name@version?qualifiers`` in canonical form, as packageurl-python (the purl
+    spec's reference implementation) writes it: each part percent-encoded, the type's own name rules
+    (pypi and github names lower case), qualifiers sorted by key, empty ones left out."""
+    from packageurl import PackageURL  # (at first use: only a build writes provenance)
+
+    q = {k: v for k, v in (qualifiers or {}).items() if v}
+    return str(PackageURL(type=ptype, namespace=namespace.strip("/") or None, name=name, version=version or None,
+                          qualifiers=q or None).to_string())
 
 
 # a repository on a forge that has its own purl type: https://github.com/OWNER/REPO(.git), or the
@@ -131,10 +123,11 @@ def oci_purl(ref: str, digest: str, platform: str | None = None, *, registry: bo
                 qualifiers={"arch": arch, "repository_url": repo if registry else "", "tag": tag})
 
 
-def toolchain_purl(name: str, version: str | None, sha256: str | None) -> str:
+def toolchain_purl(name: str, version: str | None, sha256: str | None, package: str | None = None) -> str:
     """A toolchain by version, and by the artifact's checksum when builder fetched one (a toolchain the
-    base image carries has none: the base's digest pins its bytes)."""
-    return purl("generic", name, version=version,
+    base image carries has none: the base's digest pins its bytes). A wheel is the package index's
+    package (``pkg:pypi/ziglang@0.17.0``); any other toolchain is ``pkg:generic/NAME``."""
+    return purl("pypi" if package else "generic", package or name, version=version,
                 qualifiers={"checksum": f"sha256:{sha256}" if sha256 else ""})
 
 
@@ -183,11 +176,15 @@ def _dependencies(p: Plan) -> list[dict[str, Any]]:
 
 
 def _subjects(rec: ImageRecord) -> list[dict[str, Any]]:
+    """The image's manifest (where it has one) and its config (the ImageID), each named for itself: the
+    image's name at that digest (``NAME@sha256:HEX``), so that no two subjects share a name."""
     repo = rec.tag.rsplit(":", 1)[0]
     out = []
     if rec.manifest_digest:
-        out.append({"name": repo, "digest": {"sha256": _hex(rec.manifest_digest)}, "mediaType": MEDIA_MANIFEST})
-    out.append({"name": repo, "digest": {"sha256": _hex(rec.image_id)}, "mediaType": MEDIA_CONFIG})
+        out.append({"name": f"{repo}@{rec.manifest_digest}", "digest": {"sha256": _hex(rec.manifest_digest)},
+                    "mediaType": MEDIA_MANIFEST})
+    out.append({"name": f"{repo}@{rec.image_id}", "digest": {"sha256": _hex(rec.image_id)},
+                "mediaType": MEDIA_CONFIG})
     return out
 
 
@@ -215,74 +212,77 @@ def statement(p: Plan, rec: ImageRecord) -> dict[str, Any]:
     }
 
 
-def _component(ref: str, ctype: str, name: str, sha: str | None, **extra: Any) -> dict[str, Any]:
-    comp: dict[str, Any] = {"type": ctype, "bom-ref": ref, "name": name}
-    if sha:
-        comp["hashes"] = [{"alg": "SHA-256", "content": sha}]
-    comp.update(extra)
-    return comp
-
-
 def sbom(p: Plan, rec: ImageRecord) -> dict[str, Any]:
-    """The CycloneDX 1.5 SBOM: the image, and each input that went into it, each with its purl."""
+    """The CycloneDX 1.5 SBOM: the image, and each input that went into it, each with its purl; built with
+    cyclonedx-python-lib's model and written by its 1.5 JSON serializer (the format's own implementation:
+    its field names, enumerations and layout are the library's, which also validates it). Its serial
+    number derives from the input address and its timestamp is SOURCE_DATE_EPOCH, so it stays a function
+    of the build."""
+    # imported at first use: only a build writes an SBOM, and the library is large
+    from cyclonedx.model import ExternalReference, ExternalReferenceType, HashAlgorithm, HashType, Property, XsUri
+    from cyclonedx.model.bom import Bom, BomMetaData
+    from cyclonedx.model.component import Component, ComponentType, Diff, Patch, PatchClassification, Pedigree
+    from cyclonedx.output.json import JsonV1Dot5
+    from packageurl import PackageURL
+
+    def component(ref: str, ctype: ComponentType, name: str, sha: str | None, *, version: str | None = None,
+                  purl_text: str | None = None, props: Iterable[tuple[str, str]] = (), **extra: Any) -> Component:
+        return Component(type=ctype, bom_ref=ref, name=name, version=version,
+                         hashes=[HashType(alg=HashAlgorithm.SHA_256, content=sha)] if sha else None,
+                         purl=PackageURL.from_string(purl_text) if purl_text else None,
+                         properties=[Property(name=k, value=v) for k, v in props] or None, **extra)
+
     c = p.closure
-    comps: list[dict[str, Any]] = []
+    comps: list[Component] = []
     for sname, s in sorted(c["sources"].items()):
-        patches = [{"type": "unofficial", "diff": {"url": pp["file"]}} for pp in s["patches"]]
-        comp = _component(f"source:{sname}", "application", sname, None, version=s["commit"],
-                          purl=source_purl(sname, s["url"], s["commit"]),
-                          externalReferences=[{"type": "vcs", "url": scrub_url(s["url"])}],
-                          properties=[{"name": "io.builder.tree-sha256", "value": s["tree_sha256"]}])
-        if patches:
-            comp["pedigree"] = {"patches": patches}
-        comps.append(comp)
+        patches = [Patch(type=PatchClassification.UNOFFICIAL, diff=Diff(url=XsUri(pp["file"]))) for pp in s["patches"]]
+        comps.append(component(f"source:{sname}", ComponentType.APPLICATION, sname, None, version=s["commit"],
+                               purl_text=source_purl(sname, s["url"], s["commit"]),
+                               props=[("io.builder.tree-sha256", s["tree_sha256"])],
+                               external_references=[ExternalReference(type=ExternalReferenceType.VCS,
+                                                                      url=XsUri(scrub_url(s["url"])))],
+                               pedigree=Pedigree(patches=patches) if patches else None))
         for pp in s["patches"]:
-            comps.append(_component(f"patch:{sname}:{pp['file']}", "file", pp["file"], pp["sha256"],
-                                    purl=file_purl(pp["file"], pp["sha256"]),
-                                    properties=[{"name": "io.builder.patch-of", "value": sname}]))
+            comps.append(component(f"patch:{sname}:{pp['file']}", ComponentType.FILE, pp["file"], pp["sha256"],
+                                   purl_text=file_purl(pp["file"], pp["sha256"]),
+                                   props=[("io.builder.patch-of", sname)]))
     for tname, t in sorted(c["toolchains"].items()):
         arts = t.get("artifacts") or {}
-        props = [{"name": f"io.builder.artifact.{plat}", "value": sha} for plat, sha in sorted(arts.items())]
         art = arts.get(p.platform) or (next(iter(sorted(arts.values()))) if arts else None)
-        comps.append(_component(f"toolchain:{tname}", "application", tname, art,
-                                version=str(t.get("version") or "unknown"),
-                                purl=toolchain_purl(tname, t.get("version"), art),
-                                properties=[{"name": "io.builder.kind", "value": t["kind"]}, *props]))
+        comps.append(component(f"toolchain:{tname}", ComponentType.APPLICATION, tname, art,
+                               version=str(t.get("version") or "unknown"),
+                               purl_text=toolchain_purl(tname, t.get("version"), art, t.get("package")),
+                               props=[("io.builder.kind", t["kind"]),
+                                      *((f"io.builder.artifact.{plat}", sha) for plat, sha in sorted(arts.items()))]))
     base = c.get("base")
     if base:
-        comps.append(_component("base", "container", base["ref"].split("@", 1)[0], _hex(base["manifest_digest"]),
-                                version=base["manifest_digest"],
-                                purl=oci_purl(base["ref"], base["manifest_digest"], p.platform)))
+        comps.append(component("base", ComponentType.CONTAINER, base["ref"].split("@", 1)[0],
+                               _hex(base["manifest_digest"]), version=base["manifest_digest"],
+                               purl_text=oci_purl(base["ref"], base["manifest_digest"], p.platform)))
     for fname, sha in sorted(c["files"].items()):
-        comps.append(_component(f"file:{fname}", "file", fname, sha, purl=file_purl(fname, sha)))
+        comps.append(component(f"file:{fname}", ComponentType.FILE, fname, sha, purl_text=file_purl(fname, sha)))
     for rel, sha in sorted(c["recipe"].items()):
         path = f"images/{p.name}/{rel}"
-        comps.append(_component(f"recipe:{rel}", "file", path, sha, purl=file_purl(path, sha)))
-    props = [{"name": "io.builder.input-address", "value": p.address},
-             {"name": "io.builder.lock-hash", "value": p.lock_hash},
-             {"name": "io.builder.image-id", "value": rec.image_id},
-             {"name": "io.builder.platform", "value": p.platform}]
+        comps.append(component(f"recipe:{rel}", ComponentType.FILE, path, sha, purl_text=file_purl(path, sha)))
+    props = [("io.builder.input-address", p.address), ("io.builder.lock-hash", p.lock_hash),
+             ("io.builder.image-id", rec.image_id), ("io.builder.platform", p.platform)]
     if rec.manifest_digest:
-        props.append({"name": "io.builder.manifest-digest", "value": rec.manifest_digest})
-    props += [{"name": f"io.builder.diff-id.{i}", "value": d} for i, d in enumerate(rec.diff_ids)]
-    image = _component("image", "container", rec.tag.rsplit(":", 1)[0], _hex(rec.image_id),
-                       version=p.address[:32], properties=props)
-    if rec.manifest_digest:  # (an image is named by its manifest's digest; a local one has no registry)
-        image["purl"] = oci_purl(rec.tag, rec.manifest_digest, p.platform, registry=False)
-    return {
-        "bomFormat": "CycloneDX",
-        "specVersion": "1.5",
-        "serialNumber": f"urn:uuid:{uuid.uuid5(_NAMESPACE, p.address)}",
-        "version": 1,
-        "metadata": {
-            "timestamp": rfc3339(p.source_date_epoch),
-            "tools": {"components": [{"type": "application", "name": "builder", "version": __version__}]},
-            "component": image,
-        },
-        "components": comps,
-        "dependencies": [{"ref": "image", "dependsOn": [x["bom-ref"] for x in comps]},
-                         *({"ref": x["bom-ref"]} for x in comps)],
-    }
+        props.append(("io.builder.manifest-digest", rec.manifest_digest))
+    props += [(f"io.builder.diff-id.{i}", d) for i, d in enumerate(rec.diff_ids)]
+    image = component("image", ComponentType.CONTAINER, rec.tag.rsplit(":", 1)[0], _hex(rec.image_id),
+                      version=p.address[:32], props=props,
+                      # (an image is named by its manifest's digest; a local one has no registry)
+                      purl_text=oci_purl(rec.tag, rec.manifest_digest, p.platform, registry=False)
+                      if rec.manifest_digest else None)
+    bom = Bom(serial_number=uuid.uuid5(_NAMESPACE, p.address), version=1,
+              metadata=BomMetaData(timestamp=datetime.fromtimestamp(p.source_date_epoch, UTC), component=image))
+    bom.metadata.tools.components.add(Component(type=ComponentType.APPLICATION, name="builder",
+                                                version=__version__))
+    for comp in comps:
+        bom.components.add(comp)
+        bom.register_dependency(comp)
+    bom.register_dependency(image, comps)
+    return json.loads(JsonV1Dot5(bom).output_as_string())  # type: ignore[no-any-return]
 
 
 def documents(p: Plan, rec: ImageRecord) -> dict[str, bytes]:

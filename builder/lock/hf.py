@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from builder.errors import ConfigError, ResolveError
+from builder.foundation.canon import atomic_write
 from builder.foundation.hashing import HashProgress, sha256_file
 from builder.foundation.hashing import hash_folder_files as hash_files
 from builder.inputs.pins import HfModel
@@ -73,9 +74,39 @@ def hub_cache_dirs() -> list[Path]:
 
 def cached_file(repo: str, commit: str, path: str, cache: Path | None = None) -> Path | None:
     """The HF cache's copy of a repo's file at a commit (``snapshots/<commit>/<path>``, a link to its
-    blob), if it is there and names a file."""
-    p = (cache or hub_cache()) / repo_folder_name(repo) / "snapshots" / commit / path
-    return p if p.is_file() else None
+    blob), if it is there and names a file: huggingface_hub's own answer (``try_to_load_from_cache``)."""
+    from huggingface_hub import try_to_load_from_cache  # (at first use: see hub_cache)
+
+    got = try_to_load_from_cache(repo, path, cache_dir=str(cache or hub_cache()), revision=commit)
+    return Path(got) if isinstance(got, str) else None
+
+
+def record_ref(repo: str, revision: str, commit: str, cache: Path | None = None) -> Path | None:
+    """Write the HF cache's ``refs/<revision>`` (the commit, 40 hex and no newline), as huggingface_hub
+    does when it resolves a branch or tag online, so that huggingface_hub offline (``HF_HUB_OFFLINE``,
+    ``revision="main"``) and `builder lock --offline` of a model pinned by branch find the snapshot
+    builder fetched. Only where the cache holds that snapshot, the revision is not the commit itself and
+    the ref names another commit; returns the ref written, else None.
+
+    Hand-written: huggingface_hub has no public call that records a ref (its own writer is private,
+    ``file_download._cache_commit_hash_for_specific_revision``); the layout is its documented cache's."""
+    if revision == commit or not HEX40.match(commit):
+        return None
+    parts = revision.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return None  # (not a name huggingface_hub could have written under refs/)
+    folder = (cache or hub_cache()) / repo_folder_name(repo)
+    if not (folder / "snapshots" / commit).is_dir():
+        return None
+    ref = folder.joinpath("refs", *parts)
+    try:
+        if ref.read_text() == commit:
+            return None
+    except OSError:
+        pass
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(ref, commit.encode("ascii"))
+    return ref
 
 
 def forget_cached(repo: str, commit: str, path: str, cache: Path | None = None) -> list[Path]:
@@ -263,5 +294,5 @@ def resolve(name: str, spec: HfModel, *, root: Path, cache: Path, offline: bool,
 
 
 __all__ = ["resolve", "resolve_local", "resolve_hub", "lock_from_folder", "find_snapshot", "hash_files",
-           "list_files", "scrub", "hub_cache", "hub_cache_dirs", "cached_file", "forget_cached", "select_files",
-           "repo_folder_name"]
+           "list_files", "scrub", "hub_cache", "hub_cache_dirs", "cached_file", "record_ref", "forget_cached",
+           "select_files", "repo_folder_name"]

@@ -3,8 +3,9 @@
 Sources go to `gitsrc`, models to `hf`, bases to `oci`, plain files to `fetch`, kernel kits to
 `kits` (after the sources, whose locked commit a kit from a git tree is read at); toolchains are
 fixed-output (their pins carry the hashes). Entries whose pin did not change are kept without
-network; the lock is written through `lockfile.write_lock` (rendered by a pure function), and on
-any failure the previous entries of the inputs that failed stay as they were.
+network; the lock is written through `lockfile.write_lock` (rendered by a pure function), and only
+when every selected input resolved: a lock that fails leaves `pins.lock` (its entries and its hash of
+the pins, `inputs_hash`) byte for byte as it was.
 """
 
 from __future__ import annotations
@@ -131,8 +132,9 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
     """Resolve the selected inputs and write the lock atomically (under a file lock).
 
     Entries whose pin did not change are kept as they are (no network), unless named in
-    `--update`. Inputs that fail are reported by name; their previous entries (if still
-    valid for the current pin) are kept, and no half-resolved entry is ever written.
+    `--update`. Inputs that fail are reported by name, and then nothing is written: the lock on
+    disk would otherwise record the hash of pins it does not match (`inputs_hash`), and `--check`
+    would vouch for a lock that never resolved them.
     """
     pins = load_pins(pins_path)
     root = pins_path.resolve().parent
@@ -163,20 +165,13 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
             if kind == "kits" and specs[name].source and f"sources.{specs[name].source}" in report.failed:
                 report.failed[f"{kind}.{name}"] = (f"{kind}.{name}: its source sources.{specs[name].source} "
                                                    "did not resolve")
-                if prev_any is not None and name not in new[kind]:
-                    new[kind][name] = prev_any
                 continue
             try:
                 entry = _resolve_one(kind, name, specs[name], root, cache, opts, prev_any, pins, new)
             except ConfigError:
                 raise
             except BuilderError as e:
-                report.failed[f"{kind}.{name}"] = str(e)
-                if prev_any is not None and name not in new[kind]:
-                    # keep the last complete resolution (stale for the new pin, which --check
-                    # reports) rather than dropping it: nothing moves silently, and a later
-                    # --update still reports old -> new
-                    new[kind][name] = prev_any
+                report.failed[f"{kind}.{name}"] = str(e)  # (the lock is then not written at all)
                 continue
             old_id = _identity(kind, prev_any)
             new_id = _identity(kind, entry)
@@ -196,7 +191,8 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
     lock = Lock(format=LOCK_FORMAT, builder=__version__, inputs_hash=address(inputs), inputs=inputs,
                 images=images, lanes=lanes,
                 **{k: dict(sorted(new[k].items())) for k in INPUT_KINDS})  # type: ignore[arg-type]
-    report.written = write_lock(lock_path, lock)
+    if not report.failed:
+        report.written = write_lock(lock_path, lock)
     return report
 
 

@@ -12,7 +12,9 @@ offline too); else, unless offline, a model file is downloaded by huggingface_hu
 (``hf_hub_download`` at the locked commit: hf_xet where the Hub stores the file with Xet and hf_xet is
 installed, `HF_ENDPOINT`, `HF_TOKEN`) into the HF cache it computes (builder.lock.hf.hub_cache, what `hf
 cache ls` reads), then hashed and hard-linked into the store; a plain file is downloaded from its URL,
-hashed while it arrives.
+hashed while it arrives. Each model's branch or tag is then recorded in the HF cache
+(``refs/<revision>``, its locked commit) where that cache holds the commit's snapshot, so that
+huggingface_hub offline finds it by branch as it would after its own download.
 
 A connection cut mid-file is resumed by huggingface_hub from the byte it reached (an HTTP Range
 request; it gives up after five tries that bring nothing). A file whose bytes are not the locked ones
@@ -211,6 +213,7 @@ def fetch(
     fetcher = _Fetcher(pins, lock, root, store, offline=offline, verify=verify, bar=progress or NoProgress())
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         list(pool.map(fetcher.one, wanted))
+    record_refs(pins, lock, wanted, fetcher.report)
     return fetcher.report
 
 
@@ -313,6 +316,21 @@ class _Fetcher:
         else:
             download(self.store, pins.models[w.model].repo, w, bar)
             self.note(report.downloaded, w)
+
+
+def record_refs(pins: Pins, lock: Lock, wanted: list[Wanted], report: FetchReport) -> None:
+    """Each fetched model's branch or tag in the HF cache (``refs/<revision>``: its locked commit), as
+    huggingface_hub records it when it resolves one online: `hf_hub_download` is always asked for the
+    locked commit, which records no ref, and without one huggingface_hub offline and `builder lock
+    --offline` cannot find a model pinned ``@main`` (builder.lock.hf.record_ref)."""
+    for m in dict.fromkeys(w.model for w in wanted if w.kind == "models"):
+        lm = lock.models[m]
+        try:
+            hf.record_ref(pins.models[m].repo, lm.revision, lm.commit)
+        except OSError as e:
+            first = next(w for w in wanted if w.kind == "models" and w.model == m)
+            report.failed.append((first, f"models.{m}: cannot record refs/{lm.revision} in the HF cache "
+                                         f"{hf.hub_cache()}: {e.strerror or e}"))
 
 
 def bytes_to_bring(pins: Pins, lock: Lock, root: Path, store_dir: Path, names: list[str], *,
