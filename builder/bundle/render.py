@@ -53,6 +53,8 @@ DEFAULT_PART_SIZE = 256 * 1024 * 1024
 class BundleOptions:
     out: Path | None = None
     key: Path | None = None
+    #: sign with a key found by default outside the project (the home folder's keygen default)
+    allow_outside_key: bool = False
     with_image: bool = False
     with_models: bool = False
     part_size: int = DEFAULT_PART_SIZE
@@ -211,7 +213,8 @@ def render_bundle(
     launch = rank_launch(ctx, fleet, host, lane_name)
     rec, image, models = launch.record, launch.image, launch.models
     placed_files = launch.placed or {}
-    secret = sign.load_secret_key(signing_key_path(opts.key))  # fail early (exit 2), before any write
+    # fail early (exit 2), before any write
+    secret = sign.load_secret_key(signing_key_path(opts.key, ctx.root, allow_outside=opts.allow_outside_key))
     on_bytes = None
     if opts.progress is not None:
         work = sum(m["size"] for m in models) if opts.with_models else 0

@@ -42,6 +42,7 @@ class DeployOptions:
     fleet: str
     checks_dir: Path | None = None
     key: Path | None = None  # the signing key (bundles made again are signed with it)
+    allow_outside_key: bool = False  # a signing key found by default outside the project may sign
     with_image: bool = False
     with_models: bool = False
     part_size: str = "256MiB"  # (as `builder bundle --part-size` takes it)
