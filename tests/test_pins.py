@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +86,44 @@ def test_good_pins_and_closures(tmp_path: Path) -> None:
     assert pins.closure(["engram"])["models"] == {"engram"} and pins.closure(["engram"])["sources"] == set()
     with pytest.raises(ConfigError, match="no lane, image or input named 'nope'"):
         pins.closure(["nope"])
+
+
+def test_misspelt_names_get_the_closest(tmp_path: Path) -> None:
+    """A lane, image, model or input name one edit away from a defined one is named with it; a name far
+    from every one gets no suggestion."""
+    pins = load_pins(write(tmp_path, GOOD))
+    with pytest.raises(ConfigError, match=r"no lane, image or input named 'dmeo' in pins \(did you mean `demo`\?\)$"):
+        pins.closure(["dmeo"])
+    with pytest.raises(ConfigError) as e:
+        pins.closure(["zzzzzz"])
+    assert "did you mean" not in str(e.value)
+    for old, new, needle in [
+        ('models = ["engram"]', 'models = ["engrm"]',
+         "lanes.demo.models[0]: 'engrm' is not defined in [models] (did you mean `engram`?)"),
+        ('base = "ngc"', 'base = "ngcc"', "images.demo.base: 'ngcc' is not defined in [bases] (did you mean `ngc`?)"),
+    ]:
+        assert old in GOOD
+        with pytest.raises(ConfigError) as e:
+            load_pins(write(tmp_path, GOOD.replace(old, new)))
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_misspelt_names_through_the_cli() -> None:
+    """Typos of a lane, an image, a model and a fleet in the shipped project, as an operator types them."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
+    for args, needle in [
+        (["lock", "--check", "dmeo"], "no lane, image or input named 'dmeo' in pins (did you mean `demo`?)"),
+        (["fetch", "--offline", "demo-tinyy"], "(did you mean `demo-tiny`?)"),
+        (["image", "dmeo"], "no image named 'dmeo' (did you mean `demo`?)"),
+        (["launch", "--fleet", "spark-tp4", "--lane", "tensorfold-tp44"], "(did you mean `tensorfold-tp4`?)"),
+        (["launch", "--fleet", "spark-tp44"], "no fleet named 'spark-tp44' (did you mean `spark-tp4`?)"),
+    ]:
+        r = subprocess.run([sys.executable, "-m", "builder", *args], cwd=repo, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
+        (line,) = r.stderr.strip().splitlines()
+        assert needle in line, (args, line)
 
 
 @pytest.mark.parametrize(

@@ -69,10 +69,9 @@ def bundle(
     if thin != (have is not None) or (thin and not with_image):
         raise ConfigError("--thin needs --with-image and --have FILE (the host's layer list)")
 
-    choice = core.choose_signing_key(key, c.root, allow_outside=allow_outside_key)
-    signer = core.describe_signing_key(choice)  # (a key that does not load fails here, before any work)
     opts = core.BundleOptions(
-        out=out, key=choice.path, with_image=with_image, with_models=with_models, part_size=core.parse_size(part_size),
+        out=out, key=key, allow_outside_key=allow_outside_key, with_image=with_image, with_models=with_models,
+        part_size=core.parse_size(part_size),
         have=read_have(have) if have is not None else None,
     )
     ctx = core.load_bundle_inputs(c.pins, c.lock, c.store)
@@ -85,7 +84,9 @@ def bundle(
             f"{r.fleet}/{r.host} (rank {r.rank}): {r.path}: bundle {r.bundle_id[:16]}, {r.files} files, "
             f"{r.size} bytes, {r.parts} parts{note}"
         )
-    output.status(f"signed with {signer}")
+    # (the same choice each bundle was signed by: a key refused or unreadable failed before any write)
+    signer = core.choose_signing_key(key, c.root, allow_outside=allow_outside_key)
+    output.status(f"signed with {core.describe_signing_key(signer)}")
     if as_json:
         output.data_json(
             [

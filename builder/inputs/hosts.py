@@ -334,7 +334,8 @@ def find_host(hosts_dir: Path, name: str) -> tuple[Path, Fleet, Host]:
 def check_against_pins(path: Path, fleet: Fleet, lanes: set[str], lock_lanes: set[str] | None = None) -> None:
     """The fleet's lane must exist in the pins (and in the lock, when given)."""
     if fleet.fleet.lane not in lanes:
-        raise ConfigError(f"{path}: fleet.lane: unknown lane {fleet.fleet.lane!r} (pins has: "
+        raise ConfigError(f"{path}: fleet.lane: unknown lane {fleet.fleet.lane!r}"
+                          f"{did_you_mean(fleet.fleet.lane, lanes)} (pins has: "
                           f"{', '.join(sorted(lanes)) or 'none'})")
     if lock_lanes is not None and fleet.fleet.lane not in lock_lanes:
         raise ConfigError(f"{path}: fleet.lane: lane {fleet.fleet.lane!r} is not in the lock (run `builder lock`)")
