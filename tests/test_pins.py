@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -216,3 +217,41 @@ def test_a_misspelt_key_of_a_lane_based_on_another_gets_its_suggestion(tmp_path:
         load_pins(tmp_path / "pins.toml")
     assert str(e.value) == (f"{tmp_path / 'pins.toml'}: lanes.vllm-native-128k.serv: unknown key "
                             "(did you mean `serve`?)")
+
+
+def test_pins_is_found_from_a_subfolder_and_named_pins_win(tmp_path: Path) -> None:
+    """From a folder inside a project, builder takes the nearest pins.toml above (its folder is the
+    root: hosts/, the lock, the store); BUILDER_PINS and --pins, when given, win over it."""
+    from tests.lib import auditlib
+
+    def project(name: str, fleet: str) -> Path:
+        root = auditlib.make_project(tmp_path / name)["pins"].parent
+        (root / "hosts").mkdir(exist_ok=True)
+        (root / "hosts" / f"{fleet}.toml").write_text(auditlib.fleet_toml(fleet, [
+            {"name": f"{fleet}-1", "ssh": "spark@192.0.2.1", "rank": 0, "role": "head"},
+            {"name": f"{fleet}-2", "ssh": "spark@192.0.2.2", "rank": 1, "role": "worker"}]))
+        return root
+
+    root, other = project("proj", "here"), project("other", "there")
+    deep = root / "images" / "demo" / "sub"
+    deep.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
+
+    def hosts(*args: str, **extra: str) -> list[str]:
+        r = subprocess.run([sys.executable, "-m", "builder", *args, "hosts", "--json"], cwd=deep,
+                           env={**env, **extra}, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return [h["file"] for h in json.loads(r.stdout)]
+
+    assert hosts() == [str(root / "hosts" / "here.toml")] * 2
+    assert hosts(BUILDER_PINS=str(other / "pins.toml")) == [str(other / "hosts" / "there.toml")] * 2
+    assert hosts("--pins", str(other / "pins.toml")) == [str(other / "hosts" / "there.toml")] * 2
+    r = subprocess.run([sys.executable, "-m", "builder", "lock", "--check"], cwd=deep, env=env,
+                       capture_output=True, text=True, timeout=120)
+    # (the lock beside the pins found above: this hand-made one is stale, and named by its full path)
+    assert r.returncode == 1 and r.stderr.startswith(f"error: {root / 'pins.lock'}: stale: "), r.stderr
+    # outside any project: the pins file is named as missing, one line
+    (tmp_path / "nowhere").mkdir()
+    r = subprocess.run([sys.executable, "-m", "builder", "lock", "--check"], cwd=tmp_path / "nowhere", env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "error: pins.toml: file not found", r.stderr

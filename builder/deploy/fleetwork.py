@@ -25,6 +25,7 @@ from builder.deploy.report import DeployReport, HostOutcome
 from builder.errors import BuilderError
 from builder.foundation.ssh import ControlSockets
 from builder.inputs.hosts import Host, check_against_pins, find_fleet
+from builder.inputs.pins import default_pins
 from builder.launch import container_name
 from builder.launch.order import start_groups, stop_groups
 from builder.ship import Remote
@@ -65,7 +66,7 @@ def command(opts: DeployOptions, verb: str, *args: str, mode: bool = False) -> s
     `mode`, the audits' mode when it is not the default (a repair found by a full audit needs one)."""
     head = ["builder"]
     env = os.environ
-    pins = Path(env.get("BUILDER_PINS") or "pins.toml")
+    pins = Path(env["BUILDER_PINS"]) if env.get("BUILDER_PINS") else default_pins()
     lock = Path(env["BUILDER_LOCK"]) if env.get("BUILDER_LOCK") else opts.pins.parent / "pins.lock"
     root = opts.pins.resolve().parent
     store = Path(env["BUILDER_STORE"]) if env.get("BUILDER_STORE") else root / ".cache" / "builder"

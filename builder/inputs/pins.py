@@ -383,6 +383,22 @@ def expand_lanes(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     return {**raw, "lanes": {n: resolve(n, ()) for n in lanes}}
 
 
+PINS_FILE = "pins.toml"
+
+
+def default_pins(start: Path | None = None) -> Path:
+    """The pins file when none is named: `pins.toml` in the working folder (``start``), else in the
+    nearest folder above it that has one (as git finds its repository), else `pins.toml` (whose absence
+    the command that reads it reports). Its folder is the project root."""
+    here = Path.cwd() if start is None else start
+    if (here / PINS_FILE).is_file():
+        return Path(PINS_FILE) if start is None else here / PINS_FILE
+    for folder in here.resolve().parents:
+        if (folder / PINS_FILE).is_file():
+            return folder / PINS_FILE
+    return Path(PINS_FILE)
+
+
 def load_pins(path: Path) -> Pins:
     """Load and validate pins.toml; every problem is one ConfigError line naming file and key."""
     written = read_toml(path)
