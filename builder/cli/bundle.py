@@ -109,7 +109,8 @@ def bundle(
 
 @click.command()
 @click.argument("bundle_dir", type=click.Path(file_okay=False, path_type=Path))
-@file_option("--key", "key", help="Public key [default: the fleet's trusted_key, else the keygen default].")
+@file_option("--key", "key", help="Public key [default: the fleet's trusted_key, else keys/builder.pub under the "
+             "project root, else the keygen default].")
 @json_option()
 def verify(bundle_dir: Path, key: Path | None, as_json: bool) -> int:
     """Check a bundle folder: the signature, then every file's hash (extra, missing, changed: exit 1)."""
