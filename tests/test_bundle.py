@@ -266,6 +266,60 @@ def test_signing_key_from_env_never_lands_in_output(proj: Project) -> None:
     assert proj.cli("bundle", "spark-b").returncode == 2  # no key anywhere: exit 2, one line
 
 
+def _key_id(key: Path) -> str:
+    return sign.load_secret_key(key).public_key.key_id_hex
+
+
+def test_bundle_names_the_key_it_signs_with_never_its_content(proj: Project) -> None:
+    p = proj.cli("bundle", "spark-b", "--key", str(proj.key))
+    assert p.returncode == 0, p.stderr
+    assert f"signed with {proj.key} (key id {_key_id(proj.key)}, from --key)" in p.stderr
+    assert proj.key.read_text().splitlines()[1] not in p.stdout + p.stderr
+
+
+def test_a_home_folder_key_is_refused_unless_asked(proj: Project, tmp_path: Path) -> None:
+    """The keygen default lies in the home folder, outside the project: found by default, it is
+    refused (one line naming it); named with --key, or with --allow-outside-key, it signs."""
+    config = tmp_path / "home" / ".config"
+    env = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(config)}
+    home_key = config / "builder" / "builder.key"
+    home_key.parent.mkdir(parents=True)
+    sign.generate_keypair(home_key, home_key.with_suffix(".pub"))
+    p = proj.cli("bundle", "spark-b", env=env)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert str(home_key) in line and "outside the project" in line and "--allow-outside-key" in line
+    assert not proj.out("spark-b").exists()
+    p = proj.cli("bundle", "spark-b", "--allow-outside-key", env=env)
+    assert p.returncode == 0, p.stderr
+    assert f"signed with {home_key} (key id {_key_id(home_key)}, from the keygen default)" in p.stderr
+    p = proj.cli("bundle", "spark-b", "--key", str(home_key), env=env)
+    assert p.returncode == 0 and f"signed with {home_key}" in p.stderr
+
+
+def test_keygen_writes_the_project_keys_and_bundle_signs_with_them(proj: Project, tmp_path: Path) -> None:
+    config = tmp_path / "home" / ".config"
+    env = {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(config)}
+    home_key = config / "builder" / "builder.key"
+    home_key.parent.mkdir(parents=True)
+    sign.generate_keypair(home_key, home_key.with_suffix(".pub"))
+    assert proj.cli("keygen", env=env).returncode == 0
+    key = proj.root / "keys" / "builder.key"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    p = proj.cli("bundle", "spark-b", env=env)
+    assert p.returncode == 0, p.stderr
+    assert f"signed with {key} (key id {_key_id(key)}, from the project's keys/)" in p.stderr
+    p = proj.cli("verify", str(proj.out("spark-b")), env=env)  # the project's keys/builder.pub checks it
+    assert p.returncode == 0, p.stderr
+
+
+def test_keys_folder_is_ignored_by_git() -> None:
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run(["git", "-C", str(root), "check-ignore", "keys/builder.key", "keys/builder.pub"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.split() == ["keys/builder.key", "keys/builder.pub"], p.stderr
+
+
 # --------------------------------------------------------------------------- refusal
 
 

@@ -28,15 +28,18 @@ from typing import Any, get_args
 
 import pytest
 
+from builder.bundle import load_bundle_inputs
 from builder.deploy import journal as J
-from builder.deploy.bundles import FleetBundle, stale
+from builder.deploy.bundles import FleetBundle, ensure_bundles, stale
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.hoststate import Container, HostState
 from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcome, Side
 from builder.deploy.rollout import record_drift
 from builder.deploy.status import FleetStatus, HostStatus
-from builder.errors import BuilderError
+from builder.errors import BuilderError, ConfigError
+from builder.foundation import sign
 from builder.foundation.ssh import tied
+from builder.inputs.hosts import find_fleet
 from tests.lib import auditlib, factory, fleetlib
 from tests.lib import bundlelib as bl
 from tests.lib import deploylib as dl
@@ -209,6 +212,30 @@ def test_bundle_currency_names_what_differs() -> None:
     assert stale(m, want, False, True) == "it carries no model files (--with-models)"
     changed = {**m, "files": [{"path": "start.sh", "size": 3, "sha256": "b", "mode": "0755"}]}
     assert stale(changed, want, False, False) == "start.sh differs"
+
+
+def test_bundles_made_again_name_their_key_and_a_home_key_needs_asking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bundles a deploy makes again are signed by the key `builder bundle` would choose, named once
+    (path, key id, what named it); the home folder's keygen default is refused unless allowed."""
+    p = bl.make_project(tmp_path)
+    ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
+    fleet_path, fleet = find_fleet(ctx.hosts_dir, bl.FLEET)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "home" / ".config"))
+    home_key = tmp_path / "home" / ".config" / "builder" / "builder.key"
+    home_key.parent.mkdir(parents=True)
+    sign.generate_keypair(home_key, home_key.with_suffix(".pub"))
+    said: list[str] = []
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(home_key))}: signing key outside the project"):
+        ensure_bundles(ctx, fleet_path, fleet, key=None, with_image=False, with_models=False, part_size="256MiB",
+                       say=said.append)
+    made = ensure_bundles(ctx, fleet_path, fleet, key=None, allow_outside_key=True, with_image=False,
+                          with_models=False, part_size="256MiB", say=said.append)
+    assert made and all(isinstance(b, FleetBundle) and b.made for b in made.values())
+    key_id = sign.load_secret_key(home_key).public_key.key_id_hex
+    assert said.count(f"signing bundles with {home_key} (key id {key_id}, from the keygen default)") == 1, said
+    assert not any(home_key.read_text().splitlines()[1] in line for line in said)
 
 
 def test_unknown_fleet_is_one_line_and_exit_2(tmp_path: Path, project_root: Path) -> None:

@@ -16,7 +16,15 @@ import pytest
 from builder.bundle.keys import fleet_trusted_key as project_trusted_key
 from builder.errors import ConfigError
 from builder.foundation.ssh import parse_target
-from builder.inputs.hosts import fleet_registry_ca, fleet_trusted_key, load_fleet, ssh_config_file
+from builder.inputs.hosts import (
+    find_fleet,
+    find_host,
+    fleet_registry_ca,
+    fleet_trusted_key,
+    load_fleet,
+    load_fleets,
+    ssh_config_file,
+)
 from tests.lib import auditlib, factory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -121,6 +129,86 @@ def test_cli_hosts_and_audit_exit_2_with_one_line(tmp_path: Path, target: str) -
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {p}: hosts[1].ssh: "), r.stderr
     assert not marker.exists()
+
+
+def _two_hosts(a: str, b: str, b_ssh: str = "spark@192.0.2.2") -> list[dict[str, object]]:
+    return [{"name": a, "ssh": "spark@192.0.2.1", "rank": 0, "role": "head"},
+            {"name": b, "ssh": b_ssh, "rank": 1, "role": "worker"}]
+
+
+def _mixed_inventory(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
+    """A project whose hosts/ holds one good fleet (`good`: good-1, good-2), one file of malformed TOML
+    (`broken.toml`) and one that parses but does not validate (`typo`: typo-1, typo-2, a bad ssh)."""
+    root = auditlib.make_project(tmp_path / "proj")["pins"].parent
+    hosts = root / "hosts"
+    hosts.mkdir(exist_ok=True)
+    (hosts / "good.toml").write_text(auditlib.fleet_toml("good", _two_hosts("good-1", "good-2")))
+    broken = hosts / "broken.toml"
+    broken.write_text("[fleet\nname = 'broken'\n")
+    typo = hosts / "typo.toml"
+    typo.write_text(auditlib.fleet_toml("typo", _two_hosts("typo-1", "typo-2", b_ssh="spark@host:22x")))
+    return root, hosts, broken, typo
+
+
+def test_a_bad_fleet_file_fails_only_what_uses_it(tmp_path: Path) -> None:
+    root, hosts, broken, typo = _mixed_inventory(tmp_path)
+    path, fleet = find_fleet(hosts, "good")
+    assert path == hosts / "good.toml" and fleet.fleet.name == "good"
+    assert find_host(hosts, "good-2")[2].rank == 1
+    assert find_host(hosts, "good/good-1")[2].role == "head"
+    for ask in (lambda: find_fleet(hosts, "typo"), lambda: find_host(hosts, "typo-2"),
+                lambda: find_host(hosts, "typo/typo-1")):
+        with pytest.raises(ConfigError) as e:
+            ask()
+        assert str(e.value).startswith(f"{typo}: hosts[1].ssh: ") and "\n" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        find_fleet(hosts, "broken")  # (its TOML does not read: the file's name stands for its fleet's)
+    assert str(e.value).startswith(f"{broken}: malformed TOML")
+    with pytest.raises(ConfigError) as e:
+        load_fleets(hosts)  # every fleet at once: the first bad file fails it
+    assert str(e.value).startswith(f"{broken}: ")
+    # through the CLI: the good fleet works, the bad files are named where they are used
+    r = _cli(root, "hosts", "--fleet", "good")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert [line.split("\t")[:2] for line in r.stdout.splitlines()] == [["good", "good-1"], ["good", "good-2"]]
+    r = _cli(root, "hosts", "--fleet", "typo")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith(f"error: {typo}: hosts[1].ssh: ")
+    assert len(r.stderr.splitlines()) == 1
+
+
+def test_the_host_listing_lists_the_good_fleets_and_names_each_bad_file(tmp_path: Path) -> None:
+    """`builder hosts` over every fleet: the fleets that validate on stdout, one `error:` line per file
+    that does not (file and key), exit 2."""
+    root, _, broken, typo = _mixed_inventory(tmp_path)
+    for args in (["hosts"], ["hosts", "--json"]):
+        r = _cli(root, *args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        errors = r.stderr.strip().splitlines()
+        assert len(errors) == 2, r.stderr
+        assert errors[0].startswith(f"error: {broken}: malformed TOML")
+        assert errors[1].startswith(f"error: {typo}: hosts[1].ssh: ")
+        names = ([h["name"] for h in json.loads(r.stdout)] if "--json" in args
+                 else [line.split("\t")[1] for line in r.stdout.splitlines()])
+        assert names == ["good-1", "good-2"]
+
+
+def test_unknown_fleet_and_host_names_get_the_closest(tmp_path: Path) -> None:
+    root, hosts, broken, typo = _mixed_inventory(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        find_fleet(hosts, "god")
+    assert "no fleet named 'god' (did you mean `good`?)" in str(e.value)
+    assert f"unreadable: {broken}, {typo}" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        find_host(hosts, "goodd-1")
+    assert "no host named 'goodd-1' (did you mean `good-1`?)" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        find_host(hosts, "good/god-2")
+    assert "no host named 'god-2' (did you mean `good-2`?)" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        find_fleet(hosts, "zzzz")
+    assert "did you mean" not in str(e.value) and "(have: good;" in str(e.value)
+    r = _cli(root, "hosts", "--fleet", "goood")
+    assert r.returncode == 2 and "(did you mean `good`?)" in r.stderr and len(r.stderr.splitlines()) == 1
 
 
 def test_every_file_a_fleet_names_is_taken_from_the_fleet_files_folder(

@@ -272,6 +272,41 @@ def test_corrupt_store_entry_is_refused_before_building(tmp_path: Path, wheelhou
     nothing_half_written(store)
 
 
+NO_NETWORK = ("unshare", "--net")  # a network namespace of its own: no interface but a down lo
+
+
+def _network_namespaces() -> bool:
+    return subprocess.run([*NO_NETWORK, "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.docker
+def test_the_demo_image_builds_with_the_network_refused(tmp_path: Path, wheelhouse: Path, tags: Tags) -> None:
+    """`builder image demo`, not even --offline, in a network namespace of its own (the Docker Engine is
+    reached over its unix socket): the ziglang wheel comes from the wheelhouse, checked against the lock,
+    and the image builds. Without the wheel in the wheelhouse or pip's cache, one line gives the exact
+    `pip download` command that puts it there."""
+    if not _network_namespaces():
+        pytest.skip("unshare --net is not allowed here (needs root or user namespaces)")
+    root, store, env = fresh(tmp_path, wheelhouse)
+    env.update(HOME=str(tmp_path / "home"), PIP_CACHE_DIR=str(tmp_path / "pip-cache"), PIP_RETRIES="0")
+    tags.watch(tag_for("demo", plan_of(root)["input_address"]))
+    sha = load_lock(root / "pins.lock").toolchains["zig-wheel"].platforms[dockerio.engine_platform()].sha256
+    r = builder(root, "image", "demo", "--json", store=store, env=env, wrap=NO_NETWORK)
+    assert r.rc == 0, r.err
+    assert r.json()["image_id"].startswith("sha256:") and (store / "objects" / sha).is_file()
+
+    wh = root.resolve() / ".cache" / "wheelhouse"
+    line = f"`python3 -m pip download --no-deps --only-binary=:all: -d {wh} ziglang==0.17.0`"
+    bare = {**env, "BUILDER_WHEELHOUSE": ""}
+    for args, needle in [(["--offline"], "is not in the store, a wheelhouse or pip's cache"),
+                         ([], "pip could not download")]:
+        r = builder(root, "image", "demo", "--force", *args, store=tmp_path / "empty-store", env=bare,
+                    wrap=NO_NETWORK)
+        one_line_refusal(r, 1, "toolchains.zig-wheel: ", needle)
+        assert r.err.rstrip().endswith(line), r.err
+        nothing_half_written(tmp_path / "empty-store")
+
+
 @pytest.mark.docker
 def test_wrong_wheel_is_refused(tmp_path: Path, wheelhouse: Path, tags: Tags) -> None:
     root, store, _ = fresh(tmp_path, wheelhouse)

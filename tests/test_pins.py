@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +87,44 @@ def test_good_pins_and_closures(tmp_path: Path) -> None:
     assert pins.closure(["engram"])["models"] == {"engram"} and pins.closure(["engram"])["sources"] == set()
     with pytest.raises(ConfigError, match="no lane, image or input named 'nope'"):
         pins.closure(["nope"])
+
+
+def test_misspelt_names_get_the_closest(tmp_path: Path) -> None:
+    """A lane, image, model or input name one edit away from a defined one is named with it; a name far
+    from every one gets no suggestion."""
+    pins = load_pins(write(tmp_path, GOOD))
+    with pytest.raises(ConfigError, match=r"no lane, image or input named 'dmeo' in pins \(did you mean `demo`\?\)$"):
+        pins.closure(["dmeo"])
+    with pytest.raises(ConfigError) as e:
+        pins.closure(["zzzzzz"])
+    assert "did you mean" not in str(e.value)
+    for old, new, needle in [
+        ('models = ["engram"]', 'models = ["engrm"]',
+         "lanes.demo.models[0]: 'engrm' is not defined in [models] (did you mean `engram`?)"),
+        ('base = "ngc"', 'base = "ngcc"', "images.demo.base: 'ngcc' is not defined in [bases] (did you mean `ngc`?)"),
+    ]:
+        assert old in GOOD
+        with pytest.raises(ConfigError) as e:
+            load_pins(write(tmp_path, GOOD.replace(old, new)))
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_misspelt_names_through_the_cli() -> None:
+    """Typos of a lane, an image, a model and a fleet in the shipped project, as an operator types them."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
+    for args, needle in [
+        (["lock", "--check", "dmeo"], "no lane, image or input named 'dmeo' in pins (did you mean `demo`?)"),
+        (["fetch", "--offline", "demo-tinyy"], "(did you mean `demo-tiny`?)"),
+        (["image", "dmeo"], "no image named 'dmeo' (did you mean `demo`?)"),
+        (["launch", "--fleet", "spark-tp4", "--lane", "tensorfold-tp44"], "(did you mean `tensorfold-tp4`?)"),
+        (["launch", "--fleet", "spark-tp44"], "no fleet named 'spark-tp44' (did you mean `spark-tp4`?)"),
+    ]:
+        r = subprocess.run([sys.executable, "-m", "builder", *args], cwd=repo, env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
+        (line,) = r.stderr.strip().splitlines()
+        assert needle in line, (args, line)
 
 
 @pytest.mark.parametrize(
@@ -175,3 +217,41 @@ def test_a_misspelt_key_of_a_lane_based_on_another_gets_its_suggestion(tmp_path:
         load_pins(tmp_path / "pins.toml")
     assert str(e.value) == (f"{tmp_path / 'pins.toml'}: lanes.vllm-native-128k.serv: unknown key "
                             "(did you mean `serve`?)")
+
+
+def test_pins_is_found_from_a_subfolder_and_named_pins_win(tmp_path: Path) -> None:
+    """From a folder inside a project, builder takes the nearest pins.toml above (its folder is the
+    root: hosts/, the lock, the store); BUILDER_PINS and --pins, when given, win over it."""
+    from tests.lib import auditlib
+
+    def project(name: str, fleet: str) -> Path:
+        root = auditlib.make_project(tmp_path / name)["pins"].parent
+        (root / "hosts").mkdir(exist_ok=True)
+        (root / "hosts" / f"{fleet}.toml").write_text(auditlib.fleet_toml(fleet, [
+            {"name": f"{fleet}-1", "ssh": "spark@192.0.2.1", "rank": 0, "role": "head"},
+            {"name": f"{fleet}-2", "ssh": "spark@192.0.2.2", "rank": 1, "role": "worker"}]))
+        return root
+
+    root, other = project("proj", "here"), project("other", "there")
+    deep = root / "images" / "demo" / "sub"
+    deep.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
+
+    def hosts(*args: str, **extra: str) -> list[str]:
+        r = subprocess.run([sys.executable, "-m", "builder", *args, "hosts", "--json"], cwd=deep,
+                           env={**env, **extra}, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return [h["file"] for h in json.loads(r.stdout)]
+
+    assert hosts() == [str(root / "hosts" / "here.toml")] * 2
+    assert hosts(BUILDER_PINS=str(other / "pins.toml")) == [str(other / "hosts" / "there.toml")] * 2
+    assert hosts("--pins", str(other / "pins.toml")) == [str(other / "hosts" / "there.toml")] * 2
+    r = subprocess.run([sys.executable, "-m", "builder", "lock", "--check"], cwd=deep, env=env,
+                       capture_output=True, text=True, timeout=120)
+    # (the lock beside the pins found above: this hand-made one is stale, and named by its full path)
+    assert r.returncode == 1 and r.stderr.startswith(f"error: {root / 'pins.lock'}: stale: "), r.stderr
+    # outside any project: the pins file is named as missing, one line
+    (tmp_path / "nowhere").mkdir()
+    r = subprocess.run([sys.executable, "-m", "builder", "lock", "--check"], cwd=tmp_path / "nowhere", env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == "error: pins.toml: file not found", r.stderr

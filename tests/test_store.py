@@ -9,10 +9,13 @@ import hashlib
 import http.server
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -169,6 +172,90 @@ def test_wheel_from_a_wheelhouse_is_verified(tmp_path: Path) -> None:
         store.fetch_wheel("other", "1.0", "other-1.0-py3-none-any.whl", "2" * 64, "toolchains.o",
                           [wh], offline=True)
     assert "--offline" in str(e.value) and "\n" not in str(e.value)
+
+
+def _wheel(path: Path, payload: bytes) -> str:
+    """A real wheel (a zip with its dist-info) of the `demo` distribution at ``path``; its sha256."""
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("demo/__init__.py", payload)
+        z.writestr("demo-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def network_refused(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Outgoing connections refused: in this process every socket connect raises, and a child (pip)
+    is sent to an index and proxies on a loopback port where nothing listens, without retries."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(var, closed)
+    monkeypatch.setenv("PIP_INDEX_URL", f"{closed}/simple")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise OSError("network refused by the test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    yield
+
+
+WHEEL = "demo-1.0-py3-none-any.whl"
+
+
+def test_a_locked_wheel_in_the_wheelhouse_is_taken_with_the_network_refused(
+    tmp_path: Path, network_refused: None
+) -> None:
+    """Not --offline either: a wheel the wheelhouse holds is taken from it, checked against the lock."""
+    wh = tmp_path / "wheelhouse"
+    wh.mkdir()
+    sha = _wheel(wh / WHEEL, b"v = 1\n")
+    store = Store(tmp_path / "store")
+    got = store.fetch_wheel("demo", "1.0", WHEEL, sha, "toolchains.w", [wh], offline=False,
+                            pip_cache=tmp_path / "no-pip-cache")
+    assert got.read_bytes() == (wh / WHEEL).read_bytes() and got == store.object_path(sha)
+
+
+def test_a_locked_wheel_in_pips_cache_is_taken_with_the_network_refused(
+    tmp_path: Path, network_refused: None
+) -> None:
+    """pip's HTTP cache keeps the bodies it downloaded (`http-v2/a/b/c/d/e/KEY.body`): the one whose
+    bytes are the lock's is taken; another build of the same wheel and a body that is no zip are not."""
+    cache = tmp_path / "pip-cache"
+    bodies = cache / "http-v2" / "a" / "b" / "c" / "d" / "e"
+    bodies.mkdir(parents=True)
+    _wheel(bodies / "0other.body", b"v = 2\n")  # (same dist-info, other bytes: not the locked wheel)
+    (bodies / "1page.body").write_bytes(b"<html>the simple index page</html>")
+    sha = _wheel(bodies / "2wheel.body", b"v = 1\n")
+    store = Store(tmp_path / "store")
+    got = store.fetch_wheel("demo", "1.0", WHEEL, sha, "toolchains.w", [tmp_path / "empty"], offline=False,
+                            pip_cache=cache)
+    assert got.read_bytes() == (bodies / "2wheel.body").read_bytes()
+
+
+def test_a_wheel_found_nowhere_names_the_one_command_that_gets_it(tmp_path: Path, network_refused: None) -> None:
+    """Offline: one line naming where it looked and the exact `pip download` line for the wheelhouse;
+    online with the network refused: pip fails, and the line says so with the same command."""
+    wh = tmp_path / "proj" / ".cache" / "wheelhouse"
+    store = Store(tmp_path / "store")
+    line = f"python3 -m pip download --no-deps --only-binary=:all: -d {wh} demo==1.0"
+    with pytest.raises(ResolveError) as e:
+        store.fetch_wheel("demo", "1.0", WHEEL, SHA, "toolchains.w", [wh], offline=True, pip_cache=tmp_path / "pc")
+    msg = str(e.value)
+    assert msg.startswith(f"toolchains.w: {WHEEL} is not in the store, a wheelhouse or pip's cache ({wh}, ")
+    assert msg.endswith(f"put it in the wheelhouse: `{line}`") and "\n" not in msg, msg
+    with pytest.raises(ResolveError) as e:
+        store.fetch_wheel("demo", "1.0", WHEEL, SHA, "toolchains.w", [wh], offline=False, pip_cache=tmp_path / "pc")
+    msg = str(e.value)
+    assert msg.startswith(f"toolchains.w: pip could not download {WHEEL}") and msg.endswith(f"`{line}`"), msg
+    assert "\n" not in msg and visible(store) == []
 
 
 def test_fetch_url_from_project_path_file_url_and_loopback_http(tmp_path: Path) -> None:

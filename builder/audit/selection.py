@@ -9,7 +9,7 @@ from pathlib import Path
 
 from builder.audit.concerns import Concern, declared
 from builder.errors import ConfigError
-from builder.inputs.hosts import FleetHost, find_host, fleet_hosts, load_fleets
+from builder.inputs.hosts import FleetHost, find_host, fleet_hosts, read_inventory
 
 MODES = ("fast", "full")
 PHASES = ("preflight", "serving", "all")
@@ -113,7 +113,7 @@ def select_targets(hosts_dir: Path, names: list[str], fleet: str | None) -> list
     if fleet:
         return fleet_hosts(hosts_dir, fleet)
     if not names:
-        fleets = load_fleets(hosts_dir)
+        fleets = read_inventory(hosts_dir).fleets
         have = ", ".join(sorted(fleets)) or "none"
         raise ConfigError(f"say which hosts to audit: HOST... or --fleet NAME (fleets: {have})")
     out: list[FleetHost] = []

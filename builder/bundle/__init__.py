@@ -31,7 +31,15 @@ the push to a fleet's registry), ``parts`` (the streaming part writer), ``archiv
 
 from __future__ import annotations
 
-from builder.bundle.keys import keygen, public_key_for, read_public_key, signing_key_path
+from builder.bundle.keys import (
+    SigningKeyChoice,
+    choose_signing_key,
+    describe_signing_key,
+    keygen,
+    public_key_for,
+    read_public_key,
+    signing_key_path,
+)
 from builder.bundle.make import make_bundle, make_fleet_bundles
 from builder.bundle.parts import WrittenFile, write_bytes, write_stream
 from builder.bundle.render import (
@@ -53,9 +61,12 @@ __all__ = [
     "BundleOptions",
     "BundleResult",
     "RankLaunch",
+    "SigningKeyChoice",
     "WrittenFile",
     "check_lane",
+    "choose_signing_key",
     "crypto_sig_check",
+    "describe_signing_key",
     "keygen",
     "load_bundle_inputs",
     "make_bundle",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from builder.errors import ConfigError
@@ -21,24 +22,72 @@ def default_key_dir() -> Path:
     return Path(base) / "builder"
 
 
-def signing_key_path(opt: Path | None) -> Path:
-    """--key, else $BUILDER_SIGNING_KEY (a path), else the keygen default; ConfigError when none exists."""
+def project_key_dir(root: Path) -> Path:
+    """The project's own key folder, `keys/` (ignored by git)."""
+    return root / "keys"
+
+
+@dataclass(frozen=True)
+class SigningKeyChoice:
+    """Which secret key signs, and what named it (``--key``, ``$BUILDER_SIGNING_KEY``, the project's
+    keys/, the keygen default)."""
+
+    path: Path
+    source: str
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path.resolve().is_relative_to(root.resolve())
+
+
+def choose_signing_key(
+    opt: Path | None, root: Path | None, *, allow_outside: bool = False, flag: str = "--key"
+) -> SigningKeyChoice:
+    """--key, else $BUILDER_SIGNING_KEY, else the project's keys/builder.key, else the keygen default.
+
+    A key named explicitly (the option or the variable) is used wherever it lies. A key found by
+    default outside the project (the home folder's keygen default) is refused unless ``allow_outside``:
+    a bundle is never signed by a key the operator did not pick for this project."""
     if opt is not None:
-        return opt
+        return SigningKeyChoice(opt, flag)
     env = os.environ.get(SIGNING_KEY_ENV)
     if env:
-        return Path(env)
+        return SigningKeyChoice(Path(env), f"${SIGNING_KEY_ENV}")
+    if root is not None:
+        p = project_key_dir(root) / "builder.key"
+        if p.exists():
+            return SigningKeyChoice(p, "the project's keys/")
     p = default_key_dir() / "builder.key"
     if p.exists():
-        return p
+        if root is not None and not allow_outside and not _inside(p, root):
+            raise ConfigError(
+                f"{p}: signing key outside the project ({root}), refused: name it with {flag} {p} "
+                "or pass --allow-outside-key"
+            )
+        return SigningKeyChoice(p, "the keygen default")
     raise ConfigError(
-        f"no signing key: pass --key PATH or set {SIGNING_KEY_ENV} (make one with `builder keygen`)"
+        f"no signing key: pass {flag} PATH or set {SIGNING_KEY_ENV} (make one with `builder keygen`)"
     )
 
 
-def keygen(out_dir: Path | None, force: bool = False) -> tuple[Path, Path, str]:
-    """Write builder.key (0600) and builder.pub in out_dir; return (secret path, public path, key id)."""
-    d = out_dir if out_dir is not None else default_key_dir()
+def signing_key_path(
+    opt: Path | None, root: Path | None = None, *, allow_outside: bool = False, flag: str = "--key"
+) -> Path:
+    """The path of choose_signing_key; ConfigError when none exists or it is refused."""
+    return choose_signing_key(opt, root, allow_outside=allow_outside, flag=flag).path
+
+
+def describe_signing_key(choice: SigningKeyChoice) -> str:
+    """The key that signs, named: its path, its public key id, what named it (never its content).
+    Loads the key, so a malformed or too open key fails here (ConfigError)."""
+    secret = sign.load_secret_key(choice.path)
+    return f"{choice.path} (key id {secret.public_key.key_id_hex}, from {choice.source})"
+
+
+def keygen(out_dir: Path | None, force: bool = False, root: Path | None = None) -> tuple[Path, Path, str]:
+    """Write builder.key (0600) and builder.pub in out_dir (default: the project's keys/ when a root is
+    given, else the keygen default); return (secret path, public path, key id)."""
+    d = out_dir if out_dir is not None else project_key_dir(root) if root is not None else default_key_dir()
     d.mkdir(parents=True, exist_ok=True)
     sk, pk = d / "builder.key", d / "builder.pub"
     pub = sign.generate_keypair(sk, pk, force=force)
@@ -69,7 +118,8 @@ def fleet_trusted_key(root: Path, fleet_name: str) -> Path | None:
 
 
 def public_key_for(bundle_dir: Path, key: Path | None, root: Path | None) -> Path:
-    """--key, else the fleet's trusted_key (from the inventory), else the keygen default public key."""
+    """--key, else the fleet's trusted_key (from the inventory), else the project's keys/builder.pub,
+    else the keygen default public key."""
     if key is not None:
         return key
     if root is not None:
@@ -78,9 +128,9 @@ def public_key_for(bundle_dir: Path, key: Path | None, root: Path | None) -> Pat
             p = fleet_trusted_key(root, str(fleet_name))
             if p is not None:
                 return p
-    p = default_key_dir() / "builder.pub"
-    if p.exists():
-        return p
+    for d in ([project_key_dir(root)] if root is not None else []) + [default_key_dir()]:
+        if (d / "builder.pub").exists():
+            return d / "builder.pub"
     raise ConfigError(
         "no public key to verify with: pass --key PUB (or set fleet.trusted_key in the inventory)"
     )

@@ -53,6 +53,8 @@ DEFAULT_PART_SIZE = 256 * 1024 * 1024
 class BundleOptions:
     out: Path | None = None
     key: Path | None = None
+    #: sign with a key found by default outside the project (the home folder's keygen default)
+    allow_outside_key: bool = False
     with_image: bool = False
     with_models: bool = False
     part_size: int = DEFAULT_PART_SIZE
@@ -206,7 +208,8 @@ def render_bundle(
     lane_name = check_lane(ctx, fleet_path, fleet)
     launch = rank_launch(ctx, fleet, host, lane_name)
     rec = launch.record
-    secret = sign.load_secret_key(signing_key_path(opts.key))  # fail early (exit 2), before any write
+    # fail early (exit 2), before any write
+    secret = sign.load_secret_key(signing_key_path(opts.key, ctx.root, allow_outside=opts.allow_outside_key))
     pull = _pull_reference(fleet_path, fleet, rec, opts)
     on_bytes = _progress_for(fleet, host, launch, opts)
     omitted = thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0

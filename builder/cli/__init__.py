@@ -72,17 +72,22 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="builder")
-@file_option("--pins", "pins", envvar="BUILDER_PINS", default="pins.toml", show_default=True,
-             help="The pins file (its folder is the project root).")
+@file_option("--pins", "pins", envvar="BUILDER_PINS",
+             help="The pins file (its folder is the project root) [default: pins.toml here, else in the "
+             "nearest folder above]. Env: BUILDER_PINS.")
 @file_option("--lock", "lock", envvar="BUILDER_LOCK", help="The lock file [default: pins.lock beside the pins].")
 @folder_option("--store", "store", envvar="BUILDER_STORE",
                help="The content-addressed store and caches [default: .cache/builder under the project root].")
 @click.pass_context
-def cli(ctx: click.Context, pins: Path, lock: Path | None, store: Path | None) -> None:
+def cli(ctx: click.Context, pins: Path | None, lock: Path | None, store: Path | None) -> None:
     """builder: make a DGX Spark lane reproducible and checkable.
 
     pins.toml -> lock -> image -> bundle -> install -> audit.
     """
+    if pins is None:
+        from builder.inputs.pins import default_pins  # (here: a command's --help does not load the schema)
+
+        pins = default_pins()
     root = pins.resolve().parent
     ctx.obj = Ctx(
         pins=pins,

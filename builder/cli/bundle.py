@@ -10,17 +10,24 @@ from builder import bundle as core
 from builder import output
 from builder.bundle.thin import read_have
 from builder.cli import get_ctx
-from builder.cli.options import file_option, fleet_option, folder_option, json_option, part_size_option
+from builder.cli.options import (
+    allow_outside_key_option,
+    file_option,
+    fleet_option,
+    folder_option,
+    json_option,
+    part_size_option,
+)
 from builder.errors import ConfigError
 
 
 @click.command()
-@folder_option("--out", "out", help="Folder for builder.key and builder.pub [default: $XDG_CONFIG_HOME/builder].")
+@folder_option("--out", "out", help="Folder for builder.key and builder.pub [default: keys/ under the project root].")
 @click.option("--force", is_flag=True, help="Replace an existing key pair.")
 @json_option()
 def keygen(out: Path | None, force: bool, as_json: bool) -> int:
     """Make an Ed25519 key pair (minisign-compatible): builder.key (mode 0600) and builder.pub."""
-    sk, pk, key_id = core.keygen(out, force=force)
+    sk, pk, key_id = core.keygen(out, force=force, root=get_ctx().root)
     if as_json:
         output.data_json({"secret_key": str(sk), "public_key": str(pk), "key_id": key_id})
     output.status(f"wrote {sk} (secret, 0600) and {pk} (public), key id {key_id}")
@@ -32,7 +39,9 @@ def keygen(out: Path | None, force: bool, as_json: bool) -> int:
 @click.argument("host", required=False)
 @fleet_option("Bundle every host of this fleet.")
 @folder_option("--out", "out", help="Output folder [default: out/bundles/<fleet>/<host>; with --fleet, the parent].")
-@file_option("--key", "key", help="Signing key [default: $BUILDER_SIGNING_KEY, else the keygen default].")
+@file_option("--key", "key", help="Signing key [default: $BUILDER_SIGNING_KEY, else keys/builder.key under the "
+             "project root].")
+@allow_outside_key_option
 @click.option("--with-image", is_flag=True, help="Include the image as a docker-load archive (image.tar).")
 @click.option("--with-models", is_flag=True, help="Include this rank's model files (models/).")
 @click.option("--thin", is_flag=True, help="With --with-image: leave out the layers the host holds (--have).")
@@ -45,6 +54,7 @@ def bundle(
     fleet: str | None,
     out: Path | None,
     key: Path | None,
+    allow_outside_key: bool,
     with_image: bool,
     with_models: bool,
     thin: bool,
@@ -60,7 +70,8 @@ def bundle(
         raise ConfigError("--thin needs --with-image and --have FILE (the host's layer list)")
 
     opts = core.BundleOptions(
-        out=out, key=key, with_image=with_image, with_models=with_models, part_size=core.parse_size(part_size),
+        out=out, key=key, allow_outside_key=allow_outside_key, with_image=with_image, with_models=with_models,
+        part_size=core.parse_size(part_size),
         have=read_have(have) if have is not None else None,
     )
     ctx = core.load_bundle_inputs(c.pins, c.lock, c.store)
@@ -73,6 +84,9 @@ def bundle(
             f"{r.fleet}/{r.host} (rank {r.rank}): {r.path}: bundle {r.bundle_id[:16]}, {r.files} files, "
             f"{r.size} bytes, {r.parts} parts{note}"
         )
+    # (the same choice each bundle was signed by: a key refused or unreadable failed before any write)
+    signer = core.choose_signing_key(key, c.root, allow_outside=allow_outside_key)
+    output.status(f"signed with {core.describe_signing_key(signer)}")
     if as_json:
         output.data_json(
             [
@@ -95,7 +109,8 @@ def bundle(
 
 @click.command()
 @click.argument("bundle_dir", type=click.Path(file_okay=False, path_type=Path))
-@file_option("--key", "key", help="Public key [default: the fleet's trusted_key, else the keygen default].")
+@file_option("--key", "key", help="Public key [default: the fleet's trusted_key, else keys/builder.pub under the "
+             "project root, else the keygen default].")
 @json_option()
 def verify(bundle_dir: Path, key: Path | None, as_json: bool) -> int:
     """Check a bundle folder: the signature, then every file's hash (extra, missing, changed: exit 1)."""

@@ -11,6 +11,7 @@ import click
 from builder import output
 from builder.cli import get_ctx
 from builder.cli.options import (
+    allow_outside_key_option,
     checks_option,
     file_option,
     fleet_option,
@@ -95,8 +96,10 @@ def _print(rep: Any, as_json: bool) -> int:
 @_run_options
 @click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
 @file_option(
-    "--key", "key", help="Signing key for bundles made again [default: $BUILDER_SIGNING_KEY, else the keygen default]."
+    "--key", "key", help="Signing key for bundles made again [default: $BUILDER_SIGNING_KEY, else keys/builder.key "
+    "under the project root]."
 )
+@allow_outside_key_option
 @click.option(
     "--with-image", is_flag=True,
     help="Bundles made again carry the image (for hosts that lack it: a first deploy, a new image).",
@@ -118,7 +121,8 @@ def _print(rep: Any, as_json: bool) -> int:
 @insecure_option
 def deploy(
     fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float | None,
-    stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool, key: Path | None, with_image: bool,
+    stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool, key: Path | None, allow_outside_key: bool,
+    with_image: bool,
     with_models: bool, part_size: str, parallel: int, insecure: bool, repair: bool,
 ) -> int:
     """Move fleet NAME to the lock: bundle, stage everywhere, make the derivations, audit (the gate),
@@ -131,7 +135,8 @@ def deploy(
     2 configuration error (nothing changed), 3 a host could not be reached.
     """
     opts = _options(
-        fleet=fleet, checks_dir=checks_dir, key=key, with_image=with_image, with_models=with_models,
+        fleet=fleet, checks_dir=checks_dir, key=key, allow_outside_key=allow_outside_key,
+        with_image=with_image, with_models=with_models,
         part_size=part_size, dry_run=dry_run, parallel=parallel, connect_timeout=connect_timeout,
         timeout=timeout, start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout, audit_mode=mode,
         ssh_persist=ssh_persist, insecure=insecure, repair=repair,

@@ -9,6 +9,7 @@ import click
 from builder import output
 from builder.cli import get_ctx
 from builder.cli.options import file_option, fleet_option, hosts_dir_option, json_option
+from builder.errors import EXIT_CONFIG
 from builder.inputs import hosts as core
 
 
@@ -26,12 +27,14 @@ def hosts(fleet: str | None, as_json: bool, ansible: Path | None, hosts_dir: Pat
         n = core.write_ansible_inventory(hdir, fleet, ansible)
         output.status(f"{ansible}: {n} host(s)")
         return 0
-    rows = core.host_rows(hdir, fleet)
+    rows, errors = core.host_rows(hdir, fleet)
     if as_json:
         output.data_json(rows)
-        return 0
-    for r in rows:
-        output.data(
-            f"{r['fleet']}\t{r['name']}\trank {r['rank']}\t{r['role']}\t{r['connection']}\t{r['target']}"
-        )
-    return 0
+    else:
+        for r in rows:
+            output.data(
+                f"{r['fleet']}\t{r['name']}\trank {r['rank']}\t{r['role']}\t{r['connection']}\t{r['target']}"
+            )
+    for line in errors:  # (the fleets that validate are listed; each file that does not is named, exit 2)
+        output.error(line)
+    return EXIT_CONFIG if errors else 0

@@ -68,3 +68,7 @@ part_size_option = click.option(
     "--part-size", "part_size", default="256MiB", show_default=True,
     help="Files larger than this are stored in hashed parts.",
 )
+allow_outside_key_option = click.option(
+    "--allow-outside-key", is_flag=True,
+    help="Sign with the keygen default key though it lies outside the project (it is refused otherwise).",
+)

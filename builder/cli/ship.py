@@ -9,7 +9,7 @@ import click
 from builder import output
 from builder import ship as core
 from builder.cli import get_ctx
-from builder.cli.options import file_option, folder_option, insecure_option, json_option
+from builder.cli.options import allow_outside_key_option, file_option, folder_option, insecure_option, json_option
 
 
 @click.command()
@@ -19,6 +19,7 @@ from builder.cli.options import file_option, folder_option, insecure_option, jso
 @file_option("--key", "key", help="Public key the host trusts [default: fleet.trusted_key, else the signing key's].")
 @file_option("--signing-key", "signing_key",
              help="Signing key whose public half to trust when no public key is configured.")
+@allow_outside_key_option
 @click.option("--timeout", "timeout", type=float, default=60.0, show_default=True,
               help="Base seconds for every remote call (transfers add size / 1 MiB/s).")
 @insecure_option
@@ -29,6 +30,7 @@ def ship(
     bundle_dir: Path | None,
     key: Path | None,
     signing_key: Path | None,
+    allow_outside_key: bool,
     timeout: float,
     insecure: bool,
     as_json: bool,
@@ -36,7 +38,8 @@ def ship(
     """Copy HOST's bundle to it over SSH (resuming) and install it; or copy it to a folder with --to."""
     c = get_ctx()
     opts = core.ShipOptions(
-        bundle=bundle_dir, to=to, key=key, signing_key=signing_key, timeout=timeout, insecure=insecure
+        bundle=bundle_dir, to=to, key=key, signing_key=signing_key, allow_outside_key=allow_outside_key,
+        timeout=timeout, insecure=insecure,
     )
     with output.progress() as bar:
         total = bar.add_task(f"ship {host}", total=None)

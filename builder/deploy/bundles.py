@@ -19,12 +19,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder.bundle import BundleOptions, crypto_sig_check, hostpkg, make_bundle, parse_size, rank_launch
+from builder.bundle import (
+    BundleOptions,
+    choose_signing_key,
+    crypto_sig_check,
+    describe_signing_key,
+    hostpkg,
+    make_bundle,
+    parse_size,
+    rank_launch,
+)
 from builder.inputs.hosts import Fleet, Host
 from builder.installer.errors import InstallError
 from builder.installer.manifest import MANIFEST, check_manifest
@@ -113,20 +123,36 @@ def ensure_bundles(
     fleet: Fleet,
     *,
     key: Path | None,
+    allow_outside_key: bool = False,
     with_image: bool,
     with_models: bool,
     part_size: str,
     dry_run: bool = False,
     say: Any = None,
 ) -> dict[str, FleetBundle | str]:
-    """host -> its bundle (made again where stale); with dry_run, host -> why it would be made."""
+    """host -> its bundle (made again where stale); with dry_run, host -> why it would be made. The key
+    that signs is chosen once, when the first bundle is made again, and named through ``say``."""
+    chosen: list[Path] = []
+    choosing = threading.Lock()
+
+    def signing_key() -> Path:
+        with choosing:
+            if not chosen:
+                choice = choose_signing_key(key, ctx.root, allow_outside=allow_outside_key)
+                line = describe_signing_key(choice)
+                if say is not None:
+                    say(f"signing bundles with {line}")
+                chosen.append(choice.path)
+            return chosen[0]
+
     def one(h: Host) -> FleetBundle | str:
         bdir = bundle_dir(ctx.root, fleet, h)
         want = expected(ctx, fleet, h)
         manifest: dict[str, Any] | None = None
         why = "no bundle yet"
         if (bdir / MANIFEST).is_file():
-            pub = trusted_key_bytes(ctx.root, fleet, bdir, ShipOptions(signing_key=key))
+            ship_opts = ShipOptions(signing_key=key, allow_outside_key=allow_outside_key)
+            pub = trusted_key_bytes(ctx.root, fleet, bdir, ship_opts)
             manifest, why = current_bundle(bdir, pub, want, with_image, with_models)
         if manifest is not None:
             return FleetBundle(h.name, bdir, manifest, made=False)
@@ -134,7 +160,9 @@ def ensure_bundles(
             return why
         if say is not None:
             say(f"{h.name}: making its bundle ({why})")
-        opts = BundleOptions(out=bdir, key=key, with_image=with_image, with_models=with_models, part_size=size)
+        opts = BundleOptions(
+            out=bdir, key=signing_key(), with_image=with_image, with_models=with_models, part_size=size
+        )
         res = make_bundle(ctx, f"{fleet.fleet.name}/{h.name}", opts)
         return FleetBundle(h.name, res.path, check_manifest(json.loads((res.path / MANIFEST).read_bytes())),
                            made=True)

@@ -25,6 +25,7 @@ from builder.deploy.report import DeployReport, HostOutcome
 from builder.errors import BuilderError
 from builder.foundation.ssh import ControlSockets
 from builder.inputs.hosts import Host, check_against_pins, find_fleet
+from builder.inputs.pins import default_pins
 from builder.launch import container_name
 from builder.launch.order import start_groups, stop_groups
 from builder.ship import Remote
@@ -42,6 +43,7 @@ class DeployOptions:
     fleet: str
     checks_dir: Path | None = None
     key: Path | None = None  # the signing key (bundles made again are signed with it)
+    allow_outside_key: bool = False  # a signing key found by default outside the project may sign
     with_image: bool = False
     with_models: bool = False
     part_size: str = "256MiB"  # (as `builder bundle --part-size` takes it)
@@ -64,7 +66,7 @@ def command(opts: DeployOptions, verb: str, *args: str, mode: bool = False) -> s
     `mode`, the audits' mode when it is not the default (a repair found by a full audit needs one)."""
     head = ["builder"]
     env = os.environ
-    pins = Path(env.get("BUILDER_PINS") or "pins.toml")
+    pins = Path(env["BUILDER_PINS"]) if env.get("BUILDER_PINS") else default_pins()
     lock = Path(env["BUILDER_LOCK"]) if env.get("BUILDER_LOCK") else opts.pins.parent / "pins.lock"
     root = opts.pins.resolve().parent
     store = Path(env["BUILDER_STORE"]) if env.get("BUILDER_STORE") else root / ".cache" / "builder"

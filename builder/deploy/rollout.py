@@ -96,7 +96,8 @@ def run(d: Deployment) -> DeployReport:
     """The deploy, from the bundles to the serving audit (or the rollback)."""
     w, opts, rep = d.w, d.opts, d.rep
     made = ensure_bundles(
-        w.ctx, w.fleet_path, w.fleet, key=opts.key, with_image=opts.with_image, with_models=opts.with_models,
+        w.ctx, w.fleet_path, w.fleet, key=opts.key, allow_outside_key=opts.allow_outside_key,
+        with_image=opts.with_image, with_models=opts.with_models,
         part_size=opts.part_size, dry_run=opts.dry_run, say=d.say,
     )
     stale = {n: b for n, b in made.items() if isinstance(b, str)}

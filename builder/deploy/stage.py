@@ -33,7 +33,8 @@ def stage(d: Deployment) -> bool:
             d.opts.root,
             f"{w.fleet_name}/{h.name}",
             ShipOptions(
-                bundle=d.bundles[h.name].path, signing_key=d.opts.key, timeout=d.opts.timeout,
+                bundle=d.bundles[h.name].path, signing_key=d.opts.key, allow_outside_key=d.opts.allow_outside_key,
+                timeout=d.opts.timeout,
                 connect_timeout=d.opts.connect_timeout, insecure=d.opts.insecure, stage=True,
                 rehash=d.rehash, sockets=w.shared,
             ),

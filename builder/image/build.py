@@ -33,7 +33,7 @@ from builder.inputs.pins import ImageRecipe, Pins
 from builder.lock import gitsrc
 from builder.lock.lockfile import Lock
 from builder.lock.plainfiles import scrub_url
-from builder.store.content import Store
+from builder.store.content import Store, pip_cache_dir
 
 # builder.foundation.dockerio loads the Docker SDK as it is imported, so it is imported inside the functions that
 # talk to the engine: `builder image --plan` and `builder why` start without it.
@@ -198,7 +198,7 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
         assert where is not None
         if lt.kind == "wheel":
             blob = store.fetch_wheel(lt.package or tname, lt.version or "", art.filename or "", art.sha256, what,
-                                     _wheelhouses(root), offline)
+                                     _wheelhouses(root), offline, pip_cache_dir())
             extract_wheel_folder(blob, "ziglang/", dest / where,
                                  skip=[x.removeprefix(f"{where}/") for x in ignored if x.startswith(f"{where}/")])
         else:

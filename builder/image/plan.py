@@ -18,6 +18,7 @@ from builder import ASSEMBLY_FORMAT
 from builder.errors import ConfigError
 from builder.foundation.canon import address
 from builder.foundation.hashing import recipe_files
+from builder.inputs.loader import did_you_mean
 from builder.inputs.pins import Pins, PublishedImage, load_pins
 from builder.lock.lockfile import Lock, LockedImage, LockedPublishedImage, check_lock, load_lock, spec_hash
 
@@ -70,7 +71,8 @@ def load_inputs(pins_path: Path, lock_path: Path, name: str) -> tuple[Pins, Lock
     pins = load_pins(pins_path)
     if name not in pins.images:
         have = ", ".join(sorted(pins.images)) or "none"
-        raise ConfigError(f"{pins_path}: images: no image named {name!r} (have: {have})")
+        raise ConfigError(f"{pins_path}: images: no image named {name!r}{did_you_mean(name, pins.images)} "
+                          f"(have: {have})")
     res = check_lock(pins_path, lock_path, [name])
     if not res.ok:
         raise ConfigError(f"{lock_path}: stale for image {name}: {res.problems[0]} (run `builder lock {name}`)")
@@ -85,7 +87,7 @@ def plan(pins_path: Path, lock_path: Path, name: str) -> Plan:
 def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
     if name not in pins.images:
         have = ", ".join(sorted(pins.images)) or "none"
-        raise ConfigError(f"no image named {name!r} in pins (have: {have})")
+        raise ConfigError(f"no image named {name!r} in pins{did_you_mean(name, pins.images)} (have: {have})")
     img = pins.images[name]
     li = lock.images.get(name)
     if li is None or li.spec_hash != spec_hash(img):

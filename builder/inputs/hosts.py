@@ -20,7 +20,7 @@ from pydantic import Field, field_validator, model_validator
 from builder.errors import ConfigError
 from builder.foundation.canon import atomic_write
 from builder.foundation.ssh import parse_target
-from builder.inputs.loader import read_toml, validate
+from builder.inputs.loader import did_you_mean, read_toml, validate
 from builder.inputs.schema import Name, Strict
 
 
@@ -252,7 +252,9 @@ class Fleet(Strict):
         for h in self.hosts:
             if h.name == name:
                 return h
-        raise ConfigError(f"fleet {self.fleet.name}: no host named {name!r}")
+        raise ConfigError(
+            f"fleet {self.fleet.name}: no host named {name!r}{did_you_mean(name, [h.name for h in self.hosts])}"
+        )
 
 
 def load_fleet(path: Path) -> Fleet:
@@ -270,35 +272,101 @@ def fleet_files(hosts_dir: Path) -> list[Path]:
     return sorted(p for p in hosts_dir.glob("*.toml") if p.is_file())
 
 
-def load_fleets(hosts_dir: Path) -> dict[str, tuple[Path, Fleet]]:
-    out: dict[str, tuple[Path, Fleet]] = {}
+@dataclass(frozen=True)
+class Inventory:
+    """Every fleet file of a hosts folder, each read on its own: the fleets that validate, by name, and
+    the files that do not, each with its one-line error. A bad file fails only what uses it: the fleet
+    it names (its ``fleet.name``, else its file name), a host it lists, or a command over every fleet."""
+
+    hosts_dir: Path
+    fleets: dict[str, tuple[Path, Fleet]]
+    bad: dict[Path, ConfigError]
+
+    def claimed_by_bad(self, fleet: str | None = None, host: str | None = None) -> ConfigError | None:
+        """The error of the first bad file that names this fleet or lists this host, if any."""
+        for path, err in self.bad.items():
+            names, hosts = _claims(path)
+            if (fleet is not None and fleet in names) or (host is not None and host in hosts):
+                return err
+        return None
+
+    def require_all(self) -> None:
+        """For what reads every fleet at once: the first bad file's error."""
+        for err in self.bad.values():
+            raise err
+
+    def unknown(self, what: str, name: str, candidates: list[str]) -> ConfigError:
+        """No such fleet or host: the closest name, what there is, and the files that could not be read."""
+        unread = f"; unreadable: {', '.join(str(p) for p in self.bad)}" if self.bad else ""
+        return ConfigError(
+            f"{self.hosts_dir}: no {what} named {name!r}{did_you_mean(name, candidates)} "
+            f"(have: {', '.join(sorted(set(candidates))) or 'none'}{unread})"
+        )
+
+
+def _claims(path: Path) -> tuple[set[str], set[str]]:
+    """The fleet names and host names a fleet file that does not validate still says it holds: its
+    `fleet.name` (else its file name) and its `hosts[].name` strings, as far as its TOML reads."""
+    try:
+        raw = read_toml(path)
+    except ConfigError:
+        return {path.stem}, set()
+    fleet = raw.get("fleet")
+    name = fleet.get("name") if isinstance(fleet, dict) else None
+    hosts = raw.get("hosts")
+    host_names = {h["name"] for h in hosts if isinstance(h, dict) and isinstance(h.get("name"), str)} \
+        if isinstance(hosts, list) else set()
+    return ({name} if isinstance(name, str) else {path.stem}), host_names
+
+
+def read_inventory(hosts_dir: Path) -> Inventory:
+    fleets: dict[str, tuple[Path, Fleet]] = {}
+    bad: dict[Path, ConfigError] = {}
     for p in fleet_files(hosts_dir):
-        f = load_fleet(p)
-        if f.fleet.name in out:
-            raise ConfigError(f"{p}: fleet.name: {f.fleet.name!r} is also defined in {out[f.fleet.name][0]}")
-        out[f.fleet.name] = (p, f)
-    return out
+        try:
+            f = load_fleet(p)
+        except ConfigError as e:
+            bad[p] = e
+            continue
+        if f.fleet.name in fleets:
+            bad[p] = ConfigError(f"{p}: fleet.name: {f.fleet.name!r} is also defined in {fleets[f.fleet.name][0]}")
+            continue
+        fleets[f.fleet.name] = (p, f)
+    return Inventory(hosts_dir, fleets, bad)
+
+
+def load_fleets(hosts_dir: Path) -> dict[str, tuple[Path, Fleet]]:
+    """Every fleet; the first file that does not validate fails it (for what uses every fleet)."""
+    inv = read_inventory(hosts_dir)
+    inv.require_all()
+    return inv.fleets
 
 
 def find_fleet(hosts_dir: Path, name: str) -> tuple[Path, Fleet]:
-    fleets = load_fleets(hosts_dir)
-    if name not in fleets:
-        raise ConfigError(f"{hosts_dir}: no fleet named {name!r} (have: {', '.join(sorted(fleets)) or 'none'})")
-    return fleets[name]
+    """The fleet named ``name``; a bad file fails it only where that file names this fleet."""
+    inv = read_inventory(hosts_dir)
+    err = inv.claimed_by_bad(fleet=name)
+    if err is not None:
+        raise err
+    if name not in inv.fleets:
+        raise inv.unknown("fleet", name, list(inv.fleets))
+    return inv.fleets[name]
 
 
 def find_host(hosts_dir: Path, name: str) -> tuple[Path, Fleet, Host]:
-    """A host by name across every fleet; `fleet/host` disambiguates."""
-    fleets = load_fleets(hosts_dir)
+    """A host by name across every fleet; `fleet/host` disambiguates. A bad file fails it only where
+    that file names the fleet or lists the host."""
     if "/" in name:
         fname, hname = name.split("/", 1)
-        if fname not in fleets:
-            raise ConfigError(f"{hosts_dir}: no fleet named {fname!r}")
-        p, f = fleets[fname]
+        p, f = find_fleet(hosts_dir, fname)
         return p, f, f.host(hname)
-    found = [(p, f, h) for p, f in fleets.values() for h in f.hosts if h.name == name]
+    inv = read_inventory(hosts_dir)
+    err = inv.claimed_by_bad(host=name)
+    if err is not None:
+        raise err
+    found = [(p, f, h) for p, f in inv.fleets.values() for h in f.hosts if h.name == name]
     if not found:
-        raise ConfigError(f"{hosts_dir}: no host named {name!r}")
+        raise inv.unknown("host", name, [h.name for _, f in inv.fleets.values() for h in f.hosts])
     if len(found) > 1:
         names = ", ".join(f"{f.fleet.name}/{name}" for _, f, _ in found)
         raise ConfigError(f"{hosts_dir}: host {name!r} is in several fleets; say which: {names}")
@@ -308,7 +376,8 @@ def find_host(hosts_dir: Path, name: str) -> tuple[Path, Fleet, Host]:
 def check_against_pins(path: Path, fleet: Fleet, lanes: set[str], lock_lanes: set[str] | None = None) -> None:
     """The fleet's lane must exist in the pins (and in the lock, when given)."""
     if fleet.fleet.lane not in lanes:
-        raise ConfigError(f"{path}: fleet.lane: unknown lane {fleet.fleet.lane!r} (pins has: "
+        raise ConfigError(f"{path}: fleet.lane: unknown lane {fleet.fleet.lane!r}"
+                          f"{did_you_mean(fleet.fleet.lane, lanes)} (pins has: "
                           f"{', '.join(sorted(lanes)) or 'none'})")
     if lock_lanes is not None and fleet.fleet.lane not in lock_lanes:
         raise ConfigError(f"{path}: fleet.lane: lane {fleet.fleet.lane!r} is not in the lock (run `builder lock`)")
@@ -344,9 +413,16 @@ def fleet_hosts(hosts_dir: Path, fleet: str | None) -> list[FleetHost]:
     return [FleetHost(p, f, h) for _, (p, f) in sorted(fleets.items()) for h in f.by_rank()]
 
 
-def host_rows(hosts_dir: Path, fleet: str | None) -> list[dict[str, Any]]:
-    """`builder hosts`: one row per host."""
-    return [
+def host_rows(hosts_dir: Path, fleet: str | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """`builder hosts`: one row per host, and one error line per fleet file that does not validate
+    (without --fleet, the other fleets are still listed; with it, only that fleet's file counts)."""
+    if fleet:
+        targets, errors = fleet_hosts(hosts_dir, fleet), []
+    else:
+        inv = read_inventory(hosts_dir)
+        targets = [FleetHost(p, f, h) for _, (p, f) in sorted(inv.fleets.items()) for h in f.by_rank()]
+        errors = [str(e) for e in inv.bad.values()]
+    rows = [
         {
             "fleet": t.fleet.fleet.name,
             "lane": t.fleet.fleet.lane,
@@ -358,8 +434,9 @@ def host_rows(hosts_dir: Path, fleet: str | None) -> list[dict[str, Any]]:
             "address": t.host.address,
             "file": str(t.path),
         }
-        for t in fleet_hosts(hosts_dir, fleet)
+        for t in targets
     ]
+    return rows, errors
 
 
 # ----------------------------------------------------------------------------- the Ansible inventory

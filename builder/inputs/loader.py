@@ -7,6 +7,7 @@ import json
 import tomllib
 import types
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -124,6 +125,13 @@ def known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
             if isinstance(m, type) and issubclass(m, BaseModel):
                 keys |= {f.alias or name for name, f in m.model_fields.items()}
     return keys
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean `X`?)`` with the closest of ``candidates`` to a name the operator typed (a lane, a
+    host, a model, a fleet; difflib's ratio, at least 0.6), or "": the one form every unknown name takes."""
+    close = difflib.get_close_matches(name, sorted(set(candidates)), n=1, cutoff=0.6)
+    return f" (did you mean `{close[0]}`?)" if close else ""
 
 
 def _suggestion(unknown: Any, candidates: set[str], missing: set[str]) -> str:

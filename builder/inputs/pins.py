@@ -7,6 +7,7 @@ pydantic models are the only schema; unknown keys are refused everywhere. Load w
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,7 +15,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from builder.errors import ConfigError
 from builder.inputs.lanes import Lane
-from builder.inputs.loader import read_toml, validate
+from builder.inputs.loader import did_you_mean, read_toml, validate
 from builder.inputs.schema import Digest, Name, Platform, Sha256, Strict
 
 PINS_FORMAT = 1
@@ -262,28 +263,28 @@ class Pins(Strict):
     def _references(self) -> Pins:
         for name, img in self.recipes().items():
             if img.base is not None and img.base not in self.bases:
-                raise _Ref(f"images.{name}.base", img.base, "bases")
+                raise _Ref(f"images.{name}.base", img.base, "bases", self.bases)
             for i, s in enumerate(img.sources):
                 if s not in self.sources:
-                    raise _Ref(f"images.{name}.sources[{i}]", s, "sources")
+                    raise _Ref(f"images.{name}.sources[{i}]", s, "sources", self.sources)
             for i, t in enumerate(img.toolchains):
                 if t not in self.toolchains:
-                    raise _Ref(f"images.{name}.toolchains[{i}]", t, "toolchains")
+                    raise _Ref(f"images.{name}.toolchains[{i}]", t, "toolchains", self.toolchains)
             for i, f in enumerate(img.files):
                 if f not in self.files:
-                    raise _Ref(f"images.{name}.files[{i}]", f, "files")
+                    raise _Ref(f"images.{name}.files[{i}]", f, "files", self.files)
         for name, lane in self.lanes.items():
             if lane.image not in self.images:
-                raise _Ref(f"lanes.{name}.image", lane.image, "images")
+                raise _Ref(f"lanes.{name}.image", lane.image, "images", self.images)
             for i, m in enumerate(lane.models):
                 if m not in self.models:
-                    raise _Ref(f"lanes.{name}.models[{i}]", m, "models")
+                    raise _Ref(f"lanes.{name}.models[{i}]", m, "models", self.models)
             for n in lane.inputs():
                 if n not in self.kits and n not in self.files:
                     raise ValueError(f"lanes.{name}: runtime input {n!r} is not defined in [kits] or [files]")
         for name, kit in self.kits.items():
             if kit.source is not None and kit.source not in self.sources:
-                raise _Ref(f"kits.{name}.source", kit.source, "sources")
+                raise _Ref(f"kits.{name}.source", kit.source, "sources", self.sources)
         return self
 
     def recipes(self) -> dict[str, ImageRecipe]:
@@ -308,7 +309,8 @@ class Pins(Strict):
         for n in names:
             kind = self.kind_of(n)
             if kind is None:
-                raise ConfigError(f"no lane, image or input named {n!r} in pins")
+                names = [m for k in ("lanes", "images", *INPUT_KINDS) for m in getattr(self, k)]
+                raise ConfigError(f"no lane, image or input named {n!r} in pins{did_you_mean(n, names)}")
             if kind == "lanes":
                 lane = self.lanes[n]
                 out["models"].update(lane.models)
@@ -340,8 +342,8 @@ class Pins(Strict):
 
 
 class _Ref(ValueError):
-    def __init__(self, where: str, name: str, kind: str) -> None:
-        super().__init__(f"{where}: {name!r} is not defined in [{kind}]")
+    def __init__(self, where: str, name: str, kind: str, defined: Iterable[str]) -> None:
+        super().__init__(f"{where}: {name!r} is not defined in [{kind}]{did_you_mean(name, defined)}")
 
 
 def _merge(base: Any, own: Any) -> Any:
@@ -368,7 +370,8 @@ def expand_lanes(raw: dict[str, Any], path: Path) -> dict[str, Any]:
             done[name] = own
             return own
         if not isinstance(base, str) or base not in lanes:
-            raise ConfigError(f"{path}: lanes.{name}.based_on: no lane named {base!r}")
+            hint = did_you_mean(base, lanes) if isinstance(base, str) else ""
+            raise ConfigError(f"{path}: lanes.{name}.based_on: no lane named {base!r}{hint}")
         if base in chain:
             raise ConfigError(f"{path}: lanes.{name}.based_on: a cycle ({' -> '.join((*chain, name, base))})")
         if not isinstance(lanes[base], dict):
@@ -378,6 +381,22 @@ def expand_lanes(raw: dict[str, Any], path: Path) -> dict[str, Any]:
         return merged
 
     return {**raw, "lanes": {n: resolve(n, ()) for n in lanes}}
+
+
+PINS_FILE = "pins.toml"
+
+
+def default_pins(start: Path | None = None) -> Path:
+    """The pins file when none is named: `pins.toml` in the working folder (``start``), else in the
+    nearest folder above it that has one (as git finds its repository), else `pins.toml` (whose absence
+    the command that reads it reports). Its folder is the project root."""
+    here = Path.cwd() if start is None else start
+    if (here / PINS_FILE).is_file():
+        return Path(PINS_FILE) if start is None else here / PINS_FILE
+    for folder in here.resolve().parents:
+        if (folder / PINS_FILE).is_file():
+            return folder / PINS_FILE
+    return Path(PINS_FILE)
 
 
 def load_pins(path: Path) -> Pins:

@@ -18,6 +18,7 @@ from builder.image import mounttargets as targets
 from builder.image.imagerecord import read_record, tag_for
 from builder.image.plan import make_plan
 from builder.inputs.hosts import Fleet, Host, find_fleet, find_host
+from builder.inputs.loader import did_you_mean
 from builder.inputs.pins import Pins, PublishedImage, load_pins
 from builder.launch import memory_floor
 from builder.launch.derivplan import derivation_runs, derived_paths
@@ -74,7 +75,8 @@ def launch(opts: LaunchOptions) -> dict[str, Any]:
     fleet, hosts = _fleet(opts)
     lane_name = opts.lane or fleet.fleet.lane
     if lane_name not in pins.lanes:
-        raise ConfigError(f"{opts.pins}: no lane named {lane_name!r} (have: {', '.join(sorted(pins.lanes))})")
+        raise ConfigError(f"{opts.pins}: no lane named {lane_name!r}{did_you_mean(lane_name, pins.lanes)} "
+                          f"(have: {', '.join(sorted(pins.lanes))})")
     lane = pins.lanes[lane_name]
     if lane.serve.tensor_parallel != len(fleet.hosts):
         raise ConfigError(f"fleet {fleet.fleet.name} has {len(fleet.hosts)} hosts but lane {lane_name} has "

@@ -67,7 +67,9 @@ def trusted_key_bytes(root: Path, fleet: Fleet, bundle_dir: Path, opts: ShipOpti
     """The public key the host is told to trust: --key, else fleet.trusted_key, else the signing key's."""
     if opts.key is not None or fleet.fleet.trusted_key:
         return read_public_key(public_key_for(bundle_dir, opts.key, root))
-    sk = sign.load_secret_key(signing_key_path(opts.signing_key))
+    sk = sign.load_secret_key(
+        signing_key_path(opts.signing_key, root, allow_outside=opts.allow_outside_key, flag="--signing-key")
+    )
     return sign.public_key_text(sk.public_key).encode("ascii")
 
 

@@ -19,6 +19,7 @@ class ShipOptions:
         None  # the public key the host trusts (default: fleet.trusted_key, else --signing-key's)
     )
     signing_key: Path | None = None
+    allow_outside_key: bool = False  # a signing key found by default outside the project may serve
     timeout: float = 60.0  # base seconds of every remote call
     connect_timeout: int = 10
     min_rate: float = 1 * MiB  # bytes/s below which a transfer counts as stalled

@@ -20,9 +20,12 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
+import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,17 +192,26 @@ class Store:
     # ---- wheels -----------------------------------------------------------------------
 
     def fetch_wheel(self, package: str, version: str, filename: str, sha256: str, what: str,
-                    wheelhouses: list[Path], offline: bool) -> Path:
-        """A wheel from the store, a local wheelhouse, or pip (online), verified by sha256."""
+                    wheelhouses: list[Path], offline: bool, pip_cache: Path | None = None) -> Path:
+        """A wheel from the store, a local wheelhouse, pip's own cache, or pip (online only), verified
+        against the lock's sha256. Found locally, it never touches the network, offline or not."""
         if self.has(sha256):
             return self.verified(sha256, what)
         for wh in wheelhouses:
             cand = wh / filename
             if cand.is_file():
-                return self.put_file(cand, sha256, what)
+                try:
+                    return self.put_file(cand, sha256, what)
+                except VerifyError as e:  # (a wheelhouse file of that name with other bytes: name it)
+                    raise VerifyError(f"{cand}: {e}") from None
+        cached = wheel_in_pip_cache(pip_cache, filename, sha256) if pip_cache is not None else None
+        if cached is not None:
+            return self.put_file(cached, sha256, what)
+        get = pip_download_line(package, version, filename, wheelhouses[-1] if wheelhouses else Path("."))
         if offline:
-            raise ResolveError(f"{what}: {filename} is not in the store or a wheelhouse "
-                               f"({', '.join(map(str, wheelhouses)) or 'none'}) and --offline was given")
+            looked = ", ".join(map(str, [*wheelhouses, *([pip_cache] if pip_cache is not None else [])]))
+            raise ResolveError(f"{what}: {filename} is not in the store, a wheelhouse or pip's cache ({looked}) "
+                               f"and --offline was given; put it in the wheelhouse: `{get}`")
         with self.staging() as st:
             plat = _pip_platform(filename)
             cmd = ["python3", "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(st),
@@ -209,7 +221,10 @@ class Store:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             got = st / filename
             if r.returncode != 0 or not got.is_file():
-                raise ResolveError(f"{what}: pip could not download {filename}")
+                said = next((ln for ln in reversed(r.stderr.splitlines()) if ln.strip()), "")
+                raise ResolveError(f"{what}: pip could not download {filename}"
+                                   f"{f' ({said.strip()})' if said else ''}; with the wheel downloaded "
+                                   f"elsewhere, put it in the wheelhouse: `{get}`")
             return self.put_file(got, sha256, what)
 
     # ---- gc ---------------------------------------------------------------------------
@@ -328,6 +343,44 @@ def _read_chunks(path: Path) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while chunk := f.read(READ_SIZE):
             yield chunk
+
+
+def pip_cache_dir() -> Path:
+    """pip's cache folder as pip finds it: $PIP_CACHE_DIR, else $XDG_CACHE_HOME/pip, else ~/.cache/pip."""
+    if os.environ.get("PIP_CACHE_DIR"):
+        return Path(os.environ["PIP_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pip"
+
+
+def wheel_in_pip_cache(cache: Path, filename: str, sha256: str) -> Path | None:
+    """The wheel's bytes in pip's HTTP cache, if pip downloaded it before (`pip install` of builder
+    does, for ziglang): pip 23.3 and later keep each response body whole as `http-v2/.../<key>.body`.
+    The key hashes a URL builder does not know, so each body that is a zip holding the wheel's
+    `NAME-VERSION.dist-info/WHEEL` is hashed, and the one whose sha256 is the lock's is taken."""
+    root = cache / "http-v2"
+    parts = filename.split("-")
+    if not root.is_dir() or len(parts) < 5:
+        return None
+    wheel_file = f"{parts[0]}-{parts[1]}.dist-info/WHEEL"
+    for body in sorted(root.rglob("*.body")):
+        try:
+            with zipfile.ZipFile(body) as z:
+                z.getinfo(wheel_file)
+        except (OSError, KeyError, zipfile.BadZipFile):
+            continue
+        if sha256_file(body)[0] == sha256:
+            return body
+    return None
+
+
+def pip_download_line(package: str, version: str, filename: str, wheelhouse: Path) -> str:
+    """The one command that puts the locked wheel into the wheelhouse (pip checks nothing builder does
+    not: the store verifies it against the lock when it is taken)."""
+    plat = _pip_platform(filename)
+    here = platform.machine()
+    cross = f" --platform {plat}" if plat and plat != "any" and here and here not in plat else ""
+    return (f"python3 -m pip download --no-deps --only-binary=:all:{cross} -d {shlex.quote(str(wheelhouse))} "
+            f"{package}=={version}")
 
 
 def _pip_platform(filename: str) -> str | None:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from builder.errors import BuilderError, ConfigError, ResolveError, VerifyError
+from builder.inputs.loader import did_you_mean
 from builder.inputs.pins import Pins
 from builder.lock import hf, kits
 from builder.lock import plainfiles as plain
@@ -112,7 +113,8 @@ def select(pins: Pins, lock: Lock, names: list[str]) -> list[Wanted]:
         elif n in pins.files:
             chosen["files"].append(n)
         else:
-            raise ConfigError(f"fetch: {n!r} is not a lane, model, kit or file of the pins")
+            names = [*pins.lanes, *pins.models, *pins.kits, *pins.files]
+            raise ConfigError(f"fetch: {n!r} is not a lane, model, kit or file of the pins{did_you_mean(n, names)}")
     out: list[Wanted] = []
     for m in dict.fromkeys(chosen["models"]):
         lm = lock.models.get(m)

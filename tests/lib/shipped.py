@@ -50,22 +50,23 @@ class Result:
 
 
 def run_cli(root: Path, *args: str, store: Path | None = None, env: dict[str, str] | None = None,
-            timeout: float = 1800) -> subprocess.CompletedProcess[str]:
+            timeout: float = 1800, wrap: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     """`python -m builder --pins root/pins.toml ARGS` in ``root`` (store: ``root/.cache/builder`` unless
-    given), with this environment plus ``env``, colour off, wide, and no user or system git config."""
+    given), with this environment plus ``env``, colour off, wide, and no user or system git config;
+    ``wrap``: the command it runs under (`unshare -n`)."""
     e = dict(os.environ)
     e.update({"NO_COLOR": "1", "COLUMNS": "250", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"})
     e.update(env or {})
-    cmd = [sys.executable, "-m", "builder", "--pins", str(root / "pins.toml")]
+    cmd = [*wrap, sys.executable, "-m", "builder", "--pins", str(root / "pins.toml")]
     if store is not None:
         cmd += ["--store", str(store)]
     return subprocess.run([*cmd, *args], cwd=root, env=e, capture_output=True, text=True, timeout=timeout)
 
 
 def builder(root: Path, *args: str, store: Path | None = None, env: dict[str, str] | None = None,
-            timeout: float = 1800) -> Result:
+            timeout: float = 1800, wrap: tuple[str, ...] = ()) -> Result:
     """`run_cli`, its exit status and output as a Result."""
-    p = run_cli(root, *args, store=store, env=env, timeout=timeout)
+    p = run_cli(root, *args, store=store, env=env, timeout=timeout, wrap=wrap)
     return Result(p.returncode, p.stdout, p.stderr)
 
 
