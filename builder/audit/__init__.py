@@ -31,6 +31,7 @@ from builder.audit.findings import AuditReport, CheckOutcome, HostResult, burn_r
 from builder.audit.runner import run_host
 from builder.audit.selection import AuditOptions, parse_only, select_targets
 from builder.foundation.ssh import ControlSockets
+from builder.inputs.hosts import hosts_folder
 
 __all__ = [
     "AuditOptions",
@@ -53,7 +54,7 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
     host is contacted. `on_host` is called (one at a time) as each host is done."""
     selected, checks_dir = opts.validate()
     concerns = [c.name for c in selected]
-    targets = select_targets(opts.hosts_dir or opts.root / "hosts", opts.names, opts.fleet)
+    targets = select_targets(hosts_folder(opts.root, opts.hosts_dir), opts.names, opts.fleet)
     opts.check_backend()
     inputs = load_lane_inputs(opts, targets)
     expectations = [build_expectations(t, opts, inputs, selected) for t in targets]

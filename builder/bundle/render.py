@@ -29,7 +29,15 @@ from builder.image import mounttargets as targets
 from builder.image import provenance, registry
 from builder.image.imagerecord import ImageRecord, require_record
 from builder.image.plan import make_plan
-from builder.inputs.hosts import Fleet, Host, check_against_pins, find_fleet, find_host
+from builder.inputs.hosts import (
+    Fleet,
+    Host,
+    bundles_folder,
+    check_against_pins,
+    find_fleet,
+    find_host,
+    hosts_folder,
+)
 from builder.inputs.pins import Pins, load_pins
 from builder.installer.manifest import (
     FORMAT,
@@ -114,10 +122,12 @@ def parse_size(text: str) -> int:
     return n
 
 
-def load_bundle_inputs(pins_path: Path, lock_path: Path, store: Path) -> BundleInputs:
+def load_bundle_inputs(pins_path: Path, lock_path: Path, store: Path, hosts_dir: Path | None = None) -> BundleInputs:
+    """The project's inputs; `hosts_dir`: the inventory folder (default: hosts/ under the project root)."""
     root = pins_path.resolve().parent
     return BundleInputs(
-        root=root, pins=load_pins(pins_path), lock=load_lock(lock_path), store=store, hosts_dir=root / "hosts"
+        root=root, pins=load_pins(pins_path), lock=load_lock(lock_path), store=store,
+        hosts_dir=hosts_folder(root, hosts_dir),
     )
 
 
@@ -189,13 +199,13 @@ def check_lane(ctx: BundleInputs, fleet_path: Path, fleet: Fleet) -> str:
 
 def make_bundle(ctx: BundleInputs, host_ref: str, opts: BundleOptions) -> BundleResult:
     fleet_path, fleet, host = find_host(ctx.hosts_dir, host_ref)
-    out = opts.out if opts.out is not None else ctx.root / "out" / "bundles" / fleet.fleet.name / host.name
+    out = opts.out if opts.out is not None else bundles_folder(ctx.root, fleet.fleet.name, host.name)
     return render_bundle(ctx, fleet_path, fleet, host, out, opts)
 
 
 def make_fleet_bundles(ctx: BundleInputs, fleet_name: str, opts: BundleOptions) -> list[BundleResult]:
     fleet_path, fleet = find_fleet(ctx.hosts_dir, fleet_name)
-    base = opts.out if opts.out is not None else ctx.root / "out" / "bundles" / fleet.fleet.name
+    base = opts.out if opts.out is not None else bundles_folder(ctx.root, fleet.fleet.name)
     check_lane(ctx, fleet_path, fleet)
     return [render_bundle(ctx, fleet_path, fleet, h, base / h.name, opts) for h in fleet.by_rank()]
 

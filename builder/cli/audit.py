@@ -26,6 +26,7 @@ from builder.cli.options import (
     ssh_persist_option,
 )
 from builder.errors import BuilderError
+from builder.inputs.hosts import hosts_folder
 
 if TYPE_CHECKING:
     from builder.audit import AuditOptions
@@ -145,6 +146,6 @@ def _targets(opts: AuditOptions) -> list[FleetHost]:
     """The hosts the audit will reach, for their progress bars; none when the selection is wrong
     (run_audit then names the problem, in its own order of checks)."""
     try:
-        return select_targets(opts.hosts_dir or opts.root / "hosts", opts.names, opts.fleet)
+        return select_targets(hosts_folder(opts.root, opts.hosts_dir), opts.names, opts.fleet)
     except BuilderError:
         return []

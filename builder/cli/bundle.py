@@ -10,7 +10,14 @@ from builder import bundle as core
 from builder import output
 from builder.bundle.thin import read_have
 from builder.cli import get_ctx
-from builder.cli.options import file_option, fleet_option, folder_option, json_option, part_size_option
+from builder.cli.options import (
+    file_option,
+    fleet_option,
+    folder_option,
+    hosts_dir_option,
+    json_option,
+    part_size_option,
+)
 from builder.errors import ConfigError
 
 
@@ -40,6 +47,7 @@ def keygen(out: Path | None, force: bool, as_json: bool) -> int:
               help="The host's layer list: its apply record or `installer status` JSON (for --thin).")
 @part_size_option
 @json_option()
+@hosts_dir_option
 def bundle(
     host: str | None,
     fleet: str | None,
@@ -51,6 +59,7 @@ def bundle(
     have: Path | None,
     part_size: str,
     as_json: bool,
+    hosts_dir: Path | None,
 ) -> int:
     """Render a signed, deterministic launch bundle for HOST (or every host of --fleet)."""
     if (host is None) == (fleet is None):
@@ -63,7 +72,7 @@ def bundle(
         out=out, key=key, with_image=with_image, with_models=with_models, part_size=core.parse_size(part_size),
         have=read_have(have) if have is not None else None,
     )
-    ctx = core.load_bundle_inputs(c.pins, c.lock, c.store)
+    ctx = core.load_bundle_inputs(c.pins, c.lock, c.store, hosts_dir)
     with output.progress() as bar:
         opts.progress = lambda name, total: output.byte_counter(bar, f"bundle {name}", total)
         results = core.make_fleet_bundles(ctx, fleet, opts) if fleet else [core.make_bundle(ctx, str(host), opts)]
@@ -97,10 +106,11 @@ def bundle(
 @click.argument("bundle_dir", type=click.Path(file_okay=False, path_type=Path))
 @file_option("--key", "key", help="Public key [default: the fleet's trusted_key, else the keygen default].")
 @json_option()
-def verify(bundle_dir: Path, key: Path | None, as_json: bool) -> int:
+@hosts_dir_option
+def verify(bundle_dir: Path, key: Path | None, as_json: bool, hosts_dir: Path | None) -> int:
     """Check a bundle folder: the signature, then every file's hash (extra, missing, changed: exit 1)."""
     c = get_ctx()
-    pub = core.public_key_for(bundle_dir, key, c.root)
+    pub = core.public_key_for(bundle_dir, key, c.root, hosts_dir)
     total = sum(p.stat().st_size for p in bundle_dir.rglob("*") if p.is_file()) if bundle_dir.is_dir() else 0
     with output.progress() as bar:
         m = core.verify_dir(bundle_dir, pub, output.byte_counter(bar, f"verify {bundle_dir.name}", total))

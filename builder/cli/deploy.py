@@ -15,6 +15,7 @@ from builder.cli.options import (
     checks_option,
     file_option,
     fleet_option,
+    hosts_dir_option,
     insecure_option,
     json_option,
     mode_option,
@@ -39,6 +40,7 @@ def _stop_timeout_option(what: str) -> Callable[[Any], Any]:
 _fleet_options = together(
     fleet_option("The fleet (hosts/*.toml).", required=True),
     json_option(),
+    hosts_dir_option,
     click.option(
         "--connect-timeout", type=click.IntRange(1, 600), default=10, show_default=True,
         help="Seconds a host may take to answer before it counts as unreachable.",
@@ -63,12 +65,14 @@ _run_options = together(
 )
 
 
-def _options(fleet: str, connect_timeout: int, timeout: float, ssh_persist: float) -> DeployOptions:
+def _options(
+    fleet: str, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float
+) -> DeployOptions:
     """The options every fleet command shares, on the project's pins, lock and store."""
     c = get_ctx()
     return DeployOptions(
-        root=c.root, pins=c.pins, lock=c.lock, store=c.store, fleet=fleet, connect_timeout=connect_timeout,
-        timeout=timeout, ssh_persist=ssh_persist,
+        root=c.root, pins=c.pins, lock=c.lock, store=c.store, fleet=fleet, hosts_dir=hosts_dir,
+        connect_timeout=connect_timeout, timeout=timeout, ssh_persist=ssh_persist,
     )
 
 
@@ -123,9 +127,9 @@ def _print(rep: DeployReport, as_json: bool) -> int:
 )
 @insecure_option
 def deploy(
-    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float | None,
-    stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool, key: Path | None, with_image: bool,
-    with_models: bool, part_size: str, parallel: int, insecure: bool, repair: bool,
+    fleet: str, as_json: bool, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float,
+    start_timeout: float | None, stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool,
+    key: Path | None, with_image: bool, with_models: bool, part_size: str, parallel: int, insecure: bool, repair: bool,
 ) -> int:
     """Move fleet NAME to the lock: bundle, stage everywhere, make the derivations, audit (the gate),
     stop the head then the workers, switch, start in the lane's order, wait for the API, audit it
@@ -137,7 +141,7 @@ def deploy(
     2 configuration error (nothing changed), 3 a host could not be reached.
     """
     opts = replace(
-        _options(fleet, connect_timeout, timeout, ssh_persist), checks_dir=checks_dir, key=key,
+        _options(fleet, hosts_dir, connect_timeout, timeout, ssh_persist), checks_dir=checks_dir, key=key,
         with_image=with_image, with_models=with_models, part_size=part_size, dry_run=dry_run, parallel=parallel,
         start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout, audit_mode=mode, insecure=insecure,
         repair=repair,
@@ -149,15 +153,15 @@ def deploy(
 @_fleet_options
 @_run_options
 def start(
-    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float | None,
-    stop_timeout: int, mode: str, checks_dir: Path | None,
+    fleet: str, as_json: bool, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float,
+    start_timeout: float | None, stop_timeout: int, mode: str, checks_dir: Path | None,
 ) -> int:
     """Start fleet NAME's installed release: its derivations made where missing, the preflight audit
     (it refuses while another GPU workload runs), then the ranks in the lane's order, each until ready;
     wait for the API; the serving audit. A fleet partly up is stopped first (the head, then the
     workers)."""
     opts = replace(
-        _options(fleet, connect_timeout, timeout, ssh_persist), checks_dir=checks_dir,
+        _options(fleet, hosts_dir, connect_timeout, timeout, ssh_persist), checks_dir=checks_dir,
         start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout, audit_mode=mode,
     )
     return _print(startstop.start(opts, _say), as_json)
@@ -167,21 +171,24 @@ def start(
 @_fleet_options
 @_stop_timeout_option("each container")
 def stop(
-    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, stop_timeout: int
+    fleet: str, as_json: bool, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float,
+    stop_timeout: int,
 ) -> int:
     """Stop fleet NAME's lane: the head first, then the workers; only the lane's own containers."""
-    opts = replace(_options(fleet, connect_timeout, timeout, ssh_persist), stop_timeout=stop_timeout)
+    opts = replace(_options(fleet, hosts_dir, connect_timeout, timeout, ssh_persist), stop_timeout=stop_timeout)
     return _print(startstop.stop(opts, _say), as_json)
 
 
 @click.command()
 @_fleet_options
-def status(fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float) -> int:
+def status(
+    fleet: str, as_json: bool, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float
+) -> int:
     """Show, per host of fleet NAME, which bundle, lock and image it runs and whether its rank is up.
 
     Exit 0 every rank up on the lock, 1 not (a rank down, another lock, a deploy or rollback that did
     not finish), 3 a host could not be reached."""
-    st = fleet_status(_options(fleet, connect_timeout, timeout, ssh_persist))
+    st = fleet_status(_options(fleet, hosts_dir, connect_timeout, timeout, ssh_persist))
     cols, body = rows(st)
     output.table(f"fleet {st.fleet} (lane {st.lane}, lock {st.lock_hash[:12]})", cols, body)
     for h in sorted(st.hosts, key=lambda h: h.exited != "first"):  # (the rank that exited first: the cause, first)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from builder.bundle import BundleOptions, crypto_sig_check, hostpkg, make_bundle, parse_size, rank_launch
-from builder.inputs.hosts import Fleet, Host
+from builder.inputs.hosts import Fleet, Host, bundles_folder
 from builder.installer.errors import InstallError
 from builder.installer.manifest import MANIFEST, check_manifest
 from builder.installer.verify import verify_bundle
@@ -45,7 +45,7 @@ class FleetBundle:
 
 
 def bundle_dir(root: Path, fleet: Fleet, host: Host) -> Path:
-    return root / "out" / "bundles" / fleet.fleet.name / host.name
+    return bundles_folder(root, fleet.fleet.name, host.name)
 
 
 def expected(ctx: Any, fleet: Fleet, host: Host) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from builder.deploy.hoststate import HostOps, HostState
 from builder.deploy.report import DeployReport, HostOutcome
 from builder.errors import BuilderError
 from builder.foundation.ssh import ControlSockets
-from builder.inputs.hosts import Host, check_against_pins, find_fleet
+from builder.inputs.hosts import Host, check_against_pins, find_fleet, hosts_folder
 from builder.launch import container_name
 from builder.launch.order import start_groups, stop_groups
 from builder.ship import Remote
@@ -40,6 +40,7 @@ class DeployOptions:
     lock: Path
     store: Path
     fleet: str
+    hosts_dir: Path | None = None  # the inventory folder (default: hosts/ under the root)
     checks_dir: Path | None = None
     key: Path | None = None  # the signing key (bundles made again are signed with it)
     with_image: bool = False
@@ -59,9 +60,10 @@ class DeployOptions:
 
 def command(opts: DeployOptions, verb: str, *args: str, mode: bool = False) -> str:
     """The exact `builder` command a message tells the operator to run, as they would type it here: the
-    fleet, the pins, lock and store this command used where the same shell would not get them by
-    default (from BUILDER_PINS, BUILDER_LOCK and BUILDER_STORE, else the project's own), and, with
-    `mode`, the audits' mode when it is not the default (a repair found by a full audit needs one)."""
+    fleet, the pins, lock, store and inventory folder this command used where the same shell would not
+    get them by default (from BUILDER_PINS, BUILDER_LOCK and BUILDER_STORE, else the project's own; the
+    inventory folder when --hosts-dir named one), and, with `mode`, the audits' mode when it is not the
+    default (a repair found by a full audit needs one)."""
     head = ["builder"]
     env = os.environ
     pins = Path(env.get("BUILDER_PINS") or "pins.toml")
@@ -75,6 +77,8 @@ def command(opts: DeployOptions, verb: str, *args: str, mode: bool = False) -> s
     if opts.store.resolve() != store.resolve():
         head += ["--store", str(opts.store)]
     tail = [verb, "--fleet", opts.fleet, *args]
+    if opts.hosts_dir is not None:
+        tail += ["--hosts-dir", str(opts.hosts_dir)]
     if mode and opts.audit_mode != "fast":
         tail += ["--mode", opts.audit_mode]
     return " ".join(shlex.quote(a) for a in head + tail)
@@ -125,7 +129,7 @@ class Fleetwork:
         need only exist in the pins and the lock (what `builder status` needs to compare).
         `sockets`: the command's connections, when it made them already (see `command_sockets`)."""
         self.opts, self.say = opts, say
-        self.ctx = load_bundle_inputs(opts.pins, opts.lock, opts.store)
+        self.ctx = load_bundle_inputs(opts.pins, opts.lock, opts.store, opts.hosts_dir)
         self.fleet_path, self.fleet = find_fleet(self.ctx.hosts_dir, opts.fleet)
         if strict:
             self.lane_name = check_lane(self.ctx, self.fleet_path, self.fleet)
@@ -307,7 +311,7 @@ def run_fleet_audit(
         pins=(snapshot / "pins.toml") if snapshot else opts.pins,
         lock=(snapshot / "pins.lock") if snapshot else opts.lock,
         store=opts.store,
-        hosts_dir=hosts_dir or opts.root / "hosts",
+        hosts_dir=hosts_dir or hosts_folder(opts.root, opts.hosts_dir),
         checks_dir=opts.checks_dir or opts.root / "checks",
         fleet=None if hosts else opts.fleet,
         names=[f"{opts.fleet}/{h}" for h in hosts or []],

@@ -33,9 +33,9 @@ def stage(d: Deployment) -> bool:
             d.opts.root,
             f"{w.fleet_name}/{h.name}",
             ShipOptions(
-                bundle=d.bundles[h.name].path, signing_key=d.opts.key, timeout=d.opts.timeout,
-                connect_timeout=d.opts.connect_timeout, insecure=d.opts.insecure, stage=True,
-                rehash=d.rehash, sockets=w.shared,
+                bundle=d.bundles[h.name].path, hosts_dir=d.opts.hosts_dir, signing_key=d.opts.key,
+                timeout=d.opts.timeout, connect_timeout=d.opts.connect_timeout, insecure=d.opts.insecure,
+                stage=True, rehash=d.rehash, sockets=w.shared,
             ),
         )
         if d.rehash and (r.differed or r.sent):
