@@ -28,15 +28,18 @@ from typing import Any, get_args
 
 import pytest
 
+from builder.audit import AuditOptions, run_audit
 from builder.deploy import journal as J
 from builder.deploy.bundles import FleetBundle, stale
 from builder.deploy.fleetlock import fleet_lock
+from builder.deploy.fleetwork import DeployOptions, Fleetwork
 from builder.deploy.hoststate import Container, HostState
 from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcome, Side
 from builder.deploy.rollout import record_drift
 from builder.deploy.status import FleetStatus, HostStatus
-from builder.errors import BuilderError
+from builder.errors import BuilderError, ConfigError
 from builder.foundation.ssh import tied
+from builder.lock.lockfile import load_lock
 from tests.lib import auditlib, factory, fleetlib
 from tests.lib import bundlelib as bl
 from tests.lib import deploylib as dl
@@ -230,6 +233,35 @@ def test_a_repair_has_no_dry_run(tmp_path: Path, project_root: Path) -> None:
     )
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "--repair with --dry-run" in lines[0], p.stderr
+
+
+def test_a_fleet_commands_audit_takes_the_fleet_pins_and_lock_it_loaded(tmp_path: Path, project_root: Path) -> None:
+    """The audits of a deploy, start or status (Fleetwork.audit) run on the fleet file, pins and lock the
+    command loaded at its start: with all three unreadable on disk after that, the audit still runs
+    (here on this machine, testinfra's local backend) and checks against the lock it loaded, while an
+    audit that reads them from disk refuses (exit 2)."""
+    paths = auditlib.make_project(tmp_path / "proj")
+    fleet_file = paths["hosts"] / "l.toml"
+    fleet_file.write_text(auditlib.fleet_toml("l", [auditlib.local_host(tmp_path)], expect={"docker": False}))
+    lock_hash = load_lock(paths["lock"]).lock_hash()
+    (tmp_path / "b" / "state").mkdir(parents=True)
+    (tmp_path / "b" / "state" / "applied.json").write_text(json.dumps(
+        {"host": "me", "fleet": "l", "lane": "demo", "rank": 0, "lock_hash": lock_hash}))
+    opts = DeployOptions(root=paths["pins"].parent, pins=paths["pins"], lock=paths["lock"], store=paths["store"],
+                         fleet="l", checks_dir=project_root / "checks", connect_timeout=5)
+    w = Fleetwork(opts, lambda _: None, strict=False)
+    try:
+        for p in (paths["pins"], paths["lock"], fleet_file):
+            p.write_text("not [ what it was\n")
+        report = w.audit("preflight", only=["release"])
+    finally:
+        w.close()
+    host = report.to_json()["hosts"]["me"]
+    assert list(report.to_json()["hosts"]) == ["me"] and host["status"] != "error", host
+    assert host["checks"]["release::record_lock"]["status"] == "pass", host["checks"]["release::record_lock"]
+    with pytest.raises(ConfigError, match=r"l\.toml"):
+        run_audit(AuditOptions(root=opts.root, pins=opts.pins, lock=opts.lock, store=opts.store, fleet="l",
+                               checks_dir=opts.checks_dir, only=["release"]))
 
 
 # --------------------------------------------------------------------------- docker tier: stage and switch

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from builder.audit import AuditOptions, run_audit
+from builder.audit import AuditOptions, Loaded, run_audit
 from builder.bundle import check_lane, load_bundle_inputs
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.hoststate import HostOps, HostState
@@ -238,8 +238,12 @@ class Fleetwork:
         self, phase: str, *, release: str = "current", snapshot: Path | None = None, only: list[str] | None = None,
         hosts: list[str] | None = None,
     ) -> Any:
+        # (the fleet, pins and lock this command loaded: a rolled-back release's audit reads the pins
+        # and lock kept with it in `snapshot`)
+        loaded = Loaded(self.fleet_path, self.fleet, None if snapshot else self.ctx.pins,
+                        None if snapshot else self.ctx.lock)
         return run_fleet_audit(self.opts, self.shared, self.say, phase, release=release, snapshot=snapshot,
-                               hosts_dir=self.ctx.hosts_dir, only=only, hosts=hosts)
+                               hosts_dir=self.ctx.hosts_dir, only=only, hosts=hosts, loaded=loaded)
 
 
 @contextmanager
@@ -302,10 +306,11 @@ def close_sockets(sockets: ControlSockets) -> None:
 def run_fleet_audit(
     opts: DeployOptions, shared: ControlSockets, say: Say, phase: str, *, release: str = "current",
     snapshot: Path | None = None, hosts_dir: Path | None = None, only: list[str] | None = None,
-    hosts: list[str] | None = None,
+    hosts: list[str] | None = None, loaded: Loaded | None = None,
 ) -> Any:
     """`builder audit --fleet F --phase PHASE` over the command's connections (`snapshot`: against the
-    pins and lock kept there, for a rolled-back release; `hosts`: only these of the fleet)."""
+    pins and lock kept there, for a rolled-back release; `hosts`: only these of the fleet; `loaded`:
+    the fleet, pins and lock the command loaded, not read again)."""
     ao = AuditOptions(
         root=snapshot or opts.root,
         pins=(snapshot / "pins.toml") if snapshot else opts.pins,
@@ -323,6 +328,7 @@ def run_fleet_audit(
         control_dir=shared.folder,
         ssh_persist=shared.persist,
         only=only,
+        loaded=loaded,
     )
     what = {"preflight": "preflight audit (the gate)", "serving": "serving audit", "all": "audit"}[phase]
     say(f"{what} of fleet {opts.fleet}{' (the staged release)' if release == 'staged' else ''}")
