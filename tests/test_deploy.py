@@ -31,9 +31,11 @@ import pytest
 from builder.audit import AuditOptions, run_audit
 from builder.deploy import journal as J
 from builder.deploy.bundles import FleetBundle, stale
+from builder.deploy.fleetaudit import audit
 from builder.deploy.fleetlock import fleet_lock
-from builder.deploy.fleetwork import DeployOptions, Fleetwork
+from builder.deploy.fleetwork import Fleetwork
 from builder.deploy.hoststate import Container, HostState
+from builder.deploy.options import DeployOptions
 from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcome, Side
 from builder.deploy.rollout import record_drift
 from builder.deploy.status import FleetStatus, HostStatus
@@ -85,12 +87,13 @@ def test_the_documented_results_are_the_reports_values() -> None:
     assert documented("The fleet's `result`") == list(get_args(FleetResult))
 
 
-def test_the_burn_window_runs_only_where_the_gate_could_not_burn() -> None:
+def test_the_burn_window_runs_only_where_the_gate_could_not_burn(monkeypatch: pytest.MonkeyPatch) -> None:
     """builder.deploy.switch.burn_window: the hosts whose gate skipped the burn because the lane held
     the GPU get it between stop and start (`--only burn`); a failing GPU raises, naming it."""
     from types import SimpleNamespace
 
     from builder.audit import AuditReport, CheckOutcome, HostResult
+    from builder.deploy import switch
     from builder.deploy.switch import burn_window
 
     asked: list[tuple[list[str] | None, list[str] | None]] = []
@@ -98,13 +101,14 @@ def test_the_burn_window_runs_only_where_the_gate_could_not_burn() -> None:
         CheckOutcome("burn::gpu", "burn", "fail", "GPU 0 clock latch: ...; fix: power-cycle", {"kind": "hardware"})])
 
     def deployment(facts: dict[str, Any], result: HostResult) -> Any:
-        def audit(phase: str, only: list[str] | None = None, hosts: list[str] | None = None) -> AuditReport:
+        def fleet_audit(w: Any, phase: str, only: list[str] | None = None, hosts: list[str] | None = None) -> Any:
             asked.append((only, hosts))
             return AuditReport([result], "fast", phase, ["burn"])
+        monkeypatch.setattr(switch, "audit", fleet_audit)  # (a FAKE audit: the report the gate would give)
         skipped = {"status": "skip", "message": "the lane's own release is on the GPU"}
         gate = {"hosts": {"s1": {"checks": {"burn::gpu": {"status": "pass"}}},
                           "s2": {"checks": {"burn::gpu": skipped | ({"facts": facts} if facts else {})}}}}
-        return SimpleNamespace(rep=SimpleNamespace(audit=gate), w=SimpleNamespace(audit=audit))
+        return SimpleNamespace(rep=SimpleNamespace(audit=gate), w=SimpleNamespace())
 
     burn_window(deployment({}, latched))  # (a skip for another reason: no burn in the profile)
     assert asked == []
@@ -253,7 +257,7 @@ def test_a_fleet_commands_audit_takes_the_fleet_pins_and_lock_it_loaded(tmp_path
     try:
         for p in (paths["pins"], paths["lock"], fleet_file):
             p.write_text("not [ what it was\n")
-        report = w.audit("preflight", only=["release"])
+        report = audit(w, "preflight", only=["release"])
     finally:
         w.close()
     host = report.to_json()["hosts"]["me"]
@@ -851,7 +855,7 @@ def test_a_repair_with_nothing_to_do_keeps_the_reason_of_an_earlier_deploy_it_fi
     for name, value in (("changes", lambda d: []), ("snapshot", lambda d: None), ("stage", lambda d: True),
                         ("derive", lambda d: None), ("is_noop", lambda d: True), ("noop", noop)):
         monkeypatch.setattr(rollout, name, value)
-    d: Any = SimpleNamespace(w=SimpleNamespace(hosts=[], states={}), rep=DeployReport("f", "l"), replaced={},
-                             say=lambda line: None, rehash=False, repair=set())
+    d: Any = SimpleNamespace(w=SimpleNamespace(hosts=[], states={}, say=lambda line: None), rep=DeployReport("f", "l"),
+                             replaced={}, rehash=False, repair=set())
     got = rollout.repair(d, None)
     assert got.exit_code == 0 and got.reason.startswith(reason), got.reason

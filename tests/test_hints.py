@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from builder.cli import cli
-from builder.deploy.fleetwork import DeployOptions, command
+from builder.deploy.options import DeployOptions, command
 
 ROOT = Path(__file__).resolve().parents[1]
 HINT = re.compile(r"(?<!`)`(builder(?: [^`]*)?)`(?!`)")

@@ -24,7 +24,7 @@ from builder.cli.options import (
     together,
 )
 from builder.deploy import rollout, startstop
-from builder.deploy.fleetwork import DeployOptions
+from builder.deploy.options import DeployOptions
 from builder.deploy.report import DeployReport
 from builder.deploy.status import fleet_status, rows
 
