@@ -22,12 +22,13 @@ if TYPE_CHECKING:
 def recover(d: Deployment, reason: str) -> DeployReport:
     """Every host back to what it ran before the deploy (after `reason`), started and audited; the
     report says which side each host ends on when that could not be finished."""
-    w, rep, opts = d.w, d.rep, d.w.opts
+    w, rep = d.w, d.rep
+    opts = w.opts
     assert d.journal is not None
     d.journal.phase, d.journal.reason = "rolling-back", reason
     J.save(opts.store, d.journal)
     rep.reason = reason
-    d.w.say(f"deploy failed: {reason}; rolling every switched host back")
+    w.say(f"deploy failed: {reason}; rolling every switched host back")
     lost = w.probe()
     for name, why in lost.items():
         d.out(name).result, d.out(name).on, d.out(name).message = "unreachable", "unknown", why
@@ -51,7 +52,7 @@ def recover(d: Deployment, reason: str) -> DeployReport:
         try:
             w.op(h).switch(o.origin, rollback=True)
             o.result, o.on = "rolled-back", "old"
-            d.w.say(f"{h.name}: rolled back {short(st.current)} -> {short(o.origin)}")
+            w.say(f"{h.name}: rolled back {short(st.current)} -> {short(o.origin)}")
             st.current = o.origin
         except Exception as e:
             o.result, o.on, o.message = "failed", "new", f"rollback: {explain(e)}"
@@ -60,7 +61,7 @@ def recover(d: Deployment, reason: str) -> DeployReport:
     if not whole:
         rep.result = "failed"
         rep.reason = (
-            f"{reason}; the rollback did not finish ({d.sides()}); run `{command(d.w.opts, 'deploy')}` again once "
+            f"{reason}; the rollback did not finish ({d.sides()}); run `{command(w.opts, 'deploy')}` again once "
             "every host answers: it moves every host to the new release or back to the old one"
         )
         return rep
@@ -73,7 +74,7 @@ def recover(d: Deployment, reason: str) -> DeployReport:
     except Exception as e:
         rep.reason = (
             f"{reason}; every host is back on its old release, but it did not start: {explain(e)} "
-            f"(`{command(d.w.opts, 'start')}` starts it)"
+            f"(`{command(w.opts, 'start')}` starts it)"
         )
         return rep
     d.phase("verifying-old")

@@ -111,7 +111,7 @@ def run(d: Deployment) -> DeployReport:
         o.on = d.side(h)
     if earlier is not None:
         rep.resumed = describe_earlier(d, earlier)
-        d.w.say(rep.resumed)
+        w.say(rep.resumed)
     if opts.dry_run:
         return plan(d, stale)
     if opts.repair:
@@ -156,9 +156,9 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     w, rep = d.w, d.rep
     d.rehash = True
     for line in changes(d):
-        d.w.say(f"to deploy: {line}")
+        w.say(f"to deploy: {line}")
     snapshot(d)
-    d.w.say("repair: hashing every installed file on every host against its signed manifest and the "
+    w.say("repair: hashing every installed file on every host against its signed manifest and the "
           "derivations' records; placing again what differs")
     if not stage(d):
         bad = "; ".join(f"{o.host}: {o.message}" for o in rep.hosts if o.result in ("failed", "unreachable"))
@@ -174,7 +174,7 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
         if why:
             d.replaced.setdefault(name, []).append(f"the apply record ({why})")
     for name, what in sorted(d.replaced.items()):
-        d.w.say(f"{name}: differed from its bundle or record, put right: {shown(what)}")
+        w.say(f"{name}: differed from its bundle or record, put right: {shown(what)}")
     d.repair = set(d.replaced)
     if d.replaced or not is_noop(d):
         return switch_over(d, earlier)
@@ -190,7 +190,7 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     for h in w.hosts:
         d.out(h).result = "pending"
     rep.result, rep.reason, rep.audit = "failed", "", None
-    d.w.say(f"repair: no file differs; reinstalling the release (its apply record written again) on "
+    w.say(f"repair: no file differs; reinstalling the release (its apply record written again) on "
           f"{', '.join(sorted(d.repair))}, which the audit failed")
     return switch_over(d, earlier)
 
@@ -219,7 +219,7 @@ def switch_over(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     opts = w.opts
     if not d.rehash:
         for line in changes(d):
-            d.w.say(f"to deploy: {line}")
+            w.say(f"to deploy: {line}")
         snapshot(d)
         if not stage(d):
             return d.refuse("staging failed; no host was switched", unreachable=rep.unreachable)

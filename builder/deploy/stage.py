@@ -27,14 +27,14 @@ def stage(d: Deployment) -> bool:
             except UnreachableError:
                 raise
             except BuilderError as e:
-                d.w.say(f"{h.name}: {e}; shipping the bundle instead")
+                w.say(f"{h.name}: {e}; shipping the bundle instead")
 
         r = ship(
-            d.w.opts.root,
+            w.opts.root,
             f"{w.fleet_name}/{h.name}",
             ShipOptions(
-                bundle=d.bundles[h.name].path, hosts_dir=d.w.opts.hosts_dir, signing_key=d.w.opts.key,
-                timeout=d.w.opts.timeout, connect_timeout=d.w.opts.connect_timeout, insecure=d.w.opts.insecure,
+                bundle=d.bundles[h.name].path, hosts_dir=w.opts.hosts_dir, signing_key=w.opts.key,
+                timeout=w.opts.timeout, connect_timeout=w.opts.connect_timeout, insecure=w.opts.insecure,
                 stage=True, rehash=d.rehash, sockets=w.shared,
             ),
         )
@@ -50,9 +50,9 @@ def stage(d: Deployment) -> bool:
             o.result = "unreachable" if isinstance(err, UnreachableError) else "failed"
             o.message = explain(err)
             d.rep.unreachable = d.rep.unreachable or isinstance(err, UnreachableError)
-            d.w.say(f"{h.name}: staging failed: {o.message}")
+            w.say(f"{h.name}: staging failed: {o.message}")
         else:
             o.result, o.message = "staged", msg
-            d.w.say(f"{h.name}: {msg}: bundle {short(d.bundles[h.name].bundle_id)}")
+            w.say(f"{h.name}: {msg}: bundle {short(d.bundles[h.name].bundle_id)}")
     return ok
 

@@ -29,8 +29,8 @@ def forward(d: Deployment) -> None:
         """A worker stops (once the head has); then each host switches as soon as it is stopped."""
         if h.role == "worker":
             st = w.states.get(h.name)
-            w.op(h).stop(w.lane_name, bool(st and st.current), d.w.opts.stop_timeout)
-            d.w.say(f"{h.name}: stopped rank {h.rank}")
+            w.op(h).stop(w.lane_name, bool(st and st.current), w.opts.stop_timeout)
+            w.say(f"{h.name}: stopped rank {h.rank}")
         if h.name in d.repair:  # the release shipped again: its apply record written again too
             w.op(h).switch(d.bundles[h.name].bundle_id, force=True)
             return "repaired"
@@ -47,10 +47,10 @@ def forward(d: Deployment) -> None:
             errors.append(o.message)
         elif res == "switched":
             o.result, o.on = "switched", "new"
-            d.w.say(f"{h.name}: switched {short(o.origin)} -> {short(o.target)}")
+            w.say(f"{h.name}: switched {short(o.origin)} -> {short(o.target)}")
         elif res == "repaired":
             o.result, o.on = "repaired", "new"
-            d.w.say(f"{h.name}: repaired {short(o.target)} (reinstalled from its bundle)")
+            w.say(f"{h.name}: repaired {short(o.target)} (reinstalled from its bundle)")
     if errors:
         raise BuilderError("; ".join(errors))
     for h in w.hosts:
