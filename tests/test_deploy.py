@@ -240,10 +240,11 @@ def test_a_repair_has_no_dry_run(tmp_path: Path, project_root: Path) -> None:
 
 
 def test_a_fleet_commands_audit_takes_the_fleet_pins_and_lock_it_loaded(tmp_path: Path, project_root: Path) -> None:
-    """The audits of a deploy, start or status (Fleetwork.audit) run on the fleet file, pins and lock the
-    command loaded at its start: with all three unreadable on disk after that, the audit still runs
-    (here on this machine, testinfra's local backend) and checks against the lock it loaded, while an
-    audit that reads them from disk refuses (exit 2)."""
+    """The audits of a deploy, start or status (builder.deploy.fleetaudit) run on the fleet file, pins and
+    lock the command loaded at its start: with all three unreadable on disk after that, the audit still
+    runs (here on this machine, testinfra's local backend) and checks against the lock it loaded, while
+    an audit that reads them from disk refuses (exit 2). A rolled-back release's audit takes the loaded
+    fleet and the pins and lock kept with that release."""
     paths = auditlib.make_project(tmp_path / "proj")
     fleet_file = paths["hosts"] / "l.toml"
     fleet_file.write_text(auditlib.fleet_toml("l", [auditlib.local_host(tmp_path)], expect={"docker": False}))
@@ -253,16 +254,21 @@ def test_a_fleet_commands_audit_takes_the_fleet_pins_and_lock_it_loaded(tmp_path
         {"host": "me", "fleet": "l", "lane": "demo", "rank": 0, "lock_hash": lock_hash}))
     opts = DeployOptions(root=paths["pins"].parent, pins=paths["pins"], lock=paths["lock"], store=paths["store"],
                          fleet="l", checks_dir=project_root / "checks", connect_timeout=5)
+    snap = tmp_path / "snapshot"  # (what a deploy keeps of the pins and lock it deployed from)
+    shutil.copytree(opts.root / "images", snap / "images")
+    for p in (paths["pins"], paths["lock"]):
+        shutil.copyfile(p, snap / p.name)
     w = Fleetwork(opts, lambda _: None, strict=False)
     try:
         for p in (paths["pins"], paths["lock"], fleet_file):
             p.write_text("not [ what it was\n")
-        report = audit(w, "preflight", only=["release"])
+        reports = [audit(w, "preflight", only=["release"]), audit(w, "preflight", only=["release"], snapshot=snap)]
     finally:
         w.close()
-    host = report.to_json()["hosts"]["me"]
-    assert list(report.to_json()["hosts"]) == ["me"] and host["status"] != "error", host
-    assert host["checks"]["release::record_lock"]["status"] == "pass", host["checks"]["release::record_lock"]
+    for report in reports:
+        host = report.to_json()["hosts"]["me"]
+        assert list(report.to_json()["hosts"]) == ["me"] and host["status"] != "error", host
+        assert host["checks"]["release::record_lock"]["status"] == "pass", host["checks"]["release::record_lock"]
     with pytest.raises(ConfigError, match=r"l\.toml"):
         run_audit(AuditOptions(root=opts.root, pins=opts.pins, lock=opts.lock, store=opts.store, fleet="l",
                                checks_dir=opts.checks_dir, only=["release"]))
