@@ -2,8 +2,9 @@
 
 - ``rollout``: ``deploy``, step by step (bundles, facts, the no-op or the plan, stage everywhere, the
   preflight gate, the switch, the serving audit; any failure after the first change rolls back);
-- ``plan``: the dry run's plan, the no-op (only audit), and what an unfinished deploy left;
-- ``stage``, ``switch``, ``rollback``: the deploy's three moves on the fleet;
+- ``dryrun``: the dry run's plan, the no-op (only audit), and what an unfinished deploy left;
+- ``stage`` (and the gate on what was staged), ``derivations``, ``switch``, ``rollback``: the deploy's
+  steps on the fleet, each the owner of its own;
 - ``deployment``: one deploy's state (the fleet, report, bundles, journal) that those steps share;
 - ``options``: what a fleet command is asked to do (made once by the command line, read by every
   step), and the command a message tells the operator to run;

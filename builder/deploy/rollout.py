@@ -40,15 +40,14 @@ from builder.deploy import journal as J
 from builder.deploy.bundles import FleetBundle, ensure_bundles
 from builder.deploy.connections import close_sockets, command_sockets
 from builder.deploy.deployment import Deployment
-from builder.deploy.derivations import make_all
+from builder.deploy.derivations import derive
 from builder.deploy.dryrun import changes, describe_earlier, is_noop, noop, plan
-from builder.deploy.fleetaudit import audit, problems
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.fleetwork import Fleetwork, explain, short
 from builder.deploy.options import DeployOptions, Say
 from builder.deploy.report import DeployReport
 from builder.deploy.rollback import recover
-from builder.deploy.stage import stage
+from builder.deploy.stage import gate, stage
 from builder.deploy.switch import forward
 from builder.errors import ConfigError
 from builder.hostscripts import shown
@@ -128,19 +127,6 @@ def snapshot(d: Deployment) -> None:
     built = w.ctx.pins.recipes().get(w.lane.image)  # (a published image has no recipe folder)
     recipe = built.recipe if built is not None else None
     J.snapshot(opts.store, d.rep.target_lock or "", opts.pins, opts.lock, opts.root, recipe)
-
-
-def derive(d: Deployment) -> DeployReport | None:
-    """Every host's derivations of the staged release (a repair: hashed against their records, and made
-    again where they differ); the refusal when one failed, else None."""
-    failed = make_all(d.w, "staged", full=d.rehash, made=d.replaced)
-    if not failed:
-        return None
-    lost = {n for n, why in failed.items() if "unreachable" in why}  # (a host cut off: exit 3)
-    for name, why in failed.items():
-        d.out(name).result, d.out(name).message = "unreachable" if name in lost else "failed", why
-    return d.refuse("making the derivations failed; no host was switched: "
-                    + "; ".join(f"{n}: {why}" for n, why in failed.items()), unreachable=bool(lost))
 
 
 def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
@@ -226,15 +212,9 @@ def switch_over(d: Deployment, earlier: J.Journal | None) -> DeployReport:
         refused = derive(d)
         if refused is not None:
             return refused
-    gate = audit(w, "preflight", release="staged")
-    rep.audit = gate.to_json()
-    if gate.exit_code != 0:
-        for hr in gate.hosts:
-            if hr.status != "pass":
-                d.out(hr.name).message = hr.first_problem() or hr.status
-                d.out(hr.name).result = "unreachable" if hr.status == "unreachable" else "not-switched"
-        return d.refuse(f"the preflight audit failed, no host was switched: {problems(gate)}",
-                           unreachable=gate.exit_code == 3)
+    refused = gate(d)
+    if refused is not None:
+        return refused
     d.journal = J.Journal(
         fleet=w.fleet_name,
         target={h.name: d.bundles[h.name].bundle_id for h in w.hosts},

@@ -1,11 +1,14 @@
-"""A deploy's first change: stage the new release on every host (``current`` is not touched)."""
+"""A deploy's first change: stage the new release on every host (``current`` is not touched), and the
+gate: the preflight audit of what was staged, before any host is switched."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from builder.deploy.deployment import Deployment
+from builder.deploy.fleetaudit import audit, problems
 from builder.deploy.fleetwork import each, explain, short
+from builder.deploy.report import DeployReport
 from builder.errors import BuilderError, UnreachableError
 from builder.ship import ShipOptions, ship
 
@@ -56,3 +59,17 @@ def stage(d: Deployment) -> bool:
             w.say(f"{h.name}: {msg}: bundle {short(d.bundles[h.name].bundle_id)}")
     return ok
 
+
+def gate(d: Deployment) -> DeployReport | None:
+    """The gate: the preflight audit of the staged release on every host, recorded in the report; the
+    refusal (no host switched, each that did not pass named) when it fails, else None."""
+    report = audit(d.w, "preflight", release="staged")
+    d.rep.audit = report.to_json()
+    if report.exit_code == 0:
+        return None
+    for hr in report.hosts:
+        if hr.status != "pass":
+            d.out(hr.name).message = hr.first_problem() or hr.status
+            d.out(hr.name).result = "unreachable" if hr.status == "unreachable" else "not-switched"
+    return d.refuse(f"the preflight audit failed, no host was switched: {problems(report)}",
+                    unreachable=report.exit_code == 3)
