@@ -16,7 +16,7 @@ import pytest
 
 from builder.audit.concerns import Cmd, Concern
 from builder.hostscripts import BATCH, BURN, DERIVE, FILES, GPUPROCS, MEMORY, batch_groups, batches, dumps, parse_batch
-from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK
+from builder.launch import LABEL_BUNDLE, lane_filters
 
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
 #: results of the commands the prefetch ran, by command line (see prefetch)
@@ -94,11 +94,11 @@ def inspect_images(refs: list[str]) -> Cmd:
 def lane_containers(lane: str, rank: int) -> Cmd:
     """`docker container inspect` of every container (running or not) that start.sh made for this
     lane and rank (by its labels, builder.launch), `[]` when there is none."""
+    filters = lane_filters(lane, rank)
     return (
-        f'ids=$(docker ps -aq --filter label={LABEL_LANE}=%s --filter label={LABEL_RANK}=%s) && '
+        f'ids=$(docker ps -aq{" %s" * len(filters)}) && '
         'if [ -n "$ids" ]; then docker container inspect $ids; else echo "[]"; fi',
-        lane,
-        str(rank),
+        *filters,
     )
 
 
@@ -118,11 +118,10 @@ def docker_objects_command(expect: dict[str, Any]) -> Cmd:
         return lane_containers(lane, rank)
     if not expect.get("containers"):  # (no selected concern declares containers)
         return inspect_images(refs)
+    filters = lane_filters(lane, rank)
     return (
-        f"ids=$(docker ps -aq --filter label={LABEL_LANE}=%s --filter label={LABEL_RANK}=%s) && "
-        "docker inspect" + " %s" * len(refs) + " $ids",
-        lane,
-        str(rank),
+        f"ids=$(docker ps -aq{' %s' * len(filters)}) && docker inspect" + " %s" * len(refs) + " $ids",
+        *filters,
         *refs,
     )
 

@@ -681,3 +681,29 @@ def test_local_fields_a_gpu_does_not_report_are_unknown(tmp_path: Path) -> None:
     ceiling, persistence = checks["gpu::clock_ceiling"], checks["gpu::persistence_mode"]
     assert ceiling["status"] == "skip" and "judged under load" in ceiling["message"]
     assert persistence["status"] == "skip" and "[N/A]" in persistence["message"]
+
+
+def test_the_hosts_of_a_loaded_fleet_are_taken_from_it(tmp_path: Path) -> None:
+    """An audit given a loaded fleet (a deploy's) selects its hosts from it: every host in rank order,
+    or the named ones (the burn window's `fleet/host`), and refuses a host or fleet it does not have."""
+    from builder.audit.selection import Loaded, audit_targets
+    from builder.errors import ConfigError
+    from builder.inputs.hosts import load_fleet
+
+    path = tmp_path / "hosts" / "f.toml"
+    path.parent.mkdir()
+    path.write_text(auditlib.fleet_toml("f", [{"name": "a", "ssh": "spark@a", "rank": 0, "role": "head"},
+                                              {"name": "b", "ssh": "spark@b", "rank": 1, "role": "worker"}]))
+    loaded = Loaded(path, load_fleet(path))
+    path.unlink()  # (not read again)
+
+    def opts(**kw: Any) -> core.AuditOptions:
+        return core.AuditOptions(root=tmp_path, pins=tmp_path / "pins.toml", lock=tmp_path / "pins.lock",
+                                 store=tmp_path / "s", loaded=loaded, **kw)
+
+    assert [t.name for t in audit_targets(opts(fleet="f"))] == ["a", "b"]
+    assert [t.name for t in audit_targets(opts(names=["f/b"]))] == ["b"]
+    with pytest.raises(ConfigError, match="no host named 'f/c'"):
+        audit_targets(opts(names=["f/c"]))
+    with pytest.raises(ConfigError, match="fleet 'f', not 'g'"):
+        audit_targets(opts(fleet="g"))

@@ -173,7 +173,8 @@ def test_the_image_and_the_ranks_containers_are_one_docker_inspect(monkeypatch: 
     it names as not found), and an answer it cannot take apart leaves each image to its own call."""
     cl: Any = checklib_fresh()
     both = cl.docker_objects_command(docker_expect(["image", "runtime"]))
-    assert both[0].endswith("docker inspect %s %s $ids") and both[1:] == ("demo", "1", "sha256:ab", "builder/demo:1")
+    assert both[0].endswith("docker inspect %s %s $ids") and both[1:] == (
+        "--filter", "label=io.builder.lane=demo", "--filter", "label=io.builder.rank=1", "sha256:ab", "builder/demo:1")
     assert cl.docker_objects_command(docker_expect(["image"])) == cl.inspect_images(["sha256:ab", "builder/demo:1"])
     assert cl.docker_objects_command(docker_expect(["serving"])) == cl.lane_containers("demo", 1)
     exp = {**docker_expect(["image", "runtime"]), "expect": {"docker": True}}

@@ -28,11 +28,15 @@ from typing import Any, get_args
 
 import pytest
 
+from builder.audit import AuditOptions, run_audit
 from builder.bundle import load_bundle_inputs
 from builder.deploy import journal as J
 from builder.deploy.bundles import FleetBundle, ensure_bundles, stale
+from builder.deploy.fleetaudit import audit
 from builder.deploy.fleetlock import fleet_lock
+from builder.deploy.fleetwork import Fleetwork
 from builder.deploy.hoststate import Container, HostState
+from builder.deploy.options import DeployOptions
 from builder.deploy.report import DeployReport, FleetResult, HostOutcome, Outcome, Side
 from builder.deploy.rollout import record_drift
 from builder.deploy.status import FleetStatus, HostStatus
@@ -40,6 +44,7 @@ from builder.errors import BuilderError, ConfigError
 from builder.foundation import sign
 from builder.foundation.ssh import tied
 from builder.inputs.hosts import find_fleet
+from builder.lock.lockfile import load_lock
 from tests.lib import auditlib, factory, fleetlib
 from tests.lib import bundlelib as bl
 from tests.lib import deploylib as dl
@@ -85,12 +90,13 @@ def test_the_documented_results_are_the_reports_values() -> None:
     assert documented("The fleet's `result`") == list(get_args(FleetResult))
 
 
-def test_the_burn_window_runs_only_where_the_gate_could_not_burn() -> None:
+def test_the_burn_window_runs_only_where_the_gate_could_not_burn(monkeypatch: pytest.MonkeyPatch) -> None:
     """builder.deploy.switch.burn_window: the hosts whose gate skipped the burn because the lane held
     the GPU get it between stop and start (`--only burn`); a failing GPU raises, naming it."""
     from types import SimpleNamespace
 
     from builder.audit import AuditReport, CheckOutcome, HostResult
+    from builder.deploy import switch
     from builder.deploy.switch import burn_window
 
     asked: list[tuple[list[str] | None, list[str] | None]] = []
@@ -98,13 +104,14 @@ def test_the_burn_window_runs_only_where_the_gate_could_not_burn() -> None:
         CheckOutcome("burn::gpu", "burn", "fail", "GPU 0 clock latch: ...; fix: power-cycle", {"kind": "hardware"})])
 
     def deployment(facts: dict[str, Any], result: HostResult) -> Any:
-        def audit(phase: str, only: list[str] | None = None, hosts: list[str] | None = None) -> AuditReport:
+        def fleet_audit(w: Any, phase: str, only: list[str] | None = None, hosts: list[str] | None = None) -> Any:
             asked.append((only, hosts))
             return AuditReport([result], "fast", phase, ["burn"])
+        monkeypatch.setattr(switch, "audit", fleet_audit)  # (a FAKE audit: the report the gate would give)
         skipped = {"status": "skip", "message": "the lane's own release is on the GPU"}
         gate = {"hosts": {"s1": {"checks": {"burn::gpu": {"status": "pass"}}},
                           "s2": {"checks": {"burn::gpu": skipped | ({"facts": facts} if facts else {})}}}}
-        return SimpleNamespace(rep=SimpleNamespace(audit=gate), w=SimpleNamespace(audit=audit))
+        return SimpleNamespace(rep=SimpleNamespace(audit=gate), w=SimpleNamespace())
 
     burn_window(deployment({}, latched))  # (a skip for another reason: no burn in the profile)
     assert asked == []
@@ -257,6 +264,41 @@ def test_a_repair_has_no_dry_run(tmp_path: Path, project_root: Path) -> None:
     )
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "--repair with --dry-run" in lines[0], p.stderr
+
+
+def test_a_fleet_commands_audit_takes_the_fleet_pins_and_lock_it_loaded(tmp_path: Path, project_root: Path) -> None:
+    """The audits of a deploy, start or status (builder.deploy.fleetaudit) run on the fleet file, pins and
+    lock the command loaded at its start: with all three unreadable on disk after that, the audit still
+    runs (here on this machine, testinfra's local backend) and checks against the lock it loaded, while
+    an audit that reads them from disk refuses (exit 2). A rolled-back release's audit takes the loaded
+    fleet and the pins and lock kept with that release."""
+    paths = auditlib.make_project(tmp_path / "proj")
+    fleet_file = paths["hosts"] / "l.toml"
+    fleet_file.write_text(auditlib.fleet_toml("l", [auditlib.local_host(tmp_path)], expect={"docker": False}))
+    lock_hash = load_lock(paths["lock"]).lock_hash()
+    (tmp_path / "b" / "state").mkdir(parents=True)
+    (tmp_path / "b" / "state" / "applied.json").write_text(json.dumps(
+        {"host": "me", "fleet": "l", "lane": "demo", "rank": 0, "lock_hash": lock_hash}))
+    opts = DeployOptions(root=paths["pins"].parent, pins=paths["pins"], lock=paths["lock"], store=paths["store"],
+                         fleet="l", checks_dir=project_root / "checks", connect_timeout=5)
+    snap = tmp_path / "snapshot"  # (what a deploy keeps of the pins and lock it deployed from)
+    shutil.copytree(opts.root / "images", snap / "images")
+    for p in (paths["pins"], paths["lock"]):
+        shutil.copyfile(p, snap / p.name)
+    w = Fleetwork(opts, lambda _: None, strict=False)
+    try:
+        for p in (paths["pins"], paths["lock"], fleet_file):
+            p.write_text("not [ what it was\n")
+        reports = [audit(w, "preflight", only=["release"]), audit(w, "preflight", only=["release"], snapshot=snap)]
+    finally:
+        w.close()
+    for report in reports:
+        host = report.to_json()["hosts"]["me"]
+        assert list(report.to_json()["hosts"]) == ["me"] and host["status"] != "error", host
+        assert host["checks"]["release::record_lock"]["status"] == "pass", host["checks"]["release::record_lock"]
+    with pytest.raises(ConfigError, match=r"l\.toml"):
+        run_audit(AuditOptions(root=opts.root, pins=opts.pins, lock=opts.lock, store=opts.store, fleet="l",
+                               checks_dir=opts.checks_dir, only=["release"]))
 
 
 # --------------------------------------------------------------------------- docker tier: stage and switch
@@ -846,7 +888,7 @@ def test_a_repair_with_nothing_to_do_keeps_the_reason_of_an_earlier_deploy_it_fi
     for name, value in (("changes", lambda d: []), ("snapshot", lambda d: None), ("stage", lambda d: True),
                         ("derive", lambda d: None), ("is_noop", lambda d: True), ("noop", noop)):
         monkeypatch.setattr(rollout, name, value)
-    d: Any = SimpleNamespace(w=SimpleNamespace(hosts=[], states={}), rep=DeployReport("f", "l"), replaced={},
-                             say=lambda line: None, rehash=False, repair=set())
+    d: Any = SimpleNamespace(w=SimpleNamespace(hosts=[], states={}, say=lambda line: None), rep=DeployReport("f", "l"),
+                             replaced={}, rehash=False, repair=set())
     got = rollout.repair(d, None)
     assert got.exit_code == 0 and got.reason.startswith(reason), got.reason

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from builder.cli import cli
-from builder.deploy.fleetwork import DeployOptions, command
+from builder.deploy.options import DeployOptions, command
 
 ROOT = Path(__file__).resolve().parents[1]
 HINT = re.compile(r"(?<!`)`(builder(?: [^`]*)?)`(?!`)")
@@ -87,6 +87,11 @@ def test_a_repair_hint_carries_the_fleet_lock_store_and_mode(tmp_path: Path, mon
     assert command(fast, "deploy", "--repair", mode=True).endswith(" deploy --fleet f1 --repair")
     monkeypatch.setenv("BUILDER_STORE", str(tmp_path / "s"))  # (the shell the operator types in has it)
     assert " --store " not in command(opts, "deploy", "--repair", mode=True)
+    inv = DeployOptions(root=pins.parent, pins=pins, lock=pins.parent / "pins.lock",
+                        store=pins.parent / ".cache" / "builder", fleet="f1", hosts_dir=tmp_path / "inv")
+    hint = command(inv, "start")
+    assert hint.endswith(f" start --fleet f1 --hosts-dir {tmp_path / 'inv'}")  # (the inventory it read)
+    assert help_exit(hint.split()[1:])[0] == 0
 
 
 def command_calls() -> dict[tuple[str, ...], str]:

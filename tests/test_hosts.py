@@ -17,10 +17,12 @@ from builder.bundle.keys import fleet_trusted_key as project_trusted_key
 from builder.errors import ConfigError
 from builder.foundation.ssh import parse_target
 from builder.inputs.hosts import (
+    bundles_folder,
     find_fleet,
     find_host,
     fleet_registry_ca,
     fleet_trusted_key,
+    hosts_folder,
     load_fleet,
     load_fleets,
     ssh_config_file,
@@ -265,3 +267,43 @@ def test_hosts_and_its_ansible_inventory_agree_on_a_fleet_whose_ssh_config_is_no
                            timeout=120, env={**os.environ, "ANSIBLE_LOCAL_TEMP": str(tmp_path / "ansible")})
         assert p.returncode == 0, p.stderr
         assert set(json.loads(p.stdout)["_meta"]["hostvars"]) == {name for _, name in listed}
+
+
+#: the commands that read fleet files (each takes --hosts-dir)
+FLEET_READERS = ["launch", "bundle", "verify", "ship", "push", "hosts", "audit", "deploy", "status", "start", "stop"]
+
+
+def test_the_hosts_folder_and_the_bundles_folder_have_one_default() -> None:
+    root = Path("/p")
+    assert hosts_folder(root) == root / "hosts"
+    assert hosts_folder(root, Path("/elsewhere")) == Path("/elsewhere")
+    assert bundles_folder(root, "f", "a") == root / "out" / "bundles" / "f" / "a"
+    assert bundles_folder(root, "f") == root / "out" / "bundles" / "f"
+
+
+def test_every_command_that_reads_fleet_files_takes_hosts_dir() -> None:
+    import importlib
+
+    from builder.cli import COMMANDS
+
+    for name in FLEET_READERS:
+        module, attr, _ = COMMANDS[name]
+        cmd = getattr(importlib.import_module(module), attr)
+        assert "--hosts-dir" in [o for p in cmd.params for o in p.opts], name
+
+
+@pytest.mark.parametrize("args", [
+    ["deploy", "--fleet", "nope"], ["status", "--fleet", "nope"], ["start", "--fleet", "nope"],
+    ["stop", "--fleet", "nope"], ["push", "demo", "--fleet", "nope"], ["ship", "nope"], ["bundle", "nope"],
+])
+def test_hosts_dir_is_the_folder_each_command_reads(tmp_path: Path, args: list[str]) -> None:
+    """With --hosts-dir, the fleet files are read there and not in hosts/ under the project root: the
+    refusal (exit 2, nothing contacted) names that folder."""
+    paths = auditlib.make_project(tmp_path / "proj")
+    root = paths["pins"].parent
+    inv = tmp_path / "inventory"
+    _fleet_file(inv, "spark@192.0.2.1")
+    r = _cli(root, *args, "--hosts-dir", str(inv))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(f"error: {inv}: no "), r.stderr

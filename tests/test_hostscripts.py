@@ -229,7 +229,8 @@ def test_serve_answers_each_call_or_says_why(tmp_path: Path) -> None:
                            check=True, timeout=60, env=NO_PROXY_REACHABLE)
         # lane.py's state (deploy, status) asks the same /health
         req = {"do": "state", "root": str(tmp_path), "lane": "demo", "rank": 0, "health_port": srv.server_port,
-               "label_lane": "io.builder.lane", "label_rank": "io.builder.rank", "label_bundle": "io.builder.bundle-id"}
+               "filters": ["--filter", "label=io.builder.lane=demo"], "label_rank": "io.builder.rank",
+               "label_bundle": "io.builder.bundle-id"}
         lane_health = lane_run(req, {**NO_PROXY_REACHABLE, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"})["health"]
     finally:
         srv.shutdown()
@@ -408,7 +409,8 @@ def test_lane_state_reads_links_releases_and_the_apply_record(tmp_path: Path) ->
         {"bundle_id": new, "lock_hash": "c" * 64, "image": {"image_id": "sha256:" + "d" * 64, "name": "i"}}))
     env = {**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"}
     req = {"do": "state", "root": str(tmp_path), "lane": "demo", "rank": 0, "health_port": None,
-           "label_lane": "io.builder.lane", "label_rank": "io.builder.rank", "label_bundle": "io.builder.bundle-id"}
+           "filters": ["--filter", "label=io.builder.lane=demo"], "label_rank": "io.builder.rank",
+           "label_bundle": "io.builder.bundle-id"}
     got = lane_run(req, env)
     assert (got["current"], got["previous"], got["staged"]) == (new, old, None)
     assert got["releases"] == [new, old]

@@ -16,7 +16,7 @@ from builder.errors import ConfigError
 from builder.inputs.hosts import Fleet
 from builder.inputs.loader import validate
 from builder.inputs.pins import Pins
-from builder.launch import host_address, rank_command, render_launch
+from builder.launch import host_address, lane_filters, rank_command, render_launch, stop_lane_command
 from builder.launch.order import start_groups, stop_groups
 from tests.lib import factory
 
@@ -287,3 +287,13 @@ def test_the_memory_floor_refuses_a_rank_that_cannot_fit(tmp_path: Path) -> None
     assert pr.returncode == 4, pr.stderr
     assert f"below the lane's {avail_gib + 1000} GiB" in pr.stderr
     assert not any(ln.startswith("run ") for ln in log.read_text().splitlines())
+
+
+def test_one_label_filter_selects_a_lanes_containers() -> None:
+    """The filter start.sh's labels are selected by (a lane; a lane and rank), and the stop command for a
+    host with no release uses it, shell-quoted."""
+    assert lane_filters("demo") == ["--filter", "label=io.builder.lane=demo"]
+    assert lane_filters("demo", 1) == [
+        "--filter", "label=io.builder.lane=demo", "--filter", "label=io.builder.rank=1"]
+    assert stop_lane_command("my lane", 0).startswith(
+        "ids=$(docker ps -aq --filter 'label=io.builder.lane=my lane' --filter label=io.builder.rank=0) && ")

@@ -29,7 +29,7 @@ from builder.audit.exits import name_the_cause
 from builder.audit.expect import build_expectations, load_lane_inputs
 from builder.audit.findings import AuditReport, CheckOutcome, HostResult, burn_rows, junit_xml, matrix_rows, write_junit
 from builder.audit.runner import run_host
-from builder.audit.selection import AuditOptions, parse_only, select_targets
+from builder.audit.selection import AuditOptions, Loaded, audit_targets, parse_only
 from builder.foundation.ssh import ControlSockets
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "CheckOutcome",
     "Concern",
     "HostResult",
+    "Loaded",
     "declared",
     "junit_xml",
     "burn_rows",
@@ -53,7 +54,7 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
     host is contacted. `on_host` is called (one at a time) as each host is done."""
     selected, checks_dir = opts.validate()
     concerns = [c.name for c in selected]
-    targets = select_targets(opts.hosts_dir or opts.root / "hosts", opts.names, opts.fleet)
+    targets = audit_targets(opts)
     opts.check_backend()
     inputs = load_lane_inputs(opts, targets)
     expectations = [build_expectations(t, opts, inputs, selected) for t in targets]

@@ -39,11 +39,9 @@ class LaneInputs:
     lock_hash: str | None = None
 
 
-def load_lane_inputs(opts: AuditOptions, targets: list[FleetHost]) -> LaneInputs:
-    """Load the pins and lock and check every target's fleet against them: its lane exists (in the
-    lock too), the lock has the lane's models and runtime inputs (kits, plain files), its ssh_config
-    is a file. ConfigError otherwise."""
-    inputs = LaneInputs()
+def read_pins_and_lock(opts: AuditOptions, inputs: LaneInputs) -> None:
+    """The pins and lock from their files, or the reason each is absent; ConfigError for a lock
+    without its pins."""
     if opts.pins.exists():
         inputs.pins = load_pins(opts.pins)
     else:
@@ -55,6 +53,19 @@ def load_lane_inputs(opts: AuditOptions, targets: list[FleetHost]) -> LaneInputs
         inputs.lock_reason = f"no lock file at {opts.lock} (run `builder lock`)"
     if inputs.pins is None and inputs.lock is not None:
         raise ConfigError(f"{opts.lock}: a lock without its pins file {opts.pins}")
+
+
+def load_lane_inputs(opts: AuditOptions, targets: list[FleetHost]) -> LaneInputs:
+    """Load the pins and lock (or take those the command loaded: `opts.loaded`) and check every
+    target's fleet against them: its lane exists (in the lock too), the lock has the lane's models and
+    runtime inputs (kits, plain files), its ssh_config is a file. ConfigError otherwise."""
+    inputs = LaneInputs()
+    loaded = opts.loaded
+    if loaded is not None and loaded.pins is not None and loaded.lock is not None:
+        # (as the command loaded them: neither is read again)
+        inputs.pins, inputs.lock, inputs.lock_hash = loaded.pins, loaded.lock, loaded.lock.lock_hash()
+    else:
+        read_pins_and_lock(opts, inputs)
     seen: set[str] = set()
     for t in targets:
         if t.fleet.fleet.name in seen:

@@ -9,13 +9,28 @@ from pathlib import Path
 
 from builder.audit.concerns import Concern, declared
 from builder.errors import ConfigError
-from builder.inputs.hosts import FleetHost, find_host, fleet_hosts, read_inventory
+from builder.inputs.hosts import Fleet, FleetHost, find_host, fleet_hosts, hosts_folder, read_inventory
+from builder.inputs.pins import Pins
+from builder.lock.lockfile import Lock
 
 MODES = ("fast", "full")
 PHASES = ("preflight", "serving", "all")
 BACKENDS = ("native", "ansible")
 #: the releases an audit can check (AuditOptions.release)
 RELEASES = ("current", "staged")
+
+
+@dataclass
+class Loaded:
+    """What a command loaded already (a deploy, start or status): the fleet it runs on, from its fleet
+    file, and the pins and lock. The audit takes them as they are and reads none of them from disk
+    again. ``pins`` and ``lock`` None: the audit reads its own (a rolled-back release's audit, against
+    the pins and lock kept with it)."""
+
+    fleet_file: Path
+    fleet: Fleet
+    pins: Pins | None = None
+    lock: Lock | None = None
 
 
 @dataclass
@@ -46,6 +61,8 @@ class AuditOptions:
     #: `builder deploy` staged: <bundles>/staged and state/staged.json; the lane's running release,
     #: which the deploy stops before it switches, counts as the lane's own)
     release: str = "current"
+    #: the fleet (and the pins and lock) a command loaded already; None: each read from disk
+    loaded: Loaded | None = None
 
     def concerns(self, have: tuple[Concern, ...]) -> list[Concern]:
         """The concerns selected of those the checks folder declares (`have`), in their order."""
@@ -104,6 +121,27 @@ def default_checks_dir(root: Path) -> Path:
         if (cand / "conftest.py").is_file():
             return cand
     raise ConfigError(f"{root / 'checks'}: no checks folder (conftest.py not found)")
+
+
+def audit_targets(opts: AuditOptions) -> list[FleetHost]:
+    """The hosts the audit reaches: of the fleet loaded already (`opts.loaded`), else of the fleet
+    files in the inventory folder."""
+    if opts.loaded is None:
+        return select_targets(hosts_folder(opts.root, opts.hosts_dir), opts.names, opts.fleet)
+    path, f = opts.loaded.fleet_file, opts.loaded.fleet
+    name = f.fleet.name
+    if opts.fleet is not None and opts.fleet != name:
+        raise ConfigError(f"{path}: fleet {name!r}, not {opts.fleet!r}")
+    if opts.fleet is not None or not opts.names:
+        return [FleetHost(path, f, h) for h in f.by_rank()]
+    by_name = {h.name: h for h in f.hosts}
+    out: list[FleetHost] = []
+    for n in dict.fromkeys(opts.names):
+        fname, _, hname = n.rpartition("/")
+        if fname not in ("", name) or hname not in by_name:
+            raise ConfigError(f"{path}: no host named {n!r} in fleet {name!r}")
+        out.append(FleetHost(path, f, by_name[hname]))
+    return out
 
 
 def select_targets(hosts_dir: Path, names: list[str], fleet: str | None) -> list[FleetHost]:

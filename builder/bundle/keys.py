@@ -10,7 +10,7 @@ from pathlib import Path
 
 from builder.errors import ConfigError
 from builder.foundation import sign
-from builder.inputs.hosts import find_fleet
+from builder.inputs.hosts import find_fleet, hosts_folder
 from builder.inputs.hosts import fleet_trusted_key as trusted_key_file
 from builder.installer.manifest import MANIFEST
 
@@ -105,9 +105,9 @@ def read_public_key(path: Path) -> bytes:
     return data
 
 
-def fleet_trusted_key(root: Path, fleet_name: str) -> Path | None:
+def fleet_trusted_key(root: Path, fleet_name: str, hosts_dir: Path | None = None) -> Path | None:
     """The fleet's trusted_key (relative to its fleet file's folder) when the inventory names one."""
-    hosts_dir = root / "hosts"
+    hosts_dir = hosts_folder(root, hosts_dir)
     if not hosts_dir.is_dir():
         return None
     try:
@@ -117,15 +117,16 @@ def fleet_trusted_key(root: Path, fleet_name: str) -> Path | None:
     return trusted_key_file(path, fleet)
 
 
-def public_key_for(bundle_dir: Path, key: Path | None, root: Path | None) -> Path:
-    """--key, else the fleet's trusted_key (from the inventory), else the project's keys/builder.pub,
+def public_key_for(bundle_dir: Path, key: Path | None, root: Path | None, hosts_dir: Path | None = None) -> Path:
+    """--key, else the fleet's trusted_key (from the inventory: `hosts_dir`, else hosts/ under `root`),
+    else the project's keys/builder.pub,
     else the keygen default public key."""
     if key is not None:
         return key
     if root is not None:
         with contextlib.suppress(Exception):
             fleet_name = json.loads((bundle_dir / MANIFEST).read_bytes())["fleet"]
-            p = fleet_trusted_key(root, str(fleet_name))
+            p = fleet_trusted_key(root, str(fleet_name), hosts_dir)
             if p is not None:
                 return p
     for d in ([project_key_dir(root)] if root is not None else []) + [default_key_dir()]:

@@ -24,7 +24,7 @@ from builder.bundle.render import (
 from builder.errors import VerifyError
 from builder.image import registry
 from builder.image.imagerecord import ImageRecord
-from builder.inputs.hosts import Fleet, find_fleet, find_host
+from builder.inputs.hosts import Fleet, bundles_folder, find_fleet, find_host
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def make_bundle(ctx: BundleInputs, host_ref: str, opts: BundleOptions) -> Bundle
     """One host's bundle (``out``: opts.out, else out/bundles/FLEET/HOST), its image pushed where the
     fleet has a registry and opts.with_image."""
     fleet_path, fleet, host = find_host(ctx.hosts_dir, host_ref)
-    out = opts.out if opts.out is not None else ctx.root / "out" / "bundles" / fleet.fleet.name / host.name
+    out = opts.out if opts.out is not None else bundles_folder(ctx.root, fleet.fleet.name, host.name)
     pending = registry_preflight(ctx, fleet_path, fleet, check_lane(ctx, fleet_path, fleet), opts)
     result = render_bundle(ctx, fleet_path, fleet, host, out, opts)
     if pending is not None:
@@ -52,7 +52,7 @@ def make_bundle(ctx: BundleInputs, host_ref: str, opts: BundleOptions) -> Bundle
 def make_fleet_bundles(ctx: BundleInputs, fleet_name: str, opts: BundleOptions) -> list[BundleResult]:
     """Every host's bundle of the fleet, by rank (under opts.out, else out/bundles/FLEET), then one push."""
     fleet_path, fleet = find_fleet(ctx.hosts_dir, fleet_name)
-    base = opts.out if opts.out is not None else ctx.root / "out" / "bundles" / fleet.fleet.name
+    base = opts.out if opts.out is not None else bundles_folder(ctx.root, fleet.fleet.name)
     pending = registry_preflight(ctx, fleet_path, fleet, check_lane(ctx, fleet_path, fleet), opts)
     results = [render_bundle(ctx, fleet_path, fleet, h, base / h.name, opts) for h in fleet.by_rank()]
     if pending is not None:

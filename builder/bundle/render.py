@@ -29,7 +29,12 @@ from builder.image import mounttargets as targets
 from builder.image import provenance, registry
 from builder.image.imagerecord import ImageRecord, require_record
 from builder.image.plan import make_plan
-from builder.inputs.hosts import Fleet, Host, check_against_pins
+from builder.inputs.hosts import (
+    Fleet,
+    Host,
+    check_against_pins,
+    hosts_folder,
+)
 from builder.inputs.pins import Pins, load_pins
 from builder.installer.manifest import (
     FORMAT,
@@ -118,10 +123,12 @@ def parse_size(text: str) -> int:
     return n
 
 
-def load_bundle_inputs(pins_path: Path, lock_path: Path, store: Path) -> BundleInputs:
+def load_bundle_inputs(pins_path: Path, lock_path: Path, store: Path, hosts_dir: Path | None = None) -> BundleInputs:
+    """The project's inputs; `hosts_dir`: the inventory folder (default: hosts/ under the project root)."""
     root = pins_path.resolve().parent
     return BundleInputs(
-        root=root, pins=load_pins(pins_path), lock=load_lock(lock_path), store=store, hosts_dir=root / "hosts"
+        root=root, pins=load_pins(pins_path), lock=load_lock(lock_path), store=store,
+        hosts_dir=hosts_folder(root, hosts_dir),
     )
 
 

@@ -10,10 +10,9 @@ import click
 
 from builder import audit as core
 from builder import output
-from builder.audit import select_targets
 from builder.audit.concerns import declared
 from builder.audit.exits import describe_cause
-from builder.audit.selection import PACKAGE_CHECKS
+from builder.audit.selection import PACKAGE_CHECKS, audit_targets
 from builder.cli import get_ctx
 from builder.cli.options import (
     checks_option,
@@ -145,6 +144,6 @@ def _targets(opts: AuditOptions) -> list[FleetHost]:
     """The hosts the audit will reach, for their progress bars; none when the selection is wrong
     (run_audit then names the problem, in its own order of checks)."""
     try:
-        return select_targets(opts.hosts_dir or opts.root / "hosts", opts.names, opts.fleet)
+        return audit_targets(opts)
     except BuilderError:
         return []

@@ -15,6 +15,7 @@ from builder.cli.options import (
     file_option,
     fleet_option,
     folder_option,
+    hosts_dir_option,
     json_option,
     part_size_option,
 )
@@ -49,6 +50,7 @@ def keygen(out: Path | None, force: bool, as_json: bool) -> int:
               help="The host's layer list: its apply record or `installer status` JSON (for --thin).")
 @part_size_option
 @json_option()
+@hosts_dir_option
 def bundle(
     host: str | None,
     fleet: str | None,
@@ -61,6 +63,7 @@ def bundle(
     have: Path | None,
     part_size: str,
     as_json: bool,
+    hosts_dir: Path | None,
 ) -> int:
     """Render a signed, deterministic launch bundle for HOST (or every host of --fleet)."""
     if (host is None) == (fleet is None):
@@ -74,7 +77,7 @@ def bundle(
         part_size=core.parse_size(part_size),
         have=read_have(have) if have is not None else None,
     )
-    ctx = core.load_bundle_inputs(c.pins, c.lock, c.store)
+    ctx = core.load_bundle_inputs(c.pins, c.lock, c.store, hosts_dir)
     with output.progress() as bar:
         opts.progress = lambda name, total: output.byte_counter(bar, f"bundle {name}", total)
         results = core.make_fleet_bundles(ctx, fleet, opts) if fleet else [core.make_bundle(ctx, str(host), opts)]
@@ -112,10 +115,11 @@ def bundle(
 @file_option("--key", "key", help="Public key [default: the fleet's trusted_key, else keys/builder.pub under the "
              "project root, else the keygen default].")
 @json_option()
-def verify(bundle_dir: Path, key: Path | None, as_json: bool) -> int:
+@hosts_dir_option
+def verify(bundle_dir: Path, key: Path | None, as_json: bool, hosts_dir: Path | None) -> int:
     """Check a bundle folder: the signature, then every file's hash (extra, missing, changed: exit 1)."""
     c = get_ctx()
-    pub = core.public_key_for(bundle_dir, key, c.root)
+    pub = core.public_key_for(bundle_dir, key, c.root, hosts_dir)
     total = sum(p.stat().st_size for p in bundle_dir.rglob("*") if p.is_file()) if bundle_dir.is_dir() else 0
     with output.progress() as bar:
         m = core.verify_dir(bundle_dir, pub, output.byte_counter(bar, f"verify {bundle_dir.name}", total))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from builder.cli.options import (
     checks_option,
     file_option,
     fleet_option,
+    hosts_dir_option,
     insecure_option,
     json_option,
     mode_option,
@@ -23,7 +25,8 @@ from builder.cli.options import (
     together,
 )
 from builder.deploy import rollout, startstop
-from builder.deploy.fleetwork import DeployOptions
+from builder.deploy.options import DeployOptions
+from builder.deploy.report import DeployReport
 from builder.deploy.status import fleet_status, rows
 
 
@@ -38,6 +41,7 @@ def _stop_timeout_option(what: str) -> Callable[[Any], Any]:
 _fleet_options = together(
     fleet_option("The fleet (hosts/*.toml).", required=True),
     json_option(),
+    hosts_dir_option,
     click.option(
         "--connect-timeout", type=click.IntRange(1, 600), default=10, show_default=True,
         help="Seconds a host may take to answer before it counts as unreachable.",
@@ -62,16 +66,22 @@ _run_options = together(
 )
 
 
-def _options(**kw: Any) -> Any:
+def _options(
+    fleet: str, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float
+) -> DeployOptions:
+    """The options every fleet command shares, on the project's pins, lock and store."""
     c = get_ctx()
-    return DeployOptions(root=c.root, pins=c.pins, lock=c.lock, store=c.store, **kw)
+    return DeployOptions(
+        root=c.root, pins=c.pins, lock=c.lock, store=c.store, fleet=fleet, hosts_dir=hosts_dir,
+        connect_timeout=connect_timeout, timeout=timeout, ssh_persist=ssh_persist,
+    )
 
 
 def _say(line: str) -> None:
     output.status(line)
 
 
-def _print(rep: Any, as_json: bool) -> int:
+def _print(rep: DeployReport, as_json: bool) -> int:
     rows = []
     for h in rep.hosts:
         rows.append([
@@ -120,10 +130,10 @@ def _print(rep: Any, as_json: bool) -> int:
 )
 @insecure_option
 def deploy(
-    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float | None,
-    stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool, key: Path | None, allow_outside_key: bool,
-    with_image: bool,
-    with_models: bool, part_size: str, parallel: int, insecure: bool, repair: bool,
+    fleet: str, as_json: bool, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float,
+    start_timeout: float | None, stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool,
+    key: Path | None, allow_outside_key: bool, with_image: bool, with_models: bool, part_size: str, parallel: int,
+    insecure: bool, repair: bool,
 ) -> int:
     """Move fleet NAME to the lock: bundle, stage everywhere, make the derivations, audit (the gate),
     stop the head then the workers, switch, start in the lane's order, wait for the API, audit it
@@ -134,12 +144,11 @@ def deploy(
     Exit 0 deployed (or nothing to do and the audit passes), 1 refused, rolled back or failed,
     2 configuration error (nothing changed), 3 a host could not be reached.
     """
-    opts = _options(
-        fleet=fleet, checks_dir=checks_dir, key=key, allow_outside_key=allow_outside_key,
-        with_image=with_image, with_models=with_models,
-        part_size=part_size, dry_run=dry_run, parallel=parallel, connect_timeout=connect_timeout,
-        timeout=timeout, start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout, audit_mode=mode,
-        ssh_persist=ssh_persist, insecure=insecure, repair=repair,
+    opts = replace(
+        _options(fleet, hosts_dir, connect_timeout, timeout, ssh_persist), checks_dir=checks_dir, key=key,
+        allow_outside_key=allow_outside_key, with_image=with_image, with_models=with_models, part_size=part_size,
+        dry_run=dry_run, parallel=parallel, start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout,
+        audit_mode=mode, insecure=insecure, repair=repair,
     )
     return _print(rollout.deploy(opts, _say), as_json)
 
@@ -148,16 +157,16 @@ def deploy(
 @_fleet_options
 @_run_options
 def start(
-    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, start_timeout: float | None,
-    stop_timeout: int, mode: str, checks_dir: Path | None,
+    fleet: str, as_json: bool, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float,
+    start_timeout: float | None, stop_timeout: int, mode: str, checks_dir: Path | None,
 ) -> int:
     """Start fleet NAME's installed release: its derivations made where missing, the preflight audit
     (it refuses while another GPU workload runs), then the ranks in the lane's order, each until ready;
     wait for the API; the serving audit. A fleet partly up is stopped first (the head, then the
     workers)."""
-    opts = _options(
-        fleet=fleet, checks_dir=checks_dir, connect_timeout=connect_timeout, timeout=timeout,
-        start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout, audit_mode=mode, ssh_persist=ssh_persist,
+    opts = replace(
+        _options(fleet, hosts_dir, connect_timeout, timeout, ssh_persist), checks_dir=checks_dir,
+        start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout, audit_mode=mode,
     )
     return _print(startstop.start(opts, _say), as_json)
 
@@ -166,24 +175,24 @@ def start(
 @_fleet_options
 @_stop_timeout_option("each container")
 def stop(
-    fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float, stop_timeout: int
+    fleet: str, as_json: bool, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float,
+    stop_timeout: int,
 ) -> int:
     """Stop fleet NAME's lane: the head first, then the workers; only the lane's own containers."""
-    opts = _options(
-        fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, stop_timeout=stop_timeout,
-        ssh_persist=ssh_persist,
-    )
+    opts = replace(_options(fleet, hosts_dir, connect_timeout, timeout, ssh_persist), stop_timeout=stop_timeout)
     return _print(startstop.stop(opts, _say), as_json)
 
 
 @click.command()
 @_fleet_options
-def status(fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_persist: float) -> int:
+def status(
+    fleet: str, as_json: bool, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float
+) -> int:
     """Show, per host of fleet NAME, which bundle, lock and image it runs and whether its rank is up.
 
     Exit 0 every rank up on the lock, 1 not (a rank down, another lock, a deploy or rollback that did
     not finish), 3 a host could not be reached."""
-    st = fleet_status(_options(fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, ssh_persist=ssh_persist))
+    st = fleet_status(_options(fleet, hosts_dir, connect_timeout, timeout, ssh_persist))
     cols, body = rows(st)
     output.table(f"fleet {st.fleet} (lane {st.lane}, lock {st.lock_hash[:12]})", cols, body)
     for h in sorted(st.hosts, key=lambda h: h.exited != "first"):  # (the rank that exited first: the cause, first)

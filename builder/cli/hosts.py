@@ -22,7 +22,7 @@ from builder.inputs import hosts as core
 def hosts(fleet: str | None, as_json: bool, ansible: Path | None, hosts_dir: Path | None) -> int:
     """List the fleets and hosts of hosts/*.toml (validated), or write them as an Ansible inventory."""
     c = get_ctx()
-    hdir = hosts_dir or c.root / "hosts"
+    hdir = core.hosts_folder(c.root, hosts_dir)
     if ansible is not None:
         n = core.write_ansible_inventory(hdir, fleet, ansible)
         output.status(f"{ansible}: {n} host(s)")

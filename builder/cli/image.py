@@ -14,6 +14,7 @@ from builder.image import build as core
 from builder.image import registry
 from builder.image.gc import collect
 from builder.image.plan import plan
+from builder.inputs.hosts import hosts_folder
 
 
 @click.command()
@@ -33,7 +34,7 @@ def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, f
     target = None
     if push_to is not None:  # a bad URL is refused before anything is built
 
-        target = target_from(push_to, Path(ca) if ca else None, None, c.root / "hosts")
+        target = target_from(push_to, Path(ca) if ca else None, None, hosts_folder(c.root))
     if plan_only:
         p = plan(c.pins, c.lock, name)
         _print_plan(core.describe(p), as_json)

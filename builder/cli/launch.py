@@ -11,6 +11,7 @@ from builder import output
 from builder.cli import get_ctx
 from builder.cli.options import fleet_option, hosts_dir_option, json_option
 from builder.errors import ConfigError
+from builder.inputs.hosts import hosts_folder
 from builder.launch.preview import LaunchOptions
 from builder.launch.preview import launch as core
 
@@ -31,7 +32,7 @@ def launch(host: str | None, fleet: str | None, lane: str | None, as_json: bool,
         raise ConfigError("builder launch: name a HOST or --fleet NAME (one of them)")
     c = get_ctx()
     out = core(LaunchOptions(root=c.root, pins=c.pins, lock=c.lock, store=c.store,
-                             hosts_dir=hosts_dir or c.root / "hosts", fleet=fleet, host=host, lane=lane))
+                             hosts_dir=hosts_folder(c.root, hosts_dir), fleet=fleet, host=host, lane=lane))
     if as_json:
         output.data_json(out)
         return 0

@@ -8,11 +8,12 @@ import click
 
 from builder import output
 from builder.cli import get_ctx
+from builder.cli.options import hosts_dir_option
 from builder.errors import ConfigError
 from builder.image import registry as reg
 from builder.image.imagerecord import require_record
 from builder.image.plan import plan
-from builder.inputs.hosts import find_fleet, fleet_registry_ca
+from builder.inputs.hosts import find_fleet, fleet_registry_ca, hosts_folder
 
 
 def target_from(registry: str | None, ca: Path | None, fleet: str | None, hosts_dir: Path) -> object:
@@ -56,11 +57,14 @@ def push_image(name: str, target: object, as_json: bool) -> int:
 @click.option("--ca", "ca", type=click.Path(dir_okay=False, path_type=Path), help="CA file of the registry's TLS.")
 @click.option("--fleet", "fleet", metavar="NAME", help="Push to the fleet's fleet.registry (with its CA file).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was pushed as JSON on stdout.")
-def push(name: str, registry: str | None, ca: Path | None, fleet: str | None, as_json: bool) -> int:
+@hosts_dir_option
+def push(
+    name: str, registry: str | None, ca: Path | None, fleet: str | None, as_json: bool, hosts_dir: Path | None
+) -> int:
     """Push built image NAME to a registry by digest; blobs the registry holds are not sent.
 
     Credentials: BUILDER_REGISTRY_USER / BUILDER_REGISTRY_PASSWORD, else the docker config's auths.
     """
     c = get_ctx()
-    target = target_from(registry, ca, fleet, c.root / "hosts")
+    target = target_from(registry, ca, fleet, hosts_folder(c.root, hosts_dir))
     return push_image(name, target, as_json)

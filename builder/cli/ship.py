@@ -9,7 +9,14 @@ import click
 from builder import output
 from builder import ship as core
 from builder.cli import get_ctx
-from builder.cli.options import allow_outside_key_option, file_option, folder_option, insecure_option, json_option
+from builder.cli.options import (
+    allow_outside_key_option,
+    file_option,
+    folder_option,
+    hosts_dir_option,
+    insecure_option,
+    json_option,
+)
 
 
 @click.command()
@@ -24,6 +31,7 @@ from builder.cli.options import allow_outside_key_option, file_option, folder_op
               help="Base seconds for every remote call (transfers add size / 1 MiB/s).")
 @insecure_option
 @json_option()
+@hosts_dir_option
 def ship(
     host: str,
     to: Path | None,
@@ -34,12 +42,13 @@ def ship(
     timeout: float,
     insecure: bool,
     as_json: bool,
+    hosts_dir: Path | None,
 ) -> int:
     """Copy HOST's bundle to it over SSH (resuming) and install it; or copy it to a folder with --to."""
     c = get_ctx()
     opts = core.ShipOptions(
-        bundle=bundle_dir, to=to, key=key, signing_key=signing_key, allow_outside_key=allow_outside_key,
-        timeout=timeout, insecure=insecure,
+        bundle=bundle_dir, hosts_dir=hosts_dir, to=to, key=key, signing_key=signing_key,
+        allow_outside_key=allow_outside_key, timeout=timeout, insecure=insecure,
     )
     with output.progress() as bar:
         total = bar.add_task(f"ship {host}", total=None)

@@ -2,11 +2,17 @@
 
 - ``rollout``: ``deploy``, step by step (bundles, facts, the no-op or the plan, stage everywhere, the
   preflight gate, the switch, the serving audit; any failure after the first change rolls back);
-- ``plan``: the dry run's plan, the no-op (only audit), and what an unfinished deploy left;
-- ``stage``, ``switch``, ``rollback``: the deploy's three moves on the fleet;
+- ``dryrun``: the dry run's plan, the no-op (only audit), and what an unfinished deploy left;
+- ``stage`` (and the gate on what was staged), ``derivations``, ``switch``, ``rollback``: the deploy's
+  steps on the fleet, each the owner of its own;
 - ``deployment``: one deploy's state (the fleet, report, bundles, journal) that those steps share;
-- ``fleetwork``: one command's view of a fleet: its inventory and lane, one connection per host, the
-  hosts' facts, stop and start in rank order, the fleet's audits;
+- ``options``: what a fleet command is asked to do (made once by the command line, read by every
+  step), and the command a message tells the operator to run;
+- ``fleetwork``: one command's view of a fleet: its inventory and lane, its options, one connection
+  per host, the hosts' facts;
+- ``connections``: the command's one ssh connection per host, closed at its end;
+- ``rankorder``: stop (the head first) and start (in the lane's order) of the lane's ranks;
+- ``fleetaudit``: the fleet's audits over the command's connections, on the inputs it loaded;
 - ``startstop``: ``builder start`` and ``builder stop`` (rank order);
 - ``status``: which bundle, lock and image every host runs, and whether its rank is up;
 - ``bundles``: the bundles a deploy ships (the current ones, or made again);

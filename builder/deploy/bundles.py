@@ -35,7 +35,7 @@ from builder.bundle import (
     parse_size,
     rank_launch,
 )
-from builder.inputs.hosts import Fleet, Host
+from builder.inputs.hosts import Fleet, Host, bundles_folder
 from builder.installer.errors import InstallError
 from builder.installer.manifest import MANIFEST, check_manifest
 from builder.installer.verify import verify_bundle
@@ -55,7 +55,7 @@ class FleetBundle:
 
 
 def bundle_dir(root: Path, fleet: Fleet, host: Host) -> Path:
-    return root / "out" / "bundles" / fleet.fleet.name / host.name
+    return bundles_folder(root, fleet.fleet.name, host.name)
 
 
 def expected(ctx: Any, fleet: Fleet, host: Host) -> dict[str, Any]:

@@ -16,9 +16,7 @@ if TYPE_CHECKING:
 
 class Deployment:
     def __init__(self, w: Fleetwork) -> None:
-        self.w = w
-        self.opts = w.opts
-        self.say = w.say
+        self.w = w  # (with the command's options and where it says what it does: w.opts, w.say)
         self.rep = w.report("deploy")
         self.bundles: dict[str, FleetBundle] = {}
         self.journal: J.Journal | None = None
@@ -33,7 +31,7 @@ class Deployment:
         """Record in the journal the phase the deploy enters (a killed deploy's rerun reads it)."""
         assert self.journal is not None
         self.journal.phase = name
-        J.save(self.opts.store, self.journal)
+        J.save(self.w.opts.store, self.journal)
 
     def refuse(self, reason: str, *, unreachable: bool = False) -> DeployReport:
         """Nothing was switched: the report says why."""

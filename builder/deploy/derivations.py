@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 from builder.deploy.fleetwork import each, explain
 
 if TYPE_CHECKING:
+    from builder.deploy.deployment import Deployment
     from builder.deploy.fleetwork import Fleetwork
+    from builder.deploy.report import DeployReport
     from builder.inputs.hosts import Host
 
 #: the most seconds a rank's derivations may take (seed 000's rank cache: about 6 minutes on a Spark)
@@ -44,3 +46,16 @@ def make_all(w: Fleetwork, release: str, *, full: bool = False,
                     if made is not None and d.get("differed"):
                         made.setdefault(h.name, []).extend(str(x) for x in d["differed"])
     return failed
+
+
+def derive(d: Deployment) -> DeployReport | None:
+    """Every host's derivations of the staged release (a repair: hashed against their records, and made
+    again where they differ); the refusal when one failed, else None."""
+    failed = make_all(d.w, "staged", full=d.rehash, made=d.replaced)
+    if not failed:
+        return None
+    lost = {n for n, why in failed.items() if "unreachable" in why}  # (a host cut off: exit 3)
+    for name, why in failed.items():
+        d.out(name).result, d.out(name).message = "unreachable" if name in lost else "failed", why
+    return d.refuse("making the derivations failed; no host was switched: "
+                    + "; ".join(f"{n}: {why}" for n, why in failed.items()), unreachable=bool(lost))

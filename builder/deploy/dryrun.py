@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from builder.deploy import journal as J
 from builder.deploy.deployment import Deployment
-from builder.deploy.fleetwork import command, problems, short
+from builder.deploy.fleetaudit import audit, problems
+from builder.deploy.fleetwork import short
+from builder.deploy.options import command
 from builder.deploy.report import DeployReport
 from builder.launch.order import start_groups
 
@@ -74,7 +76,7 @@ def plan(d: Deployment, stale: dict[str, str]) -> DeployReport:
         f"stop the running release: the head {heads} first, then {workers}",
         "switch every host to its new release",
         f"start in the lane's order ({order}), each until it is ready; wait for {w.lane.health} on port "
-        f"{s.port} (at most {d.opts.start_timeout or w.lane.start_timeout:g} s a rank)",
+        f"{s.port} (at most {w.opts.start_timeout or w.lane.start_timeout:g} s a rank)",
         "serving audit of the fleet",
         "on any failure after the first switch: stop, switch every host back to what it ran, start that "
         "in order and audit it",
@@ -86,14 +88,14 @@ def plan(d: Deployment, stale: dict[str, str]) -> DeployReport:
 def noop(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     """Every host runs its new bundle already: only the audit."""
     w, rep = d.w, d.rep
-    d.say(f"fleet {w.fleet_name}: every host runs its new bundle already; auditing")
-    rep.audit = w.audit("all").to_json()
+    w.say(f"fleet {w.fleet_name}: every host runs its new bundle already; auditing")
+    rep.audit = audit(w, "all").to_json()
     code = int(rep.audit.get("exit", 1))
     for h in w.hosts:
         d.out(h).result = "unchanged"
     if code == 0:
         if earlier is not None:
-            J.clear(d.opts.store, w.fleet_name)
+            J.clear(w.opts.store, w.fleet_name)
             rep.result = "deployed"
             rep.reason = "the earlier deploy had moved every host; the fleet serves and passes its audit"
             return rep
@@ -104,7 +106,7 @@ def noop(d: Deployment, earlier: J.Journal | None) -> DeployReport:
         rep.unreachable = code == 3
         rep.reason = (
             f"already deployed, but the audit fails: {problems(rep.audit)}; "
-            f"`{command(d.opts, 'deploy', '--repair', mode=True)}` places again every file that differs "
+            f"`{command(w.opts, 'deploy', '--repair', mode=True)}` places again every file that differs "
             "from its bundle or record, and reinstalls the lock's release on the hosts that drifted"
         )
     return rep

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from builder.bundle import hostpkg
 from builder.errors import BuilderError
 from builder.hostscripts import source
-from builder.launch import LABEL_BUNDLE, LABEL_LANE, LABEL_RANK, stop_lane_command
+from builder.launch import LABEL_BUNDLE, LABEL_RANK, lane_filters, stop_lane_command
 
 if TYPE_CHECKING:
     from builder.ship import Remote
@@ -142,7 +142,7 @@ class HostOps:
             "lane": lane,
             "rank": self.host.rank,
             "health_port": health_port,
-            "label_lane": LABEL_LANE,
+            "filters": lane_filters(lane),
             "label_rank": LABEL_RANK,
             "label_bundle": LABEL_BUNDLE,
         }

@@ -8,7 +8,10 @@ from typing import TYPE_CHECKING
 
 from builder.deploy import journal as J
 from builder.deploy.deployment import Deployment
-from builder.deploy.fleetwork import command, explain, problems, short
+from builder.deploy.fleetaudit import audit, problems
+from builder.deploy.fleetwork import explain, short
+from builder.deploy.options import command
+from builder.deploy.rankorder import start_all, stop_all
 from builder.deploy.report import DeployReport, outcomes
 from builder.errors import BuilderError
 
@@ -19,16 +22,17 @@ if TYPE_CHECKING:
 def recover(d: Deployment, reason: str) -> DeployReport:
     """Every host back to what it ran before the deploy (after `reason`), started and audited; the
     report says which side each host ends on when that could not be finished."""
-    w, rep, opts = d.w, d.rep, d.opts
+    w, rep = d.w, d.rep
+    opts = w.opts
     assert d.journal is not None
     d.journal.phase, d.journal.reason = "rolling-back", reason
     J.save(opts.store, d.journal)
     rep.reason = reason
-    d.say(f"deploy failed: {reason}; rolling every switched host back")
+    w.say(f"deploy failed: {reason}; rolling every switched host back")
     lost = w.probe()
     for name, why in lost.items():
         d.out(name).result, d.out(name).on, d.out(name).message = "unreachable", "unknown", why
-    for name, why in w.stop_all().items():
+    for name, why in stop_all(w).items():
         if name not in lost:
             d.out(name).message = f"stop: {why}"
     whole = not lost
@@ -48,7 +52,7 @@ def recover(d: Deployment, reason: str) -> DeployReport:
         try:
             w.op(h).switch(o.origin, rollback=True)
             o.result, o.on = "rolled-back", "old"
-            d.say(f"{h.name}: rolled back {short(st.current)} -> {short(o.origin)}")
+            w.say(f"{h.name}: rolled back {short(st.current)} -> {short(o.origin)}")
             st.current = o.origin
         except Exception as e:
             o.result, o.on, o.message = "failed", "new", f"rollback: {explain(e)}"
@@ -57,7 +61,7 @@ def recover(d: Deployment, reason: str) -> DeployReport:
     if not whole:
         rep.result = "failed"
         rep.reason = (
-            f"{reason}; the rollback did not finish ({d.sides()}); run `{command(d.opts, 'deploy')}` again once "
+            f"{reason}; the rollback did not finish ({d.sides()}); run `{command(w.opts, 'deploy')}` again once "
             "every host answers: it moves every host to the new release or back to the old one"
         )
         return rep
@@ -66,11 +70,11 @@ def recover(d: Deployment, reason: str) -> DeployReport:
     d.phase("restarting-old")
     rep.result = "rolled-back"
     try:
-        w.start_all()
+        start_all(w)
     except Exception as e:
         rep.reason = (
             f"{reason}; every host is back on its old release, but it did not start: {explain(e)} "
-            f"(`{command(d.opts, 'start')}` starts it)"
+            f"(`{command(w.opts, 'start')}` starts it)"
         )
         return rep
     d.phase("verifying-old")
@@ -84,7 +88,7 @@ def recover(d: Deployment, reason: str) -> DeployReport:
         )
         return rep
     try:
-        report = w.audit("serving", snapshot=snap)
+        report = audit(w, "serving", snapshot=snap)
     except BuilderError as e:
         rep.reason = f"{reason}; every host is back on its old release and serves (its audit could not run: {e})"
         return rep

@@ -38,23 +38,16 @@ from typing import Any
 
 from builder.deploy import journal as J
 from builder.deploy.bundles import FleetBundle, ensure_bundles
+from builder.deploy.connections import close_sockets, command_sockets
 from builder.deploy.deployment import Deployment
-from builder.deploy.derivations import make_all
+from builder.deploy.derivations import derive
 from builder.deploy.dryrun import changes, describe_earlier, is_noop, noop, plan
 from builder.deploy.fleetlock import fleet_lock
-from builder.deploy.fleetwork import (
-    DeployOptions,
-    Fleetwork,
-    Say,
-    close_sockets,
-    command_sockets,
-    explain,
-    problems,
-    short,
-)
+from builder.deploy.fleetwork import Fleetwork, explain, short
+from builder.deploy.options import DeployOptions, Say
 from builder.deploy.report import DeployReport
 from builder.deploy.rollback import recover
-from builder.deploy.stage import stage
+from builder.deploy.stage import gate, stage
 from builder.deploy.switch import forward
 from builder.errors import ConfigError
 from builder.hostscripts import shown
@@ -94,11 +87,12 @@ def deploy(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
 
 def run(d: Deployment) -> DeployReport:
     """The deploy, from the bundles to the serving audit (or the rollback)."""
-    w, opts, rep = d.w, d.opts, d.rep
+    w, rep = d.w, d.rep
+    opts = w.opts
     made = ensure_bundles(
         w.ctx, w.fleet_path, w.fleet, key=opts.key, allow_outside_key=opts.allow_outside_key,
         with_image=opts.with_image, with_models=opts.with_models,
-        part_size=opts.part_size, dry_run=opts.dry_run, say=d.say,
+        part_size=opts.part_size, dry_run=opts.dry_run, say=w.say,
     )
     stale = {n: b for n, b in made.items() if isinstance(b, str)}
     d.bundles = {n: b for n, b in made.items() if isinstance(b, FleetBundle)}
@@ -117,7 +111,7 @@ def run(d: Deployment) -> DeployReport:
         o.on = d.side(h)
     if earlier is not None:
         rep.resumed = describe_earlier(d, earlier)
-        d.say(rep.resumed)
+        w.say(rep.resumed)
     if opts.dry_run:
         return plan(d, stale)
     if opts.repair:
@@ -129,23 +123,11 @@ def run(d: Deployment) -> DeployReport:
 
 def snapshot(d: Deployment) -> None:
     """Keep the pins and lock this deploy is made from (what a later rollback to it is audited against)."""
-    w, opts = d.w, d.opts
+    w = d.w
+    opts = w.opts
     built = w.ctx.pins.recipes().get(w.lane.image)  # (a published image has no recipe folder)
     recipe = built.recipe if built is not None else None
     J.snapshot(opts.store, d.rep.target_lock or "", opts.pins, opts.lock, opts.root, recipe)
-
-
-def derive(d: Deployment) -> DeployReport | None:
-    """Every host's derivations of the staged release (a repair: hashed against their records, and made
-    again where they differ); the refusal when one failed, else None."""
-    failed = make_all(d.w, "staged", full=d.rehash, made=d.replaced)
-    if not failed:
-        return None
-    lost = {n for n, why in failed.items() if "unreachable" in why}  # (a host cut off: exit 3)
-    for name, why in failed.items():
-        d.out(name).result, d.out(name).message = "unreachable" if name in lost else "failed", why
-    return d.refuse("making the derivations failed; no host was switched: "
-                    + "; ".join(f"{n}: {why}" for n, why in failed.items()), unreachable=bool(lost))
 
 
 def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
@@ -161,9 +143,9 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     w, rep = d.w, d.rep
     d.rehash = True
     for line in changes(d):
-        d.say(f"to deploy: {line}")
+        w.say(f"to deploy: {line}")
     snapshot(d)
-    d.say("repair: hashing every installed file on every host against its signed manifest and the "
+    w.say("repair: hashing every installed file on every host against its signed manifest and the "
           "derivations' records; placing again what differs")
     if not stage(d):
         bad = "; ".join(f"{o.host}: {o.message}" for o in rep.hosts if o.result in ("failed", "unreachable"))
@@ -179,7 +161,7 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
         if why:
             d.replaced.setdefault(name, []).append(f"the apply record ({why})")
     for name, what in sorted(d.replaced.items()):
-        d.say(f"{name}: differed from its bundle or record, put right: {shown(what)}")
+        w.say(f"{name}: differed from its bundle or record, put right: {shown(what)}")
     d.repair = set(d.replaced)
     if d.replaced or not is_noop(d):
         return switch_over(d, earlier)
@@ -195,7 +177,7 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     for h in w.hosts:
         d.out(h).result = "pending"
     rep.result, rep.reason, rep.audit = "failed", "", None
-    d.say(f"repair: no file differs; reinstalling the release (its apply record written again) on "
+    w.say(f"repair: no file differs; reinstalling the release (its apply record written again) on "
           f"{', '.join(sorted(d.repair))}, which the audit failed")
     return switch_over(d, earlier)
 
@@ -220,25 +202,20 @@ def record_drift(applied: dict[str, Any] | None, bundle: FleetBundle) -> str:
 def switch_over(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     """From staging to the serving audit: stage, the derivations, the gate, then the switch (or the
     rollback). With ``d.rehash`` (a repair), staging and the derivations have already run."""
-    w, opts, rep = d.w, d.opts, d.rep
+    w, rep = d.w, d.rep
+    opts = w.opts
     if not d.rehash:
         for line in changes(d):
-            d.say(f"to deploy: {line}")
+            w.say(f"to deploy: {line}")
         snapshot(d)
         if not stage(d):
             return d.refuse("staging failed; no host was switched", unreachable=rep.unreachable)
         refused = derive(d)
         if refused is not None:
             return refused
-    gate = w.audit("preflight", release="staged")
-    rep.audit = gate.to_json()
-    if gate.exit_code != 0:
-        for hr in gate.hosts:
-            if hr.status != "pass":
-                d.out(hr.name).message = hr.first_problem() or hr.status
-                d.out(hr.name).result = "unreachable" if hr.status == "unreachable" else "not-switched"
-        return d.refuse(f"the preflight audit failed, no host was switched: {problems(gate)}",
-                           unreachable=gate.exit_code == 3)
+    refused = gate(d)
+    if refused is not None:
+        return refused
     d.journal = J.Journal(
         fleet=w.fleet_name,
         target={h.name: d.bundles[h.name].bundle_id for h in w.hosts},

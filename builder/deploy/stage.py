@@ -1,11 +1,14 @@
-"""A deploy's first change: stage the new release on every host (``current`` is not touched)."""
+"""A deploy's first change: stage the new release on every host (``current`` is not touched), and the
+gate: the preflight audit of what was staged, before any host is switched."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from builder.deploy.deployment import Deployment
+from builder.deploy.fleetaudit import audit, problems
 from builder.deploy.fleetwork import each, explain, short
+from builder.deploy.report import DeployReport
 from builder.errors import BuilderError, UnreachableError
 from builder.ship import ShipOptions, ship
 
@@ -27,16 +30,16 @@ def stage(d: Deployment) -> bool:
             except UnreachableError:
                 raise
             except BuilderError as e:
-                d.say(f"{h.name}: {e}; shipping the bundle instead")
+                w.say(f"{h.name}: {e}; shipping the bundle instead")
 
         r = ship(
-            d.opts.root,
+            w.opts.root,
             f"{w.fleet_name}/{h.name}",
             ShipOptions(
-                bundle=d.bundles[h.name].path, signing_key=d.opts.key, allow_outside_key=d.opts.allow_outside_key,
-                timeout=d.opts.timeout,
-                connect_timeout=d.opts.connect_timeout, insecure=d.opts.insecure, stage=True,
-                rehash=d.rehash, sockets=w.shared,
+                bundle=d.bundles[h.name].path, hosts_dir=w.opts.hosts_dir, signing_key=w.opts.key,
+                allow_outside_key=w.opts.allow_outside_key, timeout=w.opts.timeout,
+                connect_timeout=w.opts.connect_timeout, insecure=w.opts.insecure,
+                stage=True, rehash=d.rehash, sockets=w.shared,
             ),
         )
         if d.rehash and (r.differed or r.sent):
@@ -51,9 +54,23 @@ def stage(d: Deployment) -> bool:
             o.result = "unreachable" if isinstance(err, UnreachableError) else "failed"
             o.message = explain(err)
             d.rep.unreachable = d.rep.unreachable or isinstance(err, UnreachableError)
-            d.say(f"{h.name}: staging failed: {o.message}")
+            w.say(f"{h.name}: staging failed: {o.message}")
         else:
             o.result, o.message = "staged", msg
-            d.say(f"{h.name}: {msg}: bundle {short(d.bundles[h.name].bundle_id)}")
+            w.say(f"{h.name}: {msg}: bundle {short(d.bundles[h.name].bundle_id)}")
     return ok
 
+
+def gate(d: Deployment) -> DeployReport | None:
+    """The gate: the preflight audit of the staged release on every host, recorded in the report; the
+    refusal (no host switched, each that did not pass named) when it fails, else None."""
+    report = audit(d.w, "preflight", release="staged")
+    d.rep.audit = report.to_json()
+    if report.exit_code == 0:
+        return None
+    for hr in report.hosts:
+        if hr.status != "pass":
+            d.out(hr.name).message = hr.first_problem() or hr.status
+            d.out(hr.name).result = "unreachable" if hr.status == "unreachable" else "not-switched"
+    return d.refuse(f"the preflight audit failed, no host was switched: {problems(report)}",
+                    unreachable=report.exit_code == 3)

@@ -14,7 +14,10 @@ from pathlib import Path
 
 from builder.deploy import journal as J
 from builder.deploy.derivations import make_all
-from builder.deploy.fleetwork import DeployOptions, Fleetwork, Say, command, explain, fleet_command, problems
+from builder.deploy.fleetaudit import audit, problems
+from builder.deploy.fleetwork import Fleetwork, explain, fleet_command
+from builder.deploy.options import DeployOptions, Say, command
+from builder.deploy.rankorder import start_all, stop_all
 from builder.deploy.report import DeployReport, FleetResult, outcomes
 
 
@@ -72,12 +75,12 @@ def _start(w: Fleetwork, rep: DeployReport) -> None:
         if not _audit(w, rep, "preflight", "refused", "the preflight audit failed; nothing was started", snap):
             return
         if any(w.states[h.name].containers for h in w.hosts):
-            stopped = w.stop_all()  # a fleet partly up: stop every rank first, head first
+            stopped = stop_all(w)  # a fleet partly up: stop every rank first, head first
             if stopped:
                 rep.result, rep.reason = "failed", "; ".join(f"{n}: {why}" for n, why in stopped.items())
                 return
         try:
-            w.start_all()
+            start_all(w)
         except Exception as e:
             rep.result, rep.reason = "failed", explain(e)
             return
@@ -95,7 +98,7 @@ def _audit(
 ) -> bool:
     """The fleet's audit of `phase`, recorded in the report; on a failure, the report's `result` and
     `why` (with the hosts that failed), and False."""
-    report = w.audit(phase, snapshot=snapshot)
+    report = audit(w, phase, snapshot=snapshot)
     rep.audit = report.to_json()
     if report.exit_code == 0:
         return True
@@ -115,7 +118,7 @@ def stop(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
             if st is not None:
                 rep.host(h.name).origin = st.installed
                 rep.host(h.name).on = "none" if st.installed is None else "old"
-        errors = w.stop_all(only=set(w.states))  # (what answered: a host that did not is named)
+        errors = stop_all(w, only=set(w.states))  # (what answered: a host that did not is named)
         for name, why in errors.items():
             rep.host(name).result, rep.host(name).message = "failed", why
         for h in w.hosts:

@@ -19,8 +19,9 @@ from typing import Any
 
 from builder.audit.exits import RankExit, cause_and_consequences, describe_cause, describe_consequence
 from builder.deploy import journal as J
-from builder.deploy.fleetwork import DeployOptions, Fleetwork, command
+from builder.deploy.fleetwork import Fleetwork
 from builder.deploy.hoststate import HostState
+from builder.deploy.options import DeployOptions, command
 from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 from builder.foundation.canon import attrs
 from builder.image.imagerecord import read_record

@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from builder.deploy.deployment import Deployment
-from builder.deploy.fleetwork import each, explain, problems, short
+from builder.deploy.fleetaudit import audit, problems
+from builder.deploy.fleetwork import each, explain, short
+from builder.deploy.rankorder import start_all, stop_all
 from builder.deploy.report import outcomes
 from builder.errors import BuilderError, UnreachableError
 
@@ -18,7 +20,7 @@ def forward(d: Deployment) -> None:
     """From the running release to the new one: stop (the head first), switch, start (the workers
     first), the serving audit. BuilderError on any failure (the deploy then rolls back)."""
     w = d.w
-    failed = w.stop_all(only={w.head.name})  # the head first: no new worker ever meets an old head
+    failed = stop_all(w, only={w.head.name})  # the head first: no new worker ever meets an old head
     if failed:
         raise BuilderError("; ".join(f"{n}: {why}" for n, why in failed.items()))
     d.phase("switching")
@@ -27,8 +29,8 @@ def forward(d: Deployment) -> None:
         """A worker stops (once the head has); then each host switches as soon as it is stopped."""
         if h.role == "worker":
             st = w.states.get(h.name)
-            w.op(h).stop(w.lane_name, bool(st and st.current), d.opts.stop_timeout)
-            d.say(f"{h.name}: stopped rank {h.rank}")
+            w.op(h).stop(w.lane_name, bool(st and st.current), w.opts.stop_timeout)
+            w.say(f"{h.name}: stopped rank {h.rank}")
         if h.name in d.repair:  # the release shipped again: its apply record written again too
             w.op(h).switch(d.bundles[h.name].bundle_id, force=True)
             return "repaired"
@@ -45,10 +47,10 @@ def forward(d: Deployment) -> None:
             errors.append(o.message)
         elif res == "switched":
             o.result, o.on = "switched", "new"
-            d.say(f"{h.name}: switched {short(o.origin)} -> {short(o.target)}")
+            w.say(f"{h.name}: switched {short(o.origin)} -> {short(o.target)}")
         elif res == "repaired":
             o.result, o.on = "repaired", "new"
-            d.say(f"{h.name}: repaired {short(o.target)} (reinstalled from its bundle)")
+            w.say(f"{h.name}: repaired {short(o.target)} (reinstalled from its bundle)")
     if errors:
         raise BuilderError("; ".join(errors))
     for h in w.hosts:
@@ -60,9 +62,9 @@ def forward(d: Deployment) -> None:
     for h in w.hosts:
         st = w.states[h.name]
         st.current = d.out(h).target  # (what stop_all reads: a release is installed now)
-    w.start_all()
+    start_all(w)
     d.phase("verifying")
-    report = w.audit("serving")
+    report = audit(w, "serving")
     d.rep.audit = report.to_json()
     if report.exit_code != 0:
         raise BuilderError(f"the serving audit failed: {problems(report)}")
@@ -79,6 +81,6 @@ def burn_window(d: Deployment) -> None:
                if ((h.get("checks") or {}).get("burn::gpu", {}).get("facts") or {}).get("deferred") is True]
     if not waiting:
         return
-    report = d.w.audit("preflight", only=["burn"], hosts=waiting)
+    report = audit(d.w, "preflight", only=["burn"], hosts=waiting)
     if report.exit_code != 0:
         raise BuilderError(f"the burn failed with the GPUs free: {problems(report)}")

@@ -2,10 +2,11 @@
 
 The request (argv[1], JSON) names what to do:
 
-* ``{"do": "state", "root", "lane", "rank", "health_port", "label_lane", "label_rank", "label_bundle"}``:
+* ``{"do": "state", "root", "lane", "rank", "health_port", "filters", "label_rank", "label_bundle"}``:
   the installer's links (``current``, ``previous``, ``staged``: the layout install.pyz keeps, see
   builder/installer/__init__.py), the releases present, the apply record's bundle, lock and image, this
-  lane's containers of this rank (by the labels start.sh gives them, so nothing else is looked at)
+  lane's containers of this rank (by the labels start.sh gives them, so nothing else is looked at:
+  ``filters``, docker's --filter arguments, builder.launch.rank.lane_filters)
   and, with a ``health_port``, whether ``/health`` answers on 127.0.0.1;
 * ``{"do": "wait", "container", "ready", "timeout"}``: wait until this rank meets its readiness
   (``ready``, as builder.launch.rank renders it: its health path, a port, a log line, or running), or
@@ -66,11 +67,11 @@ def applied(root: str) -> dict[str, Any] | None:
 
 def containers(req: dict[str, Any]) -> list[dict[str, str]]:
     """This lane's containers of this rank, running or not."""
-    lane, rank = req["lane"], str(req["rank"])
+    rank = str(req["rank"])
     label = '{{.Label "LABEL"}}'.replace
     fmt = "\t".join(["{{.ID}}", "{{.Names}}", "{{.State}}", label("LABEL", req["label_bundle"]),
                      label("LABEL", req["label_rank"]), "{{.Image}}", "{{.Status}}"])
-    p = subprocess.run(["docker", "ps", "-a", "--no-trunc", "--filter", f"label={req['label_lane']}={lane}",
+    p = subprocess.run(["docker", "ps", "-a", "--no-trunc", *req["filters"],
                         "--format", fmt], capture_output=True, text=True, timeout=60)
     if p.returncode != 0:
         raise OSError((p.stderr.strip().splitlines() or ["docker ps failed"])[-1])

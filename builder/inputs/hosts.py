@@ -266,6 +266,19 @@ def load_fleet(path: Path) -> Fleet:
         raise ConfigError(msg) from None
 
 
+def hosts_folder(root: Path, given: Path | None = None) -> Path:
+    """The inventory folder, where the fleet files are: `given` (``--hosts-dir``), else ``hosts/`` under
+    the project root."""
+    return given if given is not None else root / "hosts"
+
+
+def bundles_folder(root: Path, fleet: str, host: str | None = None) -> Path:
+    """Where a bundle is written and looked for by default: ``out/bundles/<fleet>/<host>`` under the
+    project root (without a host: the fleet's folder of them)."""
+    base = root / "out" / "bundles" / fleet
+    return base / host if host is not None else base
+
+
 def fleet_files(hosts_dir: Path) -> list[Path]:
     if not hosts_dir.is_dir():
         raise ConfigError(f"{hosts_dir}: no hosts folder")

@@ -47,13 +47,15 @@ from builder.launch.rank import (
     RankCommand,
     container_name,
     host_address,
+    lane_filters,
     rank_command,
 )
 from builder.lock.lockfile import Lock
 
 __all__ = [
     "BUNDLE_ID", "CONFIG_IN_CONTAINER", "LABEL_BUNDLE", "LABEL_FLEET", "LABEL_HOST", "LABEL_LANE", "LABEL_RANK",
-    "RankCommand", "container_name", "host_address", "rank_command", "render_launch", "stop_lane_command",
+    "RankCommand", "container_name", "host_address", "lane_filters", "rank_command", "render_launch",
+    "stop_lane_command",
 ]
 
 _HERE = Path(__file__).resolve().parent
@@ -163,7 +165,7 @@ def render_stop(host: Host, lane_name: str) -> bytes:
 def stop_lane_command(lane_name: str, rank: int, timeout: int = 30) -> str:
     """A shell command that does what stop.sh does, for a host with no release installed: stop and
     remove every container labelled with this lane and rank (only those), whatever bundle started it."""
-    filters = f"--filter {_q('label=' + LABEL_LANE + '=' + lane_name)} --filter {_q(f'label={LABEL_RANK}={rank}')}"
+    filters = " ".join(_q(a) for a in lane_filters(lane_name, rank))
     return (
         f"ids=$(docker ps -aq {filters}) && "
         f'if [ -n "$ids" ]; then docker stop -t {int(timeout)} $ids >/dev/null && docker rm $ids >/dev/null; fi'

@@ -24,6 +24,17 @@ LABEL_RANK = "io.builder.rank"
 LABEL_BUNDLE = "io.builder.bundle-id"
 LABEL_FLEET = "io.builder.fleet"
 LABEL_HOST = "io.builder.host"
+
+
+def lane_filters(lane: str, rank: int | None = None) -> list[str]:
+    """docker's ``--filter`` arguments (``docker ps``) that select the containers start.sh made for this
+    lane, and of this rank when given: by the labels it gives them, so nothing else on a host is looked
+    at or stopped (start.sh and stop.sh spell the same filter in shell, from the same label names)."""
+    out = ["--filter", f"label={LABEL_LANE}={lane}"]
+    if rank is not None:
+        out += ["--filter", f"label={LABEL_RANK}={rank}"]
+    return out
+
 CONFIG_IN_CONTAINER = "/etc/builder/config.json"
 #: start.sh puts the installed bundle's id here (the bundle's manifest covers start.sh itself)
 BUNDLE_ID = "{bundle_id}"

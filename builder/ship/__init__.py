@@ -39,7 +39,7 @@ from typing import Any
 from builder.bundle import public_key_for, read_public_key, signing_key_path, verify_with_key
 from builder.errors import ConfigError, VerifyError
 from builder.foundation import sign
-from builder.inputs.hosts import Fleet, Host, find_host
+from builder.inputs.hosts import Fleet, Host, bundles_folder, find_host, hosts_folder
 from builder.installer.errors import InstallError
 from builder.installer.manifest import MANIFEST
 from builder.installer.verify import verify_bundle
@@ -52,8 +52,9 @@ __all__ = ["Remote", "ShipOptions", "ShipResult", "ship", "ship_to_dir", "truste
 
 
 def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
-    """Ship HOST's bundle (project root = the folder of pins.toml; inventories in root/hosts)."""
-    fleet_file, fleet, host = find_host(root / "hosts", host_ref)
+    """Ship HOST's bundle (project root = the folder of pins.toml; inventories in opts.hosts_dir, else
+    root/hosts)."""
+    fleet_file, fleet, host = find_host(hosts_folder(root, opts.hosts_dir), host_ref)
     bdir, manifest, key = _load_bundle(root, fleet, host, opts)
     if opts.to is not None:
         return ship_to_dir(
@@ -66,7 +67,7 @@ def ship(root: Path, host_ref: str, opts: ShipOptions) -> ShipResult:
 def trusted_key_bytes(root: Path, fleet: Fleet, bundle_dir: Path, opts: ShipOptions) -> bytes:
     """The public key the host is told to trust: --key, else fleet.trusted_key, else the signing key's."""
     if opts.key is not None or fleet.fleet.trusted_key:
-        return read_public_key(public_key_for(bundle_dir, opts.key, root))
+        return read_public_key(public_key_for(bundle_dir, opts.key, root, opts.hosts_dir))
     sk = sign.load_secret_key(
         signing_key_path(opts.signing_key, root, allow_outside=opts.allow_outside_key, flag="--signing-key")
     )
@@ -76,7 +77,7 @@ def trusted_key_bytes(root: Path, fleet: Fleet, bundle_dir: Path, opts: ShipOpti
 def _load_bundle(
     root: Path, fleet: Fleet, host: Host, opts: ShipOptions
 ) -> tuple[Path, dict[str, Any], bytes]:
-    bdir = opts.bundle or root / "out" / "bundles" / fleet.fleet.name / host.name
+    bdir = opts.bundle or bundles_folder(root, fleet.fleet.name, host.name)
     if not (bdir / MANIFEST).is_file():
         raise ConfigError(f"{bdir}: no bundle there (run `builder bundle {host.name}`)")
     # Over ssh the host hashes every byte it receives against the signed manifest (and refuses a

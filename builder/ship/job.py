@@ -14,6 +14,7 @@ MiB = 1024 * 1024
 @dataclass
 class ShipOptions:
     bundle: Path | None = None
+    hosts_dir: Path | None = None  # the inventory folder (default: hosts/ under the project root)
     to: Path | None = None
     key: Path | None = (
         None  # the public key the host trusts (default: fleet.trusted_key, else --signing-key's)
