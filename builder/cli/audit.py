@@ -116,10 +116,16 @@ def audit(
                 bar.update(tasks[h.name], description=f"audit {h.name}: {h.status}", advance=1)
 
         report = core.run_audit(opts, on_host=on_host)
-    cols, rows = core.matrix_rows(report)
-    output.table(f"audit ({report.mode}, {report.phase})", cols, rows)
+    if as_json:
+        output.data_json(report.to_json())
+    else:
+        output.table(f"audit ({report.mode}, {report.phase})", *core.matrix_rows(report))
+        if report.burn():
+            output.table("burn", *core.burn_rows(report))
+        cols, rows = core.problem_rows(report)
+        if rows:  # every reason, not only the first: the matrix says which check, this says why
+            output.table("not passing", cols, rows)
     if report.burn():
-        output.table("burn", *core.burn_rows(report))
         for name, why in report.burn()["outliers"].items():
             output.status(f"{name}: burn: {why}")
     if report.mode == "fast":
@@ -128,14 +134,8 @@ def audit(
                       "now; `builder audit --mode full` hashes every one")
     if report.first_exit:
         output.status(f"a rank's engine exited: {describe_cause(report.first_exit)}")
-    for h in report.hosts:
-        problem = h.message if h.status in ("unreachable", "error") else h.first_problem()
-        if problem:
-            output.status(f"{h.name}: {h.status}: {problem}")
     if junit is not None:
         core.write_junit(report, junit)
-    if as_json:
-        output.data_json(report.to_json())
     n_bad = sum(1 for h in report.hosts if h.status != "pass")
     output.status(f"{len(report.hosts)} host(s), {n_bad} not passing, {report.seconds:.1f} s")
     return report.exit_code

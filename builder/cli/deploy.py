@@ -77,8 +77,9 @@ def _print(rep: Any, as_json: bool) -> int:
             h.host, f"{h.rank} ({h.role})", (h.origin or "none")[:12], (h.target or "-")[:12], h.result, h.on,
             h.message,
         ])
-    output.table(f"{rep.command} {rep.fleet} (lane {rep.lane})", ["host", "rank", "from", "to", "result", "on",
-                                                                   "message"], rows)
+    if not as_json:
+        output.table(f"{rep.command} {rep.fleet} (lane {rep.lane})", ["host", "rank", "from", "to", "result", "on",
+                                                                       "message"], rows)
     for h in rep.hosts:
         for line in h.plan:
             output.status(f"{h.host}: {line}")
@@ -180,7 +181,8 @@ def status(fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_
     not finish), 3 a host could not be reached."""
     st = fleet_status(_options(fleet=fleet, connect_timeout=connect_timeout, timeout=timeout, ssh_persist=ssh_persist))
     cols, body = rows(st)
-    output.table(f"fleet {st.fleet} (lane {st.lane}, lock {st.lock_hash[:12]})", cols, body)
+    if not as_json:
+        output.table(f"fleet {st.fleet} (lane {st.lane}, lock {st.lock_hash[:12]})", cols, body)
     for h in sorted(st.hosts, key=lambda h: h.exited != "first"):  # (the rank that exited first: the cause, first)
         if h.message:
             output.status(f"{h.host}: {h.message}")
