@@ -118,6 +118,9 @@ def audit(
         report = core.run_audit(opts, on_host=on_host)
     if as_json:
         output.data_json(report.to_json())
+        for h in report.hosts:  # (for the person watching: stdout is the script's)
+            for p in h.problems():
+                output.status(f"{h.name}: {h.status}: " + (f"{p['check']}: " if p["check"] else "") + p["message"])
     else:
         output.table(f"audit ({report.mode}, {report.phase})", *core.matrix_rows(report))
         if report.burn():
