@@ -408,7 +408,7 @@ def test_local_burn_reports_its_figures(tmp_path: Path) -> None:
     host = data["hosts"]["me"]
     assert rc == 1 and host["status"] == "unhealthy", err
     assert host["checks"]["burn::gpu"]["facts"]["burn"]["verdict"] == "latched"
-    assert "unplugged for 30 to 60 s" in host["message"] and "clock latch" in err  # (the reason, for people, beside the JSON)
+    assert "unplugged for 30 to 60 s" in host["message"] and "clock latch" in err  # (for people)
     root2, env2 = local_project(tmp_path / "none", H200)
     rc, data, err = run_local(root2, env2, "--only", "burn")
     assert rc == 0 and data["hosts"]["me"]["checks"]["burn::gpu"]["status"] == "skip"
