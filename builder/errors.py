@@ -52,3 +52,10 @@ class UnreachableError(BuilderError):
     """A host could not be reached: exit 3."""
 
     exit_code = EXIT_UNREACHABLE
+
+
+def named(name: str, message: str, what: str = "") -> str:
+    """``name: [what: ]message`` with the name once: a host's errors already begin with its name
+    (``spark-1: stop: ...``), and whoever reports them per host must not say it twice."""
+    rest = message[len(name) + 2:] if message.startswith(f"{name}: ") else message
+    return f"{name}: {what}: {rest}" if what else f"{name}: {rest}"

@@ -98,3 +98,11 @@ def test_status_table_on_stdout_json_alone(unreachable_fleet: Path) -> None:
             ln.split()[1] in ("a", "b")] == ["a", "b"]
     r = run(unreachable_fleet, "status", "--fleet", "f", "--connect-timeout", "2", "--json")
     assert sorted(json.loads(r.stdout)["hosts"]) == ["a", "b"]
+
+
+def test_status_names_each_unreachable_host_once(unreachable_fleet: Path) -> None:
+    r = run(unreachable_fleet, "status", "--fleet", "f", "--connect-timeout", "2")
+    for name in ("a", "b"):
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith(f"{name}: ")]
+        assert lines and all(not ln.startswith(f"{name}: {name}: ") for ln in lines), r.stderr
+        assert any("unreachable over ssh" in ln for ln in lines), r.stderr

@@ -25,7 +25,7 @@ from builder.cli.options import (
     mode_option,
     ssh_persist_option,
 )
-from builder.errors import BuilderError
+from builder.errors import BuilderError, named
 
 if TYPE_CHECKING:
     from builder.audit import AuditOptions
@@ -120,7 +120,7 @@ def audit(
         output.data_json(report.to_json())
         for h in report.hosts:  # (for the person watching: stdout is the script's)
             for p in h.problems():
-                output.status(f"{h.name}: {h.status}: " + (f"{p['check']}: " if p["check"] else "") + p["message"])
+                output.status(named(h.name, p["message"], h.status + (f": {p['check']}" if p["check"] else "")))
     else:
         output.table(f"audit ({report.mode}, {report.phase})", *core.matrix_rows(report))
         if report.burn():

@@ -24,6 +24,7 @@ from builder.cli.options import (
 from builder.deploy import rollout, startstop
 from builder.deploy.fleetwork import DeployOptions
 from builder.deploy.status import fleet_status, rows
+from builder.errors import named
 
 
 def _stop_timeout_option(what: str) -> Callable[[Any], Any]:
@@ -185,7 +186,7 @@ def status(fleet: str, as_json: bool, connect_timeout: int, timeout: float, ssh_
         output.table(f"fleet {st.fleet} (lane {st.lane}, lock {st.lock_hash[:12]})", cols, body)
     for h in sorted(st.hosts, key=lambda h: h.exited != "first"):  # (the rank that exited first: the cause, first)
         if h.message:
-            output.status(f"{h.host}: {h.message}")
+            output.status(named(h.host, h.message))
     if st.deploy:
         output.warn(st.deploy)
     output.status(f"{st.summary} ({st.seconds:.1f} s)")

@@ -8,6 +8,7 @@ import click
 
 from builder import output
 from builder.cli import get_ctx
+from builder.errors import named
 from builder.lock import resolve as core
 from builder.lock.lockfile import check_lock
 
@@ -59,7 +60,7 @@ def lock(names: tuple[str, ...], offline: bool, update: tuple[str, ...], check: 
                           "kept": rep.kept, "failed": rep.failed,
                           "moved": [{"input": a, "old": b, "new": n} for a, b, n in rep.moved]})
     for name, why in sorted(rep.failed.items()):
-        output.error(why if why.startswith(f"{name}:") else f"{name}: {why}")
+        output.error(named(name, why))
     output.status(f"{rep.lock_path}: {len(rep.resolved)} resolved, {len(rep.kept)} kept, "
                   f"{len(rep.failed)} failed" + ("" if rep.written else " (unchanged)"))
     return 1 if rep.failed else 0

@@ -22,7 +22,7 @@ from builder.bundle import check_lane, load_bundle_inputs
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.hoststate import HostOps, HostState
 from builder.deploy.report import DeployReport, HostOutcome
-from builder.errors import BuilderError
+from builder.errors import BuilderError, named
 from builder.foundation.ssh import ControlSockets
 from builder.inputs.hosts import Host, check_against_pins, find_fleet
 from builder.launch import container_name
@@ -109,9 +109,9 @@ def problems(report: Any) -> str:
     """The hosts that did not pass, and why (an AuditReport, or its JSON)."""
     if isinstance(report, dict):
         hosts = report.get("hosts") or {}
-        bad = [f"{n}: {h.get('message') or h.get('status')}" for n, h in hosts.items() if h.get("status") != "pass"]
+        bad = [named(n, h.get("message") or h.get("status")) for n, h in hosts.items() if h.get("status") != "pass"]
     else:
-        bad = [f"{h.name}: {h.first_problem() or h.status}" for h in report.hosts if h.status != "pass"]
+        bad = [named(h.name, h.first_problem() or h.status) for h in report.hosts if h.status != "pass"]
     return "; ".join(bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
 
 
@@ -219,7 +219,7 @@ class Fleetwork:
         for group in start_groups(self.fleet, self.lane):
             for h, _, err in each(group, start, len(group)):
                 if err is not None:
-                    raise BuilderError(explain(err) if str(err).startswith(h.name) else f"{h.name}: {explain(err)}")
+                    raise BuilderError(named(h.name, explain(err)))
         ok, reason = self.op(self.head).wait(
             container_name(self.lane_name, self.head.rank),
             ready={"kind": "health", "port": s.port, "path": self.lane.health}, timeout=t,

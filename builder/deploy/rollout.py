@@ -56,7 +56,7 @@ from builder.deploy.report import DeployReport
 from builder.deploy.rollback import recover
 from builder.deploy.stage import stage
 from builder.deploy.switch import forward
-from builder.errors import ConfigError
+from builder.errors import ConfigError, named
 from builder.hostscripts import shown
 from builder.installer.manifest import MANIFEST, release_files
 
@@ -144,7 +144,7 @@ def derive(d: Deployment) -> DeployReport | None:
     for name, why in failed.items():
         d.out(name).result, d.out(name).message = "unreachable" if name in lost else "failed", why
     return d.refuse("making the derivations failed; no host was switched: "
-                    + "; ".join(f"{n}: {why}" for n, why in failed.items()), unreachable=bool(lost))
+                    + "; ".join(named(n, why) for n, why in failed.items()), unreachable=bool(lost))
 
 
 def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from builder.deploy.deployment import Deployment
 from builder.deploy.fleetwork import each, explain, short
-from builder.errors import BuilderError, UnreachableError
+from builder.errors import BuilderError, UnreachableError, named
 from builder.ship import ShipOptions, ship
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def stage(d: Deployment) -> bool:
             except UnreachableError:
                 raise
             except BuilderError as e:
-                d.say(f"{h.name}: {e}; shipping the bundle instead")
+                d.say(named(h.name, f"{e}; shipping the bundle instead"))
 
         r = ship(
             d.opts.root,
@@ -50,7 +50,7 @@ def stage(d: Deployment) -> bool:
             o.result = "unreachable" if isinstance(err, UnreachableError) else "failed"
             o.message = explain(err)
             d.rep.unreachable = d.rep.unreachable or isinstance(err, UnreachableError)
-            d.say(f"{h.name}: staging failed: {o.message}")
+            d.say(named(h.name, o.message, "staging failed"))
         else:
             o.result, o.message = "staged", msg
             d.say(f"{h.name}: {msg}: bundle {short(d.bundles[h.name].bundle_id)}")

@@ -16,6 +16,7 @@ from builder.deploy import journal as J
 from builder.deploy.derivations import make_all
 from builder.deploy.fleetwork import DeployOptions, Fleetwork, Say, command, explain, fleet_command, problems
 from builder.deploy.report import DeployReport, FleetResult, outcomes
+from builder.errors import named
 
 
 def start(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
@@ -67,14 +68,14 @@ def _start(w: Fleetwork, rep: DeployReport) -> None:
                 rep.host(name).result, rep.host(name).message = "failed", why
             rep.result = "refused"
             rep.reason = "making the derivations failed; nothing was started: " + "; ".join(
-                f"{n}: {why}" for n, why in failed.items())
+                named(n, why) for n, why in failed.items())
             return
         if not _audit(w, rep, "preflight", "refused", "the preflight audit failed; nothing was started", snap):
             return
         if any(w.states[h.name].containers for h in w.hosts):
             stopped = w.stop_all()  # a fleet partly up: stop every rank first, head first
             if stopped:
-                rep.result, rep.reason = "failed", "; ".join(f"{n}: {why}" for n, why in stopped.items())
+                rep.result, rep.reason = "failed", "; ".join(named(n, why) for n, why in stopped.items())
                 return
         try:
             w.start_all()

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from builder.deploy.deployment import Deployment
 from builder.deploy.fleetwork import each, explain, problems, short
 from builder.deploy.report import outcomes
-from builder.errors import BuilderError, UnreachableError
+from builder.errors import BuilderError, UnreachableError, named
 
 if TYPE_CHECKING:
     from builder.inputs.hosts import Host
@@ -20,7 +20,7 @@ def forward(d: Deployment) -> None:
     w = d.w
     failed = w.stop_all(only={w.head.name})  # the head first: no new worker ever meets an old head
     if failed:
-        raise BuilderError("; ".join(f"{n}: {why}" for n, why in failed.items()))
+        raise BuilderError("; ".join(named(n, why) for n, why in failed.items()))
     d.phase("switching")
 
     def stop_and_switch(h: Host) -> str:
