@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, unnamed
 from builder.foundation.canon import atomic_write, attrs
 
 
@@ -117,7 +117,7 @@ def burn_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
 
 def problem_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
     """host x every reason it did not pass (HostResult.problems), hosts in the report's order."""
-    rows = [[h.name, h.status, p["check"] or "-", p["message"] or p["status"]]
+    rows = [[h.name, h.status, p["check"] or "-", unnamed(h.name, p["message"]) or p["status"]]
             for h in report.hosts if h.status != "pass" for p in h.problems()]
     rows += [[h.name, h.status, "-", h.status] for h in report.hosts if h.status != "pass" and not h.problems()]
     return ["host", "status", "check", "reason"], rows

@@ -24,7 +24,7 @@ from builder.cli.options import (
 from builder.deploy import rollout, startstop
 from builder.deploy.fleetwork import DeployOptions
 from builder.deploy.status import fleet_status, rows
-from builder.errors import named
+from builder.errors import named, unnamed
 
 
 def _stop_timeout_option(what: str) -> Callable[[Any], Any]:
@@ -76,14 +76,14 @@ def _print(rep: Any, as_json: bool) -> int:
     for h in rep.hosts:
         rows.append([
             h.host, f"{h.rank} ({h.role})", (h.origin or "none")[:12], (h.target or "-")[:12], h.result, h.on,
-            h.message,
+            unnamed(h.host, h.message),
         ])
     if not as_json:
         output.table(f"{rep.command} {rep.fleet} (lane {rep.lane})", ["host", "rank", "from", "to", "result", "on",
                                                                        "message"], rows)
     for h in rep.hosts:
         for line in h.plan:
-            output.status(f"{h.host}: {line}")
+            output.status(named(h.host, line))
     for i, step in enumerate(rep.steps, 1):
         output.status(f"  {i}. {step}")
     output.status(f"{rep.command}: {rep.result}: {rep.reason} ({rep.seconds:.1f} s)")
