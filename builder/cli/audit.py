@@ -116,6 +116,17 @@ def audit(
                 bar.update(tasks[h.name], description=f"audit {h.name}: {h.status}", advance=1)
 
         report = core.run_audit(opts, on_host=on_host)
+    _print(report, as_json)
+    if junit is not None:
+        core.write_junit(report, junit)
+    n_bad = sum(1 for h in report.hosts if h.status != "pass")
+    output.status(f"{len(report.hosts)} host(s), {n_bad} not passing, {report.seconds:.1f} s")
+    return report.exit_code
+
+
+def _print(report: core.AuditReport, as_json: bool) -> None:
+    """The report: the matrix, the burn and every reason a host did not pass as tables on stdout (or
+    the JSON, and the reasons on stderr for the person watching); what it means on stderr."""
     if as_json:
         output.data_json(report.to_json())
         for h in report.hosts:  # (for the person watching: stdout is the script's)
@@ -137,11 +148,6 @@ def audit(
                       "now; `builder audit --mode full` hashes every one")
     if report.first_exit:
         output.status(f"a rank's engine exited: {describe_cause(report.first_exit)}")
-    if junit is not None:
-        core.write_junit(report, junit)
-    n_bad = sum(1 for h in report.hosts if h.status != "pass")
-    output.status(f"{len(report.hosts)} host(s), {n_bad} not passing, {report.seconds:.1f} s")
-    return report.exit_code
 
 
 def _targets(opts: AuditOptions) -> list[FleetHost]:
