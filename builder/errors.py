@@ -52,3 +52,16 @@ class UnreachableError(BuilderError):
     """A host could not be reached: exit 3."""
 
     exit_code = EXIT_UNREACHABLE
+
+
+def unnamed(name: str, message: str) -> str:
+    """``message`` without the leading ``name: `` a host's errors begin with (``spark-1: stop: ...``),
+    for a place that names the host already (a table's host column)."""
+    return message[len(name) + 2:] if message.startswith(f"{name}: ") else message
+
+
+def named(name: str, message: str, what: str = "") -> str:
+    """``name: [what: ]message`` with the name once: a host's errors already begin with its name, and
+    whoever reports them per host must not say it twice."""
+    rest = unnamed(name, message)
+    return f"{name}: {what}: {rest}" if what else f"{name}: {rest}"

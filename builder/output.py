@@ -1,7 +1,7 @@
 """All terminal output goes through here.
 
-Data goes to stdout (JSON with --json); status, progress and tables for people go to
-stderr through rich. Colour is off when stderr is not a terminal or NO_COLOR is set.
+Data goes to stdout: plain lines, tables, JSON with --json. Status, warnings, errors and progress
+go to stderr through rich. Colour is off on a stream that is not a terminal, or when NO_COLOR is set.
 """
 
 from __future__ import annotations
@@ -101,13 +101,18 @@ def data_json(obj: Any) -> None:
 
 
 def table(title: str | None, columns: list[str], rows: list[list[str]]) -> None:
-    """A table for people, on stderr."""
+    """A table of data, on stdout (a command given --json prints its JSON instead)."""
     t = Table(title=title, show_lines=False)
     for c in columns:
         t.add_column(c, overflow="fold")
     for r in rows:
         t.add_row(*[str(x) for x in r])
-    console().print(t)
+    # a console of its own for each table: stdout's colour is stdout's (a pipe gets plain text), and a
+    # test that swaps sys.stdout gets the table
+    color = "NO_COLOR" not in os.environ and sys.stdout.isatty()
+    Console(file=sys.stdout, no_color=not color, highlight=False, force_terminal=None if color else False,
+            soft_wrap=False).print(t)
+    sys.stdout.flush()
 
 
 class _Quiet:

@@ -408,7 +408,7 @@ def test_local_burn_reports_its_figures(tmp_path: Path) -> None:
     host = data["hosts"]["me"]
     assert rc == 1 and host["status"] == "unhealthy", err
     assert host["checks"]["burn::gpu"]["facts"]["burn"]["verdict"] == "latched"
-    assert "unplugged for 30 to 60 s" in host["message"] and "latched" in err
+    assert "unplugged for 30 to 60 s" in host["message"] and "clock latch" in err  # (for people)
     root2, env2 = local_project(tmp_path / "none", H200)
     rc, data, err = run_local(root2, env2, "--only", "burn")
     assert rc == 0 and data["hosts"]["me"]["checks"]["burn::gpu"]["status"] == "skip"
@@ -435,7 +435,7 @@ def test_local_gpu_drift_expected_vs_found(tmp_path: Path) -> None:
         "found GPU 0: hw_thermal_slowdown (0x44) (check the cooling and the power supply)",
         "gpu::clock_latch": "GPU idle: the latch shows only under load (burn::gpu judges it)",
     }, err
-    assert "gpu::name" in err and "FAIL" in err
+    assert "me: unhealthy: gpu::name: GPU 0 name" in err  # every reason, for people, beside the JSON
 
 
 @pytest.mark.slow
@@ -707,3 +707,19 @@ def test_the_hosts_of_a_loaded_fleet_are_taken_from_it(tmp_path: Path) -> None:
         audit_targets(opts(names=["f/c"]))
     with pytest.raises(ConfigError, match="fleet 'f', not 'g'"):
         audit_targets(opts(fleet="g"))
+
+
+def test_every_failing_reason_of_a_host_in_the_table_and_json(tmp_path: Path) -> None:
+    """Two checks of one host fail: the text report and --json each name both, with their reasons."""
+    wrong = H200 | {"gpu_name": "NVIDIA GB10", "driver_version": "1.0"}
+    root, env = local_project(tmp_path, wrong)
+    rc, data, err = run_local(root, env, "--only", "gpu")
+    assert rc == 1, err
+    problems = data["hosts"]["me"]["problems"]
+    assert [p["check"] for p in problems] == ["gpu::name", "gpu::driver_version"], problems
+    assert "GB10" in problems[0]["message"] and "1.0" in problems[1]["message"], problems
+    r = cli(root, "audit", "--fleet", "l", "--only", "gpu", env=env | {"COLUMNS": "400"})
+    assert r.returncode == 1, r.stderr
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("│ me ")]
+    for p in problems:
+        assert any(p["check"] in ln and p["message"] in ln for ln in rows), (p, r.stdout)

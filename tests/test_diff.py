@@ -51,9 +51,9 @@ def test_diff_cli_table_and_json(moved: tuple[Project, Path, str, str]) -> None:
     proj, old, c1, c2 = moved
     r = proj.run("diff", str(old))
     assert r.rc == 0, r.err
-    assert f"commit {c1[:12]} -> {c2[:12]}" in r.err
-    assert "patch changed patches/0001-fix.patch" in r.err
-    assert r.out == ""  # the table is for people (stderr); data only with --json
+    assert f"commit {c1[:12]} -> {c2[:12]}" in r.out
+    assert "patch changed patches/0001-fix.patch" in r.out
+    assert r.err == ""  # the table is the data (stdout); --json gives it as JSON instead
     r = proj.run("diff", str(old), str(proj.lock), "--json")
     data = json.loads(r.out)
     assert {"input": "sources.engine", "kind": "source", "what": f"commit {c1[:12]} -> {c2[:12]}"} in data[
@@ -122,7 +122,7 @@ def test_diff_against_a_git_revision_of_the_lock(moved: tuple[Project, Path, str
     assert label == "HEAD:pins.lock" and lock.sources["engine"].commit == c1
     r = proj.run("diff")  # OLD defaults to HEAD:<the lock>, NEW to the lock
     assert r.rc == 0, r.err
-    assert f"commit {c1[:12]} -> {c2[:12]}" in r.err
+    assert f"commit {c1[:12]} -> {c2[:12]}" in r.out
     r = proj.run("diff", "HEAD:pins.lock", str(proj.lock), "--json")
     assert any(ch["what"] == f"commit {c1[:12]} -> {c2[:12]}" for ch in json.loads(r.out)["changes"])
     with pytest.raises(ConfigError, match=r"HEAD~5:pins\.lock: not readable from git"):

@@ -5,10 +5,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
 import tarfile
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,3 +216,67 @@ def test_the_sdk_loads_without_paramiko_unless_the_engine_is_reached_over_ssh() 
     # an ssh:// engine (a documentation address; nothing is contacted): the SDK's ssh transport is there
     assert _import_probe("ssh://spark@192.0.2.10") == {"paramiko_loaded": True, "ssh_transport": True,
                                                       "paramiko_after": True}
+
+
+def _pause_elf() -> bytes:
+    """A static x86-64 Linux program of 129 bytes that waits in pause(2) until it is killed: a RUN step
+    that never ends, for an image FROM scratch (no shell, no libc, nothing pulled)."""
+    base, code = 0x400000, bytes.fromhex("b822000000" "0f05" "ebf7")  # loop: mov eax, 34 (pause); syscall; jmp loop
+    size = 64 + 56 + len(code)
+    ehdr = (b"\x7fELF\x02\x01\x01" + bytes(9)
+            + (2).to_bytes(2, "little") + (62).to_bytes(2, "little") + (1).to_bytes(4, "little")
+            + (base + 120).to_bytes(8, "little") + (64).to_bytes(8, "little") + bytes(8)
+            + bytes(4) + (64).to_bytes(2, "little") + (56).to_bytes(2, "little") + (1).to_bytes(2, "little")
+            + bytes(6))
+    phdr = ((1).to_bytes(4, "little") + (5).to_bytes(4, "little") + bytes(8)
+            + base.to_bytes(8, "little") + base.to_bytes(8, "little")
+            + size.to_bytes(8, "little") + size.to_bytes(8, "little") + (0x1000).to_bytes(8, "little"))
+    return ehdr + phdr + code
+
+
+def _made_by(marker: str) -> tuple[list[str], list[str]]:
+    """The images (with intermediates) and containers that carry the label ``marker``."""
+    images = subprocess.run(["docker", "images", "-a", "-q", "--no-trunc", "-f", f"label={marker}"],
+                            capture_output=True, text=True, check=True).stdout.split()
+    containers = subprocess.run(["docker", "ps", "-a", "-q", "--no-trunc", "-f", f"label={marker}"],
+                                capture_output=True, text=True, check=True).stdout.split()
+    return images, containers
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("interrupt", ["SIGINT while reading", "KeyboardInterrupt in on_log", "a failing step"])
+def test_an_interrupted_or_failed_build_leaves_no_image_or_container(tmp_path: Path, interrupt: str) -> None:
+    """Interrupted while its RUN step runs (SIGINT to the main thread, as Ctrl-C sends it, arriving while
+    the build's stream is read; or KeyboardInterrupt raised by the log callback), or failing at its last
+    step, a build removes every image and container it made: no `<none>` image is left."""
+    if dockerio.engine_platform() != "linux/amd64":
+        pytest.skip("the waiting program is x86-64 code")
+    marker = f"builder.test.run={uuid.uuid4().hex}"  # a LABEL step: every image after it carries it
+    last = "COPY missing.txt /c\n" if interrupt == "a failing step" else 'RUN ["/pause"]\n'
+    ctx = _context(tmp_path, f"FROM scratch\nLABEL {marker}\nCOPY a.txt /a\nCOPY pause /pause\n{last}",
+                   {"a.txt": "a"})
+    (ctx / "pause").write_bytes(_pause_elf())
+    (ctx / "pause").chmod(0o755)
+    dangling = ["docker", "images", "-q", "--no-trunc", "-f", "dangling=true", "-f", f"label={marker}"]
+    seen: list[str] = []
+    step = [""]
+
+    def on_log(line: str) -> None:
+        seen.append(line)
+        if line.startswith("Step "):
+            step[0] = line
+        if line.startswith(" ---> Running in ") and " : RUN " in step[0]:  # the RUN step's container runs
+            made, running = _made_by(marker)
+            assert len(made) >= 3 and running, (made, running)  # (what there is to remove)
+            if interrupt == "KeyboardInterrupt in on_log":
+                raise KeyboardInterrupt
+            main = threading.main_thread().ident
+            assert main is not None
+            threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()
+
+    with pytest.raises(BuilderError if interrupt == "a failing step" else KeyboardInterrupt):
+        dockerio.build(ctx, nocache=True, on_log=on_log)
+    assert sum(1 for ln in seen if re.match(r"^ ---> [0-9a-f]{12}$", ln)) >= 3, seen  # LABEL, COPY, COPY
+    time.sleep(1)  # (anything the engine still committed would show by now)
+    assert _made_by(marker) == ([], [])
+    assert subprocess.run(dangling, capture_output=True, text=True, check=True).stdout.split() == []

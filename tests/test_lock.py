@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from builder.lock import unknown
 from tests.lib import factory
 from tests.lib.lockproject import TINY_COMMIT, ZIG_SHA, Project, Result, sha
 
@@ -143,7 +144,27 @@ def test_check_names_a_changed_recipe_and_a_missing_lock(proj: Project) -> None:
 
 def test_check_json(locked: Project) -> None:
     r = locked.run("lock", "--check", "--json")
-    assert r.rc == 0 and json.loads(r.out) == {"ok": True, "problems": []}
+    assert r.rc == 0 and json.loads(r.out) == {"ok": True, "problems": [], "unknown": []}
+
+
+def test_check_names_each_unknown_input_what_it_lacks_and_what_to_do(proj: Project) -> None:
+    """An input whose pin gives no hash (sha256 UNKNOWN) cannot be locked from here: --check names it apart
+    from the merely missing, says what UNKNOWN means and what resolves it, and exits 1 as for any gap."""
+    proj.write_pins(files={"unpublished": {"url": "https://example.invalid/f.py", "sha256": "UNKNOWN"},
+                           "other": {"url": "files/chat.jinja", "sha256": "b" * 64}})
+    assert proj.run("lock", "demo").rc == 0
+    r = proj.run("lock", "--check")
+    assert r.rc == 1 and "Traceback" not in r.err
+    assert "files.unpublished: its sha256: from https://example.invalid/f.py" in r.err
+    assert "their hashes are UNKNOWN: their pins give none" in r.err
+    assert "stale: files.other: not in the lock" in r.err and "stale: files.unpublished" not in r.err
+    last = r.err_lines[-1]
+    assert last.startswith("error:") and "1 input(s) UNKNOWN" in last and "`builder lock NAME`" in last, last
+    assert "`builder lock --check demo`" in last
+    data = json.loads(proj.run("lock", "--check", "--json").out)
+    assert data["ok"] is False and "files.unpublished: not in the lock" in data["problems"]
+    assert data["unknown"] == [{"input": "files.unpublished", "what": "its sha256: from https://example.invalid/f.py"}]
+    assert proj.run("lock", "--check", "demo").rc == 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -305,3 +326,14 @@ def test_offline_names_every_unreachable_input(proj: Project, monkeypatch: pytes
     assert set(data["sources"]) == {"engine"}
     assert proj.run("lock", "--check", "demo").rc == 0
     assert proj.run("lock", "--check").rc == 1
+
+
+def test_shipped_lock_lacks_only_unknown_inputs() -> None:
+    """On a fresh clone every input missing from the shipped lock is one whose hash its pin does not give,
+    and the demo lanes are whole."""
+    root = Path(__file__).resolve().parent.parent
+    res = unknown.check(root / "pins.toml", root / "pins.lock")
+    missing = {p.split(":", 1)[0] for p in res.problems if p.endswith(": not in the lock")}
+    assert missing and missing == set(res.unknown) and len(res.problems) == len(missing), res.problems
+    assert {"demo", "demo-tp3"} <= set(res.complete_lanes) and "vllm-mia-tp2" not in res.complete_lanes
+    assert res.unknown["files.dsv41-1017-chat-template"] == "its sha256 and its URL: nobody has published its content"

@@ -43,7 +43,7 @@ def test_plan_and_why_print_closure_and_address_without_docker(proj: Path) -> No
     assert plain.rc == 0, plain.err
     name, addr = plain.out.splitlines()[0].split()
     assert name == "demo" and re.fullmatch(r"[0-9a-f]{64}", addr)
-    assert '"sources"' in plain.err  # the closure, for people, on stderr
+    assert '"sources"' in plain.out and '"sources"' not in plain.err  # the closure is data: stdout
 
     as_json = builder(proj, "image", "demo", "--plan", "--json", env=NO_DOCKER)
     why = builder(proj, "why", "demo", "--json", env=NO_DOCKER)

@@ -27,7 +27,16 @@ from pathlib import Path
 from builder.audit.concerns import Concern, declared
 from builder.audit.exits import name_the_cause
 from builder.audit.expect import build_expectations, load_lane_inputs
-from builder.audit.findings import AuditReport, CheckOutcome, HostResult, burn_rows, junit_xml, matrix_rows, write_junit
+from builder.audit.findings import (
+    AuditReport,
+    CheckOutcome,
+    HostResult,
+    burn_rows,
+    junit_xml,
+    matrix_rows,
+    problem_rows,
+    write_junit,
+)
 from builder.audit.runner import run_host
 from builder.audit.selection import AuditOptions, Loaded, audit_targets, parse_only
 from builder.foundation.ssh import ControlSockets
@@ -43,6 +52,7 @@ __all__ = [
     "junit_xml",
     "burn_rows",
     "matrix_rows",
+    "problem_rows",
     "parse_only",
     "run_audit",
     "write_junit",

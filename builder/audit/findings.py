@@ -1,5 +1,5 @@
 """What an audit found: each check's outcome per host, the fleet's exit code, and the three ways it is
-shown (the matrix on stderr, JSON on stdout, a JUnit file)."""
+shown (the matrix and every reason a host did not pass, or JSON, on stdout; a JUnit file)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, unnamed
 from builder.foundation.canon import atomic_write, attrs
 
 
@@ -37,9 +37,15 @@ class HostResult:
         callers print: the one line that says why the host did not pass)."""
         if self.status in ("unreachable", "error"):
             return self.message
+        return "; ".join(f"{p['check']}: {p['message']}" for p in self.problems())
+
+    def problems(self) -> list[dict[str, str]]:
+        """Every reason this host did not pass, one entry each: the host's own (unreachable, the checks
+        did not report; check ``""``), then each failing or erroring check, hardware findings first."""
+        own = [{"check": "", "status": self.status, "message": self.message}] if self.message else []
         bad = [c for c in self.checks if c.status in ("fail", "error")]
         bad.sort(key=lambda c: c.facts.get("kind") != "hardware")
-        return "; ".join(f"{c.check}: {c.message}" for c in bad)
+        return own + [{"check": c.check, "status": c.status, "message": c.message} for c in bad]
 
 
 @dataclass
@@ -84,6 +90,7 @@ class AuditReport:
                     "fleet": h.fleet,
                     "status": h.status,
                     "message": h.message or h.first_problem(),
+                    "problems": h.problems(),
                     "seconds": round(h.seconds, 3),
                     "checks": {c.check: {"status": c.status, "message": c.message,
                                          **({"facts": c.facts} if c.facts else {})} for c in h.checks},
@@ -106,6 +113,14 @@ def burn_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
             ("tflops", "{:.1f}"), ("clock_mhz", "{:.0f}"), ("power_w", "{:.0f}"), ("temperature_c", "{:.0f}"))]
         rows.append([name, *cells, str(b.get("verdict")), "SLOW" if name in burn["outliers"] else "ok"])
     return cols, rows
+
+
+def problem_rows(report: AuditReport) -> tuple[list[str], list[list[str]]]:
+    """host x every reason it did not pass (HostResult.problems), hosts in the report's order."""
+    rows = [[h.name, h.status, p["check"] or "-", unnamed(h.name, p["message"]) or p["status"]]
+            for h in report.hosts if h.status != "pass" for p in h.problems()]
+    rows += [[h.name, h.status, "-", h.status] for h in report.hosts if h.status != "pass" and not h.problems()]
+    return ["host", "status", "check", "reason"], rows
 
 
 def _concern_order(concerns: list[str], check_id: str) -> int:

@@ -24,7 +24,7 @@ from builder.cli.options import (
     mode_option,
     ssh_persist_option,
 )
-from builder.errors import BuilderError
+from builder.errors import BuilderError, named
 
 if TYPE_CHECKING:
     from builder.audit import AuditOptions
@@ -115,10 +115,30 @@ def audit(
                 bar.update(tasks[h.name], description=f"audit {h.name}: {h.status}", advance=1)
 
         report = core.run_audit(opts, on_host=on_host)
-    cols, rows = core.matrix_rows(report)
-    output.table(f"audit ({report.mode}, {report.phase})", cols, rows)
+    _print(report, as_json)
+    if junit is not None:
+        core.write_junit(report, junit)
+    n_bad = sum(1 for h in report.hosts if h.status != "pass")
+    output.status(f"{len(report.hosts)} host(s), {n_bad} not passing, {report.seconds:.1f} s")
+    return report.exit_code
+
+
+def _print(report: core.AuditReport, as_json: bool) -> None:
+    """The report: the matrix, the burn and every reason a host did not pass as tables on stdout (or
+    the JSON, and the reasons on stderr for the person watching); what it means on stderr."""
+    if as_json:
+        output.data_json(report.to_json())
+        for h in report.hosts:  # (for the person watching: stdout is the script's)
+            for p in h.problems():
+                output.status(named(h.name, p["message"], h.status + (f": {p['check']}" if p["check"] else "")))
+    else:
+        output.table(f"audit ({report.mode}, {report.phase})", *core.matrix_rows(report))
+        if report.burn():
+            output.table("burn", *core.burn_rows(report))
+        cols, rows = core.problem_rows(report)
+        if rows:  # every reason, not only the first: the matrix says which check, this says why
+            output.table("not passing", cols, rows)
     if report.burn():
-        output.table("burn", *core.burn_rows(report))
         for name, why in report.burn()["outliers"].items():
             output.status(f"{name}: burn: {why}")
     if report.mode == "fast":
@@ -127,17 +147,6 @@ def audit(
                       "now; `builder audit --mode full` hashes every one")
     if report.first_exit:
         output.status(f"a rank's engine exited: {describe_cause(report.first_exit)}")
-    for h in report.hosts:
-        problem = h.message if h.status in ("unreachable", "error") else h.first_problem()
-        if problem:
-            output.status(f"{h.name}: {h.status}: {problem}")
-    if junit is not None:
-        core.write_junit(report, junit)
-    if as_json:
-        output.data_json(report.to_json())
-    n_bad = sum(1 for h in report.hosts if h.status != "pass")
-    output.status(f"{len(report.hosts)} host(s), {n_bad} not passing, {report.seconds:.1f} s")
-    return report.exit_code
 
 
 def _targets(opts: AuditOptions) -> list[FleetHost]:

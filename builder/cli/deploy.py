@@ -28,6 +28,7 @@ from builder.deploy import rollout, startstop
 from builder.deploy.options import DeployOptions
 from builder.deploy.report import DeployReport
 from builder.deploy.status import fleet_status, rows
+from builder.errors import named, unnamed
 
 
 def _stop_timeout_option(what: str) -> Callable[[Any], Any]:
@@ -86,13 +87,14 @@ def _print(rep: DeployReport, as_json: bool) -> int:
     for h in rep.hosts:
         rows.append([
             h.host, f"{h.rank} ({h.role})", (h.origin or "none")[:12], (h.target or "-")[:12], h.result, h.on,
-            h.message,
+            unnamed(h.host, h.message),
         ])
-    output.table(f"{rep.command} {rep.fleet} (lane {rep.lane})", ["host", "rank", "from", "to", "result", "on",
-                                                                   "message"], rows)
+    if not as_json:
+        output.table(f"{rep.command} {rep.fleet} (lane {rep.lane})", ["host", "rank", "from", "to", "result", "on",
+                                                                       "message"], rows)
     for h in rep.hosts:
         for line in h.plan:
-            output.status(f"{h.host}: {line}")
+            output.status(named(h.host, line))
     for i, step in enumerate(rep.steps, 1):
         output.status(f"  {i}. {step}")
     output.status(f"{rep.command}: {rep.result}: {rep.reason} ({rep.seconds:.1f} s)")
@@ -194,10 +196,11 @@ def status(
     not finish), 3 a host could not be reached."""
     st = fleet_status(_options(fleet, hosts_dir, connect_timeout, timeout, ssh_persist))
     cols, body = rows(st)
-    output.table(f"fleet {st.fleet} (lane {st.lane}, lock {st.lock_hash[:12]})", cols, body)
+    if not as_json:
+        output.table(f"fleet {st.fleet} (lane {st.lane}, lock {st.lock_hash[:12]})", cols, body)
     for h in sorted(st.hosts, key=lambda h: h.exited != "first"):  # (the rank that exited first: the cause, first)
         if h.message:
-            output.status(f"{h.host}: {h.message}")
+            output.status(named(h.host, h.message))
     if st.deploy:
         output.warn(st.deploy)
     output.status(f"{st.summary} ({st.seconds:.1f} s)")

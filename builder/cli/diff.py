@@ -27,7 +27,7 @@ def diff(old: str | None, new: str | None, as_json: bool, exit_code: bool) -> in
     changes = core.diff(old_spec, new_spec)
     if as_json:
         output.data_json({"old": old_spec, "new": new_spec, "changes": [ch.as_dict() for ch in changes]})
-    if changes:
+    elif changes:
         output.table(f"{old_spec} -> {new_spec}", ["input", "kind", "change"],
                      [[ch.input, ch.kind, ch.what] for ch in changes])
     else:

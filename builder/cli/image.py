@@ -82,7 +82,7 @@ def _print_plan(d: dict[str, object], as_json: bool) -> None:
         output.data_json(d)
         return
     output.data(f"{d['image']} {d['input_address']}")
-    output.status(json.dumps(d["closure"], indent=2, sort_keys=True))
+    output.data(json.dumps(d["closure"], indent=2, sort_keys=True))
 
 
 @click.command()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from builder.deploy.fleetwork import each, explain
+from builder.errors import named
 
 if TYPE_CHECKING:
     from builder.deploy.deployment import Deployment
@@ -58,4 +59,4 @@ def derive(d: Deployment) -> DeployReport | None:
     for name, why in failed.items():
         d.out(name).result, d.out(name).message = "unreachable" if name in lost else "failed", why
     return d.refuse("making the derivations failed; no host was switched: "
-                    + "; ".join(f"{n}: {why}" for n, why in failed.items()), unreachable=bool(lost))
+                    + "; ".join(named(n, why) for n, why in failed.items()), unreachable=bool(lost))

@@ -8,6 +8,7 @@ from typing import Any
 
 from builder.audit import AuditOptions, Loaded, run_audit
 from builder.deploy.fleetwork import Fleetwork
+from builder.errors import named
 
 
 def audit(
@@ -48,7 +49,7 @@ def problems(report: Any) -> str:
     """The hosts that did not pass, and why (an AuditReport, or its JSON)."""
     if isinstance(report, dict):
         hosts = report.get("hosts") or {}
-        bad = [f"{n}: {h.get('message') or h.get('status')}" for n, h in hosts.items() if h.get("status") != "pass"]
+        bad = [named(n, h.get("message") or h.get("status")) for n, h in hosts.items() if h.get("status") != "pass"]
     else:
-        bad = [f"{h.name}: {h.first_problem() or h.status}" for h in report.hosts if h.status != "pass"]
+        bad = [named(h.name, h.first_problem() or h.status) for h in report.hosts if h.status != "pass"]
     return "; ".join(bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")

@@ -4,7 +4,7 @@ the start, in the lane's order, each rank until it is ready, then the head's hea
 from __future__ import annotations
 
 from builder.deploy.fleetwork import Fleetwork, each, explain
-from builder.errors import BuilderError
+from builder.errors import BuilderError, named
 from builder.inputs.hosts import Host
 from builder.launch import container_name
 from builder.launch.order import start_groups, stop_groups
@@ -42,7 +42,7 @@ def start_all(w: Fleetwork) -> None:
     for group in start_groups(w.fleet, w.lane):
         for h, _, err in each(group, start, len(group)):
             if err is not None:
-                raise BuilderError(explain(err) if str(err).startswith(h.name) else f"{h.name}: {explain(err)}")
+                raise BuilderError(named(h.name, explain(err)))
     ok, reason = w.op(w.head).wait(
         container_name(w.lane_name, w.head.rank),
         ready={"kind": "health", "port": s.port, "path": w.lane.health}, timeout=t,

@@ -9,7 +9,7 @@ from builder.deploy.deployment import Deployment
 from builder.deploy.fleetaudit import audit, problems
 from builder.deploy.fleetwork import each, explain, short
 from builder.deploy.report import DeployReport
-from builder.errors import BuilderError, UnreachableError
+from builder.errors import BuilderError, UnreachableError, named
 from builder.ship import ShipOptions, ship
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def stage(d: Deployment) -> bool:
             except UnreachableError:
                 raise
             except BuilderError as e:
-                w.say(f"{h.name}: {e}; shipping the bundle instead")
+                w.say(named(h.name, f"{e}; shipping the bundle instead"))
 
         r = ship(
             w.opts.root,
@@ -54,7 +54,7 @@ def stage(d: Deployment) -> bool:
             o.result = "unreachable" if isinstance(err, UnreachableError) else "failed"
             o.message = explain(err)
             d.rep.unreachable = d.rep.unreachable or isinstance(err, UnreachableError)
-            w.say(f"{h.name}: staging failed: {o.message}")
+            w.say(named(h.name, o.message, "staging failed"))
         else:
             o.result, o.message = "staged", msg
             w.say(f"{h.name}: {msg}: bundle {short(d.bundles[h.name].bundle_id)}")

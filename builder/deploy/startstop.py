@@ -19,6 +19,7 @@ from builder.deploy.fleetwork import Fleetwork, explain, fleet_command
 from builder.deploy.options import DeployOptions, Say, command
 from builder.deploy.rankorder import start_all, stop_all
 from builder.deploy.report import DeployReport, FleetResult, outcomes
+from builder.errors import named
 
 
 def start(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
@@ -70,14 +71,14 @@ def _start(w: Fleetwork, rep: DeployReport) -> None:
                 rep.host(name).result, rep.host(name).message = "failed", why
             rep.result = "refused"
             rep.reason = "making the derivations failed; nothing was started: " + "; ".join(
-                f"{n}: {why}" for n, why in failed.items())
+                named(n, why) for n, why in failed.items())
             return
         if not _audit(w, rep, "preflight", "refused", "the preflight audit failed; nothing was started", snap):
             return
         if any(w.states[h.name].containers for h in w.hosts):
             stopped = stop_all(w)  # a fleet partly up: stop every rank first, head first
             if stopped:
-                rep.result, rep.reason = "failed", "; ".join(f"{n}: {why}" for n, why in stopped.items())
+                rep.result, rep.reason = "failed", "; ".join(named(n, why) for n, why in stopped.items())
                 return
         try:
             start_all(w)

@@ -10,7 +10,7 @@ from builder.deploy.fleetaudit import audit, problems
 from builder.deploy.fleetwork import each, explain, short
 from builder.deploy.rankorder import start_all, stop_all
 from builder.deploy.report import outcomes
-from builder.errors import BuilderError, UnreachableError
+from builder.errors import BuilderError, UnreachableError, named
 
 if TYPE_CHECKING:
     from builder.inputs.hosts import Host
@@ -22,7 +22,7 @@ def forward(d: Deployment) -> None:
     w = d.w
     failed = stop_all(w, only={w.head.name})  # the head first: no new worker ever meets an old head
     if failed:
-        raise BuilderError("; ".join(f"{n}: {why}" for n, why in failed.items()))
+        raise BuilderError("; ".join(named(n, why) for n, why in failed.items()))
     d.phase("switching")
 
     def stop_and_switch(h: Host) -> str:

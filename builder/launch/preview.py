@@ -9,6 +9,7 @@ the recipe never said is listed in ``unknown``.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,59 @@ def launch(opts: LaunchOptions) -> dict[str, Any]:
         "unresolved": unresolved,
         "unknown": list(lane.unknown),
     }
+
+
+def ready_text(ready: dict[str, Any]) -> str:
+    """A rank's readiness (rank.ready_spec's) in words."""
+    kind = ready.get("kind")
+    if kind == "health":
+        text = f"HTTP 200 from {ready['path']} on port {ready['port']}"
+    elif kind == "port":
+        text = f"a TCP listener on 127.0.0.1:{ready['port']}"
+    elif kind == "log":
+        text = f"a log line matching {ready['pattern']}"
+    else:
+        text = "running for 3 s"
+    return text + ("; until then it waits for a peer" if ready.get("peer") else "")
+
+
+def in_start_order(out: dict[str, Any]) -> list[dict[str, Any]]:
+    """launch()'s hosts in the lane's start order."""
+    by_name = {h["host"]: h for h in out["hosts"]}
+    return [by_name[n] for n in out["start_order"] if n in by_name]
+
+
+def shell_lines(out: dict[str, Any]) -> list[str]:
+    """launch() as a shell script's lines: what each rank runs, in the order the ranks start; every
+    line but the `docker run`s (and each derivation's) a comment."""
+    img = out["image"]
+    lines = [
+        f"# fleet {out['fleet']}, lane {out['lane']}: image {img['name']} ({img['state']}) {img['ref']}",
+        f"# start order ({out['start']}): {' -> '.join(out['start_order'])}; the lane is ready when "
+        f"{out['health']['path']} answers on port {out['health']['port']} (at most {out['start_timeout']} s a "
+        f"rank); stop order: {' -> '.join(out['stop_order'])}",
+    ]
+    if out["mount_targets"]["state"] != "none":
+        lines.append(f"# mount targets: {out['mount_targets']['state']} ({out['mount_targets']['why']})")
+    for i, h in enumerate(in_start_order(out), 1):
+        floor = f"; refused below {h['min_available_gib']} GiB MemAvailable" if h["min_available_gib"] else ""
+        lines += ["", f"# {i}. {h['host']}: rank {h['rank']} ({h['role']}), ready: {ready_text(h['ready'])}{floor}"]
+        lines += [f"#   {k}={v}" for k, v in h["env"].items()]
+        for d in h.get("derivations") or []:
+            lines.append(f"#   derivation {d['name']} (made before start, into {d['path']}): {shlex.join(d['argv'])}")
+        lines.append(shlex.join(h["argv"]))
+    lines += [f"# unresolved: {why}" for why in out["unresolved"]]
+    lines += [f"# UNKNOWN: {what}" for what in out["unknown"]]
+    return lines
+
+
+def table_rows(out: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """launch() as a table: one row per rank, in the order the ranks start."""
+    cols = ["start", "host", "rank", "role", "container", "ready", "derivations", "command"]
+    rows = []
+    for i, h in enumerate(in_start_order(out), 1):
+        image_at = h["argv"].index(out["image"]["ref"]) if out["image"]["ref"] in h["argv"] else len(h["argv"])
+        rows.append([str(i), h["host"], str(h["rank"]), h["role"], h["container"], ready_text(h["ready"]),
+                     ", ".join(d["name"] for d in h.get("derivations") or []) or "-",
+                     shlex.join(h["argv"][image_at:])])
+    return cols, rows

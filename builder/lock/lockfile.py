@@ -239,6 +239,11 @@ class LockCheck:
 
     ok: bool
     problems: list[str] = field(default_factory=list)
+    #: of the inputs missing from the lock, those whose pins give no hash: input -> what is UNKNOWN and
+    #: where only it can come from (builder.lock.unknown fills it)
+    unknown: dict[str, str] = field(default_factory=dict)
+    #: the lanes none of whose inputs is UNKNOWN (builder.lock.unknown fills it)
+    complete_lanes: list[str] = field(default_factory=list)
 
 
 def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None) -> LockCheck:
