@@ -302,23 +302,47 @@ def test_one_label_filter_selects_a_lanes_containers() -> None:
         "ids=$(docker ps -aq --filter 'label=io.builder.lane=my lane' --filter label=io.builder.rank=0) && ")
 
 
-def _launch_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """`builder launch ARGS` on the shipped project (its demo lane and test fleet), colour off, wide."""
+_TWO_HOSTS = """
+[fleet]
+name = "two"
+lane = "demo"
+
+[[hosts]]
+name = "spark-test-1"
+ssh = "spark-test-1"
+address = "10.0.0.1"
+rank = 0
+role = "head"
+
+[[hosts]]
+name = "spark-test-2"
+ssh = "spark-test-2"
+address = "10.0.0.2"
+rank = 1
+role = "worker"
+"""
+
+
+def _launch_cli(hosts_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`builder launch ARGS` on the shipped project's demo lane, for the fleet of ``hosts_dir``, colour
+    off, wide."""
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")} | {"NO_COLOR": "1", "COLUMNS": "400"}
-    return subprocess.run([sys.executable, "-m", "builder", "--pins", str(root / "pins.toml"), "launch", *args],
+    return subprocess.run([sys.executable, "-m", "builder", "--pins", str(root / "pins.toml"), "launch",
+                           "--hosts-dir", str(hosts_dir), *args],
                           cwd=root, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_launch_prints_the_shell_form_a_table_or_json_in_start_order() -> None:
-    js = _launch_cli("--fleet", "test-fleet", "--json")
+def test_launch_prints_the_shell_form_a_table_or_json_in_start_order(tmp_path: Path) -> None:
+    (tmp_path / "two.toml").write_text(_TWO_HOSTS)
+    js = _launch_cli(tmp_path, "--fleet", "two", "--json")
     assert js.returncode == 0, js.stderr
     out = json.loads(js.stdout)
     order = out["start_order"]
     assert order == ["spark-test-2", "spark-test-1"]  # workers first
     argv = {h["host"]: h["argv"] for h in out["hosts"]}
 
-    shell = _launch_cli("--fleet", "test-fleet")
+    shell = _launch_cli(tmp_path, "--fleet", "two")
     assert shell.returncode == 0, shell.stderr
     runs = [ln for ln in shell.stdout.splitlines() if not ln.startswith("#") and ln.strip()]
     assert runs == [shlex.join(argv[h]) for h in order]  # what each rank runs, in the order they start
@@ -327,7 +351,7 @@ def test_launch_prints_the_shell_form_a_table_or_json_in_start_order() -> None:
     assert "ready: HTTP 200 from /health on port 8080" in heads[1], heads
     assert "ready: a TCP listener on 127.0.0.1:8080; until then it waits for a peer" in heads[0], heads
 
-    table = _launch_cli("--fleet", "test-fleet", "--table")
+    table = _launch_cli(tmp_path, "--fleet", "two", "--table")
     assert table.returncode == 0, table.stderr
     rows = [[c.strip() for c in ln.strip("│").split("│")] for ln in table.stdout.splitlines() if ln.startswith("│")]
     assert [(r[0], r[1]) for r in rows] == [("1", "spark-test-2"), ("2", "spark-test-1")], table.stdout
