@@ -43,7 +43,6 @@ from builder.bundle.render import (
     make_fleet_bundles,
     parse_size,
     rank_launch,
-    rank_models,
     render_bundle,
 )
 from builder.bundle.verifydir import crypto_sig_check, verify_dir, verify_with_key
@@ -63,7 +62,6 @@ __all__ = [
     "parse_size",
     "public_key_for",
     "rank_launch",
-    "rank_models",
     "read_public_key",
     "render_bundle",
     "signing_key_path",

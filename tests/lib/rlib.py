@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import math
 import os
 import signal
 import subprocess
@@ -127,13 +126,6 @@ def timed(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> floa
     p = subprocess.run(argv, cwd=cwd, env=builder_env(env), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     return time.monotonic() - t0
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
 def record_figures(name: str, figures: dict[str, Any]) -> None:
