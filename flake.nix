@@ -12,7 +12,7 @@
       # that this list matches pyproject.toml's [project.dependencies] (and dev extras).
       # paramiko is a runtime dependency: the docker SDK's ssh:// transport (DOCKER_HOST=ssh://...) needs it.
       pythonDeps = [ "click" "pydantic" "rich" "docker" "huggingface-hub" "cryptography" "pytest-testinfra" "pytest" "paramiko" ];
-      pythonDevDeps = [ "hypothesis" "pytest-xdist" "mypy" ];
+      pythonDevDeps = [ "hypothesis" "pytest-xdist" "mypy" "vulture" ];
       # Tools builder calls at run time.
       runtimeTools = [ "git" "docker-client" "zstd" "openssh" "openssl" "minisign" ];
 
