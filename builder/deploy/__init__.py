@@ -2,7 +2,7 @@
 
 - ``rollout``: ``deploy``, step by step (bundles, facts, the no-op or the plan, stage everywhere, the
   preflight gate, the switch, the serving audit; any failure after the first change rolls back);
-- ``plan``: the dry run's plan, the no-op (only audit), and what an unfinished deploy left;
+- ``dryrun``: the dry run's plan, the no-op (only audit), and what an unfinished deploy left;
 - ``stage``, ``switch``, ``rollback``: the deploy's three moves on the fleet;
 - ``deployment``: one deploy's state (the fleet, report, bundles, journal) that those steps share;
 - ``fleetwork``: one command's view of a fleet: its inventory and lane, one connection per host, the
@@ -18,4 +18,4 @@
 
 from __future__ import annotations
 
-# (no imports here: `builder deploy` starts the likely no-op's audit before it loads the rest)
+# (nothing is gathered here: callers import the module they use, builder.deploy.rollout and the rest)
