@@ -22,7 +22,6 @@ min_free_disk_gib, nfs_mounts, rdma, memory_wait_s  # expect.* read by checks/te
 # attributes another library reads or methods it calls
 _.create_system  # zipfile: the ZipInfo's system, so that external_attr is read as a unix mode
 _.readable  # io.RawIOBase: BufferedReader asks its raw stream
-_.render  # rich ProgressColumn: rich calls render(task) on each column
 _.list_commands, _.get_command, _.format_commands  # click.Group: click calls these to list and load commands
 _.desc, _.disable, _.format_dict  # huggingface_hub's tqdm-like progress object: the hub reads these
 _.update_transfer, _.set_postfix_str, _.set_transfer_postfix_str, _.set_description  # ... and calls these
