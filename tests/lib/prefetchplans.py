@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from builder import hostscripts as hf
+from builder import hostscripts as hs
 from builder.foundation.canon import atomic_write
 from tests.lib.checkmods import checklib_fresh, concerns_for
 
@@ -51,7 +51,7 @@ def variant(name: str) -> dict[str, Any]:
 
 def shown(cmd: tuple[str, ...]) -> list[str]:
     """A command with each fact module's source as its name (the plans stay a few KiB)."""
-    names = {getattr(hf, n): f"<{n}>" for n in ("BATCH", "FILES", "FABRIC", "SERVE", "MEMORY", "DERIVE")}
+    names = {getattr(hs, n): f"<{n}>" for n in ("BATCH", "FILES", "FABRIC", "SERVE", "MEMORY", "DERIVE")}
     return [names.get(a, a) for a in cmd]
 
 
