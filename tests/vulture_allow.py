@@ -7,17 +7,20 @@ Run: ``python3 -m vulture`` (.ci/run's lint step and tests/test_deadcode.py do).
 # ruff: noqa: B018, F821
 
 # pydantic calls these: the validators of builder/inputs (decorated @field_validator / @model_validator)
-_._absolute, _._by_digest, _._caps, _._in_images, _._inputs_only, _._inside, _._ipv4
-_._known_platforms, _._one, _._one_kind_of_image, _._one_origin, _._output, _._ranks
-_._references, _._registry_url, _._relative, _._ssh_target, _._ulimits, _._whole
+_._ipv4, _._absolute, _._ssh_target, _._registry_url, _._ranks  # builder/inputs/hosts.py
+_._ulimits, _._caps, _._one, _._output, _._inputs_only, _._whole  # builder/inputs/lanes.py (and a _ranks)
+_._relative, _._known_platforms, _._in_images, _._by_digest, _._inside  # builder/inputs/pins.py
+_._one_origin, _._one_kind_of_image, _._references  # builder/inputs/pins.py
 model_config  # pydantic reads a model's settings from this class attribute
 
 # schema fields written out as JSON (pins.lock; the host's expectations the checks/ suite reads as a dict)
 generated  # pins.lock's `_generated` header line
 inputs_hash  # pins.lock's hash of the inputs (docs/lock.md)
 enabled, timeout_s  # hosts/*.toml burn gate: checks/test_burn.py reads burn["enabled"], burn["timeout_s"]
-gpu_clock_mhz, min_free_memory_gib, max_swap_used_gib  # expect.* read by checks/test_gpu.py, test_memory.py
-min_free_disk_gib, nfs_mounts, rdma, memory_wait_s  # expect.* read by checks/test_storage.py, test_fabric.py
+gpu_clock_mhz  # expect.gpu_clock_mhz, read by checks/test_gpu.py
+min_free_memory_gib, max_swap_used_gib, memory_wait_s  # expect.*, read by checks/test_memory.py
+min_free_disk_gib, nfs_mounts  # expect.*, read by checks/test_storage.py
+rdma  # expect.rdma, read by checks/test_fabric.py
 
 # attributes another library reads or methods it calls
 _.create_system  # zipfile: the ZipInfo's system, so that external_attr is read as a unix mode
