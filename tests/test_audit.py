@@ -17,21 +17,14 @@ import pytest
 from builder import audit as core
 from builder.audit import runner
 from builder.lock.lockfile import load_lock
-from tests.lib import auditlib, factory
+from tests.lib import auditlib, clirun, factory
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = [factory.host("a", 0, ssh="node-a"), factory.host("b", 1, ssh="node-b")]
 
 
 def cli(root: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    e = dict(os.environ, PYTHONPATH=str(ROOT), NO_COLOR="1", **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "builder", "--pins", str(root / "pins.toml"), *args],
-        capture_output=True,
-        text=True,
-        env=e,
-        timeout=300,
-    )
+    return clirun.run(*args, pins=root / "pins.toml", env=clirun.environment(env), timeout=300)
 
 
 def tripwire_project(tmp_path: Path, fleet_text: str | None = None, **kw: Any) -> tuple[Path, Path]:

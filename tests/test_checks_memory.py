@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import testinfra
 
-from builder import hostscripts as hf
+from builder import hostscripts as hs
 from builder.hostscripts import memory
 from tests.lib import fleetlib
 from tests.lib.checkmods import check_module, checklib_fresh, concerns_for, count_commands, local_expect
@@ -30,8 +30,8 @@ ID1, ID2, ID3 = "a" * 64, "b" * 64, "c" * 64
 
 
 def test_the_module_is_standard_library_only_and_sent_as_it_is() -> None:
-    src = hf.source("memory")
-    assert src == hf.MEMORY == (Path(hf.__file__).parent / "memory.py").read_text()
+    src = hs.source("memory")
+    assert src == hs.MEMORY == (Path(hs.__file__).parent / "memory.py").read_text()
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
     for node in ast.walk(ast.parse(src)):
         mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
@@ -168,18 +168,18 @@ def facts_of(**containers: tuple[str, int | None, list[int]]) -> dict[str, Any]:
 def test_holders_credit_the_lanes_own_container_and_name_the_others() -> None:
     facts = facts_of(**{ID1: ("builder-x-r0", 80 * GiB, [100, 101]), ID2: ("foo", 60 * GiB, [200]),
                         ID3: ("unread", None, [300])})
-    mine, others, procs = hf.memory_holders(facts, {ID1})
+    mine, others, procs = hs.memory_holders(facts, {ID1})
     assert mine == [("builder-x-r0", 80 * GiB)]
     assert others == [("foo", 60 * GiB), ("unread", 0)]
     assert procs == [("pid 4242 python3", 12 * GiB), ("pid 7 sshd", 5 * MiB)]
     # a GPU whose memory is the host's: each compute process's memory goes to its container or process
     gpu = [(101, "VLLM::Worker", 70 * GiB), (200, "llama", GiB), (4242, "python3", GiB), (999, "other", 2 * GiB)]
-    mine, others, procs = hf.memory_holders(facts, {ID1}, gpu)
+    mine, others, procs = hs.memory_holders(facts, {ID1}, gpu)
     assert mine == [("builder-x-r0", 150 * GiB)]
     assert others[0] == ("foo", 61 * GiB)
     assert procs == [("pid 4242 python3", 13 * GiB), ("pid 999 other", 2 * GiB), ("pid 7 sshd", 5 * MiB)]
     # not the lane's own (nothing running the installed release): every container is another's
-    mine, others, _ = hf.memory_holders(facts, set())
+    mine, others, _ = hs.memory_holders(facts, set())
     assert mine == [] and [n for n, _ in others] == ["builder-x-r0", "foo", "unread"]
 
 
@@ -189,17 +189,17 @@ def test_the_shortfall_message_names_the_biggest_other_holders() -> None:
     others = [("foo", int(60.1 * GiB)), ("bar", GiB), ("baz", 512 * MiB), ("qux", 100 * MiB), ("tiny", 10 * MiB)]
     procs = [("pid 4242 python3", 12 * GiB)]
     # 35.2 GiB available + 60 GiB held by the lane = 95.2 < 112
-    msg = hf.memory_shortfall(int(35.2 * kib), 112, own, others, procs)
+    msg = hs.memory_shortfall(int(35.2 * kib), 112, own, others, procs)
     assert msg == ("MemAvailable: expected >= 112 GiB (with 60.0 GiB held by the lane's own container "
                    "builder-x-r0), found 35.2 GiB; other containers: foo 60.1 GiB, bar 1.0 GiB, baz 0.5 GiB "
                    "(+1 more); other processes: pid 4242 python3 12.0 GiB")
     # the lane's own memory makes up the rest: it is freed when deploy stops the rank
-    assert hf.memory_shortfall(int(35.2 * kib), 112, [("builder-x-r0", 80 * GiB)], others, procs) == ""
-    assert hf.memory_shortfall(112 * kib, 112, [], others, procs) == ""
+    assert hs.memory_shortfall(int(35.2 * kib), 112, [("builder-x-r0", 80 * GiB)], others, procs) == ""
+    assert hs.memory_shortfall(112 * kib, 112, [], others, procs) == ""
     # nothing of the lane's: the plain message, holders under 64 MiB not named
-    msg = hf.memory_shortfall(35 * kib, 112, [], [("tiny", 10 * MiB)], [], note="why")
+    msg = hs.memory_shortfall(35 * kib, 112, [], [("tiny", 10 * MiB)], [], note="why")
     assert msg == "MemAvailable: expected >= 112 GiB, found 35.0 GiB (why)"
-    two = hf.memory_shortfall(0, 1, [("a", 100 * MiB), ("b", 100 * MiB)], [], [])
+    two = hs.memory_shortfall(0, 1, [("a", 100 * MiB), ("b", 100 * MiB)], [], [])
     assert "(with 0.2 GiB held by the lane's own containers a, b)" in two
 
 

@@ -9,18 +9,17 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from builder import hostscripts as hf
 from builder.audit import AuditOptions
 from builder.audit.concerns import Concern, declared, read_declaration
 from builder.errors import ConfigError
-from tests.lib.checkmods import CHECKS, check_module, checklib_fresh, concerns_for
+from tests.lib import prefetchplans
+from tests.lib.checkmods import CHECKS, check_module
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ("image", "release", "models", "engram", "gpu", "burn", "memory", "fabric", "storage", "runtime", "serving")
+NAMES = prefetchplans.NAMES  # the concerns the check modules declare, in their order
 
 
 def test_every_check_module_declares_its_concern_readably() -> None:
@@ -53,54 +52,24 @@ def test_the_phases_select_what_they_did() -> None:
     assert {c.name for c in have if c.containers} == {"runtime", "serving", "gpu", "burn", "memory"}
 
 
-# Each host's expectations with every want on ("full", "hashing": --mode full) or off ("bare"), and
-# the selections whose plans tests/data/prefetch_plans.json holds: what checklib.planned gave for them
-# when it planned every concern itself.
-VARIANTS = ("full", "hashing", "bare")
-SELECTIONS = {**{c: [c] for c in NAMES}, "preflight": [c for c in NAMES if c != "serving"], "all": list(NAMES),
-              "image+runtime": ["image", "runtime"], "release+gpu": ["release", "gpu"]}
+def test_the_prefetch_plans_are_what_their_generator_writes(tmp_path: Path) -> None:
+    """tests/data/prefetch_plans.json is, byte for byte, what `python3 -m tests.lib.prefetchplans --write`
+    writes: each host variant's and selection's commands, in the order checklib.planned gives them."""
+    out = tmp_path / prefetchplans.GOLDEN.name
+    p = subprocess.run([sys.executable, "-m", "tests.lib.prefetchplans", "--write", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout == "", p.stdout + p.stderr
+    if out.read_bytes() != prefetchplans.GOLDEN.read_bytes():
+        have, want = json.loads(out.read_text()), json.loads(prefetchplans.GOLDEN.read_text())
+        changed = sorted(c for c in have.keys() | want.keys() if have.get(c) != want.get(c)) or "its layout"
+        pytest.fail(f"{prefetchplans.GOLDEN}: the generator gives other plans for {changed}; "
+                    "`python3 -m tests.lib.prefetchplans --write` writes them")
 
 
-def variant(name: str) -> dict[str, Any]:
-    on = name != "bare"
-    return {
-        "lane": "demo",
-        "host": {"name": "h", "rank": 0 if on else 1, "role": "head" if on else "worker"},
-        "mode": "full" if name == "hashing" else "fast",
-        "hash_jobs": 4,
-        "paths": {"engram": "/srv/engram/", "models": "/srv/models"},
-        "applied_path": "/var/lib/builder/state/applied.json",
-        "current_path": "/var/lib/builder/current",
-        "image": {"image_id": "sha256:ab", "tag": "builder/demo:1"} if on else None,
-        "models": [{"root": "/srv/models/tiny", "files": [{"path": "/srv/models/tiny/w.bin"},
-                                                           {"path": "/srv/models/tiny/c.json"}]}] if on else [],
-        "derivations": {"derivations": [{"name": "d"}]} if on else None,
-        "expect": {
-            "docker": on, "gpu_count": 1 if on else 0, "min_free_memory_gib": 1 if on else None, "rdma": on,
-            "nfs_mounts": ["/mnt/a", "/mnt/b"] if on else [], "min_free_disk_gib": 1 if on else None,
-        },
-    }
-
-
-def shown(cmd: tuple[str, ...]) -> list[str]:
-    """A command with each fact module's source as its name (the plans stay a few KiB)."""
-    names = {getattr(hf, n): f"<{n}>" for n in ("BATCH", "FILES", "FABRIC", "SERVE", "MEMORY", "DERIVE")}
-    return [names.get(a, a) for a in cmd]
-
-
-@pytest.mark.parametrize("case", [f"{v}/{s}" for v in VARIANTS for s in SELECTIONS])
-def test_each_selection_prefetches_what_it_did(case: str) -> None:
-    """One concern's plan is the same commands in the same order; several concerns' plans are the
-    same commands (each concern's in a row, where the one plan had them by kind)."""
-    cl: Any = checklib_fresh()
-    before = json.loads((ROOT / "tests" / "data" / "prefetch_plans.json").read_text())[case]
-    v, sel = case.split("/")
-    expect = {**variant(v), "concerns": SELECTIONS[sel]}
-    now = [shown(c) for c in cl.planned(expect, concerns_for(expect))]
-    if len(SELECTIONS[sel]) == 1:
-        assert now == before
-    else:
-        assert sorted(now) == sorted(before) and len(now) == len(before)
+def test_the_generator_covers_every_concern_and_variant() -> None:
+    golden = json.loads(prefetchplans.GOLDEN.read_text())
+    assert list(golden) == prefetchplans.cases()
+    assert all(golden[f"{v}/all"] for v in prefetchplans.VARIANTS)
 
 
 def test_the_readme_and_the_docs_list_the_declared_concerns() -> None:

@@ -45,7 +45,7 @@ from builder.foundation import sign
 from builder.foundation.ssh import tied
 from builder.inputs.hosts import find_fleet
 from builder.lock.lockfile import load_lock
-from tests.lib import auditlib, factory, fleetlib
+from tests.lib import auditlib, clirun, factory, fleetlib
 from tests.lib import bundlelib as bl
 from tests.lib import deploylib as dl
 from tests.lib.bundlelib import bundle, install, run_installer
@@ -248,20 +248,15 @@ def test_bundles_made_again_name_their_key_and_a_home_key_needs_asking(
 def test_unknown_fleet_is_one_line_and_exit_2(tmp_path: Path, project_root: Path) -> None:
     for cmd in (["deploy", "--fleet", "nope"], ["status", "--fleet", "nope"], ["start", "--fleet", "nope"],
                 ["stop", "--fleet", "nope"]):
-        p = subprocess.run(
-            [sys.executable, "-m", "builder", "--store", str(tmp_path / "store"), *cmd],
-            cwd=project_root, capture_output=True, text=True, timeout=120,
-        )
+        p = clirun.run(*cmd, cwd=project_root, store=tmp_path / "store", timeout=120)
         assert p.returncode == 2, (cmd, p.stderr)
         lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and "no fleet named 'nope'" in lines[0] and "Traceback" not in p.stderr, p.stderr
 
 
 def test_a_repair_has_no_dry_run(tmp_path: Path, project_root: Path) -> None:
-    p = subprocess.run(
-        [sys.executable, "-m", "builder", "--store", str(tmp_path / "store"), "deploy", "--fleet", "f", "--repair",
-         "--dry-run"], cwd=project_root, capture_output=True, text=True, timeout=120,
-    )
+    p = clirun.run("deploy", "--fleet", "f", "--repair", "--dry-run", cwd=project_root, store=tmp_path / "store",
+                   timeout=120)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "--repair with --dry-run" in lines[0], p.stderr
 

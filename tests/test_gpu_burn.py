@@ -164,10 +164,10 @@ def test_matmul_needs_torch_alone_and_is_sent_as_it_is() -> None:
     """The load runs in the lane's image: its top level is the standard library; torch only in burn()."""
     import ast
 
-    from builder import hostscripts as hf
+    from builder import hostscripts as hs
 
-    src = hf.source("matmul")
-    assert src == hf.MATMUL
+    src = hs.source("matmul")
+    assert src == hs.MATMUL
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
     tree = ast.parse(src)
     top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
@@ -189,9 +189,9 @@ def test_the_profiles_command_is_filled_in_one_pass() -> None:
 
 
 def hostscripts_source(name: str) -> str:
-    from builder import hostscripts as hf
+    from builder import hostscripts as hs
 
-    return hf.source(name)
+    return hs.source(name)
 
 
 @pytest.mark.parametrize("run", ["h200-2026-12-04-audit", "h200-2026-12-04-final"])

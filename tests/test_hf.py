@@ -16,7 +16,7 @@ from builder.errors import ConfigError, ResolveError
 from builder.inputs.pins import HfModel
 from builder.lock import hf
 from builder.lock.lockfile import LockedModel
-from tests.lib import factory
+from tests.lib import clirun, factory
 from tests.lib.fakehub import FakeHub
 
 TOKEN = "hf_FakeTokenForTests0123456789abcdefXYZ"
@@ -132,14 +132,8 @@ def test_cli_lock_against_the_fake_hub_keeps_the_token_out(hub: FakeHub, tmp_pat
     proj = tmp_path / "proj"
     proj.mkdir()
     factory.write_pins(proj, factory.pins(models={"m": factory.model("org/model")}))
-    env = dict(os.environ, NO_COLOR="1")
-    p = subprocess.run(
-        [sys.executable, "-m", "builder", "--pins", str(proj / "pins.toml"), "lock", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=proj,
-    )
+    env: dict[str, str] = {}  # (what the child gets beyond tests.lib.clirun.environment())
+    p = clirun.run("lock", "--json", cwd=proj, pins=proj / "pins.toml", env=clirun.environment(env))
     assert p.returncode == 0, p.stderr
     lock = (proj / "pins.lock").read_text()
     assert json.loads(lock)["models"]["m"]["commit"] == commit
@@ -147,13 +141,7 @@ def test_cli_lock_against_the_fake_hub_keeps_the_token_out(hub: FakeHub, tmp_pat
     # a failure is one line, exit 1, no token
     factory.write_pins(proj, factory.pins(models={"m": factory.model("org/gone")}))
     env["HF_TOKEN"] = TOKEN
-    p = subprocess.run(
-        [sys.executable, "-m", "builder", "--pins", str(proj / "pins.toml"), "lock"],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=proj,
-    )
+    p = clirun.run("lock", cwd=proj, pins=proj / "pins.toml", env=clirun.environment(env))
     assert p.returncode == 1 and "Traceback" not in p.stderr and TOKEN not in p.stderr
     assert [ln for ln in p.stderr.splitlines() if ln.startswith("error:")][0].startswith(
         "error: models.m: org/gone@main"

@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from builder.inputs.hosts import (
     load_fleets,
     ssh_config_file,
 )
-from tests.lib import auditlib, factory
+from tests.lib import auditlib, clirun, factory
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,9 +110,7 @@ def test_inventory_accepts_the_shipped_fleets() -> None:
 
 
 def _cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "builder", "--pins", str(root / "pins.toml"), *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    return clirun.run(*args, pins=root / "pins.toml", timeout=300)
 
 
 @pytest.mark.parametrize("target", ["-oProxyCommand=sh -c 'touch MARKER'", "spark@host:22x"])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from builder import hostscripts as hf
+from builder import hostscripts as hs
 from builder.hostscripts import batch, fabric, lane, serve
 from builder.hostscripts import filefacts as files
 from tests.lib import fleetlib
@@ -29,9 +29,9 @@ HOST_MODULES = ("batch", "filefacts", "fabric", "serve", "lane", "burnload", "gp
 
 def batch_run(items: list[object], seconds: float = 1) -> tuple[dict[str, tuple[int, bytes, bytes]], float]:
     start = time.monotonic()
-    r = subprocess.run([sys.executable, "-I", "-S", "-c", hf.BATCH, json.dumps(items), f"{seconds:g}"],
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", hs.BATCH, json.dumps(items), f"{seconds:g}"],
                        capture_output=True, text=True, check=True, timeout=120)
-    return hf.parse_batch(r.stdout), time.monotonic() - start
+    return hs.parse_batch(r.stdout), time.monotonic() - start
 
 
 def gone(pattern: str) -> bool:
@@ -45,8 +45,8 @@ def gone(pattern: str) -> bool:
 
 @pytest.mark.parametrize("name", HOST_MODULES)
 def test_host_modules_are_standard_library_only_and_sent_as_they_are(name: str) -> None:
-    src = hf.source(name)
-    assert src == (Path(hf.__file__).parent / f"{name}.py").read_text()
+    src = hs.source(name)
+    assert src == (Path(hs.__file__).parent / f"{name}.py").read_text()
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, ast.Import):
@@ -107,13 +107,13 @@ def test_files_hashes_what_an_apply_record_names(tmp_path: Path) -> None:
     rec = tmp_path / "applied.json"
     rec.write_text(json.dumps({"files": [{"path": "start.sh"}, {"path": "sub/x"}, {"path": "gone"}]}))
     req = {"record": str(rec), "under": str(rel), "hash": True, "jobs": 2}
-    r = subprocess.run([sys.executable, "-I", "-S", "-c", hf.FILES, json.dumps(req)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", hs.FILES, json.dumps(req)], capture_output=True, text=True)
     got = json.loads(r.stdout)
     assert list(got) == [f"{rel}/start.sh", f"{rel}/sub/x", f"{rel}/gone"]
     assert got[f"{rel}/sub/x"]["sha256"] == hashlib.sha256(b"x").hexdigest() and "error" in got[f"{rel}/gone"]
     for bad in ("not json", json.dumps({"files": "start.sh"}), json.dumps([1])):
         rec.write_text(bad)
-        r = subprocess.run([sys.executable, "-I", "-S", "-c", hf.FILES, json.dumps(req)], capture_output=True,
+        r = subprocess.run([sys.executable, "-I", "-S", "-c", hs.FILES, json.dumps(req)], capture_output=True,
                            text=True)
         assert r.returncode == 1 and r.stdout == "" and "no apply record" in r.stderr, bad
     assert files.recorded_paths(str(tmp_path / "none.json"), str(rel)) is None
@@ -125,13 +125,13 @@ def test_files_runs_as_the_host_runs_it_and_reports_progress(tmp_path: Path) -> 
         (tmp_path / "d" / str(i) / "f").write_bytes(b"x" * (9 << 20 if i == 0 else 1))
     paths = [str(tmp_path / "d" / str(i) / "f") for i in range(3)]
     for arg, least in [
-        (hf.dumps({"paths": paths, "hash": True}), 3 + 2),  # each file, each 8 MiB
-        (hf.dumps({"roots": [str(tmp_path / "d")]}), 1 + 4),  # the root, each folder
+        (hs.dumps({"paths": paths, "hash": True}), 3 + 2),  # each file, each 8 MiB
+        (hs.dumps({"roots": [str(tmp_path / "d")]}), 1 + 4),  # the root, each folder
     ]:
         r, w = os.pipe()
         try:
             env = {"PATH": os.environ["PATH"], "BUILDER_PROGRESS_FD": str(w)}
-            p = subprocess.run([sys.executable, "-I", "-S", "-c", hf.FILES, arg], env=env, pass_fds=(w,),
+            p = subprocess.run([sys.executable, "-I", "-S", "-c", hs.FILES, arg], env=env, pass_fds=(w,),
                                capture_output=True, timeout=60, check=True)
             os.close(w)
             w = -1
@@ -144,7 +144,7 @@ def test_files_runs_as_the_host_runs_it_and_reports_progress(tmp_path: Path) -> 
                 os.close(w)
         assert json.loads(p.stdout) and len(ticks) >= least, (arg[:40], len(ticks))
     # run on its own (no $BUILDER_PROGRESS_FD), as a check runs it without the batch: no reports
-    p = subprocess.run([sys.executable, "-I", "-S", "-c", hf.FILES, hf.dumps({"paths": paths})],
+    p = subprocess.run([sys.executable, "-I", "-S", "-c", hs.FILES, hs.dumps({"paths": paths})],
                        env={"PATH": os.environ["PATH"]}, capture_output=True, timeout=60, check=True)
     assert set(json.loads(p.stdout)) == set(paths) and p.stderr == b""
 
@@ -165,9 +165,9 @@ def fake_sysfs(root: Path) -> None:
         w(f"{base}/state", state)
         w(f"{base}/gids/0", "fe80:0000:0000:0000:0000:0000:0000:0001")
         w(f"{base}/gid_attrs/types/0", "IB/RoCE v1")
-        w(f"{base}/gids/2", hf.roce_v2_gid(ip))
+        w(f"{base}/gids/2", hs.roce_v2_gid(ip))
         w(f"{base}/gid_attrs/types/2", "IB/RoCE v1")
-        w(f"{base}/gids/3", hf.roce_v2_gid(ip))
+        w(f"{base}/gids/3", hs.roce_v2_gid(ip))
         w(f"{base}/gid_attrs/types/3", "RoCE v2")
         w(f"{base}/gid_attrs/ndevs/3", "enp1s0f0np0")
         w(f"{base}/gids/4", "0000:0000:0000:0000:0000:0000:0000:0000")
@@ -178,7 +178,7 @@ def fake_sysfs(root: Path) -> None:
 def test_fabric_facts_and_gid_evaluation(tmp_path: Path) -> None:
     fake_sysfs(tmp_path)
     direct = {"rdma": fabric.rdma_devices(str(tmp_path)), "net": fabric.interfaces(str(tmp_path))}
-    r = subprocess.run([sys.executable, "-I", "-S", "-c", hf.FABRIC, str(tmp_path)], capture_output=True,
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", hs.FABRIC, str(tmp_path)], capture_output=True,
                        text=True, check=True)
     facts = json.loads(r.stdout)
     assert facts["rdma"] == direct["rdma"] and set(facts["net"]) >= set(direct["net"])
@@ -186,14 +186,14 @@ def test_fabric_facts_and_gid_evaluation(tmp_path: Path) -> None:
     port = facts["rdma"]["rocep1s0f0"]["1"]
     assert port["state"] == "4: ACTIVE" and "4" not in port["gids"]  # all-zero GIDs are dropped
     assert facts["net"]["enp1s0f0np0"]["mtu"] == 9000
-    assert hf.rail_gid(facts, "192.0.2.10") == ("rocep1s0f0", "1", "3")
-    assert hf.rail_gid(facts, "192.0.2.10", 3) == ("rocep1s0f0", "1", "3")
-    assert hf.rail_gid(facts, "192.0.2.10", 2) is None  # index 2 is the v1 entry
-    assert hf.rail_gid(facts, "192.0.2.10", "auto", ["roceP2p1s0f0"]) is None
-    assert hf.rail_gid(facts, "203.0.113.9") is None
+    assert hs.rail_gid(facts, "192.0.2.10") == ("rocep1s0f0", "1", "3")
+    assert hs.rail_gid(facts, "192.0.2.10", 3) == ("rocep1s0f0", "1", "3")
+    assert hs.rail_gid(facts, "192.0.2.10", 2) is None  # index 2 is the v1 entry
+    assert hs.rail_gid(facts, "192.0.2.10", "auto", ["roceP2p1s0f0"]) is None
+    assert hs.rail_gid(facts, "203.0.113.9") is None
     facts["net"]["enp1s0f0np0"]["ipv4"] = ["192.0.2.10"]
-    assert hf.iface_of(facts, "192.0.2.10") == "enp1s0f0np0"
-    assert hf.iface_of(facts, "192.0.2.11") is None
+    assert hs.iface_of(facts, "192.0.2.10") == "enp1s0f0np0"
+    assert hs.iface_of(facts, "192.0.2.11") is None
 
 
 #: a host whose proxy settings name a proxy that does not answer: requests to its own 127.0.0.1 must
@@ -224,8 +224,8 @@ def test_serve_answers_each_call_or_says_why(tmp_path: Path) -> None:
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         base = f"http://127.0.0.1:{srv.server_port}"
-        arg = hf.dumps({"base": base, "model": "demo", "timeout": 5})
-        r = subprocess.run([sys.executable, "-I", "-S", "-c", hf.SERVE, arg], capture_output=True, text=True,
+        arg = hs.dumps({"base": base, "model": "demo", "timeout": 5})
+        r = subprocess.run([sys.executable, "-I", "-S", "-c", hs.SERVE, arg], capture_output=True, text=True,
                            check=True, timeout=60, env=NO_PROXY_REACHABLE)
         # lane.py's state (deploy, status) asks the same /health
         req = {"do": "state", "root": str(tmp_path), "lane": "demo", "rank": 0, "health_port": srv.server_port,
@@ -252,12 +252,12 @@ def test_batch_runs_shell_and_python_items(tmp_path: Path) -> None:
     items = [
         f"cat {a}",
         fail,
-        ["py", "files", hf.FILES, json.dumps({"paths": [str(a)], "hash": True})],
+        ["py", "files", hs.FILES, json.dumps({"paths": [str(a)], "hash": True})],
         ["py", "raises", "raise ValueError('bad fact')", ""],
         ["py", "exits", "import sys; sys.stdout.write('x'); sys.exit(3)", ""],
         ["py", "says", "import sys; sys.stderr.write('why'); sys.exit(1)", ""],
         ["py", "broken", "def f(:", ""],
-        ["py", "files again", hf.FILES, json.dumps({"paths": [str(a)], "hash": False})],
+        ["py", "files again", hs.FILES, json.dumps({"paths": [str(a)], "hash": False})],
     ]
     got, _ = batch_run(items, 60)
     rc, _, err = got["broken"]
@@ -272,7 +272,7 @@ def test_batch_runs_shell_and_python_items(tmp_path: Path) -> None:
     assert got["exits"] == (3, b"x", b"")
     assert got["says"] == (1, b"", b"why")  # a fact's stderr is kept too
     key, answer = batch.run_item("echo direct", 5)  # and called directly
-    assert key == "echo direct" and hf.parse_batch(json.dumps({key: answer})) == {key: (0, b"direct\n", b"")}
+    assert key == "echo direct" and hs.parse_batch(json.dumps({key: answer})) == {key: (0, b"direct\n", b"")}
     _, missing = batch.run_item(["py", "k", "x", ""], 5)
     assert missing[0] == 1
 
@@ -312,7 +312,7 @@ def test_a_fact_that_blocks_times_out_and_the_others_come_back(tmp_path: Path) -
              f"open({str(fifo)!r}, 'rb').read()\n")
     items: list[object] = [
         ["py", "stuck", stuck, ""],
-        ["py", "files", hf.FILES, json.dumps({"paths": [str(model)], "hash": True})],
+        ["py", "files", hs.FILES, json.dumps({"paths": [str(model)], "hash": True})],
         "echo fine",
     ]
     got, took = batch_run(items, 1)
@@ -350,36 +350,36 @@ def test_batch_bounds_each_shell_command_and_kills_its_group() -> None:
 def test_parse_batch_refuses_what_the_batch_does_not_print() -> None:
     for text in ("[]", '{"c": [0, "", ""', '{"c": ["0", "", ""]}', '{"c": [0, ""]}'):
         with pytest.raises(ValueError):
-            hf.parse_batch(text)
+            hs.parse_batch(text)
 
 
 def test_batch_groups_stay_under_the_argument_limit() -> None:
     items: list[object] = [f"cat /srv/f{i:04d}" for i in range(400)] + [["py", "big", "x" * 200, "y"]]
-    groups = hf.batch_groups(items, max_chars=2_000)
+    groups = hs.batch_groups(items, max_chars=2_000)
     assert len(groups) > 1
     assert [i for g in groups for i in g] == items
     assert all(len(json.dumps(g)) <= 2_000 for g in groups)
     huge = "z" * 5_000
-    assert hf.batch_groups(["a", huge, "b"], max_chars=2_000) == [["a", "b"]]  # left to the check that needs it
+    assert hs.batch_groups(["a", huge, "b"], max_chars=2_000) == [["a", "b"]]  # left to the check that needs it
 
 
 # ----------------------------------------------------------------------------- the readers
 
 
 def test_roce_v2_gid() -> None:
-    assert hf.roce_v2_gid("192.0.2.1") == "0000:0000:0000:0000:0000:ffff:c000:0201"
-    assert hf.roce_v2_gid("10.0.0.255") == "0000:0000:0000:0000:0000:ffff:0a00:00ff"
+    assert hs.roce_v2_gid("192.0.2.1") == "0000:0000:0000:0000:0000:ffff:c000:0201"
+    assert hs.roce_v2_gid("10.0.0.255") == "0000:0000:0000:0000:0000:ffff:0a00:00ff"
 
 
 def test_meminfo() -> None:
-    m = hf.parse_meminfo("MemTotal:       131072000 kB\nMemAvailable:   120000000 kB\nHugePages_Total: 0\n")
+    m = hs.parse_meminfo("MemTotal:       131072000 kB\nMemAvailable:   120000000 kB\nHugePages_Total: 0\n")
     assert m == {"MemTotal": 131072000, "MemAvailable": 120000000, "HugePages_Total": 0}
-    assert round(hf.gib(m["MemAvailable"]), 2) == 114.44
+    assert round(hs.gib(m["MemAvailable"]), 2) == 114.44
 
 
 def test_batches_keep_every_path_once() -> None:
     paths = [f"/srv/models/m/{i:05d}-" + "x" * 50 for i in range(3000)]
-    chunks = list(hf.batches(paths, max_chars=10_000))
+    chunks = list(hs.batches(paths, max_chars=10_000))
     assert len(chunks) > 1 and [p for c in chunks for p in c] == paths
     assert all(sum(len(p) + 4 for p in c) <= 10_000 for c in chunks)
 
@@ -389,7 +389,7 @@ def test_batches_keep_every_path_once() -> None:
 
 def lane_run(req: dict[str, object], env: dict[str, str]) -> dict[str, object]:
     """lane.py as `builder deploy` runs it: its source on stdin (`python3 - REQUEST`)."""
-    r = subprocess.run([sys.executable, "-", json.dumps(req)], input=hf.source("lane"), capture_output=True,
+    r = subprocess.run([sys.executable, "-", json.dumps(req)], input=hs.source("lane"), capture_output=True,
                        text=True, check=True, timeout=60, env=env)
     got = json.loads(r.stdout)
     assert isinstance(got, dict)

@@ -34,7 +34,7 @@ from builder.lock.diff import diff_locks
 from builder.lock.lockfile import load_lock, render_lock, spec_hash
 from builder.store.placement import mount_path, place_models
 from tests.lib import bundlelib as bl
-from tests.lib import factory
+from tests.lib import clirun, factory
 from tests.lib.gitlib import Upstream
 
 KIT = {
@@ -74,11 +74,9 @@ def write_kit(d: Path, files: dict[str, bytes] = KIT) -> bytes:
 
 
 def cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "BUILDER_"))}
-    env.update(BUILDER_STORE=str(root / "store"), HF_HOME=str(root / "hf-home"), NO_COLOR="1", COLUMNS="250",
-               GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1")
-    r = subprocess.run([sys.executable, "-m", "builder", "--pins", str(root / "pins.toml"), *args],
-                       cwd=root, capture_output=True, text=True, env=env, timeout=300)
+    env = clirun.environment({"BUILDER_STORE": str(root / "store"), "HF_HOME": str(root / "hf-home")},
+                             drop=("HF_", "BUILDER_"))
+    r = clirun.run(*args, cwd=root, pins=root / "pins.toml", env=env, timeout=300)
     assert "Traceback" not in r.stderr, r.stderr
     return r
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from builder.lock import unknown
-from tests.lib import factory
+from tests.lib import clirun, factory
 from tests.lib.lockproject import TINY_COMMIT, ZIG_SHA, Project, Result, sha
 
 
@@ -90,12 +88,7 @@ def test_lock_is_deterministic(locked: Project) -> None:
     # another checkout of the same project locks to the same bytes
     copy = locked.tmp / "copy"
     shutil.copytree(locked.root, copy, ignore=shutil.ignore_patterns(".cache", "pins.lock"))
-    p = subprocess.run(
-        [sys.executable, "-m", "builder", "--pins", str(copy / "pins.toml"), "lock"],
-        capture_output=True,
-        text=True,
-        cwd=copy,
-    )
+    p = clirun.run("lock", cwd=copy, pins=copy / "pins.toml")
     assert p.returncode == 0, p.stderr
     assert (copy / "pins.lock").read_bytes() == first
 

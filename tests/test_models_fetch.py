@@ -18,7 +18,7 @@ import pytest
 from builder.store import modelfetch as core
 from builder.store import modelstore as store_mod
 from builder.store.modelstore import ModelStore, Wanted
-from tests.lib import factory
+from tests.lib import clirun, factory
 from tests.lib.fakehub import FakeHub
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,19 +48,10 @@ def proj(tmp_path: Path, hub: FakeHub) -> Path:
 
 def cli(proj: Path, hub: FakeHub | None, *args: str, token: str | None = TOKEN,
         env_extra: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "BUILDER_"))}
-    env.update(BUILDER_STORE=str(proj / "store"), HF_HOME=str(proj / "hf-home"), NO_COLOR="1")
-    if hub is not None:
-        env["HF_ENDPOINT"] = hub.url
-    if token is not None:
-        env["HF_TOKEN"] = token
-    for k, v in (env_extra or {}).items():  # (None: not set)
-        if v is None:
-            env.pop(k, None)
-        else:
-            env[k] = v
-    r = subprocess.run([sys.executable, "-m", "builder", "--pins", str(proj / "pins.toml"), *args],
-                       capture_output=True, text=True, env=env, timeout=120)
+    extra = {"BUILDER_STORE": str(proj / "store"), "HF_HOME": str(proj / "hf-home"),
+             "HF_ENDPOINT": hub.url if hub is not None else None, "HF_TOKEN": token, **(env_extra or {})}
+    r = clirun.run(*args, pins=proj / "pins.toml", env=clirun.environment(extra, drop=("HF_", "BUILDER_")),
+                   timeout=120)
     assert TOKEN not in r.stdout + r.stderr
     assert "Traceback" not in r.stderr and "Warning" not in r.stderr
     return r
@@ -316,11 +307,10 @@ def test_a_store_file_changed_behind_builders_back(proj: Path, hub: FakeHub) -> 
 
 
 def test_the_demo_lanes_local_files_are_imported_by_hard_link(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "BUILDER_"))}
-    env.update(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    env = clirun.environment({"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}, drop=("HF_", "BUILDER_"))
     store = tmp_path / "store"  # same file system as the checkout? link; else copy: both are right
-    r = subprocess.run([sys.executable, "-m", "builder", "--pins", str(ROOT / "pins.toml"), "--store", str(store),
-                        "fetch", "demo", "--offline", "--json"], capture_output=True, text=True, env=env, timeout=120)
+    r = clirun.run("fetch", "demo", "--offline", "--json", pins=ROOT / "pins.toml", store=store, env=env,
+                   timeout=120)
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["imported"]) == 8
     lock = json.loads((ROOT / "pins.lock").read_text())["models"]["demo-tiny"]
@@ -412,7 +402,7 @@ def test_a_download_is_hashed_as_it_lands_and_not_read_again(tmp_path: Path, hub
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "scan_cache_dir",
-                        lambda cache_dir=None: SimpleNamespace(incomplete_files=frozenset()))
+                        lambda *_a, **_k: SimpleNamespace(incomplete_files=frozenset()))
     osha = hashlib.sha256(other).hexdigest()
     core.download(store, "org/big", Wanted(model="big", commit=commit, path="v.safetensors", size=len(other),
                                            sha256=osha))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 from builder.errors import ConfigError, ResolveError
 from builder.inputs.pins import BaseImage
 from builder.lock import oci
-from tests.lib import factory
+from tests.lib import clirun, factory
 from tests.lib.registrylib import (
     DOCKER_MANIFEST,
     Registry,
@@ -176,24 +175,14 @@ def test_cli_lock_with_a_registry_base(registry: Registry, tmp_path: Path) -> No
     proj.mkdir()
     base = {"ref": idx.reference, "platforms": ["linux/arm64"]}
     factory.write_pins(proj, factory.pins(bases={"base": base}))
-    p = subprocess.run(
-        [sys.executable, "-m", "builder", "--pins", str(proj / "pins.toml"), "lock"],
-        capture_output=True,
-        text=True,
-        cwd=proj,
-    )
+    p = clirun.run("lock", cwd=proj, pins=proj / "pins.toml")
     assert p.returncode == 0, p.stderr
     lock = json.loads((proj / "pins.lock").read_text())
     assert lock["bases"]["base"]["platforms"] == {"linux/arm64": idx.manifests["linux/arm64"]}
     # offline, the registry is not asked; the local engine does not have it: named, exit 1
     factory.write_pins(proj, factory.pins(bases={"base": base | {"note": "edited"}}))
     before = (proj / "pins.lock").read_bytes()
-    p = subprocess.run(
-        [sys.executable, "-m", "builder", "--pins", str(proj / "pins.toml"), "lock", "--offline"],
-        capture_output=True,
-        text=True,
-        cwd=proj,
-    )
+    p = clirun.run("lock", "--offline", cwd=proj, pins=proj / "pins.toml")
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert f"error: bases.base: not reachable offline ({idx.reference})" in p.stderr
     # a lock that fails writes nothing (its entry stays, stale for the edited pin, which --check reports)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from builder.output import fit
-from tests.lib import auditlib, factory, ptylib
+from tests.lib import auditlib, clirun, factory, ptylib
 from tests.lib import bundlelib as bl
 from tests.lib.fakehub import FakeHub
 
@@ -33,7 +33,7 @@ def test_no_bar_off_a_terminal_and_json_stays_one_document(tmp_path: Path) -> No
 
 def test_on_a_terminal_the_bar_goes_to_stderr_only(tmp_path: Path) -> None:
     p = bl.make_project(tmp_path)
-    argv = [sys.executable, "-m", "builder", "--pins", str(p.pins), "bundle", "--fleet", bl.FLEET, "--with-models",
+    argv = [*clirun.ARGV, "--pins", str(p.pins), "bundle", "--fleet", bl.FLEET, "--with-models",
             "--key", str(p.key), "--json"]
     rc, out, tty = _run_on_pty(argv, p.root)
     assert rc == 0, tty
@@ -81,7 +81,7 @@ def _slow_unreachable_fleet(tmp_path: Path) -> Path:
 
 def test_full_audit_draws_one_bar_per_host_on_a_terminal_only(tmp_path: Path) -> None:
     pins = _slow_unreachable_fleet(tmp_path)
-    argv = [sys.executable, "-m", "builder", "--pins", str(pins), "audit", "--fleet", "f", "--mode", "full", "--json"]
+    argv = [*clirun.ARGV, "--pins", str(pins), "audit", "--fleet", "f", "--mode", "full", "--json"]
     rc, out, tty = _run_on_pty(argv, pins.parent)
     assert rc == 3, tty
     assert sorted(json.loads(out)["hosts"]) == ["a", "b"]  # stdout: one JSON document
@@ -134,8 +134,7 @@ def test_fetch_names_the_files_in_flight_with_bytes_rate_and_time_left_in_80_col
         hub.add_repo(repo, files, lfs=set(files))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "BUILDER_"))}
         env.update(BUILDER_STORE=str(tmp_path / "store"), HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=hub.url)
-        lock = subprocess.run([sys.executable, "-m", "builder", "--pins", str(pins), "lock"], capture_output=True,
-                              text=True, env=env, timeout=120)
+        lock = clirun.run("lock", pins=pins, env=clirun.environment(base=env), timeout=120)
         assert lock.returncode == 0, lock.stderr
         argv = [sys.executable, *NO_DELAY, "--pins", str(pins), "fetch", "deepseek-v4-flash", "--jobs", "2",
                 "--json"]

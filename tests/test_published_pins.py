@@ -15,7 +15,7 @@ from builder.image.plan import make_plan
 from builder.inputs.pins import PublishedImage, load_pins
 from builder.lock import published, resolve
 from builder.lock.lockfile import LockedPublishedImage, check_lock, load_lock, spec_hash
-from tests.lib import journeylib
+from tests.lib import clirun, journeylib
 
 DIGEST = "sha256:" + "ab" * 32
 REF = f"127.0.0.1:5000/builder/demo@{DIGEST}"
@@ -36,8 +36,8 @@ def _with(root: Path, extra: str) -> Path:
 
 
 def _builder(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([journeylib.BUILDER, *args], cwd=root, capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "NO_COLOR": "1", "HOME": str(root)})
+    return clirun.run(*args, cwd=root, timeout=120, argv0=(clirun.SCRIPT,),
+                      env={"PATH": "/usr/bin:/bin", "NO_COLOR": "1", "HOME": str(root)})
 
 
 @pytest.mark.parametrize(("entry", "says"), [

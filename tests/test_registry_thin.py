@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lib import projectlib
+from tests.lib import clirun, projectlib
 
 pytestmark = [pytest.mark.docker, pytest.mark.build, pytest.mark.registry]
 
@@ -106,11 +106,10 @@ def test_a_thin_bundle_carries_only_the_missing_layer_and_loads(tmp_path: Path) 
 
 
 def test_thin_needs_with_image_and_have(tmp_path: Path) -> None:
-    p = subprocess.run([projectlib.journeylib.BUILDER, "bundle", "x/y", "--thin"], cwd=projectlib.ROOT,
-                       capture_output=True, text=True)
+    p = clirun.run("bundle", "x/y", "--thin", cwd=projectlib.ROOT, argv0=(clirun.SCRIPT,))
     assert p.returncode == 2 and "--thin needs --with-image and --have FILE" in p.stderr
     bad = tmp_path / "have.json"
     bad.write_text('{"image": {}}')
-    p = subprocess.run([projectlib.journeylib.BUILDER, "bundle", "x/y", "--with-image", "--thin", "--have", str(bad)],
-                       cwd=projectlib.ROOT, capture_output=True, text=True)
+    p = clirun.run("bundle", "x/y", "--with-image", "--thin", "--have", str(bad), cwd=projectlib.ROOT,
+                   argv0=(clirun.SCRIPT,))
     assert p.returncode == 2 and f"--have {bad}: no layer list" in p.stderr and "Traceback" not in p.stderr

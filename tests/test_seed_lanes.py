@@ -10,21 +10,18 @@ inventories alone.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.lib import clirun
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def launch(*args: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
-    p = subprocess.run([sys.executable, "-m", "builder", "launch", *args, "--json"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = clirun.run("launch", *args, "--json", cwd=REPO, env=clirun.environment(drop=("BUILDER_",)), timeout=120)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)
 
@@ -304,19 +301,16 @@ def test_vllm_profile_by_published_digest_is_named_unknown() -> None:
 
 
 def test_text_form_is_the_same_argv(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
-    p = subprocess.run([sys.executable, "-m", "builder", "launch", "spark-tp4/spark-b"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = clirun.run("launch", "spark-tp4/spark-b", cwd=REPO, env=clirun.environment(drop=("BUILDER_",)), timeout=120)
     assert p.returncode == 0, p.stderr
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("docker run ")]
     assert len(lines) == 1 and "tf-dsv41-lanes" in lines[0] and "/srv/models/tp4-kit:/kit:ro" in lines[0]
 
 
 def test_bad_requests_are_one_line_errors() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
+    env = clirun.environment(drop=("BUILDER_",))
     for args, needle in [(["--fleet", "nope"], "no fleet named 'nope'"),
                          (["--fleet", "spark-tp4", "--lane", "tensorfold-tp2"], "tensor_parallel = 2"),
                          ([], "name a HOST or --fleet")]:
-        p = subprocess.run([sys.executable, "-m", "builder", "launch", *args], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=120)
+        p = clirun.run("launch", *args, cwd=REPO, env=env, timeout=120)
         assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)

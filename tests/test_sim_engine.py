@@ -15,7 +15,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +27,7 @@ import pytest
 import ziglang
 
 from builder.foundation import dockerio
-from tests.lib import dockerlib
+from tests.lib import clirun, dockerlib
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAIN = ROOT / "engine-src" / "sim-engine"
@@ -680,9 +679,8 @@ def test_vllm_refusals(sim_bin: Path, model: Path) -> None:
 
 def shipped_vllm_argv(lane: str, rank: int, model: Path, port: int, mp: int) -> list[str]:
     """Rank `rank` of the shipped lane as `builder launch` renders it (after ``vllm``), on loopback ports."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
-    p = subprocess.run([sys.executable, "-m", "builder", "launch", "--fleet", "spark-tp4", "--lane", lane, "--json"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    p = clirun.run("launch", "--fleet", "spark-tp4", "--lane", lane, "--json", cwd=ROOT,
+                   env=clirun.environment(drop=("BUILDER_",)), timeout=120)
     assert p.returncode == 0, p.stderr
     argv = next(h for h in json.loads(p.stdout)["hosts"] if h["rank"] == rank)["argv"]
     out = argv[argv.index("--entrypoint") + 3:]

@@ -12,15 +12,12 @@ fork-only option is never taken for a typo.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.lib import vllmconf
+from tests.lib import clirun, vllmconf
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[1]
@@ -36,9 +33,8 @@ LANES = {"vllm-native": "spark-tp4", "vllm-native-128k": "spark-tp4", "vllm-nati
 
 
 def launch(fleet: str, lane: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BUILDER_")}
-    p = subprocess.run([sys.executable, "-m", "builder", "launch", "--fleet", fleet, "--lane", lane, "--json"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    p = clirun.run("launch", "--fleet", fleet, "--lane", lane, "--json", cwd=REPO,
+                   env=clirun.environment(drop=("BUILDER_",)), timeout=120)
     assert p.returncode == 0, p.stderr
     out: dict[str, Any] = json.loads(p.stdout)
     return out

@@ -51,7 +51,6 @@ from builder.bundle.render import (
     load_bundle_inputs,
     parse_size,
     rank_launch,
-    rank_models,
     render_bundle,
 )
 from builder.bundle.verifydir import crypto_sig_check, verify_dir, verify_with_key
@@ -74,7 +73,6 @@ __all__ = [
     "parse_size",
     "public_key_for",
     "rank_launch",
-    "rank_models",
     "read_public_key",
     "render_bundle",
     "signing_key_path",

@@ -135,13 +135,9 @@ def load_bundle_inputs(pins_path: Path, lock_path: Path, store: Path, hosts_dir:
 # --------------------------------------------------------------------------- what a rank holds
 
 
-def rank_models(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> list[dict[str, Any]]:
-    """The model files this rank needs, and its runtime inputs' files (builder.store.placement): {model,
-    file, path (absolute on the host), size, sha256}, sorted by path."""
-    return [_entry(f) for f in host_files(ctx.pins, ctx.lock, lane_name, host)]
-
-
 def _entry(f: PlacedFile) -> dict[str, Any]:
+    """A model file or runtime input's file of the rank (builder.store.placement) as the bundle lists it:
+    {model, file, path (absolute on the host), size, sha256}."""
     return {"model": f.model, "file": f.file, "path": f.path, "size": f.size, "sha256": f.sha256}
 
 

@@ -33,7 +33,6 @@ def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, f
     c = get_ctx()
     target = None
     if push_to is not None:  # a bad URL is refused before anything is built
-
         target = target_from(push_to, Path(ca) if ca else None, None, hosts_folder(c.root))
     if plan_only:
         p = plan(c.pins, c.lock, name)

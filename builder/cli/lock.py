@@ -25,8 +25,6 @@ def lock(names: tuple[str, ...], offline: bool, update: tuple[str, ...], check_o
 
     Inputs whose pin did not change keep their locked entry; --update NAME re-resolves one.
     """
-    # The core loads inside the command for start-up time: --check needs only the lock, not the resolvers.
-
     c = get_ctx()
     if check_only:
         res = check(c.pins, c.lock, list(names) or None)

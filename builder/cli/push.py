@@ -16,22 +16,20 @@ from builder.image.plan import plan
 from builder.inputs.hosts import find_fleet, fleet_registry_ca, hosts_folder
 
 
-def target_from(registry: str | None, ca: Path | None, fleet: str | None, hosts_dir: Path) -> object:
+def target_from(registry: str | None, ca: Path | None, fleet: str | None, hosts_dir: Path) -> reg.Target:
     """The registry to push to: ``--registry URL`` (with ``--ca``), or the fleet's ``fleet.registry``."""
     if (registry is None) == (fleet is None):
         raise ConfigError("builder push: give --registry URL or --fleet NAME (one of them)")
     if registry is not None:
         return reg.parse_target(registry, "--registry", ca)
     assert fleet is not None
-
     path, f = find_fleet(hosts_dir, fleet)
     if f.fleet.registry is None:
         raise ConfigError(f"{path}: fleet.registry: not set (the fleet takes its image from bundles)")
     return reg.parse_target(f.fleet.registry, f"{path}: fleet.registry", ca or fleet_registry_ca(path, f))
 
 
-def push_image(name: str, target: object, as_json: bool) -> int:
-    assert isinstance(target, reg.Target)
+def push_image(name: str, target: reg.Target, as_json: bool) -> int:
     c = get_ctx()
     address = plan(c.pins, c.lock, name).address  # a stale lock is refused here, before any request
     rec = require_record(c.store, name, address)

@@ -24,4 +24,4 @@
 
 from __future__ import annotations
 
-# (no imports here: `builder deploy` starts the likely no-op's audit before it loads the rest)
+# (nothing is gathered here: callers import the module they use, builder.deploy.rollout and the rest)

@@ -340,7 +340,6 @@ def _abandon(api: Any, stream: Any, response: Any, emit: Callable[[str], None], 
 
 def _remove_intermediates(short_ids: Sequence[str], *, keep: str | None) -> None:
     """Remove intermediate images, newest first (removing a leaf also drops its untagged parents)."""
-
     api = client().api
     for sid in reversed(short_ids):
         if keep and keep.removeprefix("sha256:").startswith(sid):
@@ -373,7 +372,6 @@ def image_id(ref: str) -> str | None:
 
 def save(ref: str, *, chunk_size: int = SAVE_CHUNK) -> Iterator[bytes]:
     """Stream ``docker save ref`` (a docker-archive tar) in chunks."""
-
     if image_inspect(ref) is None:
         raise BuilderError(f"docker save {ref}: no such image")
     try:

@@ -30,7 +30,7 @@ import urllib.error
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
@@ -39,12 +39,9 @@ from builder.foundation.canon import canonical_json, file_lock
 from builder.image import layers
 from builder.image.imagerecord import ImageRecord, read_record, write_record
 from builder.image.layers.spooled import MEDIA_CONFIG, MEDIA_LAYER, MEDIA_MANIFEST
-from builder.inputs.hosts import fleet_registry_ca
+from builder.inputs.hosts import Fleet, fleet_registry_ca
 from builder.lock import oci
 from builder.lock.plainfiles import network_reason
-
-if TYPE_CHECKING:
-    from builder.inputs.hosts import Fleet
 
 REPO_PREFIX = "builder"
 #: bytes read from a blob at a time while a chunk is sent

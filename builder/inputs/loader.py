@@ -238,9 +238,5 @@ def validate(model: type[M], obj: Any, source: Path | str, written: Any = None) 
         raise ConfigError(f"{source}: nested too deeply") from None
 
 
-def load_toml(model: type[M], path: Path) -> M:
-    return validate(model, read_toml(path), path)
-
-
 def load_json(model: type[M], path: Path) -> M:
     return validate(model, read_json(path), path)

@@ -18,7 +18,6 @@ from builder.inputs.lanes import Lane
 from builder.inputs.loader import did_you_mean, read_toml, validate
 from builder.inputs.schema import Digest, Name, Platform, Sha256, Strict
 
-PINS_FORMAT = 1
 #: a value no public source gives: pins.toml says so, and `builder lock` names it instead of guessing
 UNKNOWN = "UNKNOWN"
 

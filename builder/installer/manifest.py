@@ -24,7 +24,6 @@ MODES = {"0644": 0o644, "0755": 0o755}
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-PART_SUFFIX = re.compile(r"\.part([0-9]{4})$")
 
 # host[:port]/repo@sha256:<hex>: the only form of image.pull (by digest, never by tag)
 PULL_REF = re.compile(

@@ -195,11 +195,6 @@ def iter_file(bundle_dir: str, entry: dict[str, Any], check: bool = True) -> Ite
         raise InstallError("%s: the reassembled file has %d bytes, not %d" % (entry["path"], total, entry["size"]))
 
 
-def check_file_hashes(bundle_dir: str, entry: dict[str, Any]) -> None:
-    for _ in iter_file(bundle_dir, entry):
-        pass
-
-
 def copy_entry(bundle_dir: str, entry: dict[str, Any], dest: str, mode: int) -> None:
     """Write a manifest file (reassembled, hash-checked) to dest via a temp name beside it."""
     d = os.path.dirname(dest)

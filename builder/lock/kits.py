@@ -49,7 +49,6 @@ class Line:
     origin: str
     two_node: str
     path: str
-    number: int
 
 
 def _names(items: list[str], limit: int = 8) -> str:
@@ -88,7 +87,7 @@ def parse_manifest(data: bytes, where: str, manifest: str = "MANIFEST") -> list[
             raise ResolveError(f"{where}: {manifest} line {n}: {path} is listed twice (line {seen[path]} too)")
         seen[path] = n
         out.append(Line(sha256=parts[0].lower(), size=int(parts[1]), origin=parts[2], two_node=parts[3],
-                        path=path, number=n))
+                        path=path))
     if not out:
         raise ResolveError(f"{where}: {manifest} lists no files")
     return out

@@ -14,9 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from builder import gpu as G
-from builder.image.plan import make_plan
-from builder.inputs.pins import load_pins
-from builder.lock.lockfile import load_lock
 from tests.lib import factory
 
 CAPTURE = Path(__file__).resolve().parents[1] / "data" / "nvidia-smi" / "h200-nvidia-smi-probe.txt"
@@ -146,10 +143,6 @@ def make_project(
                        files=model_files if model_files is not None else MODEL_FILES,
                        platform="linux/arm64", builder="test")
     return out
-
-
-def plan_address(paths: dict[str, Path]) -> str:
-    return make_plan(load_pins(paths["pins"]), load_lock(paths["lock"]), "demo", paths["pins"].parent).address
 
 
 def fleet_toml(

@@ -530,9 +530,6 @@ class Fleet:
         shutil.rmtree(self.control_dir, ignore_errors=True)
 
 
-TestFleet = Fleet  # another name for Fleet; pytest does not collect it (__test__ = False)
-
-
 def close_kept_connections(folder: Path, remove: bool = True) -> None:
     """Close the ssh connections that audits kept open (`--ssh-persist`) in `folder`, and remove it
     (unless `remove` is false)."""

@@ -17,18 +17,16 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.lib import factory, fleetlib
+from tests.lib import clirun, factory, fleetlib
 
 ROOT = Path(__file__).resolve().parents[2]
-# the command operators type (pip install -e . puts it beside the interpreter)
-BUILDER = shutil.which("builder", path=str(Path(sys.executable).parent)) or shutil.which("builder") or "builder"
+BUILDER = clirun.SCRIPT
 PATHS = factory.HOST_PATHS
 #: what a test host is expected to be: no GPU, no RDMA, little free memory and disk
 EXPECT: dict[str, Any] = {"gpu_count": 0, "persistence_mode": False, "nvidia_runtime": False, "rdma": False,
@@ -90,15 +88,8 @@ class Journey:
     def builder(
         self, *args: str, check: bool = True, timeout: float = 600, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
-        p = subprocess.run(
-            [BUILDER, *args], cwd=self.root, env={**self.env, **self.ssh_dir(), **(env or {})},
-            capture_output=True, text=True, timeout=timeout,
-        )
-        if check and p.returncode != 0:
-            raise AssertionError(
-                f"builder {' '.join(args)}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
-            )
-        return p
+        return clirun.run(*args, cwd=self.root, env={**self.env, **self.ssh_dir(), **(env or {})}, check=check,
+                          timeout=timeout, argv0=(BUILDER,))
 
     @staticmethod
     def ssh_dir() -> dict[str, str]:

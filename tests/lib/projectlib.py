@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from tests.lib import factory, journeylib
+from tests.lib import clirun, factory, journeylib
 
 ROOT = Path(__file__).resolve().parents[2]
 PAYLOAD = 2 * 1024 * 1024  # the layer an engine change leaves alone
@@ -73,8 +73,4 @@ def env_for(workdir: Path) -> dict[str, str]:
 
 def run_builder(root: Path, env: dict[str, str], *args: str, check: bool = True,
                 timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run([journeylib.BUILDER, *args], cwd=root, env=env, capture_output=True, text=True,
-                       timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"builder {' '.join(args)}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
-    return p
+    return clirun.run(*args, cwd=root, env=env, check=check, timeout=timeout, argv0=(clirun.SCRIPT,))

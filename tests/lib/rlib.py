@@ -8,15 +8,14 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from tests.lib import clirun
 from tests.lib.bundlelib import snapshot  # noqa: F401 - the reliability tests' snapshot is the shared one
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,33 +54,14 @@ def listing(root: Path) -> dict[str, tuple[str, int]]:
     return out
 
 
-def builder_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "NO_COLOR": "1",
-            "COLUMNS": "200",
-            "GIT_CONFIG_GLOBAL": os.devnull,
-            "GIT_CONFIG_NOSYSTEM": "1",
-            "PYTHONPATH": str(REPO),
-        }
-    )
-    env.update(extra or {})
-    return env
+builder_env = clirun.environment
 
 
 def run_builder(
     *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    """`python3 -m builder ARGS` as a user runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "builder", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env=builder_env(env),
-        timeout=timeout,
-    )
+    """`python3 -m builder ARGS` as a user runs it (tests.lib.clirun), with ``env`` on this environment."""
+    return clirun.run(*args, cwd=cwd, env=clirun.environment(env), timeout=timeout)
 
 
 def assert_clean_cli(p: subprocess.CompletedProcess[str], allowed: tuple[int, ...] = (0, 1, 2)) -> None:
@@ -127,13 +107,6 @@ def timed(argv: list[str], cwd: Path, env: dict[str, str] | None = None) -> floa
     p = subprocess.run(argv, cwd=cwd, env=builder_env(env), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     return time.monotonic() - t0
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))]
 
 
 def record_figures(name: str, figures: dict[str, Any]) -> None:

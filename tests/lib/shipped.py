@@ -6,16 +6,15 @@ copies a whole fresh clone instead."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from builder.lock.lockfile import Lock, render_lock
+from tests.lib import clirun
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT_FILES = ("pins.toml", "pins.lock", "images", "engine-src", "patches", "files", "models")
@@ -54,13 +53,8 @@ def run_cli(root: Path, *args: str, store: Path | None = None, env: dict[str, st
     """`python -m builder --pins root/pins.toml ARGS` in ``root`` (store: ``root/.cache/builder`` unless
     given), with this environment plus ``env``, colour off, wide, and no user or system git config;
     ``wrap``: the command it runs under (`unshare -n`)."""
-    e = dict(os.environ)
-    e.update({"NO_COLOR": "1", "COLUMNS": "250", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"})
-    e.update(env or {})
-    cmd = [*wrap, sys.executable, "-m", "builder", "--pins", str(root / "pins.toml")]
-    if store is not None:
-        cmd += ["--store", str(store)]
-    return subprocess.run([*cmd, *args], cwd=root, env=e, capture_output=True, text=True, timeout=timeout)
+    return clirun.run(*args, cwd=root, pins=root / "pins.toml", store=store, env=clirun.environment(env),
+                      timeout=timeout, argv0=(*wrap, *clirun.ARGV))
 
 
 def builder(root: Path, *args: str, store: Path | None = None, env: dict[str, str] | None = None,

@@ -30,7 +30,7 @@ from builder.installer.verify import verify_bundle
 from builder.lock.lockfile import check_lock, load_lock
 from builder.store.content import Store
 from tests.lib import bundlelib as bl
-from tests.lib import factory, rlib
+from tests.lib import clirun, factory, rlib
 from tests.lib.gitlib import Upstream
 
 pytestmark = pytest.mark.slow
@@ -105,7 +105,7 @@ def test_lock_killed_at_random_points(tmp_path: Path) -> None:
         shutil.copytree(base, probe, symlinks=True)
         (probe / "pins.toml").write_text(new_pins)
 
-    argv = [sys.executable, "-m", "builder", "--pins", "pins.toml", "lock"]
+    argv = [*clirun.ARGV, "--pins", "pins.toml", "lock"]
     span = measure(argv, probe, reset)
     rng = random.Random(rlib.kill_seed(7))
     outcomes = {"old": 0, "new": 0, "finished": 0}
@@ -258,7 +258,7 @@ def test_bundle_killed_at_random_points(tmp_path: Path) -> None:
             shutil.rmtree(out)
         shutil.copytree(v1, out)
 
-    span = measure([sys.executable, "-m", "builder", *args], p.root, reset)
+    span = measure([*clirun.ARGV, *args], p.root, reset)
     id2 = bl.manifest(out)["bundle_id"]
     assert id2 != id1
     rng = random.Random(rlib.kill_seed(13))
@@ -267,7 +267,7 @@ def test_bundle_killed_at_random_points(tmp_path: Path) -> None:
         if out.exists():
             shutil.rmtree(out)
         shutil.copytree(v1, out)
-        proc = rlib.start_killable([sys.executable, "-m", "builder", *args], cwd=p.root)
+        proc = rlib.start_killable([*clirun.ARGV, *args], cwd=p.root)
         time.sleep(kill_delay(rng, span))
         rlib.killpg(proc)
         if not out.exists():  # killed between moving the old folder aside and the new one in
@@ -293,13 +293,13 @@ def test_ship_to_folder_killed_at_random_points(tmp_path: Path) -> None:
     bid = bl.manifest(p.out("spark-b"))["bundle_id"]
     usb = tmp_path / "usb"
     args = ["--pins", str(p.pins), "ship", "spark-b", "--to", str(usb), "--key", str(p.pub)]
-    span = measure([sys.executable, "-m", "builder", *args], p.root, lambda: shutil.rmtree(usb, ignore_errors=True))
+    span = measure([*clirun.ARGV, *args], p.root, lambda: shutil.rmtree(usb, ignore_errors=True))
     rng = random.Random(rlib.kill_seed(17))
     outcomes = {"complete": 0, "incomplete_refused": 0}
     dest = usb / bl.FLEET / "spark-b"
     for _ in range(rlib.kill_runs()):
         shutil.rmtree(usb, ignore_errors=True)
-        proc = rlib.start_killable([sys.executable, "-m", "builder", *args], cwd=p.root)
+        proc = rlib.start_killable([*clirun.ARGV, *args], cwd=p.root)
         time.sleep(kill_delay(rng, span))
         rlib.killpg(proc)
         if dest.exists():

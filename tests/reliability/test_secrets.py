@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.lib import bundlelib as bl
-from tests.lib import factory, rlib
+from tests.lib import clirun, factory, rlib
 from tests.lib.fakehub import FakeHub
 from tests.lib.registrylib import registry_available, start_registry
 
@@ -67,8 +67,7 @@ class Scanner:
         e = dict(self.env, **(env or {}))
         for k in [k for k, v in e.items() if v == ""]:
             del e[k]
-        argv = (argv0 or [sys.executable, "-m", "builder"]) + list(args)
-        p = subprocess.run(argv, cwd=cwd, env=e, capture_output=True, text=True, timeout=600)
+        p = clirun.run(*args, cwd=cwd, env=e, timeout=600, argv0=tuple(argv0) if argv0 else clirun.ARGV)
         n = len(self.blobs)
         self.blobs[f"[{n}] stdout of {' '.join(args[2:5])}"] = p.stdout.encode()
         self.blobs[f"[{n}] stderr of {' '.join(args[2:5])}"] = p.stderr.encode()
@@ -89,13 +88,7 @@ class Scanner:
 
 def keygen(tmp: Path) -> Path:
     d = tmp / "signing"
-    p = subprocess.run(
-        [sys.executable, "-m", "builder", "keygen", "--out", str(d), "--json"],
-        capture_output=True,
-        text=True,
-        env=rlib.builder_env(),
-        cwd=tmp,
-    )
+    p = clirun.run("keygen", "--out", str(d), "--json", cwd=tmp)
     assert p.returncode == 0, p.stderr
     seed = base64.b64decode((d / "builder.key").read_text().splitlines()[1])[62:94]
     assert not rlib.scan_for({"keygen": (p.stdout + p.stderr).encode()}, {"seed": seed})
