@@ -32,6 +32,8 @@ package index:
 * this machine's Docker Engine: its socket bind-mounted at /var/run/docker.sock, and a ``docker`` group
   made before the set-up with the socket's group id (the README's apt line then adds ``docker.io``'s
   CLI, and its ``usermod -aG docker`` grants the socket);
+* the capabilities the engine gives (``--cap-add ALL`` less those this machine lacks, as the test
+  hosts get): tests/lib/fleetlib.py gives its hosts what its own process may hold;
 * ``--network host``: pip and apt reach the index as this machine does, and the tour's test hosts,
   which ``up`` starts as sibling containers on a private bridge network addressed by IP, are reachable
   from the host's network namespace exactly as from this machine;
@@ -48,7 +50,6 @@ import argparse
 import hashlib
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -56,6 +57,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.lib import fleetlib
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE = "bookworm"
@@ -192,11 +195,11 @@ def debian_image() -> str:
             os.replace(f"{tar}.tmp", tar)
     log(f"importing {tag}")
     with open(tar, "rb") as f:
-        proc = subprocess.run(["docker", "import", "--change", 'CMD ["sleep", "infinity"]',
-                               "--change", "LABEL builder-test.newcomer-image=1", "-", tag],
-                              stdin=f, capture_output=True)
-    if proc.returncode != 0:
-        raise RunError(f"docker import: {proc.stderr.decode(errors='replace').strip()}")
+        imported = subprocess.run(["docker", "import", "--change", 'CMD ["sleep", "infinity"]',
+                                   "--change", "LABEL builder-test.newcomer-image=1", "-", tag],
+                                  stdin=f, capture_output=True)
+    if imported.returncode != 0:
+        raise RunError(f"docker import: {imported.stderr.decode(errors='replace').strip()}")
     return tag
 
 
@@ -250,14 +253,17 @@ class Run:
         return step
 
 
-def start(image: str, clone: Path, keep: bool) -> Run:
+def start(image: str, clone: Path) -> Run:
     sock = Path("/var/run/docker.sock")
     gid = sock.stat().st_gid
     env, ca = pip_env()
     if ca is not None:
         env["PIP_CERT"] = CA_IN
     name = f"builder-newcomer-{os.getpid()}"
-    docker("run", "-d", "--name", name, "--label", LABEL, "--network", "host",
+    # the capabilities the engine gives (what the test hosts get): fleetlib derives its hosts' set from
+    # its own process's bounding set, so the runner's must be the engine's, not a default container's
+    caps = ["--cap-add", "ALL", *[a for c in fleetlib._cap_drops() for a in ("--cap-drop", c)]]
+    docker("run", "-d", "--name", name, "--label", LABEL, "--network", "host", *caps,
            "-v", f"{sock}:/var/run/docker.sock", image)
     run = Run(name, env)
 
@@ -304,7 +310,7 @@ def run_readme(keep: bool = False) -> list[Step]:
     image = debian_image()
     with tempfile.TemporaryDirectory(prefix="builder-newcomer-") as tmp:
         clone = clone_head(Path(tmp) / "builder")
-        run = start(image, clone, keep)
+        run = start(image, clone)
         try:
             return _steps(run, p)
         finally:
