@@ -9,7 +9,7 @@ Run: ``python3 -m vulture`` (.ci/run's lint step and tests/test_deadcode.py do).
 # pydantic calls these: the validators of builder/inputs (decorated @field_validator / @model_validator)
 _._ipv4, _._absolute, _._ssh_target, _._registry_url, _._ranks  # builder/inputs/hosts.py
 _._ulimits, _._caps, _._one, _._output, _._inputs_only, _._whole  # builder/inputs/lanes.py (and a _ranks)
-_._relative, _._known_platforms, _._in_images, _._by_digest, _._inside  # builder/inputs/pins.py
+_._relative, _._known_platforms, _._in_images, _._by_digest  # builder/inputs/pins.py (its _inside is a name used elsewhere too)
 _._one_origin, _._one_kind_of_image, _._references  # builder/inputs/pins.py
 model_config  # pydantic reads a model's settings from this class attribute
 
@@ -47,5 +47,3 @@ _.get_device_numa_node, _.get_all_device_numa_nodes, _.embed_input_ids, _.comput
 device_id, physical_device_ids, vllm_config, input_ids, positions, intermediate_tensors, inputs_embeds
 hidden_states
 
-# for people: tests/fleet/README.md names it for removing fleets left by killed runs
-reap_stale
