@@ -9,7 +9,7 @@ Run: ``python3 -m vulture`` (.ci/run's lint step and tests/test_deadcode.py do).
 # pydantic calls these: the validators of builder/inputs (decorated @field_validator / @model_validator)
 _._ipv4, _._absolute, _._ssh_target, _._registry_url, _._ranks  # builder/inputs/hosts.py
 _._ulimits, _._caps, _._one, _._output, _._inputs_only, _._whole  # builder/inputs/lanes.py (and a _ranks)
-_._relative, _._known_platforms, _._in_images, _._by_digest  # builder/inputs/pins.py (its _inside is a name used elsewhere too)
+_._relative, _._known_platforms, _._in_images, _._by_digest  # builder/inputs/pins.py (_inside: used elsewhere)
 _._one_origin, _._one_kind_of_image, _._references  # builder/inputs/pins.py
 model_config  # pydantic reads a model's settings from this class attribute
 
@@ -38,7 +38,8 @@ _isolated_env, _ssh_connections, _needs_the_registry, _prefetch  # autouse fixtu
 bystanders, small_disk, network_refused  # fixtures a test requests for their effect, not their value
 
 # tests' stand-ins served to real clients
-_.do_GET, _.do_HEAD, _.do_POST, _.do_PUT, _.do_PATCH, _.log_message  # http.server's BaseHTTPRequestHandler dispatches by name
+# http.server's BaseHTTPRequestHandler dispatches by name
+_.do_GET, _.do_HEAD, _.do_POST, _.do_PUT, _.do_PATCH, _.log_message
 protocol_version, _.daemon_threads  # http.server: keep-alive HTTP/1.1, threads that end with the test
 _.keyid  # securesystemslib: the signer's key id, written into the DSSE envelope it signs
 # tests/lib/vllm_conformance.py: the platform and model vLLM calls, with vLLM's parameter names
