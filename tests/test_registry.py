@@ -165,6 +165,25 @@ def test_credentials_from_a_credential_helper(built: Built, registry: registryli
         (cfg / "config.json").unlink()
 
 
+def test_a_missing_credential_helper_is_one_line(built: Built, registry: registrylib.Registry) -> None:
+    """The docker config names ``credsStore: foo`` and no ``docker-credential-foo`` is on PATH: a build
+    (whose engine request carries every credential the config holds) and a push say so in one line
+    naming the config file, the helper and the fix."""
+    cfg = built.workdir / "docker-config"
+    cfg.mkdir(exist_ok=True)
+    (cfg / "config.json").write_text(json.dumps({"credsStore": "foo"}))
+    try:
+        for args in (("image", "demo", "--offline", "--force"), ("push", "demo", "--registry", registry.url)):
+            p = built.builder(*args, check=False)
+            assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+            errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+            assert len(errors) == 1, p.stderr
+            assert f"{cfg / 'config.json'}: credsStore names the credential helper foo" in errors[0], errors
+            assert "docker-credential-foo is not on PATH" in errors[0] and "remove credsStore" in errors[0]
+    finally:
+        (cfg / "config.json").unlink()
+
+
 def test_a_registry_serving_other_bytes_is_caught(built: Built, registry: registrylib.Registry) -> None:
     """The registry's storage changed under it (the config blob's bytes): the check after the push reads
     the config back, and refuses."""

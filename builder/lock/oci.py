@@ -138,8 +138,11 @@ def docker_config_credentials(registry: str) -> tuple[str, str] | None:
             warnings.simplefilter("ignore")
             found = auth.load_config().resolve_authconfig(registry)
     except errors.DockerException as e:
-        why = " ".join(str(e).split())  # (what the helper said about itself: no secret is in it)
-        raise ResolveError(f"{where}: the docker config's credential helper failed: {why[:200]}") from None
+        from builder.foundation.dockerio import credential_helper_problem  # (the SDK is loaded already)
+
+        missing = credential_helper_problem(e)
+        why = missing or " ".join(str(e).split())[:200]  # (what the helper said about itself: no secret in it)
+        raise ResolveError(f"{where}: the docker config's credential helper failed: {why}") from None
     if not found:
         return None
     if found.get("IdentityToken"):
