@@ -184,6 +184,44 @@ def test_a_missing_credential_helper_is_one_line(built: Built, registry: registr
         (cfg / "config.json").unlink()
 
 
+def one_error(p: subprocess.CompletedProcess[str]) -> str:
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, p.stderr
+    return errors[0]
+
+
+def test_refused_credentials_are_one_line_naming_the_registry_and_the_fix(
+        built: Built, registry: registrylib.Registry) -> None:
+    wrong = {"BUILDER_REGISTRY_USER": str(registry.username), "BUILDER_REGISTRY_PASSWORD": "not-the-password"}
+    line = one_error(built.builder("push", "demo", "--registry", registry.url, check=False, env=wrong))
+    assert line.startswith(f"error: registry {registry.addr}: authentication failed (401): "), line
+    assert "refused the credentials from BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD" in line, line
+    assert f"`docker login {registry.addr}`" in line and "not-the-password" not in line
+    line = one_error(built.builder("push", "demo", "--registry", registry.url, check=False))
+    assert f"{registry.addr}/builder/demo: authentication failed (401)" in line, line
+    assert "none are set" in line and f"`docker login {registry.addr}`" in line, line
+
+
+def test_tls_failures_name_the_registry_the_cause_and_the_fix(built: Built, tmp_path: Path) -> None:
+    with registrylib.start_registry(tmp_path / "tls", tls=True) as r:
+        assert r.ca is not None
+        line = one_error(built.builder("push", "demo", "--registry", r.url, check=False))
+        assert line.startswith(f"error: registry {r.addr}: certificate verify failed: "), line
+        assert "unable to get local issuer certificate" in line and "--ca FILE" in line, line
+        assert "fleet.registry_ca" in line, line
+        other, _, _ = registrylib.make_ca(tmp_path / "other-ca", "127.0.0.1")
+        line = one_error(built.builder("push", "demo", "--registry", r.url, "--ca", str(other), check=False))
+        assert f"the CA file {other} does not sign its certificate" in line, line
+        port = r.addr.rsplit(":", 1)[1]
+        line = one_error(built.builder("push", "demo", "--registry", f"https://localhost:{port}", "--ca",
+                                       str(r.ca), check=False))
+        assert line.startswith(f"error: registry localhost:{port}: certificate verify failed: "), line
+        assert "not valid for 'localhost'" in line and "a certificate for localhost" in line, line
+        p = built.builder("push", "demo", "--registry", r.url, "--ca", str(r.ca))  # the right CA: it goes
+        assert p.stdout.strip().endswith(built.record["manifest_digest"])
+
+
 def test_a_registry_serving_other_bytes_is_caught(built: Built, registry: registrylib.Registry) -> None:
     """The registry's storage changed under it (the config blob's bytes): the check after the push reads
     the config back, and refuses."""

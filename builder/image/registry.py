@@ -24,6 +24,7 @@ import io
 import ipaddress
 import os
 import re
+import ssl
 import tempfile
 import time
 import urllib.error
@@ -153,8 +154,25 @@ class _Client:
         self.reg = oci.Registry(ref, ca_file=target.ca_file, push=True)
         self.where = f"registry {target.registry}"
 
+    def send(self, url_or_path: str, **kw: Any) -> tuple[int, bytes, dict[str, str]]:
+        """oci.Registry.send; a 401 after the credentials were sent is BuilderError (auth_failed)."""
+        status, body, headers = self.reg.send(url_or_path, **kw)
+        if status == 401:
+            raise BuilderError(self.auth_failed())
+        return status, body, headers
+
+    def auth_failed(self) -> str:
+        """One line for a registry that refused the credentials sent: the registry, where they came
+        from, and the fix."""
+        host = self.target.registry
+        came = self.reg.creds_from
+        cause = (f"it refused the credentials from {came}" if came else
+                 "it refused the request, and no credentials are set for it")
+        return (f"{self.where}: authentication failed (401): {cause} (fix: `docker login {host}` with an account "
+                "that may push there, or set BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD)")
+
     def has(self, kind: str, digest: str) -> bool:
-        status, _, headers = self.reg.send(f"{kind}/{digest}", method="HEAD",
+        status, _, headers = self.send(f"{kind}/{digest}", method="HEAD",
                                            headers={"Accept": MEDIA_MANIFEST} if kind == "manifests" else None)
         if status == 200:
             if kind == "manifests" and headers.get("docker-content-digest", digest) != digest:
@@ -167,7 +185,7 @@ class _Client:
 
     def _start_upload(self) -> tuple[str, int]:
         """POST a new upload: (its location, the chunk size the registry asks at least)."""
-        status, body, headers = self.reg.send("blobs/uploads/", method="POST", data=b"",
+        status, body, headers = self.send("blobs/uploads/", method="POST", data=b"",
                                               headers={"Content-Length": "0"})
         if status != 202 or "location" not in headers:
             raise BuilderError(f"{self.where}: starting an upload: HTTP {status} {_short(body)}")
@@ -178,7 +196,7 @@ class _Client:
         """Where an upload stands (GET on its location: 204 with its ``Range``): (its location now, the
         bytes it holds). None when the registry no longer has it (404, or 400: distribution cancels an
         upload that holds more bytes than its last answer said, as a chunk cut midway leaves it)."""
-        status, body, headers = self.reg.send(location, method="GET")
+        status, body, headers = self.send(location, method="GET")
         if status in (200, 204):
             return headers.get("location", location), _received(headers.get("range"))
         if status in (400, 404):
@@ -217,13 +235,13 @@ class _Client:
                 try:
                     if done:  # the last request: no bytes, the digest
                         sep = "&" if "?" in location else "?"
-                        status, body, headers = self.reg.send(f"{location}{sep}digest={digest}", method="PUT",
+                        status, body, headers = self.send(f"{location}{sep}digest={digest}", method="PUT",
                                                               data=b"", headers={"Content-Length": "0"})
                         if status == 201:
                             return
                     else:
                         n = min(chunk, size - off)
-                        status, body, headers = self.reg.send(
+                        status, body, headers = self.send(
                             location, method="PATCH", data=_Piece(f, off, n, tell),
                             headers={"Content-Type": "application/octet-stream",
                                      "Content-Range": f"{off}-{off + n - 1}", "Content-Length": str(n)})
@@ -263,7 +281,7 @@ class _Client:
                 back_to(off)
 
     def put_manifest(self, reference: str, raw: bytes) -> None:
-        status, body, headers = self.reg.send(f"manifests/{reference}", method="PUT", data=raw,
+        status, body, headers = self.send(f"manifests/{reference}", method="PUT", data=raw,
                                               headers={"Content-Type": MEDIA_MANIFEST})
         if status != 201:
             raise BuilderError(f"{self.where}: putting manifest {reference[:19]}: HTTP {status} {_short(body)}")
@@ -361,9 +379,37 @@ def _one_line_errors(client: _Client) -> Iterator[None]:
     try:
         yield
     except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise BuilderError(client.auth_failed()) from None
         raise BuilderError(f"{client.where}: HTTP {e.code} for {client.reg.ref.repository}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        tls = tls_problem(e, client.target)
+        if tls is not None:
+            raise UnreachableError(tls) from None
         raise UnreachableError(f"{client.where}: cannot reach {client.target.url}: {network_reason(e)}") from None
+
+
+def tls_problem(exc: BaseException, target: Target) -> str | None:
+    """One line for a TLS handshake the registry's certificate failed: the registry, what the check
+    said, and the fix. None for any other trouble."""
+    e = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if not isinstance(e, ssl.SSLError):
+        return None
+    said = getattr(e, "verify_message", None) or getattr(e, "reason", None) or str(e)
+    where = f"registry {target.registry}"
+    if isinstance(e, ssl.SSLCertVerificationError):
+        cause = f"certificate verify failed: {said}"
+        if "mismatch" in str(said) or "not valid for" in str(said):
+            fix = (f"reach it by a name its certificate is for, or give it a certificate for "
+                   f"{target.registry.rsplit(':', 1)[0]}")
+        elif target.ca_file is not None:
+            fix = f"the CA file {target.ca_file} does not sign its certificate; give the one that does with --ca FILE"
+        else:
+            fix = "give the CA file that signs its certificate with --ca FILE, or the fleet's fleet.registry_ca"
+    else:
+        cause = f"TLS handshake failed: {said}"
+        fix = f"check that {target.url} serves TLS on that port"
+    return f"{where}: {cause} (fix: {fix})"
 
 
 def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
@@ -387,7 +433,7 @@ def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
         sent_bytes += len(manifest)
     digest = _sha(manifest)
     tag = rec.input_address[:32]
-    status, _, headers = client.reg.send(f"manifests/{tag}", method="HEAD", headers={"Accept": MEDIA_MANIFEST})
+    status, _, headers = client.send(f"manifests/{tag}", method="HEAD", headers={"Accept": MEDIA_MANIFEST})
     if status != 200 or headers.get("docker-content-digest") != digest:
         client.put_manifest(tag, manifest)  # a tag too, so the registry's garbage collection keeps it
     verify_pushed(client, rec, digest)
