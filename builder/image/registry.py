@@ -43,6 +43,7 @@ from builder.image.layers.spooled import MEDIA_CONFIG, MEDIA_LAYER, MEDIA_MANIFE
 from builder.inputs.hosts import Fleet, fleet_registry_ca
 from builder.lock import oci
 from builder.lock.plainfiles import network_reason
+from builder.store.content import live_marker
 
 REPO_PREFIX = "builder"
 #: bytes read from a blob at a time while a chunk is sent
@@ -460,7 +461,8 @@ def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: s
     tmp = store / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     sent = size = 0
-    with tempfile.TemporaryDirectory(prefix=f"push-{os.getpid()}-", dir=tmp) as td:
+    # (a push killed mid-way leaves the spool, image-sized; `builder gc` removes it once its marker is free)
+    with tempfile.TemporaryDirectory(prefix=f"push-{os.getpid()}-", dir=tmp) as td, live_marker(Path(td)):
         image = layers.read_image(dockerio.save(rec.image_id), Path(td) / "work")
         if image.image_id != rec.image_id or image.diff_ids != list(rec.diff_ids):
             raise VerifyError(f"images.{rec.name}: the engine saved {image.image_id[:19]}, "
