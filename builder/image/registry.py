@@ -118,7 +118,7 @@ class PushResult:
     manifest_digest: str
     registry: str
     sent_blobs: int
-    sent_bytes: int
+    sent_bytes: int  # handed to the connection: the blobs (each byte a cut made resend, counted again), the manifest
     held_blobs: int
     already: bool  # the registry held the whole image: nothing was sent
 
@@ -207,15 +207,18 @@ class _Client:
         raise BuilderError(f"{self.where}: asking an upload's state: HTTP {status} {_short(body)}")
 
     def upload(self, digest: str, size: int, open_body: Callable[[], Any],
-               on_bytes: Callable[[int], None] | None = None) -> None:
+               on_bytes: Callable[[int], None] | None = None) -> int:
         """Send one blob in chunks (POST, then PATCH with ``Content-Range`` per chunk, then PUT with its
         digest). A chunk cut midway (a dropped link, a refused connection, a 5xx) is followed by a
         look at where the upload stands (GET on its location) and the blob goes on from the byte the
         registry holds; where the registry has dropped the upload (distribution does, for a chunk cut
         midway) a new one starts from the blob's first byte. RETRIES tries in a row that bring nothing
         further, then BuilderError; ``on_bytes``: told each number of bytes sent (negative when the
-        registry kept fewer than were sent)."""
+        registry kept fewer than were sent). Returns the bytes of the blob handed to the connection,
+        each resent byte counted again: ``size`` when no chunk was cut, at most one chunk more where the
+        registry keeps the bytes of a cut chunk, more where it drops the upload."""
         told = [0]  # the bytes on_bytes was told so far
+        wire = [0]  # the bytes handed to the connection, resent ones too
 
         def tell(n: int) -> None:
             told[0] += n
@@ -239,11 +242,11 @@ class _Client:
                         status, body, headers = self.send(f"{location}{sep}digest={digest}", method="PUT",
                                                               data=b"", headers={"Content-Length": "0"})
                         if status == 201:
-                            return
+                            return wire[0]
                     else:
                         n = min(chunk, size - off)
                         status, body, headers = self.send(
-                            location, method="PATCH", data=_Piece(f, off, n, tell),
+                            location, method="PATCH", data=_Piece(f, off, n, tell, wire),
                             headers={"Content-Type": "application/octet-stream",
                                      "Content-Range": f"{off}-{off + n - 1}", "Content-Length": str(n)})
                         if status == 202 and "location" in headers:
@@ -269,7 +272,7 @@ class _Client:
                     time.sleep(min(RETRY_WAIT * 2 ** (tries - 1), 8.0))
                     try:
                         if done and self.has("blobs", digest):  # the PUT was taken; its answer was lost
-                            return
+                            return wire[0]
                         state = self._upload_state(location)
                         if state is None:  # the registry dropped the upload: a new one, from the first byte
                             (location, least), starts = self._start_upload(), starts + 1
@@ -307,13 +310,14 @@ def _received(rng: str | None) -> int:
 class _Piece:
     """One chunk of a blob as a request body: ``n`` bytes from ``off`` of ``f``, read as it is sent, in
     blocks of UPLOAD_BLOCK; iterated again from its start (a retry after a 401), it sends them again.
-    ``tell`` is told each block handed to the connection (less what an earlier pass told)."""
+    ``tell`` is told each block handed to the connection (less what an earlier pass told); ``wire[0]``
+    counts every block handed to it, each pass's."""
 
     class Spent(OSError):
         """The file ended before the chunk did (it changed under the push)."""
 
-    def __init__(self, f: Any, off: int, n: int, tell: Callable[[int], None]) -> None:
-        self.f, self.off, self.n, self.tell = f, off, n, tell
+    def __init__(self, f: Any, off: int, n: int, tell: Callable[[int], None], wire: list[int]) -> None:
+        self.f, self.off, self.n, self.tell, self.wire = f, off, n, tell, wire
         self.told = 0
 
     def __iter__(self) -> Any:
@@ -327,6 +331,7 @@ class _Piece:
                 raise _Piece.Spent(f"the blob ended {left} bytes early")
             left -= len(block)
             self.told += len(block)
+            self.wire[0] += len(block)
             self.tell(len(block))
             yield block
 
@@ -454,7 +459,7 @@ def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: s
                       on_log: Callable[[str], None],
                       progress: PushProgress | None = None) -> tuple[bytes, int, int, dict[str, Any]]:
     """The image's bytes from the engine (spooled: the config and its layers), the missing blobs sent.
-    Returns (manifest, blobs sent, bytes sent, the record's size fields)."""
+    Returns (manifest, blobs sent, bytes handed to the connection for them, the record's size fields)."""
     if not dockerio.image_exists(rec.image_id):
         raise ConfigError(f"images.{rec.name}: image {rec.image_id[:19]} is not in the Docker Engine "
                           f"(run `builder image {rec.name}`)")
@@ -478,16 +483,17 @@ def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: s
         if rec.image_id in missing:
             on_log(f"sending config {rec.image_id[:19]} ({len(image.config)} bytes)")
             config = image.config
-            client.upload(rec.image_id, len(config), lambda: _BytesBody(config), on_bytes)
-            sent, size = sent + 1, size + len(config)
+            size += client.upload(rec.image_id, len(config), lambda: _BytesBody(config), on_bytes)
+            sent += 1
         done: set[str] = set()
         for layer in image.layers:
             if layer.diff_id not in missing or layer.diff_id in done:
                 continue
             on_log(f"sending layer {layer.diff_id[:19]} ({layer.size} bytes)")
-            client.upload(layer.diff_id, layer.size, lambda p=layer.path: open(p, "rb"), on_bytes)  # type: ignore[misc]
+            size += client.upload(layer.diff_id, layer.size, lambda p=layer.path: open(p, "rb"),  # type: ignore[misc]
+                                  on_bytes)
             done.add(layer.diff_id)
-            sent, size = sent + 1, size + layer.size
+            sent += 1
     return manifest, sent, size, sizes
 
 
