@@ -174,7 +174,7 @@ class _Client:
 
     def has(self, kind: str, digest: str) -> bool:
         status, _, headers = self.send(f"{kind}/{digest}", method="HEAD",
-                                           headers={"Accept": MEDIA_MANIFEST} if kind == "manifests" else None)
+                                       headers={"Accept": MEDIA_MANIFEST} if kind == "manifests" else None)
         if status == 200:
             if kind == "manifests" and headers.get("docker-content-digest", digest) != digest:
                 raise VerifyError(f"{self.where}: manifest {digest} is answered as "
@@ -187,7 +187,7 @@ class _Client:
     def _start_upload(self) -> tuple[str, int]:
         """POST a new upload: (its location, the chunk size the registry asks at least)."""
         status, body, headers = self.send("blobs/uploads/", method="POST", data=b"",
-                                              headers={"Content-Length": "0"})
+                                          headers={"Content-Length": "0"})
         if status != 202 or "location" not in headers:
             raise BuilderError(f"{self.where}: starting an upload: HTTP {status} {_short(body)}")
         least = headers.get("oci-chunk-min-length", "")
@@ -240,7 +240,7 @@ class _Client:
                     if done:  # the last request: no bytes, the digest
                         sep = "&" if "?" in location else "?"
                         status, body, headers = self.send(f"{location}{sep}digest={digest}", method="PUT",
-                                                              data=b"", headers={"Content-Length": "0"})
+                                                          data=b"", headers={"Content-Length": "0"})
                         if status == 201:
                             return wire[0]
                     else:
@@ -286,7 +286,7 @@ class _Client:
 
     def put_manifest(self, reference: str, raw: bytes) -> None:
         status, body, headers = self.send(f"manifests/{reference}", method="PUT", data=raw,
-                                              headers={"Content-Type": MEDIA_MANIFEST})
+                                          headers={"Content-Type": MEDIA_MANIFEST})
         if status != 201:
             raise BuilderError(f"{self.where}: putting manifest {reference[:19]}: HTTP {status} {_short(body)}")
         theirs = headers.get("docker-content-digest")
