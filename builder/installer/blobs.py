@@ -111,6 +111,8 @@ def _pull_one(m: dict[str, Any], ctx: ssl.SSLContext | None) -> None:
     size, want = m["size"], m["sha256"]
     tmp = temp_for(m)
     os.makedirs(os.path.dirname(tmp), exist_ok=True)
+    with open(tmp, "ab"):  # (an empty file is fetched by no request)
+        pass
     h, have = _held(tmp, size)
     url = "%s/v2/%s/blobs/%s" % (src["url"], src["repository"], src["digest"])
     tries, last = 0, ""

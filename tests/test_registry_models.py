@@ -1,0 +1,160 @@
+"""Model files by way of the fleet registry, below the fleet: a REAL registry (Debian's docker-registry, on
+loopback) holds each file as a blob whose digest is its sha256 (builder.image.registry.push_blobs: a HEAD
+first, each blob once), and the installer's pull (builder.installer.blobs) fetches them, checked by digest;
+a faulty link in front of it (tests/lib/blobproxy.py) cuts a pull midway. The manifest's rules for a
+file's registry source are checked without any of it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from builder.errors import UnreachableError
+from builder.image import registry
+from builder.installer import blobs
+from builder.installer.errors import InstallError
+from builder.installer.manifest import REGISTRY_CA, check_manifest
+from tests.lib import blobproxy, registrylib
+
+HEX = "ab" * 32
+
+
+def _manifest(source: dict[str, Any], files: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "format": 1, "kind": "builder-bundle", "bundle_id": "cd" * 32, "builder": "0", "fleet": "f", "host": "h",
+        "lane": "l", "rank": 0, "role": "head", "world_size": 1, "lock_hash": "ef" * 32,
+        "image": {"name": "demo", "input_address": "01" * 32, "image_id": "sha256:" + "02" * 32, "diff_ids": [],
+                  "archive": None},
+        "paths": {"bundles": "/var/lib/builder", "models": "/srv/models", "engram": "/srv/engram"},
+        "files": files or [],
+        "models": [{"model": "m", "file": "w.bin", "path": "/srv/models/m/w.bin", "size": 3, "sha256": HEX,
+                    "bundled": None, "registry": source}],
+    }
+
+
+GOOD = {"url": "https://spark-head:5000", "repository": registry.MODEL_REPOSITORY, "digest": "sha256:" + HEX,
+        "ca": None}
+
+
+def test_a_model_files_registry_source_is_checked() -> None:
+    check_manifest(_manifest(GOOD))
+    ca_file = {"path": REGISTRY_CA, "size": 1, "sha256": HEX, "mode": "0644"}
+    check_manifest(_manifest({**GOOD, "ca": REGISTRY_CA}, [ca_file]))
+    for bad, where in [
+        ({**GOOD, "digest": "sha256:" + "cd" * 32}, "registry.digest"),
+        ({**GOOD, "url": "https://spark-head:5000/v2"}, "registry.url"),
+        ({**GOOD, "repository": "../x"}, "registry.repository"),
+        ({**GOOD, "ca": REGISTRY_CA}, "registry.ca"),
+        ({**GOOD, "extra": 1}, "registry.extra"),
+    ]:
+        with pytest.raises(InstallError) as e:
+            check_manifest(_manifest(bad))
+        assert f"models[0].{where}" in str(e.value), (where, str(e.value))
+
+
+# ----------------------------------------------------------------------------- with a real registry
+
+
+def _files(folder: Path, sizes: list[int]) -> list[registry.Blob]:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for i, n in enumerate(sizes):
+        data = hashlib.sha256(str(i).encode()).digest() * (n // 32) + bytes(n % 32)
+        p = folder / f"f{i}.bin"
+        p.write_bytes(data)
+        out.append(registry.Blob("sha256:" + hashlib.sha256(data).hexdigest(), n, p))
+    return out
+
+
+def _entries(blob_list: list[registry.Blob], url: str, models: Path) -> list[dict[str, Any]]:
+    return [{"model": "m", "file": b.path.name, "path": str(models / "m" / b.path.name), "size": b.size,
+             "sha256": b.digest.split(":", 1)[1], "bundled": None,
+             "registry": {"url": url, "repository": registry.MODEL_REPOSITORY, "digest": b.digest, "ca": None}}
+            for b in blob_list]
+
+
+def _place(pulled: list[tuple[str, str]]) -> None:
+    for tmp, dest in pulled:
+        os.replace(tmp, dest)
+
+
+@pytest.fixture
+def reg(tmp_path: Path) -> Any:
+    registrylib.require_parts()
+    with registrylib.start_registry(tmp_path / "registry") as r:
+        yield r
+
+
+@pytest.fixture(autouse=True)
+def _quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blobs, "RETRY_WAIT", 0.01)
+
+
+@pytest.mark.registry
+def test_each_blob_is_pushed_once_and_pulled_by_digest(tmp_path: Path, reg: registrylib.Registry) -> None:
+    files = _files(tmp_path / "src", [3 * 1024 * 1024 + 7, 1000, 0])
+    target = registry.parse_target(reg.url, "test")
+    assert registry.push_blobs(target, registry.MODEL_REPOSITORY, files + files[:1]) == (3, sum(
+        b.size for b in files), 0)
+    mark = len(reg.requests())
+    assert registry.push_blobs(target, registry.MODEL_REPOSITORY, files) == (0, 0, 3)
+    assert reg.blob_puts(mark) == 0
+    models = tmp_path / "models"
+    entries = _entries(files, reg.url, models)
+    mark = len(reg.requests())
+    _place(blobs.pull_models(entries, None, "spark-1"))
+    for b, m in zip(files, entries, strict=True):
+        assert Path(m["path"]).read_bytes() == b.path.read_bytes()
+    assert reg.blob_bytes_served(mark, agent="builder-installer/") == sum(b.size for b in files)
+
+
+@pytest.mark.registry
+def test_a_cut_pull_goes_on_from_the_bytes_it_has(tmp_path: Path, reg: registrylib.Registry) -> None:
+    files = _files(tmp_path / "src", [2 * 1024 * 1024 + 5])
+    registry.push_blobs(registry.parse_target(reg.url, "test"), registry.MODEL_REPOSITORY, files)
+    with blobproxy.BlobProxy(reg.url) as proxy:
+        proxy.cut_after = 700_000
+        entries = _entries(files, proxy.url, tmp_path / "models")
+        _place(blobs.pull_models(entries, None, "spark-1"))
+        gets = proxy.blob_gets()
+    assert Path(entries[0]["path"]).read_bytes() == files[0].path.read_bytes()
+    assert [g.range for g in gets] == [None, "bytes=700000-"], gets
+    assert sum(g.sent for g in gets) == files[0].size  # no byte sent twice
+
+
+@pytest.mark.registry
+def test_a_wrong_blob_in_the_registry_is_refused_naming_host_and_file(
+        tmp_path: Path, reg: registrylib.Registry) -> None:
+    files = _files(tmp_path / "src", [100_000])
+    registry.push_blobs(registry.parse_target(reg.url, "test"), registry.MODEL_REPOSITORY, files)
+    hexd = files[0].digest.split(":", 1)[1]
+    data = reg.workdir / "storage" / "docker" / "registry" / "v2" / "blobs" / "sha256" / hexd[:2] / hexd / "data"
+    raw = bytearray(data.read_bytes())
+    raw[5000] ^= 0xFF
+    data.write_bytes(bytes(raw))  # the registry's own storage holds wrong bytes under the digest
+    entries = _entries(files, reg.url, tmp_path / "models")
+    with pytest.raises(InstallError) as e:
+        blobs.pull_models(entries, None, "spark-1")
+    msg = str(e.value)
+    assert msg.startswith(f"host spark-1: model file {entries[0]['path']}: ") and "refused" in msg, msg
+    assert "\n" not in msg
+    assert not os.listdir(tmp_path / "models" / "m")  # nothing placed, no temp left
+
+
+@pytest.mark.registry
+def test_an_unreachable_registry_is_one_line_naming_host_file_and_cause(tmp_path: Path) -> None:
+    files = _files(tmp_path / "src", [1000])
+    url = f"http://127.0.0.1:{registrylib.free_port()}"
+    entries = _entries(files, url, tmp_path / "models")
+    with pytest.raises(InstallError) as e:
+        blobs.pull_models(entries, None, "spark-2")
+    msg = str(e.value)
+    assert msg.startswith(f"host spark-2: model file {entries[0]['path']}: ") and "cannot reach" in msg, msg
+    assert not (tmp_path / "models" / "m" / "f0.bin").exists()
+    with pytest.raises(UnreachableError) as u:
+        registry.check_blobs_reachable(registry.parse_target(url, "test"), registry.MODEL_REPOSITORY)
+    assert "registry 127.0.0.1" in str(u.value)
