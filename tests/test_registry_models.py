@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +159,15 @@ def test_an_unreachable_registry_is_one_line_naming_host_file_and_cause(tmp_path
     with pytest.raises(UnreachableError) as u:
         registry.check_blobs_reachable(registry.parse_target(url, "test"), registry.MODEL_REPOSITORY)
     assert "registry 127.0.0.1" in str(u.value)
+
+
+def test_a_full_disk_is_one_line_naming_host_and_file_before_any_byte_is_pulled(tmp_path: Path) -> None:
+    mib = 1024 * 1024
+    entries = [{**e, "size": n} for e, n in zip(_entries(_files(tmp_path / "src", [10, 20]), "http://127.0.0.1:9",
+                                                        tmp_path / "models"), [100 * mib, 200 * mib], strict=True)]
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(InstallError) as e:  # room for the first file, not for both
+        blobs.check_room([], entries, free - 150 * mib, "spark-1")
+    msg = str(e.value)
+    assert msg.startswith(f"host spark-1: model file {entries[1]['path']}: not enough disk"), msg
+    blobs.check_room([], entries, 0, "spark-1")

@@ -24,6 +24,7 @@ from typing import Any
 
 from .errors import InstallError, say
 from .files import fsync_file, tmp_stem
+from .root import check_disk
 
 #: bytes read from the registry at a time
 BLOCK = 1024 * 1024
@@ -43,6 +44,20 @@ def temp_for(m: dict[str, Any]) -> str:
 
 def from_registry(m: dict[str, Any]) -> bool:
     return m.get("registry") is not None
+
+
+def check_room(needs: list[tuple[str, int]], pulling: list[dict[str, Any]], reserve: int, host: str) -> None:
+    """Room for ``needs`` (path, bytes) and the files to pull, with ``reserve`` kept free (root.check_disk);
+    short of it for a file to pull: one line naming the host and the first such file that does not fit."""
+    try:
+        check_disk(needs + [(temp_for(m), m["size"]) for m in pulling], reserve)
+    except InstallError as e:
+        for i, m in enumerate(pulling):
+            try:
+                check_disk(needs + [(temp_for(p), p["size"]) for p in pulling[:i + 1]], reserve)
+            except InstallError:
+                raise InstallError("host %s: model file %s: %s" % (host, m["path"], e)) from None
+        raise
 
 
 class _Cut(Exception):

@@ -11,7 +11,7 @@ import shutil
 import stat
 from typing import TYPE_CHECKING, Any
 
-from .blobs import from_registry, pull_models
+from .blobs import check_room, from_registry, pull_models
 from .engine import check_thin, docker_root, image_present, load_image, pull_image
 from .errors import EXIT_CONFIG, InstallError, say
 from .files import (
@@ -28,7 +28,7 @@ from .files import (
 from .manifest import REGISTRY_CA, release_files, under
 from .record import model_ok, release_ok
 from .release import mark_staged, stage_release, switch_in
-from .root import DEFAULT_RESERVE, Root, check_disk
+from .root import DEFAULT_RESERVE, Root
 from .verify import check_all_hashes, iter_file, parse_key, verify_bundle
 
 if TYPE_CHECKING:
@@ -136,9 +136,13 @@ def _check_room(r: Root, manifest: dict[str, Any], signed_size: int, have_layers
     img = manifest["image"]
     bundled = {f["path"]: f for f in manifest["files"]}
     needs: list[tuple[str, int]] = []
+    pulling: list[dict[str, Any]] = []
     for m in manifest["models"]:
         why = model_ok(m, vouch)
         if why is None:
+            continue
+        if from_registry(m):
+            pulling.append(m)
             continue
         if m["bundled"] is None and not from_registry(m):
             raise InstallError(
@@ -150,7 +154,7 @@ def _check_room(r: Root, manifest: dict[str, Any], signed_size: int, have_layers
         archive = bundled[img["archive"]]
         needs.append((docker_root() or r.root, 2 * archive["size"]))
     needs.append((r.releases, sum(f["size"] for f in release_files(manifest)) + signed_size))
-    check_disk(needs, reserve)
+    check_room(needs, pulling, reserve, manifest["host"])
 
 
 def _place_image_and_models(bundle_dir: str, manifest: dict[str, Any], placing: list[dict[str, Any]],

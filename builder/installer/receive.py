@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .blobs import from_registry, pull_models, temp_for
+from .blobs import check_room, from_registry, pull_models
 from .engine import Load, docker_root, image_present, pull_image
 from .errors import EXIT_CONFIG, InstallError, say
 from .files import READ_SIZE, WRITEBACK_STEP, Writeback, atomic_write, fsync_dir, fsync_file, tmp_stem, write_all
@@ -24,7 +24,7 @@ from .install import Admission, check_image_source, host_key, host_record, regis
 from .manifest import HEX64, MANIFEST, MAX_MANIFEST, SIGNATURE, release_files
 from .record import fast_mode_drift, model_ok, release_ok, release_ok_file
 from .release import mark_staged, stage_release, switch_in
-from .root import Root, check_disk
+from .root import Root
 from .verify import check_signed
 
 RECEIVE_MAGIC = b"builder-receive 1\n"
@@ -437,10 +437,9 @@ def receive(
         todo = _still_wanted(wanted, receipts)
         needs = [(w.dest, w.entry["size"] - w.offset) for w in todo]
         pulling = [m for m in survey.placing if from_registry(m)]
-        needs += [(temp_for(m), m["size"]) for m in pulling]
         if archive is not None and survey.root_q is not None:
             needs.append((survey.root_q.result() or r.root, 2 * archive.entry["size"]))
-        check_disk(needs, admit.reserve)
+        check_room(needs, pulling, admit.reserve, manifest["host"])
         _reply(out, {"want": [[w.path, w.offset] for w in todo]})
         got, loading = _take_stream(inp, todo, archive, img, receipts, receipts_path)
         try:
