@@ -224,7 +224,7 @@ def test_the_fleet_takes_its_model_files_from_its_registry(tmp_path: Path) -> No
     each blob is pushed once for the fleet (a second bundle sends none), each host pulls its files by
     digest and installs them; a registry holding a wrong blob, or down, is one line naming the host and
     the file, and the old release stays current with no file half-placed; once the registry is right
-    again the same ship completes."""
+    again a deploy completes, and a deploy of what runs sends nothing."""
     with registry_fleet(tmp_path, models_from="registry") as rf:
         root, keys, fleet, reg, builder = rf.root, rf.keys, rf.fleet, rf.reg, rf.builder
         bundle_args = ("bundle", "--fleet", FLEET, "--with-image", "--with-models", "--key", str(keys / "builder.key"))
@@ -285,8 +285,16 @@ def test_the_fleet_takes_its_model_files_from_its_registry(tmp_path: Path) -> No
         assert f"host {head.name}: model file {victim['path']}: " in line and "cannot reach" in line, line
         assert _current(fleet, head) == old
 
-        # 5. the registry back, right: the same ship completes
+        # 5. the registry back, right: a deploy completes, and a deploy of what runs sends nothing
         reg.start()
-        builder("ship", f"{FLEET}/{head.name}")
+        deploy_args = ("deploy", "--fleet", FLEET, "--json", "--key", str(keys / "builder.key"), "--with-image",
+                       "--with-models", "--stop-timeout", "2", "--start-timeout", "60")
+        for want in ("deployed", "unchanged"):
+            mark = len(reg.requests())
+            p = builder(*deploy_args, check=False)
+            rep = json.loads(p.stdout) if p.stdout.strip() else {}
+            assert p.returncode == 0 and rep.get("result") == want, (p.returncode, rep.get("reason"), p.stderr[-3000:])
+        assert reg.blob_puts(mark) == 0 and reg.blob_bytes_served(mark, agent="builder-installer/") == 0
         assert fleet.exec(head, f"sha256sum {victim['path']}").stdout.split()[0] == victim["sha256"]
-        assert _current(fleet, head).endswith(manifest(head)["bundle_id"])
+        for h in fleet.hosts:
+            assert _current(fleet, h).endswith(manifest(h)["bundle_id"])

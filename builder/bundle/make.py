@@ -26,6 +26,7 @@ from builder.bundle.render import (
     render_bundle,
 )
 from builder.errors import VerifyError
+from builder.foundation.canon import file_lock
 from builder.image import registry
 from builder.image.imagerecord import ImageRecord
 from builder.inputs.hosts import Fleet, bundles_folder, find_fleet, find_host
@@ -122,7 +123,10 @@ def push_models(
                 if "sha256:" + f.sha256 not in blobs:
                     path = in_store(ctx.pins, ctx.root, store, wanted_for(ctx.lock, f), ctx.lock)
                     blobs["sha256:" + f.sha256] = registry.Blob("sha256:" + f.sha256, f.size, path)
-        sent, size, _ = registry.push_blobs(target, registry.MODEL_REPOSITORY, list(blobs.values()))
+        # one push of model files at a time (a deploy makes its hosts' bundles at once): the second
+        # finds the registry holding what the first sent
+        with file_lock(ctx.store / "locks" / "push-model-files.lock"):
+            sent, size, _ = registry.push_blobs(target, registry.MODEL_REPOSITORY, list(blobs.values()))
     except BaseException:
         for r in results:
             if not r.unchanged:
