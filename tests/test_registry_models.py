@@ -128,6 +128,25 @@ def test_a_cut_pull_goes_on_from_the_bytes_it_has(tmp_path: Path, reg: registryl
 
 
 @pytest.mark.registry
+def test_a_pull_the_link_cut_for_good_resumes_at_the_next_install(tmp_path: Path, reg: registrylib.Registry) -> None:
+    files = _files(tmp_path / "src", [2 * 1024 * 1024 + 5])
+    registry.push_blobs(registry.parse_target(reg.url, "test"), registry.MODEL_REPOSITORY, files)
+    with blobproxy.BlobProxy(reg.url, cut_after=900_000, down_after_cut=True) as proxy:
+        entries = _entries(files, proxy.url, tmp_path / "models")
+        with pytest.raises(InstallError) as e:
+            blobs.pull_models(entries, None, "spark-1")
+    msg = str(e.value)
+    assert msg.startswith(f"host spark-1: model file {entries[0]['path']}: ") and "at byte 900000 of" in msg, msg
+    assert not Path(entries[0]["path"]).exists()
+    mark = len(reg.requests())
+    entries = _entries(files, reg.url, tmp_path / "models")  # the next install, the link back
+    _place(blobs.pull_models(entries, None, "spark-1"))
+    assert Path(entries[0]["path"]).read_bytes() == files[0].path.read_bytes()
+    gets = [r for r in reg.requests()[mark:] if r["method"] == "GET" and "/blobs/" in r["path"]]
+    assert [(g["status"], g["size"]) for g in gets] == [(206, files[0].size - 900_000)], gets
+
+
+@pytest.mark.registry
 def test_a_wrong_blob_in_the_registry_is_refused_naming_host_and_file(
         tmp_path: Path, reg: registrylib.Registry) -> None:
     files = _files(tmp_path / "src", [100_000])

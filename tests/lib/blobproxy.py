@@ -40,6 +40,8 @@ class BlobProxy:
     cut_after: int | None = None
     #: every blob GET's body has its byte at this offset flipped
     flip_at: int | None = None
+    #: after its cut, the proxy goes away (connections refused): the link stays down
+    down_after_cut: bool = False
     seen: list[Seen] = field(default_factory=list)
     _server: Any = None
     _thread: Any = None
@@ -114,3 +116,5 @@ class BlobProxy:
         if cut is not None:
             h.close_connection = True
             h.connection.shutdown(socket.SHUT_RDWR)
+            if self.down_after_cut:
+                self._server.socket.close()  # (new connections refused; serve_forever ends at its shutdown)
