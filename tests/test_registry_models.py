@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from builder.image import registry
 from builder.installer import blobs
 from builder.installer.errors import InstallError
 from builder.installer.manifest import REGISTRY_CA, check_manifest
-from tests.lib import blobproxy, registrylib
+from tests.lib import blobproxy, bundlelib, registrylib
 
 HEX = "ab" * 32
 
@@ -190,3 +191,46 @@ def test_a_full_disk_is_one_line_naming_host_and_file_before_any_byte_is_pulled(
     msg = str(e.value)
     assert msg.startswith(f"host spark-1: model file {entries[1]['path']}: not enough disk"), msg
     blobs.check_room([], entries, 0, "spark-1")
+
+
+@pytest.mark.registry
+@pytest.mark.docker
+def test_a_bundle_folder_installs_its_model_files_from_the_registry(
+        tmp_path: Path, reg: registrylib.Registry, request: pytest.FixtureRequest) -> None:
+    """The installer's `install` of a bundle folder (sneakernet's path) on a fleet with `models_from =
+    "registry"`: the bundle carries no model file, the install pulls them; with the registry down, a
+    later install is one line naming the host and the file, and the old release stays current."""
+    host = tmp_path / "host"
+    p = bundlelib.make_project(tmp_path, hosts=bundlelib.local_hosts(host), docker_image=True,
+                               marker=request.node.nodeid)
+    try:
+        text = bundlelib.fleet_toml(p.hosts, registry=reg.url)
+        (p.root / "hosts" / "test.toml").write_text(text.replace("[fleet]\n", '[fleet]\nmodels_from = "registry"\n', 1))
+        v1 = bundlelib.bundle(p, tmp_path / "v1", with_models=True)
+        models = bundlelib.manifest(v1)["models"]
+        assert models and not (v1 / "models").exists()
+        assert all(m["registry"]["url"] == reg.url and m["registry"]["ca"] is None for m in models)
+        root = host / "builder"
+        r = bundlelib.install(v1, root, "--trusted-key", str(p.pub), "--host", "spark-b")
+        assert r.returncode == 0, r.stderr
+        for m in models:
+            assert hashlib.sha256(Path(m["path"]).read_bytes()).hexdigest() == m["sha256"]
+        current = os.readlink(root / "current")
+
+        bundlelib.relock(p, streams=3)
+        v2 = bundlelib.bundle(p, tmp_path / "v2", with_models=True)
+        victim = max(models, key=lambda m: m["size"])
+        os.unlink(victim["path"])
+        reg.stop()
+        r = bundlelib.install(v2, root, "--host", "spark-b")
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        line = r.stderr.strip().splitlines()[-1]
+        assert f"host spark-b: model file {victim['path']}: " in line and "cannot reach" in line, r.stderr
+        assert os.readlink(root / "current") == current
+        assert not [n for n in os.listdir(Path(victim["path"]).parent) if n.startswith(".tmp-")]
+        reg.start()
+        r = bundlelib.install(v2, root, "--host", "spark-b")
+        assert r.returncode == 0, r.stderr
+        assert os.readlink(root / "current") == f"releases/{bundlelib.manifest(v2)['bundle_id']}"
+    finally:
+        subprocess.run(["docker", "image", "rm", "-f", p.image_id], capture_output=True)

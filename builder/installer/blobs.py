@@ -126,9 +126,31 @@ def _pull_one(m: dict[str, Any], ctx: ssl.SSLContext | None) -> None:
     size, want = m["size"], m["sha256"]
     tmp = temp_for(m)
     os.makedirs(os.path.dirname(tmp), exist_ok=True)
-    with open(tmp, "ab"):  # (an empty file is fetched by no request)
-        pass
+    if size == 0:  # (fetched by no request)
+        with open(tmp, "ab"):
+            pass
     h, have = _held(tmp, size)
+    try:
+        h = _fetch(m, ctx, tmp, h, have)
+    except InstallError:
+        with contextlib.suppress(OSError):  # a temp file with no byte to resume from is not kept
+            if os.path.getsize(tmp) == 0:
+                os.unlink(tmp)
+        raise
+    got = h.hexdigest()
+    if got != want:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise InstallError("the registry's blob %s is not this file: its bytes hash to sha256:%s (refused)"
+                           % (src["digest"], got))
+    fsync_file(tmp)
+    os.chmod(tmp, 0o644)
+
+
+def _fetch(m: dict[str, Any], ctx: ssl.SSLContext | None, tmp: str, h: Any, have: int) -> Any:
+    """The blob's bytes from ``have`` on into tmp, resumed by Range after each cut that brought some bytes
+    further (RETRIES in a row that bring none: InstallError); returns the hash of all of them."""
+    src, size = m["registry"], m["size"]
     url = "%s/v2/%s/blobs/%s" % (src["url"], src["repository"], src["digest"])
     tries, last = 0, ""
     while have < size:
@@ -147,14 +169,7 @@ def _pull_one(m: dict[str, Any], ctx: ssl.SSLContext | None) -> None:
         if tries >= RETRIES:
             raise InstallError("pulling from %s stopped at byte %d of %d: %s" % (src["url"], have, size, last))
         time.sleep(min(RETRY_WAIT * 2 ** tries, 8.0))
-    got = h.hexdigest()
-    if got != want:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise InstallError("the registry's blob %s is not this file: its bytes hash to sha256:%s (refused)"
-                           % (src["digest"], got))
-    fsync_file(tmp)
-    os.chmod(tmp, 0o644)
+    return h
 
 
 def _get(url: str, tmp: str, h: Any, have: int, size: int, ctx: ssl.SSLContext | None) -> tuple[Any, int]:
