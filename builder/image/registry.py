@@ -46,6 +46,8 @@ from builder.lock.plainfiles import network_reason
 from builder.store.content import live_marker
 
 REPO_PREFIX = "builder"
+#: the repository that holds a fleet's model files, each a blob whose digest is its locked sha256
+MODEL_REPOSITORY = f"{REPO_PREFIX}/model-files"
 #: bytes read from a blob at a time while a chunk is sent
 UPLOAD_BLOCK = 1024 * 1024
 #: bytes one PATCH carries (a registry's OCI-Chunk-Min-Length can ask for more): a chunk the link drops
@@ -548,6 +550,40 @@ def fleet_pull_reference(fleet_path: Path, fleet: Fleet, rec: ImageRecord, *, pu
     if pushing:
         return planned_reference(rec, target)
     return reference_for(rec, target)
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A file to hold in the registry as a blob: its digest (``sha256:<hex>``), size and where it is."""
+
+    digest: str
+    size: int
+    path: Path
+
+
+def push_blobs(target: Target, repository: str, blobs: list[Blob], *,
+               on_log: Callable[[str], None] = lambda s: None,
+               progress: PushProgress | None = None) -> tuple[int, int, int]:
+    """Each blob the registry lacks (a HEAD for each first) sent once, in chunks, resumed where a link
+    drops (``_Client.upload``). Returns (blobs sent, bytes sent, blobs the registry held). One line
+    naming the registry on any failure."""
+    client = _Client(target, repository)
+    unique = list({b.digest: b for b in blobs}.values())
+    with _one_line_errors(client):
+        missing = [b for b in unique if not client.has("blobs", b.digest)]
+        on_bytes = progress(f"push {repository}", sum(b.size for b in missing)) if progress and missing else None
+        for b in missing:
+            on_log(f"sending {b.path.name} {b.digest[:19]} ({b.size} bytes)")
+            client.upload(b.digest, b.size, lambda p=b.path: open(p, "rb"), on_bytes)  # type: ignore[misc]
+    return len(missing), sum(b.size for b in missing), len(unique) - len(missing)
+
+
+def check_blobs_reachable(target: Target, repository: str) -> None:
+    """One HEAD request in ``repository``: the registry answers, with the credentials a push would use.
+    UnreachableError or BuilderError, one line, otherwise."""
+    client = _Client(target, repository)
+    with _one_line_errors(client):
+        client.has("blobs", "sha256:" + "0" * 64)
 
 
 def check_reachable(rec: ImageRecord, target: Target) -> None:
