@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import testinfra
 
+from builder.launch import LABEL_LANE, LABEL_RANK
 from tests.lib import checkmods, fleetlib
 from tests.lib.checkmods import checklib_fresh, concerns_for, count_commands, local_expect
 
@@ -212,7 +213,7 @@ def test_docker_inspect_of_images_and_containers_against_the_engine() -> None:
     cl: Any = checklib_fresh()
     image_id = fleetlib.tiny_image("builder-test-dockerfacts:1")
     lane = f"test-objects-{os.getpid()}"
-    cid = subprocess.run(["docker", "create", "--label", f"{cl.LABEL_LANE}={lane}", "--label", f"{cl.LABEL_RANK}=1",
+    cid = subprocess.run(["docker", "create", "--label", f"{LABEL_LANE}={lane}", "--label", f"{LABEL_RANK}=1",
                           image_id, "true"], capture_output=True, text=True, check=True).stdout.strip()
     try:
         exp = {**docker_expect(["image", "serving"]), "lane": lane,

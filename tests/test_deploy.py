@@ -887,3 +887,28 @@ def test_a_repair_with_nothing_to_do_keeps_the_reason_of_an_earlier_deploy_it_fi
                              replaced={}, rehash=False, repair=set())
     got = rollout.repair(d, None)
     assert got.exit_code == 0 and got.reason.startswith(reason), got.reason
+
+
+def test_a_plan_from_the_lock_and_fleet_file_contacts_no_host(tmp_path: Path) -> None:
+    """`deploy --plan` prints each host's bundle and the steps on stdout, and what only the hosts could
+    tell; ssh (a stand-in on PATH that records any call) is never run, as it is by --dry-run."""
+    p = bl.make_project(tmp_path)
+    calls = tmp_path / "ssh-calls"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ssh").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexit 255\n")
+    (fake / "ssh").chmod(0o755)
+    env = {"PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    r = p.cli("deploy", "--fleet", bl.FLEET, "--plan", "--key", str(p.key), env=env)
+    assert r.returncode == 0, r.stderr
+    assert "1. bundle: spark-a, spark-b made again" in r.stdout, r.stdout
+    assert "spark-a: runs: not known (no host was contacted)" in r.stdout, r.stdout
+    assert "not known without the hosts: whether the head answers its health check" in r.stdout, r.stdout
+    j = p.cli("deploy", "--fleet", bl.FLEET, "--plan", "--key", str(p.key), "--json", env=env)
+    doc = json.loads(j.stdout)
+    assert doc["result"] == "planned" and doc["exit"] == 0 and doc["unknown"] and doc["steps"], doc
+    assert set(doc["hosts"]) == {"spark-a", "spark-b"}
+    assert not calls.exists(), calls.read_text()
+    assert not (p.root / "out").exists()  # (nothing made: a plan writes no bundle)
+    d = p.cli("deploy", "--fleet", bl.FLEET, "--dry-run", "--key", str(p.key), env=env)
+    assert d.returncode == 3 and calls.exists(), d.stderr  # (the stand-in answers as a host cut off)

@@ -304,3 +304,18 @@ def test_hosts_dir_is_the_folder_each_command_reads(tmp_path: Path, args: list[s
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith(f"error: {inv}: no "), r.stderr
+
+
+def test_models_from_the_registry_needs_a_registry(tmp_path: Path) -> None:
+    head = '[[hosts]]\nname = "h"\nssh = "h"\nrank = 0\nrole = "head"\n'
+    p = tmp_path / "f.toml"
+    p.write_text('[fleet]\nname = "a"\nlane = "b"\nmodels_from = "registry"\n' + head)
+    with pytest.raises(ConfigError) as e:
+        load_fleet(p)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: fleet: models_from: ") and "fleet.registry" in msg and "\n" not in msg, msg
+    p.write_text('[fleet]\nname = "a"\nlane = "b"\nmodels_from = "registry"\n'
+                 'registry = "https://spark-head:5000"\n' + head)
+    assert load_fleet(p).fleet.models_from == "registry"
+    p.write_text('[fleet]\nname = "a"\nlane = "b"\n' + head)
+    assert load_fleet(p).fleet.models_from == "bundle"

@@ -25,7 +25,9 @@ def test_no_bar_off_a_terminal_and_json_stays_one_document(tmp_path: Path) -> No
     r = p.cli("bundle", "spark-b", "--with-models", "--key", str(p.key), "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)[0]["host"] == "spark-b"
-    assert "\r" not in r.stderr and "\x1b" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    # one line of progress's end and the key it signed with: no bar, no escape
+    assert "\r" not in r.stderr and "\x1b" not in r.stderr and r.stderr.count("\n") == 2, r.stderr
+    assert r.stderr.splitlines()[1].startswith("signed with "), r.stderr
     r = p.cli("verify", str(p.out("spark-b")), "--key", str(p.pub), "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True, r.stderr
     assert "\x1b" not in r.stderr and r.stderr.count("\n") == 1, r.stderr

@@ -8,7 +8,10 @@ import base64
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +166,150 @@ def test_credentials_from_a_credential_helper(built: Built, registry: registryli
                 assert str(registry.password).encode() not in f.read_bytes(), f
     finally:
         (cfg / "config.json").unlink()
+
+
+def test_a_missing_credential_helper_is_one_line(built: Built, registry: registrylib.Registry) -> None:
+    """The docker config names ``credsStore: foo`` and no ``docker-credential-foo`` is on PATH: a build
+    (whose engine request carries every credential the config holds) and a push say so in one line
+    naming the config file, the helper and the fix."""
+    cfg = built.workdir / "docker-config"
+    cfg.mkdir(exist_ok=True)
+    (cfg / "config.json").write_text(json.dumps({"credsStore": "foo"}))
+    try:
+        for args in (("image", "demo", "--offline", "--force"), ("push", "demo", "--registry", registry.url)):
+            p = built.builder(*args, check=False)
+            assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+            errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+            assert len(errors) == 1, p.stderr
+            assert f"{cfg / 'config.json'}: credsStore names the credential helper foo" in errors[0], errors
+            assert "docker-credential-foo is not on PATH" in errors[0] and "remove credsStore" in errors[0]
+    finally:
+        (cfg / "config.json").unlink()
+
+
+def one_error(p: subprocess.CompletedProcess[str]) -> str:
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, p.stderr
+    return errors[0]
+
+
+def test_refused_credentials_are_one_line_naming_the_registry_and_the_fix(
+        built: Built, registry: registrylib.Registry) -> None:
+    wrong = {"BUILDER_REGISTRY_USER": str(registry.username), "BUILDER_REGISTRY_PASSWORD": "not-the-password"}
+    line = one_error(built.builder("push", "demo", "--registry", registry.url, check=False, env=wrong))
+    assert line.startswith(f"error: registry {registry.addr}: authentication failed (401): "), line
+    assert "refused the credentials from BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD" in line, line
+    assert f"`docker login {registry.addr}`" in line and "not-the-password" not in line
+    line = one_error(built.builder("push", "demo", "--registry", registry.url, check=False))
+    assert f"{registry.addr}/builder/demo: authentication failed (401)" in line, line
+    assert "none are set" in line and f"`docker login {registry.addr}`" in line, line
+
+
+def test_tls_failures_name_the_registry_the_cause_and_the_fix(built: Built, tmp_path: Path) -> None:
+    with registrylib.start_registry(tmp_path / "tls", tls=True) as r:
+        assert r.ca is not None
+        line = one_error(built.builder("push", "demo", "--registry", r.url, check=False))
+        assert line.startswith(f"error: registry {r.addr}: certificate verify failed: "), line
+        assert "unable to get local issuer certificate" in line and "--ca FILE" in line, line
+        assert "fleet.registry_ca" in line, line
+        other, _, _ = registrylib.make_ca(tmp_path / "other-ca", "127.0.0.1")
+        line = one_error(built.builder("push", "demo", "--registry", r.url, "--ca", str(other), check=False))
+        assert f"the CA file {other} does not sign its certificate" in line, line
+        port = r.addr.rsplit(":", 1)[1]
+        line = one_error(built.builder("push", "demo", "--registry", f"https://localhost:{port}", "--ca",
+                                       str(r.ca), check=False))
+        assert line.startswith(f"error: registry localhost:{port}: certificate verify failed: "), line
+        assert "not valid for 'localhost'" in line and "a certificate for localhost" in line, line
+        p = built.builder("push", "demo", "--registry", r.url, "--ca", str(r.ca))  # the right CA: it goes
+        assert p.stdout.strip().endswith(built.record["manifest_digest"])
+
+
+class StallUploads:
+    """A TCP proxy in front of the registry that forwards every request but a blob upload's start
+    (POST .../blobs/uploads/), which it holds unanswered: a push stands still with the image's bytes
+    spooled from the engine."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.stalled = threading.Event()
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._srv.getsockname()[1]}"
+        self._held: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def close(self) -> None:
+        self._srv.close()
+        for c in self._held:
+            c.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pipe, args=(conn,), daemon=True).start()
+
+    def _pipe(self, conn: socket.socket) -> None:
+        first = conn.recv(65536)
+        if first.startswith(b"POST ") and b"/blobs/uploads/" in first.split(b"\r\n", 1)[0]:
+            self._held.append(conn)
+            self.stalled.set()
+            return
+        up = socket.create_connection(self.upstream)
+
+        def copy(a: socket.socket, b: socket.socket) -> None:
+            try:
+                while data := a.recv(65536):
+                    b.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for x in (a, b):
+                    try:
+                        x.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        up.sendall(first)
+        threading.Thread(target=copy, args=(up, conn), daemon=True).start()
+        copy(conn, up)
+
+
+def test_gc_removes_a_killed_push_s_spool_and_keeps_a_live_one(built: Built, tmp_path: Path) -> None:
+    """A push spools the image from the engine under the store's tmp/, holding the flock of the spool's
+    marker; one killed by SIGTERM (no clean-up runs) leaves the spool, and `builder gc` removes it,
+    whoever has its pid since; a push under way keeps its spool."""
+    tmp = built.workdir / "store" / "tmp"
+    with registrylib.start_registry(tmp_path / "registry") as r:
+        proxy = StallUploads(r.addr)
+        env = {**built.env, "PYTHONPATH": os.pathsep.join([str(projectlib.clirun.REPO), os.environ.get(
+            "PYTHONPATH", "")])}
+        push = subprocess.Popen([projectlib.clirun.SCRIPT, "push", "demo", "--registry", proxy.url],
+                                cwd=built.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert proxy.stalled.wait(120), "the push never started an upload"
+            spools = list(tmp.glob(f"push-{push.pid}-*"))
+            assert len(spools) == 1, list(tmp.iterdir())
+            size = sum(f.stat().st_size for f in spools[0].rglob("*") if f.is_file())
+            assert size >= sum(built.record["layer_sizes"]), size  # the image's bytes, spooled
+            built.builder("gc")
+            assert spools[0].is_dir()  # the push is alive: its spool stays
+            push.send_signal(signal.SIGTERM)
+            push.wait(30)
+            assert push.returncode == -signal.SIGTERM and (spools[0] / ".live").is_file()
+            # its pid taken by another process since (here this test's): the free marker still says stale
+            reused = spools[0].rename(tmp / f"push-{os.getpid()}-reused")
+            p = built.builder("gc")
+            assert not reused.exists(), p.stderr
+            assert not list(tmp.glob("push-*")), list(tmp.iterdir())
+        finally:
+            if push.poll() is None:
+                push.kill()
+                push.wait(30)
+            proxy.close()
 
 
 def test_a_registry_serving_other_bytes_is_caught(built: Built, registry: registrylib.Registry) -> None:

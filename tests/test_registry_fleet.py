@@ -57,10 +57,10 @@ class RegFleet:
 
 
 @contextmanager
-def registry_fleet(tmp_path: Path) -> Iterator[RegFleet]:
+def registry_fleet(tmp_path: Path, **fleet_keys: Any) -> Iterator[RegFleet]:
     """Two test hosts whose dockerd trusts a registry on the fleet's network (TLS, a CA made here), the
-    fleet file naming it (fleet.registry, fleet.registry_ca relative to the fleet file), the lane
-    locked, fetched and built, and a signing key: nothing installed yet."""
+    fleet file naming it (fleet.registry, fleet.registry_ca relative to the fleet file; ``fleet_keys``:
+    more `[fleet]` keys), the lane locked, fetched and built, and a signing key: nothing installed yet."""
     registrylib.require_parts()
     root = projectlib.two_layer_project(tmp_path / "project")
     env = projectlib.env_for(tmp_path)
@@ -78,7 +78,7 @@ def registry_fleet(tmp_path: Path) -> Iterator[RegFleet]:
                 fleetlib.docker("cp", str(reg.ca), f"{h.container_name}:/etc/docker/certs.d/{reg.addr}/ca.crt")
             shutil.copyfile(reg.ca, root / "hosts" / "regfleet-ca.crt")
             (root / "hosts" / f"{FLEET}.toml").write_text(journeylib.fleet_toml(
-                FLEET, "demo", fleet, keys, registry=reg.url, registry_ca="regfleet-ca.crt"))
+                FLEET, "demo", fleet, keys, registry=reg.url, registry_ca="regfleet-ca.crt", **fleet_keys))
             rf = RegFleet(root, tmp_path / "store", keys, fleet, reg, env)
             rf.builder("lock", "--offline", "demo")
             rf.builder("fetch", "demo", "--offline")
@@ -206,3 +206,95 @@ def test_the_fleet_pulls_only_what_it_lacks_from_its_registry(tmp_path: Path) ->
         assert p.returncode == 1, p.stderr
         assert f"is image {first['image_id']}, not the bundle's {third['image_id']}" in p.stderr, p.stderr
         assert _current(fleet, head) == current[head.name]
+
+
+def _blob_data(reg: registrylib.Registry, sha256: str) -> Path:
+    return reg.workdir / "storage" / "docker" / "registry" / "v2" / "blobs" / "sha256" / sha256[:2] / sha256 / "data"
+
+
+def _one_error(p: subprocess.CompletedProcess[str]) -> str:
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, p.stderr[-3000:]
+    return errors[0]
+
+
+def test_the_fleet_takes_its_model_files_from_its_registry(tmp_path: Path) -> None:
+    """`fleet.models_from = "registry"`: the bundles name each model file's blob instead of carrying it,
+    each blob is pushed once for the fleet (a second bundle sends none), each host pulls its files by
+    digest and installs them; a registry holding a wrong blob, or down, is one line naming the host and
+    the file, and the old release stays current with no file half-placed; once the registry is right
+    again a deploy completes, and a deploy of what runs sends nothing."""
+    with registry_fleet(tmp_path, models_from="registry") as rf:
+        root, keys, fleet, reg, builder = rf.root, rf.keys, rf.fleet, rf.reg, rf.builder
+        bundle_args = ("bundle", "--fleet", FLEET, "--with-image", "--with-models", "--key", str(keys / "builder.key"))
+
+        def manifest(h: fleetlib.Host) -> dict[str, Any]:
+            out: dict[str, Any] = json.loads((root / "out" / "bundles" / FLEET / h.name / "manifest.json").read_text())
+            return out
+
+        # 1. the bundles carry no model file; each blob goes to the registry once
+        mark = len(reg.requests())
+        builder(*bundle_args)
+        models = {h.name: manifest(h)["models"] for h in fleet.hosts}
+        blobs = {m["sha256"]: m["size"] for ms in models.values() for m in ms}
+        assert blobs and all(m["bundled"] is None and m["registry"]["digest"] == "sha256:" + m["sha256"]
+                             and m["registry"]["ca"] == "registry-ca.crt" for ms in models.values() for m in ms)
+        for h in fleet.hosts:
+            assert not (root / "out" / "bundles" / FLEET / h.name / "models").exists()
+        model_puts = [r for r in reg.requests()[mark:] if r["method"] == "PUT" and "/model-files/blobs/" in r["path"]]
+        assert len(model_puts) == len(blobs)
+        mark = len(reg.requests())
+        builder(*bundle_args)
+        assert reg.blob_puts(mark) == 0  # a second bundle sends no byte
+
+        # 2. each host pulls its files by digest, once, and installs them
+        mark = len(reg.requests())
+        for h in reversed(fleet.hosts):
+            builder("ship", f"{FLEET}/{h.name}")
+        assert reg.blob_bytes_served(mark, agent="builder-installer/") == sum(
+            m["size"] for ms in models.values() for m in ms)
+        for h in fleet.hosts:
+            for m in models[h.name]:
+                got = fleet.exec(h, f"sha256sum {m['path']}").stdout.split()[0]
+                assert got == m["sha256"], (h.name, m["path"])
+            assert _current(fleet, h).endswith(manifest(h)["bundle_id"])
+
+        # 3. a wrong blob in the registry: refused naming host and file; the old release stays current
+        head = fleet.hosts[0]
+        old = _current(fleet, head)
+        victim = max(models[head.name], key=lambda m: m["size"])
+        data = _blob_data(reg, victim["sha256"])
+        good = data.read_bytes()
+        data.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+        fleet.exec(head, f"rm {victim['path']}")  # (the host must fetch it again)
+        projectlib.engine_change(root, "0.1.4")
+        builder("lock", "--offline", "demo")
+        builder("image", "demo", "--offline")
+        builder(*bundle_args)
+        line = _one_error(builder("ship", f"{FLEET}/{head.name}", check=False))
+        assert f"host {head.name}: model file {victim['path']}: " in line and "refused" in line, line
+        assert _current(fleet, head) == old
+        listing = fleet.exec(head, f"ls -a {Path(victim['path']).parent}").stdout.split()
+        assert Path(victim["path"]).name not in listing and not [n for n in listing if n.startswith(".tmp-")]
+
+        # 4. the registry down: one line naming host, file and cause; the old release stays current
+        data.write_bytes(good)
+        reg.stop()
+        line = _one_error(builder("ship", f"{FLEET}/{head.name}", check=False))
+        assert f"host {head.name}: model file {victim['path']}: " in line and "cannot reach" in line, line
+        assert _current(fleet, head) == old
+
+        # 5. the registry back, right: a deploy completes, and a deploy of what runs sends nothing
+        reg.start()
+        deploy_args = ("deploy", "--fleet", FLEET, "--json", "--key", str(keys / "builder.key"), "--with-image",
+                       "--with-models", "--stop-timeout", "2", "--start-timeout", "60")
+        for want in ("deployed", "unchanged"):
+            mark = len(reg.requests())
+            p = builder(*deploy_args, check=False)
+            rep = json.loads(p.stdout) if p.stdout.strip() else {}
+            assert p.returncode == 0 and rep.get("result") == want, (p.returncode, rep.get("reason"), p.stderr[-3000:])
+        assert reg.blob_puts(mark) == 0 and reg.blob_bytes_served(mark, agent="builder-installer/") == 0
+        assert fleet.exec(head, f"sha256sum {victim['path']}").stdout.split()[0] == victim["sha256"]
+        for h in fleet.hosts:
+            assert _current(fleet, h).endswith(manifest(h)["bundle_id"])

@@ -8,6 +8,7 @@ stdin and prints ``{"ServerURL", "Username", "Secret"}``), here a small script i
 from __future__ import annotations
 
 import hashlib
+import http.server
 import io
 import json
 import os
@@ -155,9 +156,10 @@ def blob(n: int = 10 * MiB) -> tuple[bytes, str]:
     return data, "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def send(addr: str, data: bytes, digest: str, told: list[int] | None = None) -> None:
+def send(addr: str, data: bytes, digest: str, told: list[int] | None = None) -> int:
+    """Upload ``data``; the bytes the client says it put on the wire."""
     client = registry._Client(registry.parse_target(f"http://{addr}", "test"), "builder/blob")
-    client.upload(digest, len(data), lambda: io.BytesIO(data), (told.append if told is not None else None))
+    return client.upload(digest, len(data), lambda: io.BytesIO(data), (told.append if told is not None else None))
 
 
 def stored(reg: registrylib.Registry, digest: str) -> bytes:
@@ -209,8 +211,11 @@ def test_a_chunk_cut_midway_is_sent_again_and_the_blob_lands_whole(
     data, digest = blob()
     link.cut_at(6 * MiB)  # midway through the second chunk
     told: list[int] = []
-    send(link.addr, data, digest, told)
+    wire = send(link.addr, data, digest, told)
     assert stored(reg, digest) == data
+    # what went to the connection is reported: the first chunk twice, and the cut one's bytes, handed
+    # to the connection (the socket's buffers took more than the link carried) and sent again
+    assert len(data) + 6 * MiB <= wire <= len(data) + 8 * MiB, wire
     got = link.requests()
     asked = got.index("GET uploads")
     assert got[asked - 1] == "PATCH uploads 4194304-8388607", got  # the chunk cut midway
@@ -218,6 +223,108 @@ def test_a_chunk_cut_midway_is_sent_again_and_the_blob_lands_whole(
     assert [r for r in got[asked:] if r.startswith("PATCH")] == [
         "PATCH uploads 0-4194303", "PATCH uploads 4194304-8388607", "PATCH uploads 8388608-10485759"]
     assert sum(told) == len(data)  # the progress came back to what the registry held, then on
+
+
+class FakeSpecRegistry:
+    """A FAKE registry (the blob upload part of the OCI distribution spec only): a PATCH keeps every
+    byte it read, a cut one too, and GET on an upload answers 204 with ``Range: 0-<last>``, as the
+    spec describes and distribution 2.8 does not (it cancels an upload a cut chunk left longer than its
+    last answer said). It stands in for a registry that keeps what a cut chunk carried, which the
+    one this suite runs is not; ``received``: the bytes of blobs it read."""
+
+    def __init__(self) -> None:
+        self.uploads: dict[str, bytearray] = {}
+        self.blobs: dict[str, bytes] = {}
+        self.received = 0
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def answer(self, code: int, headers: dict[str, str] | None = None) -> None:
+                self.send_response(code)
+                for k, v in {"Content-Length": "0", **(headers or {})}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+
+            def state(self, uid: str) -> dict[str, str]:
+                n = len(fake.uploads[uid])
+                return {"Location": f"/v2/builder/blob/blobs/uploads/{uid}", "Range": f"0-{max(n - 1, 0)}"}
+
+            def do_HEAD(self) -> None:
+                self.answer(200 if self.path.rsplit("/", 1)[-1] in fake.blobs else 404)
+
+            def do_POST(self) -> None:
+                uid = f"u{len(fake.uploads)}"
+                fake.uploads[uid] = bytearray()
+                self.answer(202, self.state(uid))
+
+            def do_GET(self) -> None:
+                uid = self.path.split("?")[0].rsplit("/", 1)[-1]
+                self.answer(204, self.state(uid)) if uid in fake.uploads else self.answer(404)
+
+            def do_PATCH(self) -> None:
+                uid = self.path.rsplit("/", 1)[-1]
+                buf = fake.uploads[uid]
+                if int(self.headers["Content-Range"].split("-")[0]) != len(buf):
+                    self.answer(416, self.state(uid))
+                    return
+                left = int(self.headers["Content-Length"])
+                while left:
+                    block = self.rfile.read(min(65536, left))
+                    if not block:  # the link was cut: what came is kept
+                        return
+                    buf += block
+                    fake.received += len(block)
+                    left -= len(block)
+                self.answer(202, self.state(uid))
+
+            def do_PUT(self) -> None:
+                uid, _, query = self.path.rsplit("/", 1)[-1].partition("?")
+                digest = query.removeprefix("digest=")
+                data = bytes(fake.uploads.pop(uid))
+                if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+                    self.answer(400)
+                    return
+                fake.blobs[digest] = data
+                self.answer(201, {"Location": f"/v2/builder/blob/blobs/{digest}"})
+
+        self._srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.addr = f"127.0.0.1:{self._srv.server_address[1]}"
+        threading.Thread(target=self._srv.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._srv.shutdown()
+        self._srv.server_close()
+
+
+def test_a_chunk_cut_midway_goes_on_within_it_where_the_registry_keeps_its_bytes() -> None:
+    """Where the registry keeps what a cut chunk carried and says so (GET: ``Range``), the blob goes on
+    from that byte, inside the chunk: about the blob plus less than one chunk is sent, and reported."""
+    fake = FakeSpecRegistry()
+    link = Link(fake.addr)
+    try:
+        data, digest = blob()
+        link.cut_at(6 * MiB)  # midway through the second chunk
+        told: list[int] = []
+        wire = send(link.addr, data, digest, told)
+        assert fake.blobs[digest] == data
+        got = link.requests()
+        asked = got.index("GET uploads")
+        assert got[asked - 1] == "PATCH uploads 4194304-8388607", got  # the chunk cut midway
+        resumed = [r for r in got[asked:] if r.startswith("PATCH")]
+        kept = int(resumed[0].split(" ")[-1].split("-")[0])
+        assert 4 * MiB < kept < 8 * MiB, got  # on from inside the cut chunk, in the same upload
+        assert "POST uploads" not in got[asked:], got
+        assert fake.received < len(data) + 4 * MiB  # the blob and less than one chunk more
+        assert fake.received <= wire < len(data) + 4 * MiB, (fake.received, wire)  # reported as sent
+        assert sum(told) == len(data)
+    finally:
+        link.close()
+        fake.close()
 
 
 def test_a_link_that_stays_down_fails_in_one_line(reg: registrylib.Registry, link: Link, creds: None) -> None:

@@ -22,7 +22,7 @@ import pytest
 
 from builder.errors import ResolveError, VerifyError
 from builder.foundation.canon import sha256_tree
-from builder.store.content import Store
+from builder.store.content import LIVE, Store, live_marker
 
 DATA = b"the bytes the lock names\n" * 100
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -118,6 +118,34 @@ def test_staging_of_a_live_writer_is_left_alone(tmp_path: Path) -> None:
         (st / "part").write_bytes(b"x")
         store.put_file(src, SHA, "files.x")  # a writer cleans tmp, but not what a live process owns
         assert (st / "part").exists()
+    assert tmp_entries(store) == []
+
+
+def test_a_live_marker_decides_over_the_pid_in_the_name(tmp_path: Path) -> None:
+    """A staging folder with a LIVE marker is kept while a process holds the marker's flock (a child
+    here, in a folder named for a pid that does not run) and removed once nobody does (named for a pid
+    that runs: this test's, as a reused pid would be)."""
+    store = Store(tmp_path / "store")
+    held = store.tmp / "push-999999999-held"
+    free = store.tmp / f"push-{os.getpid()}-free"
+    for d in (held, free):
+        d.mkdir(parents=True)
+        (d / "image").write_bytes(b"x" * 4096)
+    with live_marker(free):
+        pass
+    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(held / LIVE)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        with store.locked():
+            store.clean_tmp()
+        assert (held / "image").exists() and not free.exists()
+    finally:
+        proc.kill()
+        proc.wait(30)
+    with store.locked():
+        store.clean_tmp()
     assert tmp_entries(store) == []
 
 

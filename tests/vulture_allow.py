@@ -7,9 +7,9 @@ Run: ``python3 -m vulture`` (.ci/run's lint step and tests/test_deadcode.py do).
 # ruff: noqa: B018, F821
 
 # pydantic calls these: the validators of builder/inputs (decorated @field_validator / @model_validator)
-_._ipv4, _._absolute, _._ssh_target, _._registry_url, _._ranks  # builder/inputs/hosts.py
+_._ipv4, _._absolute, _._ssh_target, _._registry_url, _._ranks, _._models_need_registry  # builder/inputs/hosts.py
 _._ulimits, _._caps, _._one, _._output, _._inputs_only, _._whole  # builder/inputs/lanes.py (and a _ranks)
-_._relative, _._known_platforms, _._in_images, _._by_digest, _._inside  # builder/inputs/pins.py
+_._relative, _._known_platforms, _._in_images, _._by_digest  # builder/inputs/pins.py (_inside: used elsewhere)
 _._one_origin, _._one_kind_of_image, _._references  # builder/inputs/pins.py
 model_config  # pydantic reads a model's settings from this class attribute
 
@@ -34,11 +34,12 @@ _.rollback_audit  # builder/deploy/report.py serialises it with attrs(self, ...,
 pytest_addoption, pytest_configure, pytest_collection_modifyitems, pytest_runtest_setup
 pytest_runtest_call, pytest_runtest_makereport, pytest_sessionstart, pytest_sessionfinish
 pytestmark  # a module's tier marks
-_isolated_env, _ssh_connections, _needs_the_registry, _prefetch  # autouse fixtures
+_isolated_env, _ssh_connections, _needs_the_registry, _prefetch, _quick_retries  # autouse fixtures
 bystanders, small_disk, network_refused  # fixtures a test requests for their effect, not their value
 
 # tests' stand-ins served to real clients
-_.do_GET, _.do_HEAD, _.do_POST, _.do_PUT, _.do_PATCH, _.log_message  # http.server's BaseHTTPRequestHandler dispatches by name
+# http.server's BaseHTTPRequestHandler dispatches by name
+_.do_GET, _.do_HEAD, _.do_POST, _.do_PUT, _.do_PATCH, _.log_message
 protocol_version, _.daemon_threads  # http.server: keep-alive HTTP/1.1, threads that end with the test
 _.keyid  # securesystemslib: the signer's key id, written into the DSSE envelope it signs
 # tests/lib/vllm_conformance.py: the platform and model vLLM calls, with vLLM's parameter names
@@ -47,5 +48,3 @@ _.get_device_numa_node, _.get_all_device_numa_nodes, _.embed_input_ids, _.comput
 device_id, physical_device_ids, vllm_config, input_ids, positions, intermediate_tensors, inputs_embeds
 hidden_states
 
-# for people: tests/fleet/README.md names it for removing fleets left by killed runs
-reap_stale

@@ -1,6 +1,10 @@
 """`builder bundle`'s steps, for one host or a whole fleet: the lane checked, the registry's preflight,
 each host's bundle rendered (builder.bundle.render: files only), then the registry push.
 
+A fleet whose hosts pull model files from its registry (``fleet.models_from = "registry"``) gets, with
+--with-models, bundles that name each model file's blob (its digest is its locked sha256) instead of
+carrying it; after rendering, each file the registry lacks (a HEAD first) is pushed once for the fleet.
+
 A fleet with a registry gets the image by digest, not as an archive: with --with-image the bundle names
 the reference its record gives, and the image is pushed after rendering (what the registry holds is not
 sent), so the hosts can pull what the bundle names. The preflight before rendering checks the registry's
@@ -22,9 +26,13 @@ from builder.bundle.render import (
     render_bundle,
 )
 from builder.errors import VerifyError
+from builder.foundation.canon import file_lock
 from builder.image import registry
 from builder.image.imagerecord import ImageRecord
 from builder.inputs.hosts import Fleet, bundles_folder, find_fleet, find_host
+from builder.store.modelfetch import in_store, wanted_for
+from builder.store.modelstore import ModelStore
+from builder.store.placement import host_files
 
 
 @dataclass(frozen=True)
@@ -43,9 +51,12 @@ def make_bundle(ctx: BundleInputs, host_ref: str, opts: BundleOptions) -> Bundle
     fleet_path, fleet, host = find_host(ctx.hosts_dir, host_ref)
     out = opts.out if opts.out is not None else bundles_folder(ctx.root, fleet.fleet.name, host.name)
     pending = registry_preflight(ctx, fleet_path, fleet, check_lane(ctx, fleet_path, fleet), opts)
+    models_to = models_preflight(fleet_path, fleet, opts)
     result = render_bundle(ctx, fleet_path, fleet, host, out, opts)
     if pending is not None:
         push_image(ctx, pending, [result])
+    if models_to is not None:
+        push_models(ctx, fleet, models_to, [result])
     return result
 
 
@@ -54,9 +65,12 @@ def make_fleet_bundles(ctx: BundleInputs, fleet_name: str, opts: BundleOptions) 
     fleet_path, fleet = find_fleet(ctx.hosts_dir, fleet_name)
     base = opts.out if opts.out is not None else bundles_folder(ctx.root, fleet.fleet.name)
     pending = registry_preflight(ctx, fleet_path, fleet, check_lane(ctx, fleet_path, fleet), opts)
+    models_to = models_preflight(fleet_path, fleet, opts)
     results = [render_bundle(ctx, fleet_path, fleet, h, base / h.name, opts) for h in fleet.by_rank()]
     if pending is not None:
         push_image(ctx, pending, results)
+    if models_to is not None:
+        push_models(ctx, fleet, models_to, results)
     return results
 
 
@@ -79,6 +93,46 @@ def registry_preflight(
     else:
         registry.check_reachable(rec, target)
     return RegistryPush(fleet_path=fleet_path, target=target, record=rec)
+
+
+def models_preflight(fleet_path: Path, fleet: Fleet, opts: BundleOptions) -> registry.Target | None:
+    """Before rendering, for --with-models on a fleet whose hosts pull model files from its registry
+    (``models_from = "registry"``): the registry answers (one request), else a one-line error and
+    nothing written. Returns the registry to push the model files to (None: the bundles carry them)."""
+    if not opts.with_models or fleet.fleet.models_from != "registry":
+        return None
+    target = registry.fleet_target(fleet_path, fleet)
+    if target is None:
+        return None
+    registry.check_blobs_reachable(target, registry.MODEL_REPOSITORY)
+    return target
+
+
+def push_models(
+    ctx: BundleInputs, fleet: Fleet, target: registry.Target, results: list[BundleResult]
+) -> tuple[int, int]:
+    """After rendering: each model file the bundles name that the registry lacks, pushed once for the
+    whole fleet, as a blob whose digest is its locked sha256 (from the model store, its bytes checked
+    there). A push that fails removes the bundles just rendered, as push_image does. Returns (files
+    sent, bytes sent)."""
+    store = ModelStore(ctx.store)
+    blobs: dict[str, registry.Blob] = {}
+    try:
+        for r in results:
+            for f in host_files(ctx.pins, ctx.lock, fleet.fleet.lane, fleet.host(r.host)):
+                if "sha256:" + f.sha256 not in blobs:
+                    path = in_store(ctx.pins, ctx.root, store, wanted_for(ctx.lock, f), ctx.lock)
+                    blobs["sha256:" + f.sha256] = registry.Blob("sha256:" + f.sha256, f.size, path)
+        # one push of model files at a time (a deploy makes its hosts' bundles at once): the second
+        # finds the registry holding what the first sent
+        with file_lock(ctx.store / "locks" / "push-model-files.lock"):
+            sent, size, _ = registry.push_blobs(target, registry.MODEL_REPOSITORY, list(blobs.values()))
+    except BaseException:
+        for r in results:
+            if not r.unchanged:
+                shutil.rmtree(r.path, ignore_errors=True)
+        raise
+    return sent, size
 
 
 def push_image(ctx: BundleInputs, pending: RegistryPush, results: list[BundleResult]) -> None:

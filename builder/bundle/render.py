@@ -41,6 +41,7 @@ from builder.installer.manifest import (
     IMAGE_ARCHIVE,
     KIND,
     MANIFEST,
+    REGISTRY_CA,
     SIGNATURE,
     check_manifest,
     trusted_comment_for,
@@ -217,6 +218,7 @@ def render_bundle(
     on_bytes = _progress_for(fleet, host, launch, opts)
     omitted = thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
     archive = IMAGE_ARCHIVE if opts.with_image and pull is None else None
+    source = models_source(fleet_path, fleet) if opts.with_models else None
     with _staging(out) as tmp:
         written = [write_bytes(data, rel, tmp, opts.part_size, mode)
                    for rel, (data, mode) in sorted(launch.files.items())]
@@ -225,7 +227,10 @@ def render_bundle(
             written.append(write_bytes(data, rel, tmp, opts.part_size, "0644"))
         if archive is not None:
             written.append(_write_image_archive(rec, omitted, tmp, opts.part_size, on_bytes))
-        model_entries, linked = _bundle_models(ctx, launch, tmp, opts.with_models, written, on_bytes)
+        if source is not None and source["ca"] is not None:
+            written.append(write_bytes(Path(source["ca_file"]).read_bytes(), REGISTRY_CA, tmp, opts.part_size,
+                                       "0644"))
+        model_entries, linked = _bundle_models(ctx, launch, tmp, opts.with_models, written, on_bytes, source)
         body: dict[str, Any] = {
             "format": FORMAT,
             "kind": KIND,
@@ -255,6 +260,20 @@ def render_bundle(
     )
 
 
+def models_source(fleet_path: Path, fleet: Fleet) -> dict[str, Any] | None:
+    """Where the hosts of a fleet with ``models_from = "registry"`` pull model files from: the registry's
+    URL, the repository of model files, and the CA file (``ca``: its name in the bundle, ``ca_file``: the
+    operator's copy); None for a fleet whose bundles carry them. ConfigError naming the file and key for
+    a bad URL or a missing CA file."""
+    if fleet.fleet.models_from != "registry":
+        return None
+    target = registry.fleet_target(fleet_path, fleet)
+    if target is None:  # (the fleet file's schema requires fleet.registry)
+        raise ConfigError(f"{fleet_path}: fleet.models_from: \"registry\" needs fleet.registry")
+    return {"url": target.url, "repository": registry.MODEL_REPOSITORY,
+            "ca": REGISTRY_CA if target.ca_file else None, "ca_file": target.ca_file}
+
+
 def _pull_reference(fleet_path: Path, fleet: Fleet, rec: ImageRecord, opts: BundleOptions) -> str | None:
     """The reference by digest a fleet with a registry pulls the image by (with --with-image: the one the
     push after rendering makes; without: the one an earlier push recorded, if any)."""
@@ -271,7 +290,8 @@ def _progress_for(fleet: Fleet, host: Host, launch: RankLaunch, opts: BundleOpti
     if opts.progress is None:
         return None
     rec = launch.record
-    work = sum(m["size"] for m in launch.models) if opts.with_models else 0
+    carried = opts.with_models and fleet.fleet.models_from == "bundle"
+    work = sum(m["size"] for m in launch.models) if carried else 0
     if opts.with_image and fleet.fleet.registry is None:
         omit = thin_omitted(rec.diff_ids, opts.have) if opts.have is not None else 0
         work += sum(rec.layer_sizes[omit:]) + (rec.config_size or 0)
@@ -311,17 +331,24 @@ def _write_image_archive(rec: ImageRecord, omitted: int, tmp: Path, part_size: i
 
 def _bundle_models(
     ctx: BundleInputs, launch: RankLaunch, tmp: Path, with_models: bool, written: list[WrittenFile],
-    on_bytes: Callable[[int], None] | None,
+    on_bytes: Callable[[int], None] | None, source: dict[str, Any] | None = None,
 ) -> tuple[list[dict[str, Any]], set[str]]:
     """The manifest's model entries, each with where the bundle holds it (``bundled``, with_models) else
     None; with_models, every file placed under models/ and appended to ``written``. Returns the entries
-    and the bundle paths linked from the store (the store's files: already on disk)."""
+    and the bundle paths linked from the store (the store's files: already on disk). With ``source``
+    (a fleet whose hosts pull model files from its registry) no file is placed: each entry names its
+    blob there (``registry``: the URL, repository, digest and the bundle's CA file)."""
     entries: list[dict[str, Any]] = []
     linked: set[str] = set()
     store = ModelStore(ctx.store)
     placed_files = launch.placed or {}
     for m in launch.models:
         bundled = None
+        if source is not None:
+            entries.append({**m, "bundled": None, "registry": {
+                "url": source["url"], "repository": source["repository"], "digest": "sha256:" + m["sha256"],
+                "ca": source["ca"]}})
+            continue
         if with_models:
             # The store's object, linked whole (never in parts: a part would be a second copy
             # of the bytes); ship resumes a model file by offset instead.

@@ -92,11 +92,14 @@ def _print(rep: DeployReport, as_json: bool) -> int:
     if not as_json:
         output.table(f"{rep.command} {rep.fleet} (lane {rep.lane})", ["host", "rank", "from", "to", "result", "on",
                                                                        "message"], rows)
-    for h in rep.hosts:
-        for line in h.plan:
-            output.status(named(h.host, line))
-    for i, step in enumerate(rep.steps, 1):
-        output.status(f"  {i}. {step}")
+    if not as_json:  # a plan is data: on stdout
+        for h in rep.hosts:
+            for line in h.plan:
+                output.data(named(h.host, line))
+        for i, step in enumerate(rep.steps, 1):
+            output.data(f"  {i}. {step}")
+        for line in rep.unknown:
+            output.data(f"  not known without the hosts: {line}")
     output.status(f"{rep.command}: {rep.result}: {rep.reason} ({rep.seconds:.1f} s)")
     if as_json:
         output.data_json(rep.to_json())
@@ -106,7 +109,12 @@ def _print(rep: DeployReport, as_json: bool) -> int:
 @click.command()
 @_fleet_options
 @_run_options
-@click.option("--dry-run", is_flag=True, help="Print the plan; change nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the plan, asking each host what it runs; change nothing.")
+@click.option(
+    "--plan", "plan_only", is_flag=True,
+    help="Print the plan from the lock and the fleet file alone, contacting no host, and what it could not "
+    "know; change nothing.",
+)
 @file_option(
     "--key", "key", help="Signing key for bundles made again [default: $BUILDER_SIGNING_KEY, else keys/builder.key "
     "under the project root]."
@@ -134,8 +142,8 @@ def _print(rep: DeployReport, as_json: bool) -> int:
 def deploy(
     fleet: str, as_json: bool, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float,
     start_timeout: float | None, stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool,
-    key: Path | None, allow_outside_key: bool, with_image: bool, with_models: bool, part_size: str, parallel: int,
-    insecure: bool, repair: bool,
+    plan_only: bool, key: Path | None, allow_outside_key: bool, with_image: bool, with_models: bool, part_size: str,
+    parallel: int, insecure: bool, repair: bool,
 ) -> int:
     """Move fleet NAME to the lock: bundle, stage everywhere, make the derivations, audit (the gate),
     stop the head then the workers, switch, start in the lane's order, wait for the API, audit it
@@ -149,8 +157,8 @@ def deploy(
     opts = replace(
         _options(fleet, hosts_dir, connect_timeout, timeout, ssh_persist), checks_dir=checks_dir, key=key,
         allow_outside_key=allow_outside_key, with_image=with_image, with_models=with_models, part_size=part_size,
-        dry_run=dry_run, parallel=parallel, start_timeout=start_timeout or 0.0, stop_timeout=stop_timeout,
-        audit_mode=mode, insecure=insecure, repair=repair,
+        dry_run=dry_run, plan=plan_only, parallel=parallel, start_timeout=start_timeout or 0.0,
+        stop_timeout=stop_timeout, audit_mode=mode, insecure=insecure, repair=repair,
     )
     return _print(rollout.deploy(opts, _say), as_json)
 

@@ -76,7 +76,8 @@ def expected(ctx: Any, fleet: Fleet, host: Host) -> dict[str, Any]:
     }
 
 
-def stale(manifest: dict[str, Any], want: dict[str, Any], with_image: bool, with_models: bool) -> str | None:
+def stale(manifest: dict[str, Any], want: dict[str, Any], with_image: bool, with_models: bool,
+          models_from: str = "bundle") -> str | None:
     """Why a bundle's manifest is not what a bundle made now would be (None: it is)."""
     for k, v in want["identity"].items():
         if manifest.get(k) != v:
@@ -95,14 +96,16 @@ def stale(manifest: dict[str, Any], want: dict[str, Any], with_image: bool, with
             return f"{rel} differs"
     if with_image and img.get("archive") is None and img.get("pull") is None:
         return "it carries no image (--with-image)"
-    if with_models and any(m.get("bundled") is None for m in manifest["models"]):
+    if with_models and models_from == "registry":
+        if any(m.get("registry") is None for m in manifest["models"]):
+            return "its model files do not come from the fleet registry (fleet.models_from)"
+    elif with_models and any(m.get("bundled") is None for m in manifest["models"]):
         return "it carries no model files (--with-models)"
     return None
 
 
-def current_bundle(out: Path, key: bytes, want: dict[str, Any], with_image: bool, with_models: bool) -> tuple[
-    dict[str, Any] | None, str
-]:
+def current_bundle(out: Path, key: bytes, want: dict[str, Any], with_image: bool, with_models: bool,
+                   models_from: str = "bundle") -> tuple[dict[str, Any] | None, str]:
     """The bundle at out when it is current and its signature checks (sizes, not hashes); else None
     and why."""
     if not (out / MANIFEST).is_file():
@@ -113,7 +116,7 @@ def current_bundle(out: Path, key: bytes, want: dict[str, Any], with_image: bool
         return None, str(e)
     except Exception as e:  # a signature that does not check, a key that does not parse
         return None, str(e).splitlines()[0] if str(e) else type(e).__name__
-    why = stale(manifest, want, with_image, with_models)
+    why = stale(manifest, want, with_image, with_models, models_from)
     return (manifest, "") if why is None else (None, why)
 
 
@@ -153,7 +156,7 @@ def ensure_bundles(
         if (bdir / MANIFEST).is_file():
             ship_opts = ShipOptions(signing_key=key, allow_outside_key=allow_outside_key)
             pub = trusted_key_bytes(ctx.root, fleet, bdir, ship_opts)
-            manifest, why = current_bundle(bdir, pub, want, with_image, with_models)
+            manifest, why = current_bundle(bdir, pub, want, with_image, with_models, fleet.fleet.models_from)
         if manifest is not None:
             return FleetBundle(h.name, bdir, manifest, made=False)
         if dry_run:

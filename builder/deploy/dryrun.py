@@ -1,5 +1,6 @@
-"""A deploy's plan (``--dry-run``), its no-op (every host runs its new bundle already: only audit),
-and what it says of an earlier deploy that did not finish."""
+"""A deploy's plan (``--dry-run``, asking the hosts; ``--plan``, from the lock and fleet file alone),
+its no-op (every host runs its new bundle already: only audit), and what it says of an earlier deploy
+that did not finish."""
 
 from __future__ import annotations
 
@@ -50,7 +51,6 @@ def plan(d: Deployment, stale: dict[str, str]) -> DeployReport:
     """The dry run: what each host runs and would get, and the steps a deploy would take."""
     w, rep = d.w, d.rep
     rep.result = "planned"
-    s = w.lane.serve
     for h in w.hosts:
         o, st = d.out(h), w.states[h.name]
         up = st.running[0].bundle if st.running else None
@@ -67,9 +67,47 @@ def plan(d: Deployment, stale: dict[str, str]) -> DeployReport:
         rep.reason = "every host runs its bundle already: a deploy would only audit the fleet (--phase all)"
         rep.steps = ["audit --phase all"]
         return rep
+    rep.steps = _steps(d, stale)
+    rep.reason = "dry run: nothing was changed"
+    return rep
+
+
+#: what a plan made from the lock and the fleet file alone cannot know (deploy --plan)
+NOT_KNOWN = [
+    "what each host runs and has installed (its release, its containers): a host may run this lock "
+    "already, in which case a deploy only audits",
+    "which releases each host holds (a staged one is not shipped again)",
+    "whether the head answers its health check",
+    "what the gate, the burn and the serving audit will find",
+]
+
+
+def plan_offline(d: Deployment, stale: dict[str, str]) -> DeployReport:
+    """The plan from the lock and the fleet file alone (``--plan``): each host's bundle and the steps a
+    deploy would take, with what only the hosts could tell (NOT_KNOWN); no host is contacted."""
+    w, rep = d.w, d.rep
+    rep.result = "planned"
+    for h in w.hosts:
+        o = d.out(h)
+        o.result = "planned"
+        o.plan = [
+            "runs: not known (no host was contacted)",
+            f"bundle: {short(o.target) if o.target else f'(a new bundle: {stale.get(h.name, chr(63))})'}",
+            "stage: ship the bundle, unless the host holds its release already",
+        ]
+    rep.steps = _steps(d, stale)
+    rep.unknown = list(NOT_KNOWN)
+    rep.reason = "plan from the lock and the fleet file; no host was contacted, nothing was changed"
+    return rep
+
+
+def _steps(d: Deployment, stale: dict[str, str]) -> list[str]:
+    """The steps a deploy that changes the fleet takes, in order."""
+    w = d.w
+    s = w.lane.serve
     heads, workers = w.head.name, ", ".join(h.name for h in w.workers) or "no workers"
     order = ", then ".join(" and ".join(h.name for h in g) for g in start_groups(w.fleet, w.lane))
-    rep.steps = [
+    return [
         f"bundle: {', '.join(stale) + ' made again' if stale else 'every bundle is current'}",
         f"stage on every host, {w.limit()} at once (ship with install --stage; current is not touched)",
         "gate: the preflight audit of the staged release on every host (no host switches unless all pass)",
@@ -81,8 +119,6 @@ def plan(d: Deployment, stale: dict[str, str]) -> DeployReport:
         "on any failure after the first switch: stop, switch every host back to what it ran, start that "
         "in order and audit it",
     ]
-    rep.reason = "dry run: nothing was changed"
-    return rep
 
 
 def noop(d: Deployment, earlier: J.Journal | None) -> DeployReport:

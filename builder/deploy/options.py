@@ -30,6 +30,7 @@ class DeployOptions:
     with_models: bool = False
     part_size: str = "256MiB"  # (as `builder bundle --part-size` takes it)
     dry_run: bool = False
+    plan: bool = False  # a dry run from the lock and the fleet file alone: no host is contacted
     parallel: int = 4  # hosts staged at once
     connect_timeout: int = 10
     timeout: float = 60.0  # base seconds of each remote call

@@ -80,6 +80,7 @@ class DeployReport:
     target_lock: str | None = None
     seconds: float = 0.0
     steps: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)  # what a plan could not know (deploy --plan)
 
     @property
     def exit_code(self) -> int:
@@ -113,4 +114,5 @@ class DeployReport:
             "hosts": {h.host: h.to_json() for h in self.hosts},
             **attrs(self, "audit", "rollback_audit"),
             **({"steps": self.steps} if self.steps else {}),
+            **({"unknown": self.unknown} if self.unknown else {}),
         }

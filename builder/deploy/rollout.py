@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from dataclasses import replace
 from typing import Any
 
 from builder.deploy import journal as J
@@ -41,7 +42,7 @@ from builder.deploy.bundles import FleetBundle, ensure_bundles
 from builder.deploy.connections import close_sockets, command_sockets
 from builder.deploy.deployment import Deployment
 from builder.deploy.derivations import derive
-from builder.deploy.dryrun import changes, describe_earlier, is_noop, noop, plan
+from builder.deploy.dryrun import changes, describe_earlier, is_noop, noop, plan, plan_offline
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.fleetwork import Fleetwork, explain, short
 from builder.deploy.options import DeployOptions, Say
@@ -58,8 +59,10 @@ NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # (a fleet's name, as the inven
 
 def deploy(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
     start = time.monotonic()
+    if opts.plan:
+        opts = replace(opts, dry_run=True)
     if opts.dry_run and opts.repair:  # (what a repair does is known only once every file is hashed)
-        raise ConfigError("--repair with --dry-run: what a repair places again is known only after it hashes "
+        raise ConfigError("--repair with --dry-run or --plan: what a repair places again is known only after it hashes "
                           "every installed file; run `builder audit --mode full` to see what differs")
     if opts.dry_run:
         w = Fleetwork(opts, say)  # ConfigError (exit 2) before any host is contacted
@@ -97,6 +100,13 @@ def run(d: Deployment) -> DeployReport:
     stale = {n: b for n, b in made.items() if isinstance(b, str)}
     d.bundles = {n: b for n, b in made.items() if isinstance(b, FleetBundle)}
     earlier = J.load(opts.store, w.fleet_name)
+    if opts.plan:
+        for h in w.hosts:
+            d.out(h).target = d.bundles[h.name].bundle_id if h.name in d.bundles else None
+        if earlier is not None:
+            rep.resumed = (f"an earlier deploy of fleet {earlier.fleet} (pid {earlier.pid}, started "
+                           f"{earlier.started}) did not finish (it stopped while {earlier.phase})")
+        return plan_offline(d, stale)
     failed = w.probe()
     if failed:
         for name, why in failed.items():

@@ -73,6 +73,7 @@ def _import_docker() -> Any:
 # The SDK loads with this module, once, through _import_docker: every module that imports this
 # one does so where it is about to talk to the engine.
 docker = _import_docker()
+from docker.credentials.errors import StoreError  # noqa: E402
 from docker.errors import DockerException, ImageNotFound, NotFound  # noqa: E402
 from requests.exceptions import RequestException  # noqa: E402
 
@@ -168,13 +169,37 @@ def image_store() -> str:
     return "classic"
 
 
+_HELPER_MISSING = re.compile(r"(docker-credential-\S+) not installed or not available in PATH")
+
+
+def credential_helper_problem(exc: BaseException) -> str | None:
+    """One line for a credential helper of the docker client's config that is not on PATH: the config
+    file, the key naming the helper, and the fix. None for any other trouble. (The SDK runs the
+    helpers a config names when it sends credentials: for a build, every one of them.)"""
+    m = next((m for e in _causes(exc) if (m := _HELPER_MISSING.search(str(e)))), None)
+    if m is None:
+        return None
+    exe = m.group(1)
+    helper = exe.removeprefix("docker-credential-")
+    path = docker.utils.config.find_config_file() or "the docker config"
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        doc = {}
+    keys = [f"credHelpers.{host}" for host, name in (doc.get("credHelpers") or {}).items() if name == helper]
+    key = "credsStore" if doc.get("credsStore") == helper else keys[0] if keys else "credsStore"
+    return (f"{path}: {key} names the credential helper {helper}, but {exe} is not on PATH "
+            f"(install {exe}, or remove {key} from {path})")
+
+
 def _call(what: str, fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except BuilderError:
         raise
-    except (DockerException, RequestException, OSError) as exc:
-        raise BuilderError(f"{what}: {_one_line(exc)}") from None
+    except (DockerException, RequestException, OSError, StoreError) as exc:
+        raise BuilderError(credential_helper_problem(exc) or f"{what}: {_one_line(exc)}") from None
 
 
 def build(

@@ -24,6 +24,7 @@ import io
 import ipaddress
 import os
 import re
+import ssl
 import tempfile
 import time
 import urllib.error
@@ -42,8 +43,11 @@ from builder.image.layers.spooled import MEDIA_CONFIG, MEDIA_LAYER, MEDIA_MANIFE
 from builder.inputs.hosts import Fleet, fleet_registry_ca
 from builder.lock import oci
 from builder.lock.plainfiles import network_reason
+from builder.store.content import live_marker
 
 REPO_PREFIX = "builder"
+#: the repository that holds a fleet's model files, each a blob whose digest is its locked sha256
+MODEL_REPOSITORY = f"{REPO_PREFIX}/model-files"
 #: bytes read from a blob at a time while a chunk is sent
 UPLOAD_BLOCK = 1024 * 1024
 #: bytes one PATCH carries (a registry's OCI-Chunk-Min-Length can ask for more): a chunk the link drops
@@ -116,7 +120,7 @@ class PushResult:
     manifest_digest: str
     registry: str
     sent_blobs: int
-    sent_bytes: int
+    sent_bytes: int  # handed to the connection: the blobs (each byte a cut made resend, counted again), the manifest
     held_blobs: int
     already: bool  # the registry held the whole image: nothing was sent
 
@@ -153,9 +157,26 @@ class _Client:
         self.reg = oci.Registry(ref, ca_file=target.ca_file, push=True)
         self.where = f"registry {target.registry}"
 
+    def send(self, url_or_path: str, **kw: Any) -> tuple[int, bytes, dict[str, str]]:
+        """oci.Registry.send; a 401 after the credentials were sent is BuilderError (auth_failed)."""
+        status, body, headers = self.reg.send(url_or_path, **kw)
+        if status == 401:
+            raise BuilderError(self.auth_failed())
+        return status, body, headers
+
+    def auth_failed(self) -> str:
+        """One line for a registry that refused the credentials sent: the registry, where they came
+        from, and the fix."""
+        host = self.target.registry
+        came = self.reg.creds_from
+        cause = (f"it refused the credentials from {came}" if came else
+                 "it refused the request, and no credentials are set for it")
+        return (f"{self.where}: authentication failed (401): {cause} (fix: `docker login {host}` with an account "
+                "that may push there, or set BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD)")
+
     def has(self, kind: str, digest: str) -> bool:
-        status, _, headers = self.reg.send(f"{kind}/{digest}", method="HEAD",
-                                           headers={"Accept": MEDIA_MANIFEST} if kind == "manifests" else None)
+        status, _, headers = self.send(f"{kind}/{digest}", method="HEAD",
+                                       headers={"Accept": MEDIA_MANIFEST} if kind == "manifests" else None)
         if status == 200:
             if kind == "manifests" and headers.get("docker-content-digest", digest) != digest:
                 raise VerifyError(f"{self.where}: manifest {digest} is answered as "
@@ -167,8 +188,8 @@ class _Client:
 
     def _start_upload(self) -> tuple[str, int]:
         """POST a new upload: (its location, the chunk size the registry asks at least)."""
-        status, body, headers = self.reg.send("blobs/uploads/", method="POST", data=b"",
-                                              headers={"Content-Length": "0"})
+        status, body, headers = self.send("blobs/uploads/", method="POST", data=b"",
+                                          headers={"Content-Length": "0"})
         if status != 202 or "location" not in headers:
             raise BuilderError(f"{self.where}: starting an upload: HTTP {status} {_short(body)}")
         least = headers.get("oci-chunk-min-length", "")
@@ -178,7 +199,7 @@ class _Client:
         """Where an upload stands (GET on its location: 204 with its ``Range``): (its location now, the
         bytes it holds). None when the registry no longer has it (404, or 400: distribution cancels an
         upload that holds more bytes than its last answer said, as a chunk cut midway leaves it)."""
-        status, body, headers = self.reg.send(location, method="GET")
+        status, body, headers = self.send(location, method="GET")
         if status in (200, 204):
             return headers.get("location", location), _received(headers.get("range"))
         if status in (400, 404):
@@ -188,15 +209,18 @@ class _Client:
         raise BuilderError(f"{self.where}: asking an upload's state: HTTP {status} {_short(body)}")
 
     def upload(self, digest: str, size: int, open_body: Callable[[], Any],
-               on_bytes: Callable[[int], None] | None = None) -> None:
+               on_bytes: Callable[[int], None] | None = None) -> int:
         """Send one blob in chunks (POST, then PATCH with ``Content-Range`` per chunk, then PUT with its
         digest). A chunk cut midway (a dropped link, a refused connection, a 5xx) is followed by a
         look at where the upload stands (GET on its location) and the blob goes on from the byte the
         registry holds; where the registry has dropped the upload (distribution does, for a chunk cut
         midway) a new one starts from the blob's first byte. RETRIES tries in a row that bring nothing
         further, then BuilderError; ``on_bytes``: told each number of bytes sent (negative when the
-        registry kept fewer than were sent)."""
+        registry kept fewer than were sent). Returns the bytes of the blob handed to the connection,
+        each resent byte counted again: ``size`` when no chunk was cut, at most one chunk more where the
+        registry keeps the bytes of a cut chunk, more where it drops the upload."""
         told = [0]  # the bytes on_bytes was told so far
+        wire = [0]  # the bytes handed to the connection, resent ones too
 
         def tell(n: int) -> None:
             told[0] += n
@@ -217,14 +241,14 @@ class _Client:
                 try:
                     if done:  # the last request: no bytes, the digest
                         sep = "&" if "?" in location else "?"
-                        status, body, headers = self.reg.send(f"{location}{sep}digest={digest}", method="PUT",
-                                                              data=b"", headers={"Content-Length": "0"})
+                        status, body, headers = self.send(f"{location}{sep}digest={digest}", method="PUT",
+                                                          data=b"", headers={"Content-Length": "0"})
                         if status == 201:
-                            return
+                            return wire[0]
                     else:
                         n = min(chunk, size - off)
-                        status, body, headers = self.reg.send(
-                            location, method="PATCH", data=_Piece(f, off, n, tell),
+                        status, body, headers = self.send(
+                            location, method="PATCH", data=_Piece(f, off, n, tell, wire),
                             headers={"Content-Type": "application/octet-stream",
                                      "Content-Range": f"{off}-{off + n - 1}", "Content-Length": str(n)})
                         if status == 202 and "location" in headers:
@@ -250,7 +274,7 @@ class _Client:
                     time.sleep(min(RETRY_WAIT * 2 ** (tries - 1), 8.0))
                     try:
                         if done and self.has("blobs", digest):  # the PUT was taken; its answer was lost
-                            return
+                            return wire[0]
                         state = self._upload_state(location)
                         if state is None:  # the registry dropped the upload: a new one, from the first byte
                             (location, least), starts = self._start_upload(), starts + 1
@@ -263,8 +287,8 @@ class _Client:
                 back_to(off)
 
     def put_manifest(self, reference: str, raw: bytes) -> None:
-        status, body, headers = self.reg.send(f"manifests/{reference}", method="PUT", data=raw,
-                                              headers={"Content-Type": MEDIA_MANIFEST})
+        status, body, headers = self.send(f"manifests/{reference}", method="PUT", data=raw,
+                                          headers={"Content-Type": MEDIA_MANIFEST})
         if status != 201:
             raise BuilderError(f"{self.where}: putting manifest {reference[:19]}: HTTP {status} {_short(body)}")
         theirs = headers.get("docker-content-digest")
@@ -288,13 +312,14 @@ def _received(rng: str | None) -> int:
 class _Piece:
     """One chunk of a blob as a request body: ``n`` bytes from ``off`` of ``f``, read as it is sent, in
     blocks of UPLOAD_BLOCK; iterated again from its start (a retry after a 401), it sends them again.
-    ``tell`` is told each block handed to the connection (less what an earlier pass told)."""
+    ``tell`` is told each block handed to the connection (less what an earlier pass told); ``wire[0]``
+    counts every block handed to it, each pass's."""
 
     class Spent(OSError):
         """The file ended before the chunk did (it changed under the push)."""
 
-    def __init__(self, f: Any, off: int, n: int, tell: Callable[[int], None]) -> None:
-        self.f, self.off, self.n, self.tell = f, off, n, tell
+    def __init__(self, f: Any, off: int, n: int, tell: Callable[[int], None], wire: list[int]) -> None:
+        self.f, self.off, self.n, self.tell, self.wire = f, off, n, tell, wire
         self.told = 0
 
     def __iter__(self) -> Any:
@@ -308,6 +333,7 @@ class _Piece:
                 raise _Piece.Spent(f"the blob ended {left} bytes early")
             left -= len(block)
             self.told += len(block)
+            self.wire[0] += len(block)
             self.tell(len(block))
             yield block
 
@@ -361,9 +387,37 @@ def _one_line_errors(client: _Client) -> Iterator[None]:
     try:
         yield
     except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise BuilderError(client.auth_failed()) from None
         raise BuilderError(f"{client.where}: HTTP {e.code} for {client.reg.ref.repository}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        tls = tls_problem(e, client.target)
+        if tls is not None:
+            raise UnreachableError(tls) from None
         raise UnreachableError(f"{client.where}: cannot reach {client.target.url}: {network_reason(e)}") from None
+
+
+def tls_problem(exc: BaseException, target: Target) -> str | None:
+    """One line for a TLS handshake the registry's certificate failed: the registry, what the check
+    said, and the fix. None for any other trouble."""
+    e = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    if not isinstance(e, ssl.SSLError):
+        return None
+    said = getattr(e, "verify_message", None) or getattr(e, "reason", None) or str(e)
+    where = f"registry {target.registry}"
+    if isinstance(e, ssl.SSLCertVerificationError):
+        cause = f"certificate verify failed: {said}"
+        if "mismatch" in str(said) or "not valid for" in str(said):
+            fix = (f"reach it by a name its certificate is for, or give it a certificate for "
+                   f"{target.registry.rsplit(':', 1)[0]}")
+        elif target.ca_file is not None:
+            fix = f"the CA file {target.ca_file} does not sign its certificate; give the one that does with --ca FILE"
+        else:
+            fix = "give the CA file that signs its certificate with --ca FILE, or the fleet's fleet.registry_ca"
+    else:
+        cause = f"TLS handshake failed: {said}"
+        fix = f"check that {target.url} serves TLS on that port"
+    return f"{where}: {cause} (fix: {fix})"
 
 
 def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
@@ -387,7 +441,7 @@ def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
         sent_bytes += len(manifest)
     digest = _sha(manifest)
     tag = rec.input_address[:32]
-    status, _, headers = client.reg.send(f"manifests/{tag}", method="HEAD", headers={"Accept": MEDIA_MANIFEST})
+    status, _, headers = client.send(f"manifests/{tag}", method="HEAD", headers={"Accept": MEDIA_MANIFEST})
     if status != 200 or headers.get("docker-content-digest") != digest:
         client.put_manifest(tag, manifest)  # a tag too, so the registry's garbage collection keeps it
     verify_pushed(client, rec, digest)
@@ -407,14 +461,15 @@ def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: s
                       on_log: Callable[[str], None],
                       progress: PushProgress | None = None) -> tuple[bytes, int, int, dict[str, Any]]:
     """The image's bytes from the engine (spooled: the config and its layers), the missing blobs sent.
-    Returns (manifest, blobs sent, bytes sent, the record's size fields)."""
+    Returns (manifest, blobs sent, bytes handed to the connection for them, the record's size fields)."""
     if not dockerio.image_exists(rec.image_id):
         raise ConfigError(f"images.{rec.name}: image {rec.image_id[:19]} is not in the Docker Engine "
                           f"(run `builder image {rec.name}`)")
     tmp = store / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     sent = size = 0
-    with tempfile.TemporaryDirectory(prefix=f"push-{os.getpid()}-", dir=tmp) as td:
+    # (a push killed mid-way leaves the spool, image-sized; `builder gc` removes it once its marker is free)
+    with tempfile.TemporaryDirectory(prefix=f"push-{os.getpid()}-", dir=tmp) as td, live_marker(Path(td)):
         image = layers.read_image(dockerio.save(rec.image_id), Path(td) / "work")
         if image.image_id != rec.image_id or image.diff_ids != list(rec.diff_ids):
             raise VerifyError(f"images.{rec.name}: the engine saved {image.image_id[:19]}, "
@@ -430,16 +485,17 @@ def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: s
         if rec.image_id in missing:
             on_log(f"sending config {rec.image_id[:19]} ({len(image.config)} bytes)")
             config = image.config
-            client.upload(rec.image_id, len(config), lambda: _BytesBody(config), on_bytes)
-            sent, size = sent + 1, size + len(config)
+            size += client.upload(rec.image_id, len(config), lambda: _BytesBody(config), on_bytes)
+            sent += 1
         done: set[str] = set()
         for layer in image.layers:
             if layer.diff_id not in missing or layer.diff_id in done:
                 continue
             on_log(f"sending layer {layer.diff_id[:19]} ({layer.size} bytes)")
-            client.upload(layer.diff_id, layer.size, lambda p=layer.path: open(p, "rb"), on_bytes)  # type: ignore[misc]
+            size += client.upload(layer.diff_id, layer.size, lambda p=layer.path: open(p, "rb"),  # type: ignore[misc]
+                                  on_bytes)
             done.add(layer.diff_id)
-            sent, size = sent + 1, size + layer.size
+            sent += 1
     return manifest, sent, size, sizes
 
 
@@ -494,6 +550,40 @@ def fleet_pull_reference(fleet_path: Path, fleet: Fleet, rec: ImageRecord, *, pu
     if pushing:
         return planned_reference(rec, target)
     return reference_for(rec, target)
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A file to hold in the registry as a blob: its digest (``sha256:<hex>``), size and where it is."""
+
+    digest: str
+    size: int
+    path: Path
+
+
+def push_blobs(target: Target, repository: str, blobs: list[Blob], *,
+               on_log: Callable[[str], None] = lambda s: None,
+               progress: PushProgress | None = None) -> tuple[int, int, int]:
+    """Each blob the registry lacks (a HEAD for each first) sent once, in chunks, resumed where a link
+    drops (``_Client.upload``). Returns (blobs sent, bytes sent, blobs the registry held). One line
+    naming the registry on any failure."""
+    client = _Client(target, repository)
+    unique = list({b.digest: b for b in blobs}.values())
+    with _one_line_errors(client):
+        missing = [b for b in unique if not client.has("blobs", b.digest)]
+        on_bytes = progress(f"push {repository}", sum(b.size for b in missing)) if progress and missing else None
+        for b in missing:
+            on_log(f"sending {b.path.name} {b.digest[:19]} ({b.size} bytes)")
+            client.upload(b.digest, b.size, lambda p=b.path: open(p, "rb"), on_bytes)  # type: ignore[misc]
+    return len(missing), sum(b.size for b in missing), len(unique) - len(missing)
+
+
+def check_blobs_reachable(target: Target, repository: str) -> None:
+    """One HEAD request in ``repository``: the registry answers, with the credentials a push would use.
+    UnreachableError or BuilderError, one line, otherwise."""
+    client = _Client(target, repository)
+    with _one_line_errors(client):
+        client.has("blobs", "sha256:" + "0" * 64)
 
 
 def check_reachable(rec: ImageRecord, target: Target) -> None:

@@ -170,7 +170,18 @@ class FleetInfo(Strict):
                                  examples=["https://spark-head:5000"])
     registry_ca: str | None = Field(default=None, description="the CA file of the registry's TLS",
                                     examples=["ca.crt"])
+    models_from: Literal["bundle", "registry"] = Field(
+        default="bundle", description="where hosts get model files: `bundle` (carried by the bundle, shipped "
+        "over ssh) or `registry` (`bundle --with-models` pushes each file the registry lacks, by its locked "
+        "sha256, and each host pulls its files from `registry`, checked by digest); `registry` requires "
+        "`registry`")
     note: str | None = Field(default=None, description="free text, for the reader")
+
+    @model_validator(mode="after")
+    def _models_need_registry(self) -> FleetInfo:
+        if self.models_from == "registry" and self.registry is None:
+            raise ValueError("models_from: \"registry\" needs fleet.registry (the registry's URL)")
+        return self
 
     @field_validator("registry")
     @classmethod

@@ -9,7 +9,8 @@ the package are relative, so it runs under either name.
 One module per concern: ``errors`` (InstallError, exit codes), ``manifest`` (format, names, the
 structure and path rules, the bundle id), ``files`` (atomic writes, fsync, sha256, writeback, the
 pool of hashing threads), ``minisign`` (the signature verifier, through openssl), ``verify`` (a
-bundle folder against its signed manifest), ``engine`` (docker load, pull, thin archives), ``root``
+bundle folder against its signed manifest), ``engine`` (docker load, pull, thin archives), ``blobs``
+(model files pulled from the fleet registry by digest), ``root``
 (links, lock, temps, free disk), ``record`` (the apply record, fast mode's rule), ``release`` (stage,
 switch, rollback, status), ``install`` (a bundle folder), ``receive`` (ship's stream), ``pack``
 (the zipapp), ``cli``.
@@ -67,7 +68,8 @@ refused), then free disk, then: load the image if its ID is not present (the loa
 manifest's; a bundle of a fleet with a registry names the image by digest in ``image.pull`` instead of
 carrying it, and ``docker pull`` fetches only the layers the host lacks; a thin archive,
 ``image.omitted_layers``, is refused unless the host holds the layers it leaves out), place bundled
-model files atomically, stage the release, switch ``current``, keep the old
+model files atomically (those a manifest names by their blob in the fleet registry, ``models[].registry``,
+pulled first by ``blobs``, each checked against its sha256), stage the release, switch ``current``, keep the old
 one as ``previous``, write the apply record. A SIGKILL at any point leaves ``current`` on a complete
 release (the old one until the switch) and a rerun completes. A rerun of the installed bundle changes
 nothing.

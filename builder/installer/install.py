@@ -11,6 +11,7 @@ import shutil
 import stat
 from typing import TYPE_CHECKING, Any
 
+from .blobs import check_room, from_registry, pull_models
 from .engine import check_thin, docker_root, image_present, load_image, pull_image
 from .errors import EXIT_CONFIG, InstallError, say
 from .files import (
@@ -24,10 +25,10 @@ from .files import (
     tmp_stem,
     write_all,
 )
-from .manifest import release_files, under
+from .manifest import REGISTRY_CA, release_files, under
 from .record import model_ok, release_ok
 from .release import mark_staged, stage_release, switch_in
-from .root import DEFAULT_RESERVE, Root, check_disk
+from .root import DEFAULT_RESERVE, Root
 from .verify import check_all_hashes, iter_file, parse_key, verify_bundle
 
 if TYPE_CHECKING:
@@ -135,11 +136,15 @@ def _check_room(r: Root, manifest: dict[str, Any], signed_size: int, have_layers
     img = manifest["image"]
     bundled = {f["path"]: f for f in manifest["files"]}
     needs: list[tuple[str, int]] = []
+    pulling: list[dict[str, Any]] = []
     for m in manifest["models"]:
         why = model_ok(m, vouch)
         if why is None:
             continue
-        if m["bundled"] is None:
+        if from_registry(m):
+            pulling.append(m)
+            continue
+        if m["bundled"] is None and not from_registry(m):
             raise InstallError(
                 "model file %s: %s (the bundle does not carry it; copy it there or bundle "
                 "with --with-models)" % (m["path"], why)
@@ -149,20 +154,28 @@ def _check_room(r: Root, manifest: dict[str, Any], signed_size: int, have_layers
         archive = bundled[img["archive"]]
         needs.append((docker_root() or r.root, 2 * archive["size"]))
     needs.append((r.releases, sum(f["size"] for f in release_files(manifest)) + signed_size))
-    check_disk(needs, reserve)
+    check_room(needs, pulling, reserve, manifest["host"])
 
 
 def _place_image_and_models(bundle_dir: str, manifest: dict[str, Any], placing: list[dict[str, Any]],
                             have_layers: Any, *, link: bool) -> None:
     """Hash the bundle's files that are not streamed, write the model files to place beside their
-    places, load (or pull) the image, then move the model files into place; a load or pull that fails
-    leaves no model file written."""
+    places (those the bundle carries; those from the fleet registry pulled), load (or pull) the image,
+    then move the model files into place; a pull, load or image pull that fails leaves no model file
+    placed."""
     img = manifest["image"]
     bundled = {f["path"]: f for f in manifest["files"]}
     loading = have_layers is None and img["archive"] is not None
-    streamed = {bundled[m["bundled"]]["path"] for m in placing} | ({img["archive"]} if loading else set())
+    carried = [m for m in placing if not from_registry(m)]
+    streamed = {bundled[m["bundled"]]["path"] for m in carried} | ({img["archive"]} if loading else set())
     check_all_hashes(bundle_dir, [f for f in manifest["files"] if f["path"] not in streamed])
-    written = _write_models(bundle_dir, bundled, placing, link=link)
+    written = _write_models(bundle_dir, bundled, carried, link=link)
+    try:
+        written += pull_models([m for m in placing if from_registry(m)], registry_ca(bundle_dir, manifest),
+                               manifest["host"])
+    except BaseException:
+        _discard(written)
+        raise
     try:
         if loading:
             load_image(bundle_dir, manifest)
@@ -175,6 +188,13 @@ def _place_image_and_models(bundle_dir: str, manifest: dict[str, Any], placing: 
         os.replace(tmp, dest)
     for d in sorted({os.path.dirname(dest) for _, dest in written}):
         fsync_dir(d)
+
+
+def registry_ca(folder: str, manifest: dict[str, Any]) -> str | None:
+    """The CA file of the fleet registry's TLS, as ``folder`` holds it (None: the system's CAs)."""
+    if any(from_registry(m) and m["registry"]["ca"] for m in manifest["models"]):
+        return os.path.join(folder, REGISTRY_CA)
+    return None
 
 
 def _link_whole(src: str, tmp: str) -> bool:

@@ -18,6 +18,8 @@ KIND = "builder-bundle"
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.json.minisig"
 IMAGE_ARCHIVE = "image.tar"
+#: the CA file of the fleet registry's TLS, carried by a bundle whose model files come from the registry
+REGISTRY_CA = "registry-ca.crt"
 RESERVED = (MANIFEST, SIGNATURE)
 MAX_MANIFEST = 64 * 1024 * 1024
 MODES = {"0644": 0o644, "0755": 0o755}
@@ -26,6 +28,9 @@ DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 # host[:port]/repo@sha256:<hex>: the only form of image.pull (by digest, never by tag)
+REPOSITORY = re.compile(r"^[a-z0-9]+([._/-][a-z0-9]+)*$")
+REGISTRY_URL = re.compile(r"^https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:[0-9]{1,5})?$")
+
 PULL_REF = re.compile(
     r"^([A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:[0-9]{1,5})?/[a-z0-9]+([._/-][a-z0-9]+)*@sha256:[0-9a-f]{64}$"
 )
@@ -246,11 +251,13 @@ def _check_no_file_under_a_file(physical: dict[str, str]) -> None:
 
 def _check_models(models: list[Any], files: list[dict[str, Any]], names: set[str], paths: dict[str, str]) -> None:
     """``models``: each file the host must hold, under paths.models or paths.engram, listed once; one
-    the bundle carries (``bundled``) is a models/ file of the bundle of the same size and sha256."""
+    the bundle carries (``bundled``) is a models/ file of the bundle of the same size and sha256; one
+    the host pulls from the fleet registry (``registry``) is named there by its sha256."""
     targets = set()
     for i, m in enumerate(models):
         w = "models[%d]" % i
-        _want(m, {"model": str, "file": str, "path": str, "size": int, "sha256": str, "bundled": "str?"}, w)
+        _want(m, {"model": str, "file": str, "path": str, "size": int, "sha256": str, "bundled": "str?",
+                  "registry": dict}, w, optional=("registry",))
         if not NAME.match(m["model"]):
             raise _err(w + ".model", "not a valid name")
         check_abs_path(m["path"], w + ".path")
@@ -268,6 +275,26 @@ def _check_models(models: list[Any], files: list[dict[str, Any]], names: set[str
             fe = [f for f in files if f["path"] == b][0]
             if fe["size"] != m["size"] or fe["sha256"] != m["sha256"]:
                 raise _err(w + ".bundled", "size or sha256 differ from the bundled file")
+        if "registry" in m:
+            _check_registry_source(m, w, names, b)
+
+
+def _check_registry_source(m: dict[str, Any], w: str, names: set[str], bundled: Any) -> None:
+    """A model file's ``registry``: where the host pulls it (the registry's URL, the repository, the
+    blob's digest, which is its sha256) and the bundle's CA file for the registry's TLS, if any."""
+    src = m["registry"]
+    w += ".registry"
+    _want(src, {"url": str, "repository": str, "digest": str, "ca": "str?"}, w)
+    if bundled is not None:
+        raise _err(w, "a file the bundle carries is not pulled from a registry")
+    if not REGISTRY_URL.match(src["url"]):
+        raise _err(w + ".url", "not a registry URL (scheme://host:port)")
+    if not REPOSITORY.match(src["repository"]):
+        raise _err(w + ".repository", "not a repository name")
+    if src["digest"] != "sha256:" + m["sha256"]:
+        raise _err(w + ".digest", "is not the file's sha256")
+    if src["ca"] is not None and (src["ca"] != REGISTRY_CA or REGISTRY_CA not in names):
+        raise _err(w + ".ca", "names no %s of the bundle" % REGISTRY_CA)
 
 
 def physical_files(manifest: dict[str, Any]) -> dict[str, tuple[int, str]]:

@@ -16,14 +16,15 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from .blobs import check_room, from_registry, pull_models
 from .engine import Load, docker_root, image_present, pull_image
 from .errors import EXIT_CONFIG, InstallError, say
 from .files import READ_SIZE, WRITEBACK_STEP, Writeback, atomic_write, fsync_dir, fsync_file, tmp_stem, write_all
-from .install import Admission, check_image_source, host_key, host_record, vouching
+from .install import Admission, check_image_source, host_key, host_record, registry_ca, vouching
 from .manifest import HEX64, MANIFEST, MAX_MANIFEST, SIGNATURE, release_files
 from .record import fast_mode_drift, model_ok, release_ok, release_ok_file
 from .release import mark_staged, stage_release, switch_in
-from .root import Root, check_disk
+from .root import Root
 from .verify import check_signed
 
 RECEIVE_MAGIC = b"builder-receive 1\n"
@@ -317,6 +318,8 @@ def _wanted(manifest: dict[str, Any], inc_dir: str, survey: _Survey,
         wanted += [_Incoming(fe, os.path.join(inc_dir, fe["path"])) for fe in release_files(manifest)]
     models: list[_Incoming] = []
     for m in survey.placing:
+        if from_registry(m):  # (pulled from the fleet registry after the stream)
+            continue
         if m["bundled"] is None:
             raise InstallError(
                 "model file %s: %s (the bundle does not carry it; copy it there or bundle "
@@ -330,6 +333,14 @@ def _wanted(manifest: dict[str, Any], inc_dir: str, survey: _Survey,
                         os.unlink(os.path.join(d, n))
         models.append(_Incoming(files[m["bundled"]], os.path.join(d, mine)))
     return archive, wanted + models, models
+
+
+def _registry_ca(r: Root, inc_dir: str, manifest: dict[str, Any]) -> str | None:
+    """The bundle's CA file of the fleet registry: as received, else in its release, already there."""
+    ca = registry_ca(inc_dir, manifest)
+    if ca is not None and not os.path.isfile(ca):
+        ca = registry_ca(r.release(manifest["bundle_id"]), manifest)
+    return ca
 
 
 def _drop_other_receives(r: Root, bid: str) -> None:
@@ -382,13 +393,18 @@ def _take_stream(inp: Any, todo: list[_Incoming], archive: _Incoming | None, img
     return got, loading
 
 
-def _place_models(placing: list[dict[str, Any]], models: list[_Incoming]) -> None:
-    """Each received model file moved to its path, then each folder they went into fsynced."""
-    for i, m in enumerate(placing):
+def _place_models(placing: list[dict[str, Any]], models: list[_Incoming], pulled: list[tuple[str, str]]) -> None:
+    """Each received model file (and each one pulled from the fleet registry) moved to its path, then each
+    folder they went into fsynced."""
+    carried = [m for m in placing if not from_registry(m)]
+    for i, m in enumerate(carried):
         w = models[i]  # (zip's strict= is newer than python 3.8)
         say("placing model file %s" % m["path"])
         os.chmod(w.dest, 0o644)
         os.replace(w.dest, m["path"])
+    for tmp, dest in pulled:
+        say("placing model file %s" % dest)
+        os.replace(tmp, dest)
     for d in sorted({os.path.dirname(m["path"]) for m in placing}):
         fsync_dir(d)
 
@@ -420,16 +436,24 @@ def receive(
         receipts = _receipts(receipts_path)
         todo = _still_wanted(wanted, receipts)
         needs = [(w.dest, w.entry["size"] - w.offset) for w in todo]
+        pulling = [m for m in survey.placing if from_registry(m)]
         if archive is not None and survey.root_q is not None:
             needs.append((survey.root_q.result() or r.root, 2 * archive.entry["size"]))
-        check_disk(needs, admit.reserve)
+        check_room(needs, pulling, admit.reserve, manifest["host"])
         _reply(out, {"want": [[w.path, w.offset] for w in todo]})
         got, loading = _take_stream(inp, todo, archive, img, receipts, receipts_path)
+        try:
+            pulled = pull_models(pulling, _registry_ca(r, inc_dir, manifest), manifest["host"])
+        except BaseException:
+            if loading is not None:
+                with contextlib.suppress(InstallError):
+                    loading.finish()
+            raise
         if loading is not None:
             loading.finish()
         elif survey.have_layers is None:
             pull_image(manifest)
-        _place_models(survey.placing, models)
+        _place_models(survey.placing, models, pulled)
         if not survey.release_there:
             stage_release(r, inc_dir, {**manifest, "files": [
                 {k: v for k, v in f.items() if k != "parts"} for f in manifest["files"]]}, mbytes, sbytes,

@@ -138,8 +138,11 @@ def docker_config_credentials(registry: str) -> tuple[str, str] | None:
             warnings.simplefilter("ignore")
             found = auth.load_config().resolve_authconfig(registry)
     except errors.DockerException as e:
-        why = " ".join(str(e).split())  # (what the helper said about itself: no secret is in it)
-        raise ResolveError(f"{where}: the docker config's credential helper failed: {why[:200]}") from None
+        from builder.foundation.dockerio import credential_helper_problem  # (the SDK is loaded already)
+
+        missing = credential_helper_problem(e)
+        why = missing or " ".join(str(e).split())[:200]  # (what the helper said about itself: no secret in it)
+        raise ResolveError(f"{where}: the docker config's credential helper failed: {why}") from None
     if not found:
         return None
     if found.get("IdentityToken"):
@@ -164,6 +167,8 @@ class Registry:
         #: whether the docker config was asked yet: only once a registry wants credentials (a helper runs
         #: a program, and the docker SDK takes a quarter of a second to load)
         self._asked_docker = self.user is not None and self.password is not None
+        #: where the credentials sent came from (for an error that says why they were refused)
+        self.creds_from = "BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD" if self._asked_docker else None
         # redirects (to blob stores) are followed; the Authorization header is "unredirected"
         handlers: list[urllib.request.BaseHandler] = []
         if ca_file is not None:
@@ -180,6 +185,7 @@ class Registry:
             creds = docker_config_credentials(self.ref.registry)
             if creds is not None:
                 self.user, self.password = creds
+                self.creds_from = "the docker config"
         if self.user is None or self.password is None:
             return None
         return "Basic " + base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
@@ -253,8 +259,10 @@ class Registry:
         if scheme.lower() == "basic":
             basic = self._basic()
             if basic is None:
-                raise ResolveError(f"{self._where()}: the registry wants credentials "
-                                   "(set BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD, or `docker login`)")
+                host = self.ref.registry
+                raise ResolveError(f"{self._where()}: authentication failed (401): the registry wants credentials "
+                                   f"and none are set for {host} (fix: `docker login {host}`, "
+                                   "or set BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD)")
             self.auth = basic
             return
         if scheme.lower() != "bearer" or "realm" not in fields:

@@ -11,7 +11,8 @@ Layout under the store root (default `.cache/builder` in the project):
   .lock                   flock held while entries are added or collected
 
 An entry is visible only once complete and verified: a process killed mid-write leaves
-at most a folder under tmp/, which the next writer removes.
+at most a folder under tmp/, which the next writer (and `builder gc`) removes. A push spools the image
+there too (`tmp/push-<pid>-…/`, holding the flock of its `.live` file while it runs).
 """
 
 from __future__ import annotations
@@ -69,10 +70,13 @@ class Store:
             shutil.rmtree(d, ignore_errors=True)
 
     def clean_tmp(self) -> None:
-        """Remove staging left by killed writers (call with the store lock held)."""
+        """Remove staging left by killed writers (call with the store lock held). A folder holding a
+        LIVE marker (live_marker) is its writer's while the marker's flock is held, whatever process
+        has its pid since; another, while the pid in its name runs."""
         if self.tmp.is_dir():
             for p in self.tmp.iterdir():
-                if _owner_alive(p.name):
+                held = _marker_held(p / LIVE)
+                if held or (held is None and _owner_alive(p.name)):
                     continue  # a live process is still writing there
                 if p.is_dir():
                     shutil.rmtree(p, ignore_errors=True)
@@ -308,6 +312,37 @@ def _unlink_unheld(p: Path) -> bool:
             return False
         p.unlink(missing_ok=True)
         return True
+    finally:
+        os.close(fd)
+
+
+#: the file in a staging folder whose flock its writer holds while it lives
+LIVE = ".live"
+
+
+@contextlib.contextmanager
+def live_marker(folder: Path) -> Iterator[None]:
+    """Hold ``folder/LIVE`` locked for the block: Store.clean_tmp (so `builder gc`) leaves the folder
+    while it is held, and removes it once its writer is gone, killed or not."""
+    with file_lock(folder / LIVE):
+        yield
+
+
+def _marker_held(path: Path) -> bool | None:
+    """Whether a process holds ``path``'s flock; None when there is no such file."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return True  # (unreadable: not ours to judge)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
     finally:
         os.close(fd)
 
