@@ -406,3 +406,21 @@ def test_a_push_after_a_recipe_change_is_refused_before_any_request(
         dockerfile.write_bytes(saved)
     out = json.loads(push().stdout)
     assert out["already"] is True and out["manifest_digest"] == built.record["manifest_digest"]
+
+
+def test_a_read_refused_twice_is_one_line_naming_the_registry_and_the_fix(
+        registry: registrylib.Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `builder lock` asks of a registry (a manifest, to pin a published image) refused with the
+    credentials it wanted: the same one line as a push's, for an account that may pull."""
+    from builder.errors import ResolveError
+    from builder.lock import oci
+
+    monkeypatch.setenv("BUILDER_REGISTRY_USER", str(registry.username))
+    monkeypatch.setenv("BUILDER_REGISTRY_PASSWORD", "not-the-password")
+    ref = oci.ImageRef(registry=registry.addr, repository="builder/demo", tag="v1", digest=None, scheme="http")
+    with pytest.raises(ResolveError) as e:
+        oci.Registry(ref).manifest("v1")
+    line = str(e.value)
+    assert line.startswith(f"registry {registry.addr}: authentication failed (401): it refused the credentials "
+                           "from BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD"), line
+    assert "may pull there" in line and "\n" not in line and "not-the-password" not in line, line

@@ -165,14 +165,8 @@ class _Client:
         return status, body, headers
 
     def auth_failed(self) -> str:
-        """One line for a registry that refused the credentials sent: the registry, where they came
-        from, and the fix."""
-        host = self.target.registry
-        came = self.reg.creds_from
-        cause = (f"it refused the credentials from {came}" if came else
-                 "it refused the request, and no credentials are set for it")
-        return (f"{self.where}: authentication failed (401): {cause} (fix: `docker login {host}` with an account "
-                "that may push there, or set BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD)")
+        """One line for a registry that refused the credentials sent (oci.Registry.auth_refused)."""
+        return self.reg.auth_refused()
 
     def has(self, kind: str, digest: str) -> bool:
         status, _, headers = self.send(f"{kind}/{digest}", method="HEAD",

@@ -216,8 +216,21 @@ class Registry:
                     e.close()
                     self._authenticate(challenge)
                     continue
+                if e.code == 401:  # (refused again with the credentials it asked for)
+                    e.close()
+                    raise ResolveError(self.auth_refused()) from None
                 raise
         raise AssertionError("unreachable")
+
+    def auth_refused(self) -> str:
+        """One line for a registry that refused the credentials sent: the registry, where they came from,
+        and the fix."""
+        host = self.ref.registry
+        cause = (f"it refused the credentials from {self.creds_from}" if self.creds_from else
+                 "it refused the request, and no credentials are set for it")
+        return (f"registry {host}: authentication failed (401): {cause} (fix: `docker login {host}` with an "
+                f"account that may {'push' if self.push else 'pull'} there, or set BUILDER_REGISTRY_USER and "
+                "BUILDER_REGISTRY_PASSWORD)")
 
     def send(self, url_or_path: str, *, method: str, data: Any = None, headers: dict[str, str] | None = None,
              rewind: Any = None) -> tuple[int, bytes, dict[str, str]]:
@@ -275,6 +288,8 @@ class Registry:
             with self._open(token_url, auth=self._basic()) as resp:
                 data = json.loads(resp.read(1024 * 1024))
         except urllib.error.HTTPError as e:
+            if e.code == 401:
+                raise ResolveError(self.auth_refused()) from None
             raise ResolveError(f"{self._where()}: token request refused: HTTP {e.code}") from None
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise ResolveError(f"{self._where()}: token request failed: {network_reason(e)}") from None
