@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "ship": "bench.ship",  # (i) fleet bundles linked from the store, ship vs scp -r, installer, progress
     "registry": "bench.registry",  # (j) top-layer update: registry and thin bundle vs archive; push vs docker push
     "derive": "bench.derive",  # (k) a held derivation vs its check; bytes read when held and when made
+    "fanout": "bench.fanout",  # (l) a model to 1, 2, 4 hosts via the fleet registry: uplink bytes, pull vs curl
 }
 
 

@@ -251,7 +251,9 @@ def test_the_fleet_takes_its_model_files_from_its_registry(tmp_path: Path) -> No
         # 2. each host pulls its files by digest, once, and installs them
         mark = len(reg.requests())
         for h in reversed(fleet.hosts):
-            builder("ship", f"{FLEET}/{h.name}")
+            shipped = json.loads(builder("ship", f"{FLEET}/{h.name}", "--json").stdout)
+            assert shipped["bytes_pulled"] == sum(m["size"] for m in models[h.name]), shipped
+            assert shipped["pull_seconds"] > 0
         assert reg.blob_bytes_served(mark, agent="builder-installer/") == sum(
             m["size"] for ms in models.values() for m in ms)
         for h in fleet.hosts:

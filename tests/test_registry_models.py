@@ -20,7 +20,7 @@ from builder.image import registry
 from builder.installer import blobs
 from builder.installer.errors import InstallError
 from builder.installer.manifest import REGISTRY_CA, check_manifest
-from tests.lib import blobproxy, bundlelib, registrylib
+from tests.lib import blobproxy, bundlelib, clirun, registrylib
 
 HEX = "ab" * 32
 
@@ -79,8 +79,8 @@ def _entries(blob_list: list[registry.Blob], url: str, models: Path) -> list[dic
             for b in blob_list]
 
 
-def _place(pulled: list[tuple[str, str]]) -> None:
-    for tmp, dest in pulled:
+def _place(pulled: blobs.Pulled) -> None:
+    for tmp, dest in pulled.files:
         os.replace(tmp, dest)
 
 
@@ -108,7 +108,9 @@ def test_each_blob_is_pushed_once_and_pulled_by_digest(tmp_path: Path, reg: regi
     models = tmp_path / "models"
     entries = _entries(files, reg.url, models)
     mark = len(reg.requests())
-    _place(blobs.pull_models(entries, None, "spark-1"))
+    pulled = blobs.pull_models(entries, None, "spark-1")
+    _place(pulled)
+    assert pulled.tally()["files"] == 3 and pulled.nbytes == sum(b.size for b in files) and pulled.seconds > 0
     for b, m in zip(files, entries, strict=True):
         assert Path(m["path"]).read_bytes() == b.path.read_bytes()
     assert reg.blob_bytes_served(mark, agent="builder-installer/") == sum(b.size for b in files)
@@ -141,7 +143,9 @@ def test_a_pull_the_link_cut_for_good_resumes_at_the_next_install(tmp_path: Path
     assert not Path(entries[0]["path"]).exists()
     mark = len(reg.requests())
     entries = _entries(files, reg.url, tmp_path / "models")  # the next install, the link back
-    _place(blobs.pull_models(entries, None, "spark-1"))
+    pulled = blobs.pull_models(entries, None, "spark-1")
+    _place(pulled)
+    assert pulled.nbytes == files[0].size - 900_000  # what this pull brought, not the bytes held
     assert Path(entries[0]["path"]).read_bytes() == files[0].path.read_bytes()
     gets = [r for r in reg.requests()[mark:] if r["method"] == "GET" and "/blobs/" in r["path"]]
     assert [(g["status"], g["size"]) for g in gets] == [(206, files[0].size - 900_000)], gets
@@ -234,3 +238,49 @@ def test_a_bundle_folder_installs_its_model_files_from_the_registry(
         assert os.readlink(root / "current") == f"releases/{bundlelib.manifest(v2)['bundle_id']}"
     finally:
         subprocess.run(["docker", "image", "rm", "-f", p.image_id], capture_output=True)
+
+
+@pytest.mark.registry
+@pytest.mark.docker
+def test_hosts_pull_model_files_through_the_fleets_pull_front(
+        tmp_path: Path, reg: registrylib.Registry, request: pytest.FixtureRequest) -> None:
+    """`fleet.registry_pull`: the bundles name the front and the pushes still go to `fleet.registry`; the
+    install pulls every file through the front, checked by digest. The front is Debian's docker-registry
+    as a pull-through cache of the fleet registry, where a P2P engine's registry mirror sits on a host."""
+    host = tmp_path / "host"
+    p = bundlelib.make_project(tmp_path, hosts=bundlelib.local_hosts(host), docker_image=True,
+                               marker=request.node.nodeid)
+    try:
+        with registrylib.start_registry(tmp_path / "front", proxy_of=reg.url) as front:
+            text = bundlelib.fleet_toml(p.hosts, registry=reg.url)
+            (p.root / "hosts" / "test.toml").write_text(text.replace(
+                "[fleet]\n", f'[fleet]\nmodels_from = "registry"\nregistry_pull = "{front.url}"\n', 1))
+            mark = len(reg.requests())
+            v1 = bundlelib.bundle(p, tmp_path / "v1", with_models=True)
+            models = bundlelib.manifest(v1)["models"]
+            assert models and all(m["registry"]["url"] == front.url for m in models)
+            distinct = {m["sha256"]: m["size"] for m in models}
+            assert reg.blob_puts(mark) == len(distinct) and front.blob_puts() == 0
+            r = bundlelib.install(v1, host / "builder", "--trusted-key", str(p.pub), "--host", "spark-b")
+            assert r.returncode == 0, r.stderr
+            for m in models:
+                assert hashlib.sha256(Path(m["path"]).read_bytes()).hexdigest() == m["sha256"]
+            assert front.blob_bytes_served(agent="builder-installer/") == sum(m["size"] for m in models)
+    finally:
+        subprocess.run(["docker", "image", "rm", "-f", p.image_id], capture_output=True)
+
+
+def test_a_pull_front_needs_models_from_the_registry_and_a_plain_url(tmp_path: Path) -> None:
+    root = tmp_path / "p"
+    for keys, want in [
+        ('registry = "https://spark-head:5000"\nregistry_pull = "http://127.0.0.1:65001"\n',
+         'registry_pull needs models_from = "registry"'),
+        ('registry = "https://spark-head:5000"\nmodels_from = "registry"\nregistry_pull = "http://127.0.0.1:65001/v2"\n',
+         "not a registry URL"),
+    ]:
+        p = bundlelib.make_project(root / str(len(want)), hosts=bundlelib.local_hosts(tmp_path / "h"))
+        text = bundlelib.fleet_toml(p.hosts).replace("[fleet]\n", "[fleet]\n" + keys, 1)
+        (p.root / "hosts" / "test.toml").write_text(text)
+        r = clirun.run("bundle", "--fleet", bundlelib.FLEET, cwd=p.root, pins=p.root / "pins.toml")
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "test.toml" in r.stderr and want in r.stderr, r.stderr

@@ -261,16 +261,16 @@ def render_bundle(
 
 
 def models_source(fleet_path: Path, fleet: Fleet) -> dict[str, Any] | None:
-    """Where the hosts of a fleet with ``models_from = "registry"`` pull model files from: the registry's
-    URL, the repository of model files, and the CA file (``ca``: its name in the bundle, ``ca_file``: the
-    operator's copy); None for a fleet whose bundles carry them. ConfigError naming the file and key for
-    a bad URL or a missing CA file."""
+    """Where the hosts of a fleet with ``models_from = "registry"`` pull model files from: the URL
+    (``fleet.registry_pull``, else the registry's), the repository of model files, and the CA file
+    (``ca``: its name in the bundle, ``ca_file``: the operator's copy); None for a fleet whose bundles
+    carry them. ConfigError naming the file and key for a bad URL or a missing CA file."""
     if fleet.fleet.models_from != "registry":
         return None
     target = registry.fleet_target(fleet_path, fleet)
     if target is None:  # (the fleet file's schema requires fleet.registry)
         raise ConfigError(f"{fleet_path}: fleet.models_from: \"registry\" needs fleet.registry")
-    return {"url": target.url, "repository": registry.MODEL_REPOSITORY,
+    return {"url": (fleet.fleet.registry_pull or target.url).rstrip("/"), "repository": registry.MODEL_REPOSITORY,
             "ca": REGISTRY_CA if target.ca_file else None, "ca_file": target.ca_file}
 
 

@@ -81,6 +81,8 @@ def ship(
                 "removed": r.removed,
                 "dest": r.dest,
                 "bytes_sent": r.bytes_sent,
+                "bytes_pulled": r.bytes_pulled,
+                "pull_seconds": r.pull_seconds,
             }
         )
     if r.result == "copied":
@@ -92,8 +94,12 @@ def ship(
     elif r.result == "unchanged":
         output.status(f"{r.host}: bundle {r.bundle_id[:16]} is already installed; nothing sent")
     else:
+        pulled = ""
+        if r.bytes_pulled:
+            rate = r.bytes_pulled / (1 << 20) / max(r.pull_seconds, 1e-6)
+            pulled = f"; {r.bytes_pulled / (1 << 30):.2f} GiB pulled from the fleet registry at {rate:.0f} MiB/s"
         output.status(
             f"{r.host}: bundle {r.bundle_id[:16]} {r.result} ({len(r.sent)} files sent, "
-            f"{len(r.skipped)} already there)"
+            f"{len(r.skipped)} already there{pulled})"
         )
     return 0

@@ -14,6 +14,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -175,18 +176,29 @@ class FleetInfo(Strict):
         "over ssh) or `registry` (`bundle --with-models` pushes each file the registry lacks, by its locked "
         "sha256, and each host pulls its files from `registry`, checked by digest); `registry` requires "
         "`registry`")
+    registry_pull: str | None = Field(
+        default=None, description="where the hosts pull model files from when it is not `registry` (pushes "
+        "still go to `registry`): a pull-through front on each host, such as a P2P engine's registry mirror "
+        "(Dragonfly's dfdaemon), or the registry's own plain-HTTP listener on the fabric; whatever serves "
+        "them, each file is checked against its digest in the signed manifest; needs `models_from = "
+        "\"registry\"`", examples=["http://127.0.0.1:65001"])
     note: str | None = Field(default=None, description="free text, for the reader")
 
     @model_validator(mode="after")
     def _models_need_registry(self) -> FleetInfo:
         if self.models_from == "registry" and self.registry is None:
             raise ValueError("models_from: \"registry\" needs fleet.registry (the registry's URL)")
+        if self.registry_pull is not None and self.models_from != "registry":
+            raise ValueError("registry_pull needs models_from = \"registry\"")
         return self
 
-    @field_validator("registry")
+    @field_validator("registry", "registry_pull")
     @classmethod
     def _registry_url(cls, v: str | None) -> str | None:
-        if v is not None and not (v.startswith("https://") or v.startswith("http://")):
+        # scheme://host[:port] and nothing after it: the hosts append /v2/... to it
+        u = urlsplit(v) if v is not None else None
+        if u is not None and (u.scheme not in ("https", "http") or not u.hostname or u.path.strip("/")
+                              or u.query or u.fragment):
             raise ValueError(f"not a registry URL (want https://host:port): {v}")
         return v
 

@@ -60,36 +60,59 @@ def check_room(needs: list[tuple[str, int]], pulling: list[dict[str, Any]], rese
         raise
 
 
+class Pulled:
+    """What a pull brought: ``files``, [(temp, final path)]; ``nbytes``, the bytes fetched now (a resumed
+    file counts only the rest); ``seconds``, the whole pull, its files fetched at once."""
+
+    def __init__(self) -> None:
+        self.files: list[tuple[str, str]] = []
+        self.nbytes = 0
+        self.seconds = 0.0
+
+    def tally(self) -> dict[str, Any]:
+        """The installer's answer's ``pulled``."""
+        return {"files": len(self.files), "bytes": self.nbytes, "seconds": round(self.seconds, 3)}
+
+
 class _Cut(Exception):
     """The link dropped, or the registry could not be reached: worth another try from the bytes held."""
 
 
-def pull_models(entries: list[dict[str, Any]], ca_file: str | None, host: str) -> list[tuple[str, str]]:
-    """Fetch each entry's blob to its temp name (temp_for), checked against its sha256; return [(temp,
-    final path)]. InstallError, one line naming the host and the file, on the first failure (the files
-    fetched whole stay, to be placed by the next install without a byte sent)."""
+def pull_models(entries: list[dict[str, Any]], ca_file: str | None, host: str) -> Pulled:
+    """Fetch each entry's blob to its temp name (temp_for), checked against its sha256; return the
+    [(temp, final path)] with the bytes fetched and the time taken. InstallError, one line naming the host and
+    the file, on the first failure (the files fetched whole stay, to be placed by the next install
+    without a byte sent)."""
+    out = Pulled()
     if not entries:
-        return []
+        return out
     ctx = _tls(entries, ca_file, host)
 
-    def one(m: dict[str, Any]) -> tuple[str, str]:
+    def one(m: dict[str, Any]) -> tuple[str, str, int]:
         try:
-            _pull_one(m, ctx)
+            fetched = _pull_one(m, ctx)
         except InstallError as e:
             raise InstallError("host %s: model file %s: %s" % (host, m["path"], e)) from None
-        return temp_for(m), m["path"]
+        return temp_for(m), m["path"], fetched
 
+    start = time.monotonic()
     with ThreadPoolExecutor(max_workers=min(WORKERS, len(entries)), thread_name_prefix="blob") as ex:
         futures = [ex.submit(one, m) for m in entries]
         errors: list[InstallError] = []
-        out = []
         for f in futures:
             try:
-                out.append(f.result())
+                tmp, dest, fetched = f.result()
             except InstallError as e:
                 errors.append(e)
+                continue
+            out.files.append((tmp, dest))
+            out.nbytes += fetched
     if errors:
         raise errors[0]
+    out.seconds = time.monotonic() - start
+    if out.nbytes:
+        say("pulled %d bytes of %d model files in %.1f s (%.0f MiB/s)"
+            % (out.nbytes, len(out.files), out.seconds, out.nbytes / 1048576 / max(out.seconds, 1e-6)))
     return out
 
 
@@ -121,7 +144,8 @@ def _held(tmp: str, size: int) -> tuple[Any, int]:
     return h, n
 
 
-def _pull_one(m: dict[str, Any], ctx: ssl.SSLContext | None) -> None:
+def _pull_one(m: dict[str, Any], ctx: ssl.SSLContext | None) -> int:
+    """Fetch one blob to its temp name and check it; returns the bytes fetched now."""
     src = m["registry"]
     size, want = m["size"], m["sha256"]
     tmp = temp_for(m)
@@ -145,6 +169,7 @@ def _pull_one(m: dict[str, Any], ctx: ssl.SSLContext | None) -> None:
                            % (src["digest"], got))
     fsync_file(tmp)
     os.chmod(tmp, 0o644)
+    return size - have
 
 
 def _fetch(m: dict[str, Any], ctx: ssl.SSLContext | None, tmp: str, h: Any, have: int) -> Any:

@@ -172,7 +172,7 @@ def _place_image_and_models(bundle_dir: str, manifest: dict[str, Any], placing: 
     written = _write_models(bundle_dir, bundled, carried, link=link)
     try:
         written += pull_models([m for m in placing if from_registry(m)], registry_ca(bundle_dir, manifest),
-                               manifest["host"])
+                               manifest["host"]).files
     except BaseException:
         _discard(written)
         raise

@@ -453,7 +453,7 @@ def receive(
             loading.finish()
         elif survey.have_layers is None:
             pull_image(manifest)
-        _place_models(survey.placing, models, pulled)
+        _place_models(survey.placing, models, pulled.files)
         if not survey.release_there:
             stage_release(r, inc_dir, {**manifest, "files": [
                 {k: v for k, v in f.items() if k != "parts"} for f in manifest["files"]]}, mbytes, sbytes,
@@ -462,5 +462,6 @@ def receive(
         shutil.rmtree(inc_dir, ignore_errors=True)
         res["received"] = [w.path for w in todo]
         res["bytes_received"] = got
+        res["pulled"] = pulled.tally()
         res["differed"] = survey.differed
         return res

@@ -54,3 +54,7 @@ class ShipResult:
     #: what the host held that differed from the manifest and was placed again (model files by their
     #: host path, launch files by their release path; receive's ``differed``)
     differed: list[str] = field(default_factory=list)
+    #: model bytes the host pulled from the fleet registry, and the seconds that pull took (receive's
+    #: ``pulled``; 0 where the bundle carries its model files)
+    bytes_pulled: int = 0
+    pull_seconds: float = 0.0

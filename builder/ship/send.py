@@ -129,6 +129,11 @@ def _receive(
     out = installer_answer(remote, rc, tail, err, "receive")
     res.result = str(out.get("result", "installed"))
     res.differed = [str(x) for x in out.get("differed") or []]
+    pulled = out.get("pulled")
+    if not isinstance(pulled, dict):
+        pulled = {}
+    res.bytes_pulled = int(pulled.get("bytes") or 0)
+    res.pull_seconds = float(pulled.get("seconds") or 0.0)
     return res
 
 

@@ -456,11 +456,13 @@ def start_registry(
     username: str = DEFAULT_USER,
     password: str | None = None,
     port: int | None = None,
+    proxy_of: str | None = None,
 ) -> Registry:
     """Start ``docker-registry`` on ``ip`` (a free port unless given) with storage under workdir; TLS from
     a test CA made here with ``tls``; with ``auth``, htpasswd basic auth for ``username`` and ``password``
-    (a random planted test value if None; read it back from ``.password``). Returns once ``/v2/``
-    answers; stop() or ``with`` ends it."""
+    (a random planted test value if None; read it back from ``.password``); with ``proxy_of`` (a
+    registry's URL), a pull-through cache of that registry, as a registry mirror in front of it. Returns
+    once ``/v2/`` answers; stop() or ``with`` ends it."""
     if not registry_available():
         raise RegistryError(f"{REGISTRY_BIN}: not installed (apt-get install docker-registry)")
     workdir = Path(workdir).resolve()
@@ -478,6 +480,8 @@ def start_registry(
         "storage": {"filesystem": {"rootdirectory": str(workdir / "storage")}, "delete": {"enabled": True}},
         "http": http,
     }
+    if proxy_of is not None:
+        config["proxy"] = {"remoteurl": proxy_of}
     if auth:
         assert password is not None
         htpasswd = workdir / "htpasswd"
