@@ -214,8 +214,8 @@ def _one_fleet(cfg: Config, base: Path, fleet: Any, n: int, files: dict[str, Pat
     _ok([*builder_argv(), *pins, "bundle", "--fleet", bundlelib.FLEET, "--with-models", "--key", str(p["key"])])
     push_s, uplink = time.perf_counter() - t0, _uplink_bytes(veth) - up0
     _ok([*builder_argv(), *pins, "bundle", "--fleet", PLAIN_FLEET, "--with-models", "--key", str(p["key"])])
-    stored = int(fleet.exec(head, f"find {REG_DIR}/storage -path '*/blobs/*' -name data -printf '%s\\n'"
-                            " | awk '{s+=$1} END {print s+0}'").stdout)
+    stored = sum(int(x) for x in fleet.exec(
+        head, f"find {REG_DIR}/storage -path '*/blobs/*' -name data -printf '%s\\n'").stdout.split())
     urls = [f"https://{head.ip}:{PORT}/v2/builder/model-files/blobs/sha256:{m['sha256']}"
             for m in json.loads((root / "out" / "bundles" / bundlelib.FLEET / hosts[0].name
                                  / "manifest.json").read_text())["models"]]

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import random
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.lib import fleetlib, journeylib, projectlib, registrylib
+from tests.lib import factory, fleetlib, journeylib, projectlib, registrylib, rlib
 
 pytestmark = [pytest.mark.registry, pytest.mark.fleet, pytest.mark.docker, pytest.mark.build]
 FLEET = "regfleet"
@@ -300,3 +304,51 @@ def test_the_fleet_takes_its_model_files_from_its_registry(tmp_path: Path) -> No
         assert fleet.exec(head, f"sha256sum {victim['path']}").stdout.split()[0] == victim["sha256"]
         for h in fleet.hosts:
             assert _current(fleet, h).endswith(manifest(h)["bundle_id"])
+
+
+def test_a_deploy_through_the_registry_killed_at_any_moment_converges_on_rerun(tmp_path: Path) -> None:
+    """SIGKILL of `builder deploy` (image and model files by way of the fleet registry, the hosts' model
+    files removed first, so that each install pulls them) at points spread over one measured deploy,
+    BUILDER_KILL_RUNS times (3 here unless set): after each kill a rerun deploys, every host runs the new
+    bundle with each model file whole, and no temp file is left beside them."""
+    with registry_fleet(tmp_path, models_from="registry") as rf:
+        deploy = ["deploy", "--fleet", FLEET, "--json", "--key", str(rf.keys / "builder.key"), "--with-image",
+                  "--with-models", "--stop-timeout", "2", "--start-timeout", "60"]
+        argv = [sys.executable, "-m", "builder", "--pins", str(rf.root / "pins.toml"), *deploy]
+        models_dir = journeylib.PATHS["models"]
+        streams = iter(range(3, 100))
+
+        def new_release() -> None:
+            """Another release of the same image (the lane's serve settings), the hosts' model files gone."""
+            n = next(streams)
+            factory.edit_pins(rf.root, lambda d: d["lanes"]["demo"]["serve"].update(streams=n))
+            rf.builder("lock", "--offline", "demo")
+            for h in rf.fleet.hosts:
+                rf.fleet.exec(h, f"find {models_dir} -type f -delete")
+
+        def converged() -> None:
+            p = rf.builder(*deploy, check=False)
+            rep = json.loads(p.stdout) if p.stdout.strip() else {}
+            assert p.returncode == 0 and rep.get("result") in ("deployed", "unchanged"), (
+                p.returncode, rep.get("reason"), p.stderr[-3000:])
+            for h in rf.fleet.hosts:
+                m = json.loads((rf.root / "out" / "bundles" / FLEET / h.name / "manifest.json").read_text())
+                assert _current(rf.fleet, h).endswith(m["bundle_id"]), h.name
+                for f in m["models"]:
+                    got = rf.fleet.exec(h, f"sha256sum {f['path']}").stdout.split()[0]
+                    assert got == f["sha256"], (h.name, f["path"])
+                left = rf.fleet.exec(h, f"find {models_dir} -name '.tmp-*'").stdout.split()
+                assert not left, (h.name, left)
+
+        converged()  # the first release
+        new_release()
+        t0 = time.monotonic()
+        converged()
+        span = time.monotonic() - t0
+        rng = random.Random(rlib.kill_seed(38))
+        for _ in range(int(os.environ.get("BUILDER_KILL_RUNS", "3"))):
+            new_release()
+            proc = rlib.start_killable(argv, rf.root, rf.env)
+            time.sleep(rng.uniform(0, span))
+            rlib.killpg(proc)
+            converged()

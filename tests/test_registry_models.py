@@ -20,7 +20,7 @@ from builder.image import registry
 from builder.installer import blobs
 from builder.installer.errors import InstallError
 from builder.installer.manifest import REGISTRY_CA, check_manifest
-from tests.lib import blobproxy, bundlelib, clirun, registrylib
+from tests.lib import blobproxy, bundlelib, clirun, registrylib, rlib
 
 HEX = "ab" * 32
 
@@ -284,3 +284,21 @@ def test_a_pull_front_needs_models_from_the_registry_and_a_plain_url(tmp_path: P
         r = clirun.run("bundle", "--fleet", bundlelib.FLEET, cwd=p.root, pins=p.root / "pins.toml")
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert "test.toml" in r.stderr and want in r.stderr, r.stderr
+
+
+@pytest.mark.registry
+def test_a_registry_whose_certificate_fails_is_one_line_at_once(tmp_path: Path) -> None:
+    """A misconfigured registry: its TLS certificate is not of the CA the bundle carries. One line naming
+    the host, the file and the cause, with no retry (a retry cannot mend a certificate)."""
+    other_ca = registrylib.make_ca(tmp_path / "other", "127.0.0.1")[0]
+    with registrylib.start_registry(tmp_path / "reg", tls=True) as reg:
+        files = _files(tmp_path / "src", [4096])
+        registry.push_blobs(registry.parse_target(reg.url, "test", reg.ca), registry.MODEL_REPOSITORY, files)
+        entries = _entries(files, reg.url, tmp_path / "models")
+        mark = len(reg.requests())
+        with pytest.raises(InstallError) as e:
+            blobs.pull_models(entries, str(other_ca), "spark-1")
+    msg = rlib.assert_one_line(e.value)
+    assert msg.startswith(f"host spark-1: model file {entries[0]['path']}: {reg.url}: ") and "certificate" in msg, msg
+    assert "fleet.registry_ca" in msg and len(reg.requests()) == mark
+    assert not Path(entries[0]["path"]).exists()

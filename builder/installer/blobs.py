@@ -215,6 +215,9 @@ def _get(url: str, tmp: str, h: Any, have: int, size: int, ctx: ssl.SSLContext |
                                                 if e.code == 404 else "")) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         reason = getattr(e, "reason", e)
+        if isinstance(reason, ssl.SSLCertVerificationError):  # (no retry mends a certificate)
+            raise InstallError("%s: the registry's TLS certificate failed verification against the bundle's "
+                               "CA (fleet.registry_ca): %s" % (url.split("/v2/")[0], reason.verify_message)) from None
         raise _Cut("cannot reach the registry: %s" % reason) from None
     with resp:
         if resp.status == 200 and have:  # the registry sends the whole blob: start again
