@@ -32,13 +32,15 @@ the model over ssh from the operator would put through the same uplink (N copies
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shutil
+import ssl
 import statistics
 import subprocess
-import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -119,8 +121,6 @@ def _start_head_registry(fleet: Any, head: Any, reg_bin: Path, tls: Path, regist
 
 def _restart_registry(fleet: Any, head: Any, ca: Path) -> None:
     """The head's registry, empty, both listeners answering /v2/."""
-    import ssl
-
     from tests.lib import fleetlib
 
     fleet.exec(head, f"pkill -x docker-registry; while pgrep -x docker-registry >/dev/null; do sleep 0.1; done; "
@@ -158,8 +158,6 @@ def _shape_uplink(fleet: Any, head: Any) -> str:
 
 
 def _gateway(fleet: Any) -> str:
-    import ipaddress
-
     return str(next(ipaddress.ip_network(fleet.subnet).hosts()))
 
 
@@ -281,24 +279,10 @@ def _one_fleet(cfg: Config, base: Path, fleet: Any, n: int, files: dict[str, Pat
 
 
 def _at_once(fns: list[Any]) -> list[Any]:
-    """Run each function in its own thread at once; their results in order (the first error raised)."""
-    results: list[Any] = [None] * len(fns)
-    errors: list[BaseException] = []
-
-    def go(i: int) -> None:
-        try:
-            results[i] = fns[i]()
-        except BaseException as e:  # noqa: BLE001  (handed to the caller below)
-            errors.append(e)
-
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
+    """Run each function in its own thread, all at once; their results in order (the first error raised)."""
+    with ThreadPoolExecutor(max_workers=len(fns)) as ex:
+        futures = [ex.submit(fn) for fn in fns]
+        return [f.result() for f in futures]
 
 
 def _ok(argv: list[str]) -> subprocess.CompletedProcess[str]:
