@@ -43,8 +43,8 @@ def test_the_phases_select_what_they_did() -> None:
                             only=only, checks_dir=CHECKS)
         return [c.name for c in opts.validate()[0]]
 
-    assert selected("preflight") == [n for n in NAMES if n != "serving"]
-    assert selected("serving") == ["serving"]
+    assert selected("preflight") == [n for n in NAMES if n not in ("serving", "gates")]
+    assert selected("serving") == ["serving", "gates"]
     assert selected("all") == list(NAMES)
     assert selected("serving", ["storage", "gpu"]) == ["gpu", "storage"]  # (--only: in the concerns' order)
     with pytest.raises(ConfigError, match=r"--only: unknown concern 'bogus' \(have: image, release, "):

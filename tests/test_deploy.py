@@ -441,6 +441,21 @@ def test_dry_run_first_deploy_a_no_op_and_a_changed_serve_setting(j: Journey) ->
     first = _deployed(j)  # bundles made, shipped, gated, started workers-then-head, audited
     rc, st = _status(j)
     assert rc == 0 and all(h["up"] and h["on_lock"] and h["bundle"] == first[n] for n, h in st["hosts"].items()), st
+    # the demo lane's gates ran on the head; their answers are the release's serving record, in the
+    # operator's store and on the head, and status shows it
+    head_name = j.fleet.hosts[0].name
+    store = Path(j.env.get("BUILDER_STORE") or j.root / ".cache" / "builder")
+    rec = json.loads((store / "deploy" / "serving" / j.name / f"{first[head_name]}.json").read_text())
+    assert rec["gates"] == {"models": True, "chat_probe": True, "burst": True, "concurrent_equals_solo": True,
+                            "garble": True}, rec
+    assert [r["prompt"] for r in rec["replay"]] == ["17*19=", "Say OK.", "What is the capital of France?",
+                                                    "Name a colour.", "Count from one to twenty."]
+    assert all(r["text"] == "ok" and r["ids"] is None for r in rec["replay"]), rec["replay"]
+    assert st["hosts"][head_name]["serving"] == rec
+    on_head = j.fleet.exec(j.fleet.hosts[0], f"cat {PATHS_BUNDLES}/state/serving/{first[head_name]}.json").stdout
+    assert json.loads(on_head) == rec
+    table = j.builder("status", "--fleet", j.name, check=False).stdout
+    assert f"gates 5/5, replay 5, {rec['at']}" in table, table
     dl.start_bystanders(j)
     ids = {h.name: [c["id"] for c in dl.lane_containers(j, h)] for h in j.fleet.hosts}
 
@@ -450,8 +465,13 @@ def test_dry_run_first_deploy_a_no_op_and_a_changed_serve_setting(j: Journey) ->
     assert ids == {h.name: [c["id"] for c in dl.lane_containers(j, h)] for h in j.fleet.hosts}  # not restarted
 
     _new_release(j)
-    second = _deployed(j)
+    rc, rep = _deploy(j)
+    assert rc == 0 and rep["result"] == "deployed", (rc, rep.get("reason"), j.last_stderr[-3000:])
+    second = dl.bundle_ids(j)
     assert all(second[h] != first[h] for h in second)
+    # the new release answered the replay as the first did: compared with the first's record, it passes
+    replay = rep["audit"]["hosts"][head_name]["checks"]["gates::replay"]
+    assert replay["status"] == "pass" and replay["facts"]["replay"] == rec["replay"], replay
     rep_hosts = json.loads(j.builder("deploy", "--fleet", j.name, "--json", "--dry-run").stdout)["hosts"]
     assert all(r["origin"] == second[h] for h, r in rep_hosts.items())
     head, worker = j.fleet.hosts

@@ -24,7 +24,7 @@ from builder.hostscripts import batch, fabric, lane, serve
 from builder.hostscripts import filefacts as files
 from tests.lib import fleetlib
 
-HOST_MODULES = ("batch", "filefacts", "fabric", "serve", "lane", "burnload", "gpuprocs")
+HOST_MODULES = ("batch", "filefacts", "fabric", "serve", "gates", "lane", "burnload", "gpuprocs")
 
 
 def batch_run(items: list[object], seconds: float = 1) -> tuple[dict[str, tuple[int, bytes, bytes]], float]:

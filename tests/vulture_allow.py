@@ -21,6 +21,8 @@ gpu_clock_mhz  # expect.gpu_clock_mhz, read by checks/test_gpu.py
 min_free_memory_gib, max_swap_used_gib, memory_wait_s  # expect.*, read by checks/test_memory.py
 min_free_disk_gib, nfs_mounts  # expect.*, read by checks/test_storage.py
 rdma  # expect.rdma, read by checks/test_fabric.py
+# a lane's gates (builder/inputs/lanes.py Gates), sent as JSON to builder/hostscripts/gates.py on the head
+arguments, aliases, reasoning_request, tolerance  # gates.py and checks/test_gates.py read them by key
 
 # attributes another library reads or methods it calls
 _.create_system  # zipfile: the ZipInfo's system, so that external_attr is read as a unix mode

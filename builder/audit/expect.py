@@ -20,7 +20,9 @@ from builder.inputs.hosts import Fleet, FleetHost, Host, check_against_pins
 from builder.inputs.pins import Pins, load_pins
 from builder.launch import rank_command
 from builder.launch.derivplan import derivation_runs, render_plan
+from builder.lock.diff import diff_locks
 from builder.lock.lockfile import Lock, load_lock
+from builder.store import servingrecord
 from builder.store.placement import place_models
 
 EXPECT_FORMAT = 1
@@ -200,6 +202,29 @@ def build_expectations(
             exp["models"] = models
             exp["models_reason"] = "" if models else f"lane {lane_name!r} has no models"
         exp["derivations"], exp["derivations_reason"] = derivation_expectation(opts, inputs, f, h, lane_name)
+        if "gates" in concerns and h.rank == 0:
+            exp["gates"] = gates_expectation(opts, inputs, f.fleet.name, lane_name)
     if "image" in concerns or "release" in concerns or "burn" in concerns:  # (a burn may run in the image)
         exp["image"], exp["image_reason"] = image_expectation(opts, inputs, lane_name)
     return exp
+
+
+def gates_expectation(opts: AuditOptions, inputs: LaneInputs, fleet: str, lane_name: str) -> dict[str, Any] | None:
+    """The lane's gates, and what the replay is compared with: the fleet's serving records by bundle
+    (builder.store.servingrecord), the baseline's bundle (None: the one the head runs), and for each
+    record's lock, what changed from it to this lock (the report of a changed replay names it)."""
+    assert inputs.pins is not None
+    gates = inputs.pins.lanes[lane_name].gates
+    if gates is None:
+        return None
+    recs = servingrecord.records(opts.store, fleet)
+    changes: dict[str, list[str]] = {}
+    for bundle, rec in recs.items():
+        kept = opts.store / "deploy" / "locks" / str(rec.get("lock_hash")) / "pins.lock"
+        if inputs.lock is not None and rec.get("lock_hash") != inputs.lock_hash and kept.is_file():
+            try:
+                changes[bundle] = [f"{c.input}: {c.what}" for c in diff_locks(load_lock(kept), inputs.lock)]
+            except ConfigError:
+                changes[bundle] = [f"the lock kept at {kept} cannot be read"]
+    return {"declared": gates.model_dump(mode="json"), "records": recs, "baseline": opts.baseline,
+            "accept_replay": opts.accept_replay, "lock_changes": changes}

@@ -63,6 +63,11 @@ class AuditOptions:
     release: str = "current"
     #: the fleet (and the pins and lock) a command loaded already; None: each read from disk
     loaded: Loaded | None = None
+    #: the bundle whose serving record the replay is compared with (a deploy: the release that ran
+    #: before); None: the record of the release the head runs (a restart must answer as it did)
+    baseline: str | None = None
+    #: a replay that differs from the baseline passes, and becomes the baseline (`--accept-replay`)
+    accept_replay: bool = False
 
     def concerns(self, have: tuple[Concern, ...]) -> list[Concern]:
         """The concerns selected of those the checks folder declares (`have`), in their order."""

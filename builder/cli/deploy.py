@@ -138,18 +138,24 @@ def _print(rep: DeployReport, as_json: bool) -> int:
     "its record, reinstall the release on those hosts (and where only the apply record drifted), then "
     "restart in order and audit.",
 )
+@click.option(
+    "--accept-replay", is_flag=True,
+    help="The new release may answer the replay prompts differently from the running one: its answers pass "
+    "and become the baseline the next deploy is compared with.",
+)
 @insecure_option
 def deploy(
     fleet: str, as_json: bool, hosts_dir: Path | None, connect_timeout: int, timeout: float, ssh_persist: float,
     start_timeout: float | None, stop_timeout: int, mode: str, checks_dir: Path | None, dry_run: bool,
     plan_only: bool, key: Path | None, allow_outside_key: bool, with_image: bool, with_models: bool, part_size: str,
-    parallel: int, insecure: bool, repair: bool,
+    parallel: int, insecure: bool, repair: bool, accept_replay: bool,
 ) -> int:
     """Move fleet NAME to the lock: bundle, stage everywhere, make the derivations, audit (the gate),
     stop the head then the workers, switch, start in the lane's order, wait for the API, audit it
     serving; on any failure after the first switch, roll every host back and start and audit that.
     With --repair, every file that differs in content from its bundle or record is placed or made again
-    and those hosts reinstalled (nothing to repair: it says so).
+    and those hosts reinstalled (nothing to repair: it says so). The serving audit asks the lane's gates
+    and replays its prompts against the running release's answers; --accept-replay takes a changed answer.
 
     Exit 0 deployed (or nothing to do and the audit passes), 1 refused, rolled back or failed,
     2 configuration error (nothing changed), 3 a host could not be reached.
@@ -158,7 +164,7 @@ def deploy(
         _options(fleet, hosts_dir, connect_timeout, timeout, ssh_persist), checks_dir=checks_dir, key=key,
         allow_outside_key=allow_outside_key, with_image=with_image, with_models=with_models, part_size=part_size,
         dry_run=dry_run, plan=plan_only, parallel=parallel, start_timeout=start_timeout or 0.0,
-        stop_timeout=stop_timeout, audit_mode=mode, insecure=insecure, repair=repair,
+        stop_timeout=stop_timeout, audit_mode=mode, insecure=insecure, repair=repair, accept_replay=accept_replay,
     )
     return _print(rollout.deploy(opts, _say), as_json)
 

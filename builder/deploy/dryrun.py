@@ -10,6 +10,7 @@ from builder.deploy.fleetaudit import audit, problems
 from builder.deploy.fleetwork import short
 from builder.deploy.options import command
 from builder.deploy.report import DeployReport
+from builder.deploy.servingrecords import keep
 from builder.launch.order import start_groups
 
 
@@ -130,6 +131,7 @@ def noop(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     for h in w.hosts:
         d.out(h).result = "unchanged"
     if code == 0:
+        keep(w, rep.audit, d.out(w.head).target)
         if earlier is not None:
             J.clear(w.opts.store, w.fleet_name)
             rep.result = "deployed"

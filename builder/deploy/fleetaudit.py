@@ -13,11 +13,12 @@ from builder.errors import named
 
 def audit(
     w: Fleetwork, phase: str, *, release: str = "current", snapshot: Path | None = None,
-    only: list[str] | None = None, hosts: list[str] | None = None,
+    only: list[str] | None = None, hosts: list[str] | None = None, baseline: str | None = None,
 ) -> Any:
     """The fleet's audit of `phase` over the command's connections (`release`: the installed or the
     staged one; `snapshot`: against the pins and lock kept there, for a rolled-back release; `only`:
-    these concerns; `hosts`: only these of the fleet). The fleet file, pins and lock are those the
+    these concerns; `hosts`: only these of the fleet; `baseline`: the bundle whose serving record the
+    replay is compared with, the running release's own by default). The fleet file, pins and lock are those the
     command loaded; a rolled-back release's audit reads the pins and lock kept with it."""
     opts, say = w.opts, w.say
     loaded = Loaded(w.fleet_path, w.fleet, None if snapshot else w.ctx.pins, None if snapshot else w.ctx.lock)
@@ -39,6 +40,8 @@ def audit(
         ssh_persist=w.shared.persist,
         only=only,
         loaded=loaded,
+        baseline=baseline,
+        accept_replay=opts.accept_replay,
     )
     what = {"preflight": "preflight audit (the gate)", "serving": "serving audit", "all": "audit"}[phase]
     say(f"{what} of fleet {opts.fleet}{' (the staged release)' if release == 'staged' else ''}")

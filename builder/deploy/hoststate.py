@@ -22,6 +22,7 @@ on the host.
 
 from __future__ import annotations
 
+import base64
 import json
 import shlex
 from dataclasses import dataclass, field
@@ -175,6 +176,11 @@ class HostOps:
         if not isinstance(out, dict):
             raise BuilderError(f"{self.host.name}: derive: unexpected answer")
         return out
+
+    def keep_serving(self, bundle_id: str, record: dict[str, Any]) -> dict[str, Any]:
+        """The release's serving record kept beside it on the host (installer keep-serving)."""
+        data = base64.b64encode(json.dumps(record, sort_keys=True).encode()).decode()
+        return self.installer(["keep-serving", "--release", bundle_id, "--record-base64", data], "keep-serving")
 
     def stage_installed(self, bundle_id: str) -> dict[str, Any]:
         return self.installer(["stage", "--release", bundle_id], "stage")

@@ -40,6 +40,8 @@ class DeployOptions:
     ssh_persist: float = 0.0  # seconds each host's connection is kept after the command (0: closed)
     insecure: bool = False
     repair: bool = False  # reinstall the lock's release on hosts that run it but drifted (deploy --repair)
+    #: a replay that differs from the running release's passes and becomes the baseline (deploy --accept-replay)
+    accept_replay: bool = False
 
 
 def command(opts: DeployOptions, verb: str, *args: str, mode: bool = False) -> str:

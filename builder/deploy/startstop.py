@@ -19,6 +19,7 @@ from builder.deploy.fleetwork import Fleetwork, explain, fleet_command
 from builder.deploy.options import DeployOptions, Say, command
 from builder.deploy.rankorder import start_all, stop_all
 from builder.deploy.report import DeployReport, FleetResult, outcomes
+from builder.deploy.servingrecords import keep
 from builder.errors import named
 
 
@@ -89,6 +90,7 @@ def _start(w: Fleetwork, rep: DeployReport) -> None:
             rep.host(h.name).result = "started"
     if not _audit(w, rep, "serving", "failed", "started, but the serving audit fails", snap):
         return
+    keep(w, rep.audit or {}, w.states[w.head.name].installed)
     if j is not None:
         J.clear(w.opts.store, w.fleet_name)  # the rollback is finished: the old release serves, audited
     rep.result, rep.reason = "started", "every rank is up and the fleet passes its serving audit"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from builder.audit.exits import RankExit, cause_and_consequences, describe_cause, describe_consequence
@@ -26,6 +27,7 @@ from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 from builder.foundation.canon import attrs
 from builder.image.imagerecord import read_record
 from builder.image.plan import make_plan
+from builder.store import servingrecord
 
 
 @dataclass
@@ -51,6 +53,8 @@ class HostStatus:
     finished_at: str = ""
     log: str = ""
     exited: str = ""  # "first" (the cause) | "after rank K" (a consequence) | "" (did not exit)
+    #: the head's release record of what it answered (builder.store.servingrecord): gates, replay, tok/s
+    serving: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -117,7 +121,7 @@ def _image_id(w: Fleetwork) -> str | None:
     return rec.image_id if rec is not None else None
 
 
-def _host(h: Any, st: HostState, lock_hash: str, image_id: str | None) -> HostStatus:
+def _host(h: Any, st: HostState, lock_hash: str, image_id: str | None, store: Path, fleet: str) -> HostStatus:
     s = HostStatus(h.name, h.rank, h.role)
     s.bundle = st.installed
     s.staged, s.previous = st.staged, st.previous
@@ -140,7 +144,21 @@ def _host(h: Any, st: HostState, lock_hash: str, image_id: str | None) -> HostSt
     if h.role == "head":
         s.health = (st.health or {}).get("status")
         s.up = s.up and st.healthy
+        if st.installed:
+            s.serving = servingrecord.load(store, fleet, st.installed)
     return s
+
+
+def serving_summary(rec: dict[str, Any] | None) -> str:
+    """The release record in one cell: gates passed, the replay's prompts, tok/s and when."""
+    if rec is None:
+        return "-"
+    gates = rec.get("gates") or {}
+    passed = sum(1 for ok in gates.values() if ok)
+    tok = (rec.get("speed") or {}).get("tok_s")
+    return (f"gates {passed}/{len(gates)}, replay {len(rec.get('replay') or [])}"
+            f"{' (accepted)' if rec.get('accepted') else ''}{f', {tok:g} tok/s' if tok is not None else ''}, "
+            f"{rec.get('at', '?')}")
 
 
 def fleet_status(opts: DeployOptions) -> FleetStatus:
@@ -154,7 +172,7 @@ def fleet_status(opts: DeployOptions) -> FleetStatus:
             if h.name in failed:
                 out.hosts.append(HostStatus(h.name, h.rank, h.role, reachable=False, message=failed[h.name]))
             else:
-                out.hosts.append(_host(h, w.states[h.name], lock_hash, out.image_id))
+                out.hosts.append(_host(h, w.states[h.name], lock_hash, out.image_id, opts.store, w.fleet_name))
     finally:
         w.close()
     name_the_cause(out)
@@ -190,11 +208,11 @@ def name_the_cause(st: FleetStatus) -> None:
 
 
 def rows(st: FleetStatus) -> tuple[list[str], list[list[str]]]:
-    cols = ["host", "rank", "bundle", "lock", "image", "container", "up"]
+    cols = ["host", "rank", "bundle", "lock", "image", "container", "up", "serving"]
     out = []
     for h in st.hosts:
         if not h.reachable:
-            out.append([h.host, str(h.rank), "?", "?", "?", "unreachable", "no"])
+            out.append([h.host, str(h.rank), "?", "?", "?", "unreachable", "no", "?"])
             continue
         lock = "-" if h.lock_hash is None else ("= lock" if h.on_lock else f"{h.lock_hash[:12]} (other)")
         img = "-" if h.image_id is None else (
@@ -208,5 +226,6 @@ def rows(st: FleetStatus) -> tuple[list[str], list[list[str]]]:
             up += f" (/health {h.health})"
         elif h.role == "head" and h.health is None and h.container == "running":
             up += " (/health does not answer)"
-        out.append([h.host, f"{h.rank} ({h.role})", (h.bundle or "none")[:12], lock, img, cont, up])
+        out.append([h.host, f"{h.rank} ({h.role})", (h.bundle or "none")[:12], lock, img, cont, up,
+                    serving_summary(h.serving) if h.role == "head" else ""])
     return cols, out

@@ -10,6 +10,7 @@ from builder.deploy.fleetaudit import audit, problems
 from builder.deploy.fleetwork import each, explain, short
 from builder.deploy.rankorder import start_all, stop_all
 from builder.deploy.report import outcomes
+from builder.deploy.servingrecords import keep
 from builder.errors import BuilderError, UnreachableError, named
 
 if TYPE_CHECKING:
@@ -64,10 +65,12 @@ def forward(d: Deployment) -> None:
         st.current = d.out(h).target  # (what stop_all reads: a release is installed now)
     start_all(w)
     d.phase("verifying")
-    report = audit(w, "serving")
+    # (the replay is compared with the release the head ran before: a new release must answer as it did)
+    report = audit(w, "serving", baseline=d.out(w.head).origin)
     d.rep.audit = report.to_json()
     if report.exit_code != 0:
         raise BuilderError(f"the serving audit failed: {problems(report)}")
+    keep(w, d.rep.audit, d.out(w.head).target)
 
 
 

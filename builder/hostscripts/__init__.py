@@ -10,6 +10,7 @@ tests import and call them directly too.
 * ``files``: stat or hash model files, list model and Engram folders;
 * ``fabric``: RDMA devices and network interfaces in sysfs;
 * ``serve``: the lane's API (/health, /v1/models, a one-token completion);
+* ``gates``: the lane's serving gates, replay prompts and speed check, asked of its API;
 * ``memory``: who holds the host's memory (each running container's cgroup, the biggest processes);
 * ``burn``: the burn gate's load, run bounded, with the GPUs sampled while it runs;
 * ``gpuprocs``: the lane each GPU compute process belongs to, from its environment;
@@ -45,6 +46,7 @@ BATCH = source("batch")
 FILES = source("filefacts")
 FABRIC = source("fabric")
 SERVE = source("serve")
+GATES = source("gates")
 MEMORY = source("memory")
 DERIVE = source("derive")
 BURN = source("burnload")

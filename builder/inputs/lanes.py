@@ -24,7 +24,7 @@ the host, for logs and caches) or an absolute host path. Where each lives on a h
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
@@ -229,6 +229,78 @@ class Derivation(Strict):
         return v
 
 
+#: the replay prompts a lane that names none is asked (chat turns at T=0): short, with one right answer
+DEFAULT_REPLAY = ["17*19=", "Say OK.", "What is the capital of France?", "Name a colour.", "Count from one to twenty."]
+
+
+class ChatProbe(Strict):
+    """A chat turn at T=0 and what its reply must contain (the recipes' "17*19=" -> 323)."""
+
+    prompt: str = Field(min_length=1)
+    expect: str = Field(min_length=1)
+
+
+class ToolGate(Strict):
+    """A tool call asked plainly and streamed (the call must name ``name`` with ``arguments``, and no
+    template markup may reach the content), then a second turn given ``result`` whose reply must
+    contain ``expect`` (it uses the tool's result)."""
+
+    prompt: str = Field(default="What is the weather in Paris?", min_length=1)
+    name: str = Field(default="get_weather", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+    description: str = "Current weather in a city"
+    arguments: dict[str, str] = {"city": "Paris"}
+    result: str = '{"city": "Paris", "weather": "sunny", "celsius": 21}'
+    expect: str = Field(default="sunny", min_length=1)
+
+
+class Speed(Strict):
+    """A fixed decode check (the recipes' count-to-100): tok/s of one streamed reply, judged against
+    ``floor`` (tok/s; none: not judged) and failed when it drops below the baseline release's figure
+    by more than ``tolerance`` (a fraction; none: not compared, for a lane on shared test machines)."""
+
+    prompt: str = Field(default="Count from 1 to 100, separated by spaces.", min_length=1)
+    max_tokens: int = Field(default=256, ge=8, le=8192)
+    floor: float | None = Field(default=None, gt=0)
+    tolerance: float | None = Field(default=None, ge=0, lt=1)
+
+
+class Gates(Strict):
+    """What a release must answer before the lane counts as serving (builder.hostscripts.gates asks them
+    of the head's API; checks/test_gates.py judges them). Every reply is also judged by the garble gate
+    (one token repeated, or not valid text), and ``replay`` is answered at T=0 into the release's
+    replay record, which a redeploy compares with the running release's."""
+
+    #: more names /v1/models must list besides the served name
+    aliases: list[str] = []
+    chat_probe: ChatProbe | None = ChatProbe(prompt="17*19=", expect="323")
+    #: the lane has a reasoning parser: a streamed reply with ``reasoning_request`` must bring both
+    #: reasoning_content and content
+    reasoning: bool = False
+    tools: ToolGate | None = None
+    #: the engine has a per-request draft switch (TensorFold's ``"draft": false``): the ids must be equal
+    draft_switch: bool = False
+    #: this many requests at once must all complete (0: no burst gate)
+    burst: int = Field(default=4, ge=0, le=64)
+    #: this many copies of one prompt at once must equal the prompt alone, id for id (0: none)
+    concurrent: int = Field(default=8, ge=0, le=64)
+    #: a streamed reply must equal the non-streamed one
+    streamed: bool = True
+    replay: list[str] = Field(default=DEFAULT_REPLAY, max_length=64)
+    #: the replies' length (tokens) for the gates and the replay
+    max_tokens: int = Field(default=32, ge=1, le=4096)
+    #: the engine returns the token ids (``"return_token_ids": true``, as vLLM does); else token_sha is
+    #: taken over the text
+    token_ids: bool = True
+    #: JSON merged into every request (the lane's way to turn thinking off, say)
+    request: dict[str, Any] = {}
+    #: JSON merged into the reasoning gate's request (the lane's way to turn thinking on)
+    reasoning_request: dict[str, Any] = {}
+    #: the decode check (none: no speed is measured)
+    speed: Speed | None = None
+    #: seconds each request may take
+    timeout: int = Field(default=120, ge=1, le=3600)
+
+
 class Lane(Strict):
     #: the lane whose keys this one starts from (tables merged key by key, anything else replaced;
     #: builder.inputs.pins.expand_lanes)
@@ -244,6 +316,10 @@ class Lane(Strict):
     start: Literal["workers-first", "workers-in-rank-order", "head-first"] = "workers-first"
     start_timeout: int = Field(default=600, ge=1, le=7200)
     health: str = Field(default="/health", pattern=r"^/[A-Za-z0-9_./-]*$")
+    #: what a release of the lane must answer (none: the serving audit asks /health, /v1/models, one token).
+    #: Not part of the lane's identity in the lock (excluded from its dump): it judges what a release
+    #: answers and changes nothing that is built, bundled or run.
+    gates: Gates | None = Field(default=None, exclude=True)
     derivations: dict[Name, Derivation] = {}
     #: before a rank starts on a GPU host: sync, drop the page cache, and refuse while MemAvailable is
     #: below this many GiB (the vLLM launcher's MIN_AVAIL_GB)

@@ -5,6 +5,7 @@ package docstring); one JSON line on stdout when it is done, one error line on s
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import sys
 
@@ -13,7 +14,7 @@ from .files import inventory
 from .install import Admission, install
 from .pack import zipapp
 from .receive import receive, widen_pipe
-from .release import rollback, stage_installed, status, switch
+from .release import keep_serving, rollback, stage_installed, status, switch
 from .root import DEFAULT_RESERVE
 
 
@@ -63,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     rb = sub.add_parser("rollback", help="switch current back to previous")
     rb.add_argument("--root", required=True)
     rb.add_argument("--lock-timeout", type=float, default=60.0)
+    ks = sub.add_parser("keep-serving", help="keep what a release answered (its serving record) under state/")
+    ks.add_argument("--root", required=True)
+    ks.add_argument("--release", required=True)
+    ks.add_argument("--record-base64", required=True, help="the record's JSON, base64")
+    ks.add_argument("--lock-timeout", type=float, default=60.0)
     st = sub.add_parser("status", help="print the current state as JSON")
     st.add_argument("--root", required=True)
     rc = sub.add_parser("receive", help="receive a bundle streamed on stdin (builder ship) and install it")
@@ -98,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         elif args.cmd == "rollback":
             res = rollback(args.root, lock_timeout=args.lock_timeout)
+        elif args.cmd == "keep-serving":
+            try:
+                record = base64.b64decode(args.record_base64, validate=True)
+            except ValueError:
+                raise InstallError("--record-base64: not base64", EXIT_CONFIG) from None
+            res = keep_serving(args.root, args.release, record, lock_timeout=args.lock_timeout)
         elif args.cmd == "status":
             res = status(args.root)
         elif args.cmd == "receive":

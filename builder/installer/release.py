@@ -171,6 +171,37 @@ def switch(
         return {"result": "switched", "bundle_id": bid, "previous_bundle_id": previous, "release": r.release(bid)}
 
 
+#: the serving records a host keeps (the newest); older ones are removed when one is written
+SERVING_KEEP = 16
+
+
+def keep_serving(root: str, bid: str, record: bytes, *, lock_timeout: float = 60.0) -> dict[str, Any]:
+    """Write what release `bid` answered (its gates, replay and speed, as the operator recorded them after
+    its serving audit) to ``state/serving/<bid>.json``, atomically; the host keeps the newest few."""
+    if not HEX64.match(bid):
+        raise InstallError("--release: not a bundle id: %r" % bid[:80], EXIT_CONFIG)
+    try:
+        rec = json.loads(record)
+    except ValueError:
+        raise InstallError("--record: not JSON", EXIT_CONFIG) from None
+    if not isinstance(rec, dict) or rec.get("bundle") != bid:
+        raise InstallError("--record: not the serving record of release %s" % bid[:16], EXIT_CONFIG)
+    r = Root(root)
+    if not os.path.isdir(r.release(bid)):
+        raise InstallError("no release %s under %s" % (bid[:16], r.releases), EXIT_CONFIG)
+    folder = os.path.join(r.state, "serving")
+    with r.locked(lock_timeout):
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, bid + ".json")
+        atomic_write(path, json.dumps(rec, sort_keys=True).encode() + b"\n", 0o644)
+        kept = sorted((e for e in os.scandir(folder) if e.name.endswith(".json")),
+                      key=lambda e: e.stat().st_mtime_ns, reverse=True)
+        for e in kept[SERVING_KEEP:]:
+            os.unlink(e.path)
+        fsync_dir(folder)
+    return {"result": "kept", "bundle_id": bid, "path": path}
+
+
 def status(root: str) -> dict[str, Any]:
     r = Root(root)
     rec = r.read_record()

@@ -21,10 +21,11 @@ from builder.foundation.canon import atomic_write
 from tests.lib.checkmods import checklib_fresh, concerns_for
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "prefetch_plans.json"
-NAMES = ("image", "release", "models", "engram", "gpu", "burn", "memory", "fabric", "storage", "runtime", "serving")
+NAMES = ("image", "release", "models", "engram", "gpu", "burn", "memory", "fabric", "storage", "runtime", "serving",
+         "gates")
 # Each host's expectations with every want on ("full", "hashing": --mode full) or off ("bare")
 VARIANTS = ("full", "hashing", "bare")
-SELECTIONS = {**{c: [c] for c in NAMES}, "preflight": [c for c in NAMES if c != "serving"], "all": list(NAMES),
+SELECTIONS = {**{c: [c] for c in NAMES}, "preflight": [c for c in NAMES if c not in ("serving", "gates")], "all": list(NAMES),
               "image+runtime": ["image", "runtime"], "release+gpu": ["release", "gpu"]}
 
 
