@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import defaultdict
 import subprocess
 import sys
 import tempfile
@@ -90,3 +91,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.fuzz)
     if os.environ.get("CI") and not docker_available():
         raise pytest.UsageError("CI needs a running Docker Engine for the docker/fleet tiers")
+
+
+#: seconds per test file (setup, call and teardown of each test, over every worker): what CI prints last
+_FILE_SECONDS: defaultdict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _FILE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _FILE_SECONDS:
+        return
+    tr = terminalreporter
+    total = sum(_FILE_SECONDS.values())
+    tr.write_sep("=", f"time per test file ({total:.0f} s of test time, summed over every worker)")
+    for name, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:30]:
+        tr.write_line(f"{seconds:8.1f} s  {name}")

@@ -11,22 +11,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ziglang
 
+from builder import hostscripts as hs
 from builder.foundation import dockerio
+from builder.inputs.pins import load_pins
 from tests.lib import clirun, dockerlib
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,11 +241,12 @@ def wait_health(port: int, status: int, timeout: float = 15) -> dict[str, Any]:
 def check_api(port: int, served: str, *also: str) -> None:
     status, models = http(port, "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [served, *also]
-    s1, c1 = http(port, "/v1/completions", {"model": served, "prompt": "hello", "max_tokens": 1})
-    assert s1 == 200 and c1["choices"][0]["text"] == "ok" and c1["model"] == served
+    s1, c1 = http(port, "/v1/completions", {"model": served, "prompt": "Say OK.", "max_tokens": 1})
+    assert s1 == 200 and c1["choices"][0]["text"] == "OK" and c1["model"] == served
     assert c1["usage"]["completion_tokens"] == 1
-    s2, chat = http(port, "/v1/chat/completions", {"model": served, "messages": [{"role": "user", "content": "hi"}]})
-    assert s2 == 200 and chat["choices"][0]["message"] == {"role": "assistant", "content": "ok"}
+    messages = [{"role": "user", "content": "17*19="}]
+    s2, chat = http(port, "/v1/chat/completions", {"model": served, "messages": messages})
+    assert s2 == 200 and chat["choices"][0]["message"] == {"role": "assistant", "content": "323"}
     assert http(port, "/v1/completions", b"not json")[0] == 400
     assert http(port, "/nope")[0] == 404
 
@@ -737,6 +743,185 @@ def test_vllm_headless_nodes_dial_the_head(procs: Procs, sim_bin: Path, model: P
         assert w.wait_exit() == 1 and "head went away" in w.text()
 
 
+# --------------------------------------------------------------------------- the chat API (what the serving gates ask)
+
+
+def sse(port: int, path: str, body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """A streamed request: its content type and its chunks (the body must be server-sent events
+    ending with ``data: [DONE]``)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert r.status == 200
+        ctype, text = str(r.headers.get("Content-Type")), r.read().decode()
+    events = text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""], text[-200:]
+    chunks = []
+    for ev in events[:-2]:
+        assert ev.startswith("data: "), ev
+        chunks.append(json.loads(ev.removeprefix("data: ")))
+    return ctype, chunks
+
+
+def joined(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Streamed chat or text chunks joined as a client joins them."""
+    out: dict[str, Any] = {"content": "", "reasoning": "", "ids": [], "finish": None, "tool_calls": [], "usage": None}
+    for c in chunks:
+        out["usage"] = c.get("usage") or out["usage"]
+        for ch in c["choices"]:
+            assert out["finish"] is None, "a chunk after the one with the finish reason"
+            d = ch.get("delta") or {}
+            if d.get("reasoning_content"):
+                assert not out["content"], "reasoning after content"
+            out["content"] += d.get("content") or ch.get("text") or ""
+            out["reasoning"] += d.get("reasoning_content") or ""
+            out["tool_calls"] += d.get("tool_calls") or []
+            out["ids"] += ch.get("token_ids") or []
+            out["finish"] = ch["finish_reason"]
+    return out
+
+
+SERVED = "deepseek-v4.1-flash"
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]  # fmt: skip
+
+
+def chat_body(prompt: str | list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return {"model": SERVED, "messages": messages, "temperature": 0, "max_tokens": 32, "return_token_ids": True} | extra
+
+
+def ask(port: int, prompt: str | list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    status, body = http(port, "/v1/chat/completions", chat_body(prompt, **extra))
+    assert status == 200, body
+    return dict(body)
+
+
+def single_head(procs: Procs, model: Path, port: int, **env: str) -> Proc:
+    head = procs.start("vllm", *vllm_args(model, 0, 1, free_port(), port), env=env)
+    assert wait_health(port, 200) == {"status": "ok"}
+    return head
+
+
+@pytest.mark.build
+def test_chat_api_answers_as_vllm_does(procs: Procs, model: Path) -> None:
+    """The chat API the serving gates ask (builder/hostscripts/gates.py), over HTTP: the probe, streamed
+    equals non-streamed, tool calls and tool results, reasoning, the draft switch, several at once."""
+    port = free_port()
+    single_head(procs, model, port)
+
+    # the chat probe: a known prompt, its ids and usage
+    r = ask(port, "17*19=")
+    ch = r["choices"][0]
+    assert r["object"] == "chat.completion" and r["model"] == SERVED
+    assert ch["message"] == {"role": "assistant", "content": "323"} and ch["finish_reason"] == "stop"
+    assert len(ch["token_ids"]) == 1 and r["usage"]["completion_tokens"] == 1
+    assert r["usage"]["prompt_tokens"] == len(r["prompt_token_ids"]) > 0
+    assert ask(port, "17*23=")["choices"][0]["message"]["content"] == "391"
+    count = ask(port, "Count from one to twenty.")["choices"][0]["message"]["content"]
+    assert count == " ".join(str(i) for i in range(1, 21))
+    words = ask(port, "Tell me about the sea.")["choices"][0]["message"]["content"].split()
+    assert len(words) >= 8 and len(set(words)) == len(words)
+    assert ask(port, "Tell me about the sea.") == ask(port, "Tell me about the sea.")  # deterministic
+    cut = ask(port, "Count from 1 to 100, separated by spaces.", max_tokens=10)["choices"][0]
+    assert cut["message"]["content"] == "1 2 3 4 5 6 7 8 9 10" and cut["finish_reason"] == "length"
+    assert len(cut["token_ids"]) == 10
+
+    # streamed equals non-streamed: content, token ids, finish reason
+    for p in ("17*19=", "Count from one to twenty.", "Tell me about the sea."):
+        plain = ask(port, p)["choices"][0]
+        ctype, chunks = sse(port, "/v1/chat/completions", chat_body(p, stream_options={"include_usage": True}))
+        assert ctype.startswith("text/event-stream")
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        got = joined(chunks)
+        want = (plain["message"]["content"], plain["token_ids"], plain["finish_reason"])
+        assert (got["content"], got["ids"], got["finish"]) == want
+        assert len(chunks) >= len(got["ids"]) + 2 and got["usage"]["completion_tokens"] == len(got["ids"])
+
+    # the draft switch changes nothing
+    assert ask(port, "17*19=", draft=False) == ask(port, "17*19=", draft=True)
+
+    # reasoning: on when asked for, before the content; the ids are the content's
+    on = ask(port, "17*19=", chat_template_kwargs={"thinking": True})["choices"][0]
+    assert on["message"]["reasoning_content"] and on["message"]["content"] == "323"
+    assert on["token_ids"] == ch["token_ids"]
+    off = ask(port, "17*19=", chat_template_kwargs={"thinking": False})["choices"][0]["message"]
+    assert not off.get("reasoning_content")
+    got = joined(sse(port, "/v1/chat/completions", chat_body("17*19=", chat_template_kwargs={"thinking": True}))[1])
+    assert got["reasoning"] == on["message"]["reasoning_content"] and got["content"] == "323"
+
+    # a tool call, plain and streamed
+    t = ask(port, "What is the weather in Paris?", tools=WEATHER, tool_choice="auto")["choices"][0]
+    assert t["finish_reason"] == "tool_calls" and t["message"]["content"] is None
+    (call,) = t["message"]["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    got = joined(sse(port, "/v1/chat/completions", chat_body("What is the weather in Paris?", tools=WEATHER))[1])
+    assert got["finish"] == "tool_calls" and got["content"] == "" and got["ids"] == t["token_ids"]
+    (delta,) = got["tool_calls"]
+    assert delta["index"] == 0 and delta["id"] == call["id"] and delta["function"] == call["function"]
+    assert ask(port, "17*19=", tools=WEATHER, tool_choice="none")["choices"][0]["message"]["content"] == "323"
+
+    # the turn after the tool's result uses it
+    turns: list[dict[str, Any]] = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_gate0", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "call_gate0", "content": json.dumps({"condition": "sunny", "temp_c": 21})},
+    ]  # fmt: skip
+    res = ask(port, turns, tools=WEATHER, tool_choice="auto")["choices"][0]
+    assert res["finish_reason"] == "stop" and not res["message"].get("tool_calls")
+    assert "sunny" in res["message"]["content"] and "21" in res["message"]["content"]
+    assert "<tool_call>" not in res["message"]["content"]
+
+    # several at once: each its own answer, as alone
+    prompts = ["17*19=", "Count from 1 to 100, separated by spaces.", "Name a colour.", "Tell me about the sea."] * 3
+    solo = {p: ask(port, p, max_tokens=128) for p in set(prompts)}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: ask(port, p, max_tokens=128), prompts))
+    assert [r["choices"] for r in together] == [solo[p]["choices"] for p in prompts]
+
+    # raw completions: the same machinery, with ids, streamed or not
+    s, raw = http(port, "/v1/completions", {"model": SERVED, "prompt": "17*19=", "return_token_ids": True})
+    assert s == 200 and raw["choices"][0]["text"] == "323" and raw["choices"][0]["token_ids"] == ch["token_ids"]
+    got = joined(sse(port, "/v1/completions", {"prompt": "Count from one to twenty.", "return_token_ids": True})[1])
+    assert got["content"] == count and len(got["ids"]) == 20 and got["finish"] == "stop"
+
+    # refusals: a bad body is 400, as vLLM's are
+    assert http(port, "/v1/chat/completions", {"messages": []})[0] == 400
+    assert http(port, "/v1/chat/completions", chat_body("x", max_tokens=0))[0] == 400
+
+
+@pytest.mark.build
+def test_sim_fault_garbage_token(procs: Procs, sim_bin: Path, model: Path) -> None:
+    """SIM_FAULT=garbage-token: the head boots cleanly, then every completion is one token repeated."""
+    port = free_port()
+    head = single_head(procs, model, port, SIM_FAULT="garbage-token")
+    assert "SIM_FAULT=garbage-token" in head.text()
+    assert http(port, "/v1/models")[1]["data"][0]["id"] == SERVED
+    ch = ask(port, "17*19=", max_tokens=16)["choices"][0]
+    text, ids = ch["message"]["content"], ch["token_ids"]
+    assert ch["finish_reason"] == "length" and len(ids) == 16 and len(set(ids)) == 1
+    assert len(set(text)) == 1 and text != "323"
+    got = joined(sse(port, "/v1/chat/completions", chat_body("17*19=", max_tokens=16))[1])
+    assert (got["content"], got["ids"], got["finish"]) == (text, ids, "length")
+    tools = ask(port, "What is the weather in Paris?", tools=WEATHER)["choices"][0]
+    assert not tools["message"].get("tool_calls") and len(set(tools["token_ids"])) == 1
+    s, raw = http(port, "/v1/completions", {"prompt": "Say OK.", "return_token_ids": True})
+    assert s == 200 and len(raw["choices"][0]["token_ids"]) >= 8 and len(set(raw["choices"][0]["token_ids"])) == 1
+
+    # any other fault is refused at start, in one line
+    other = free_port()
+    r = run(sim_bin, "vllm", *vllm_args(model, 0, 1, free_port(), other), env={"SIM_FAULT": "slow"})
+    assert r.returncode == 1
+    assert r.stderr == "vllm (simulator): SIM_FAULT: unknown fault 'slow' (known: garbage-token)\n"
+    assert not listening(other)
+
+
 # --------------------------------------------------------------------------- python3 pack_engram.py
 
 
@@ -872,3 +1057,49 @@ def test_sim_image_has_every_engine_path(sim_image: tuple[str, str]) -> None:
         assert stat["size"] > 0
     finally:
         container.remove(force=True)
+
+
+# --------------------------------------------------------------------------- the serving gates
+
+
+def ask_gates(port: int, gates: dict[str, object]) -> dict[str, Any]:
+    """builder/hostscripts/gates.py as a head runs it (``python3 -I -S -c SOURCE ARG``) against the API."""
+    arg = hs.dumps({"base": f"http://127.0.0.1:{port}", "model": SERVED, "gates": gates})
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", hs.GATES, arg], capture_output=True, text=True,
+                       timeout=300, env={"PATH": os.environ["PATH"], "NO_PROXY": "*"})
+    assert r.returncode == 0, r.stderr
+    got: dict[str, Any] = json.loads(r.stdout)
+    return got
+
+
+SEED_LANES = ("tensorfold-tp4", "tensorfold-tp2", "vllm-native", "tensorfold-python-tp2", "vllm-mia-tp2")
+
+
+@pytest.mark.build
+def test_every_seed_lanes_gates_pass_and_the_garbage_token_fault_fails_them(procs: Procs, model: Path) -> None:
+    """The shipped seed lanes' gates (pins.toml), asked of the simulator as the serving audit asks them:
+    all pass; with SIM_FAULT=garbage-token (an image built from a force-pushed branch: it boots cleanly and
+    emits one repeated token) the probe, the tool gates and the garble gate fail, saying what came back."""
+    lanes = load_pins(ROOT / "pins.toml").lanes
+    port = free_port()
+    single_head(procs, model, port)
+    for name in SEED_LANES:
+        gates = lanes[name].gates
+        assert gates is not None, name
+        got = ask_gates(port, gates.model_dump(mode="json"))
+        assert {g: r["why"] for g, r in got["gates"].items() if not r["ok"]} == {}, name
+        want = {"models", "chat_probe", "reasoning_stream", "tool_call", "tool_call_stream", "tool_result", "burst",
+                "concurrent_equals_solo", "streamed_equals_plain", "garble"} | (
+            {"drafted_equals_serial"} if gates.draft_switch else set())
+        assert set(got["gates"]) == want, name
+        assert [r["prompt"] for r in got["replay"]] == gates.replay and all(r["ids"] for r in got["replay"])
+        assert got["speed"]["tokens"] > 8 and got["speed"]["tok_s"] > 0
+    bad = free_port()
+    single_head(procs, model, bad, SIM_FAULT="garbage-token")
+    gates = lanes["tensorfold-tp4"].gates
+    assert gates is not None
+    got = ask_gates(bad, gates.model_dump(mode="json"))
+    failed = {g for g, r in got["gates"].items() if not r["ok"]}
+    assert {"chat_probe", "tool_call", "tool_call_stream", "tool_result", "garble"} <= failed
+    assert "models" not in failed and "burst" not in failed  # (it boots and answers: only what it says is wrong)
+    assert re.search(r"'17\*19=': one token repeated \(\d+ x id \d+\)", got["gates"]["garble"]["why"])

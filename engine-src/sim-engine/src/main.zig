@@ -18,6 +18,7 @@ const rank_cache = @import("rank_cache.zig");
 const tensorfold_py = @import("tensorfold_py.zig");
 const vllm = @import("vllm.zig");
 const pack_engram = @import("pack_engram.zig");
+const api = @import("api.zig");
 
 pub const name = "sim-engine";
 
@@ -108,11 +109,15 @@ pub fn main(init: std.process.Init) !u8 {
     }
     ctx.name = who.?.name;
     installStopHandler(ctx.name);
+    // SIM_FAULT (a fault the heads' API shows, see api.zig): an unknown one is refused by every
+    // personality, before anything else.
+    _ = api.faultFromEnv(&ctx);
     who.?.run(&ctx, rest);
 }
 
 test {
     _ = common;
     _ = @import("api.zig");
+    _ = @import("model.zig");
     _ = @import("rendezvous.zig");
 }
