@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections import defaultdict
 import subprocess
 import sys
 import tempfile
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,7 +94,7 @@ def shared_fixture_group(item: pytest.Item) -> str | None:
         return None
     module = item.nodeid.split("::", 1)[0]
     shared, params = False, []
-    for name in item.fixturenames:
+    for name in getattr(item, "fixturenames", ()):
         defs = info.name2fixturedefs.get(name)
         if not defs or defs[-1].scope not in ("module", "session") or not defs[-1].baseid.startswith(module):
             continue
@@ -114,6 +114,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = shared_fixture_group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+    # the longest tiers first: xdist hands out work in this order, so the kill loops and fleets start at
+    # once and the quick tests fill the workers' gaps at the end (a stable sort: a module's order holds)
+    items.sort(key=tier_rank)
+
+
+def tier_rank(item: pytest.Item) -> int:
+    marks = {m.name for m in item.iter_markers()}
+    if "slow" in marks or "vllm" in marks:
+        return 0
+    if marks & {"fleet", "registry"}:
+        return 1
+    return 2 if marks & {"docker", "build", "fuzz"} else 3
     if os.environ.get("CI") and not docker_available():
         raise pytest.UsageError("CI needs a running Docker Engine for the docker/fleet tiers")
 
