@@ -2,7 +2,8 @@
 
 Every expected failure carries an exit code (see DESIGN.md):
 0 done; 1 the work failed or drift was found; 2 usage or configuration error
-(raised before anything was changed); 3 a host could not be reached.
+(raised before anything was changed); 3 a host could not be reached; 130 Ctrl-C, 143 SIGTERM,
+129 SIGHUP, each after the same cleanup (``Stopped``).
 The CLI turns these into one line on stderr; nothing else is printed.
 """
 
@@ -13,6 +14,17 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 EXIT_UNREACHABLE = 3
 EXIT_INTERRUPTED = 130
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is, as Ctrl-C raises KeyboardInterrupt: a subclass of
+    it, so every cleanup that runs for Ctrl-C (``finally`` blocks, ``except KeyboardInterrupt``) runs for
+    these as well. The CLI exits 128 + the signal's number: 143 for SIGTERM, 129 for SIGHUP."""
+
+    def __init__(self, signum: int, name: str) -> None:
+        super().__init__(name)
+        self.exit_code = 128 + signum
+        self.name = name
 
 
 class BuilderError(Exception):

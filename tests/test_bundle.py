@@ -39,7 +39,7 @@ from builder.image.imagerecord import write_record
 from builder.inputs.hosts import find_host
 from builder.installer.manifest import bundle_id_of
 from tests.lib import bundlelib as bl
-from tests.lib import factory
+from tests.lib import clirun, factory
 from tests.lib.bundlelib import Project, make_project, manifest, resign, tree_bytes
 
 
@@ -590,3 +590,39 @@ def test_a_push_that_fails_after_rendering_leaves_no_bundle(tmp_path: Path) -> N
         server.shutdown()
         server.server_close()
     assert not out.exists() and not [x for x in tmp_path.iterdir() if x.name.startswith(".tmp-")]
+
+
+def test_keygen_in_a_subfolder_writes_under_the_project_root_and_never_where_git_tracks(tmp_path: Path) -> None:
+    """`builder keygen [--out REL]` run in a subfolder: the keys land under the project root (found as
+    pins.toml is found), and a secret key goes only where git ignores it (real git), unless the folder
+    is named by an absolute path."""
+    root = tmp_path / "proj"
+    sub = root / "builder" / "cli"
+    sub.mkdir(parents=True)
+    (root / "pins.toml").write_text("")
+    (root / ".gitignore").write_text("/keys/\n")
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run([*git, "init", "-q"], check=True)
+
+    def keygen(*args: str) -> subprocess.CompletedProcess[str]:
+        return clirun.run("keygen", *args, cwd=sub)  # (no --pins: the root is found from the subfolder)
+
+    for args in ((), ("--out", "keys", "--force")):
+        p = keygen(*args)
+        assert p.returncode == 0, p.stderr
+        assert stat.S_IMODE((root / "keys" / "builder.key").stat().st_mode) == 0o600
+        assert str(root / "keys" / "builder.key") in p.stderr
+    assert sorted(x.name for x in sub.iterdir()) == []  # nothing in the folder it ran in
+
+    p = keygen("--out", "mykeys")  # under the root, and git would track it: refused, nothing written
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert str(root / "mykeys" / "builder.key") in line and ".gitignore" in line and "absolute path" in line
+    assert not (root / "mykeys").exists()
+    tracked = root / "keys" / "builder.key"
+    subprocess.run([*git, "add", "-f", str(tracked)], check=True)  # a key git tracks already, ignored or not
+    p = keygen("--out", "keys", "--force")
+    assert p.returncode == 2 and str(tracked) in p.stderr
+    p = keygen("--out", str(root / "mykeys"))  # named by an absolute path: the operator's choice
+    assert p.returncode == 0, p.stderr
+    assert (root / "mykeys" / "builder.key").is_file()

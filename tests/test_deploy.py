@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +32,7 @@ import pytest
 from builder.audit import AuditOptions, run_audit
 from builder.bundle import load_bundle_inputs
 from builder.deploy import journal as J
-from builder.deploy.bundles import FleetBundle, ensure_bundles, stale
+from builder.deploy.bundles import FleetBundle, current_bundle, ensure_bundles, stale
 from builder.deploy.fleetaudit import audit
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.fleetwork import Fleetwork
@@ -42,7 +43,7 @@ from builder.deploy.rollout import record_drift
 from builder.deploy.status import FleetStatus, HostStatus
 from builder.errors import BuilderError, ConfigError
 from builder.foundation import sign
-from builder.foundation.ssh import tied
+from builder.foundation.ssh import tied, with_parent
 from builder.inputs.hosts import find_fleet
 from builder.lock.lockfile import load_lock
 from tests.lib import auditlib, clirun, factory, fleetlib
@@ -121,6 +122,48 @@ def test_the_burn_window_runs_only_where_the_gate_could_not_burn(monkeypatch: py
     burn_window(deployment({"deferred": True}, HostResult("s2", "f", "pass")))
 
 
+#: one side of the race: at each slot's start, take the fleet lock (as `builder TAG`), hold it a moment;
+#: print per round "held" or the refusal's line
+LOCK_RACER = """
+import os, sys, time
+from pathlib import Path
+from builder.deploy.fleetlock import fleet_lock
+from builder.errors import BuilderError
+store, tag, t0, rounds = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+for i in range(rounds):
+    while time.time() < t0 + i * 0.4:
+        pass
+    try:
+        with fleet_lock(store, f"f{i}", tag):
+            print(i, "held", flush=True)
+            time.sleep(0.2)
+    except BuilderError as e:
+        print(i, "refused", e, flush=True)
+"""
+
+
+def test_two_commands_started_at_once_the_refused_one_names_the_holder(tmp_path: Path) -> None:
+    """Two real processes take one fleet's lock at the same moment, round after round: one holds it, and
+    the other's refusal names the holder's command and pid every time, however close together they came."""
+    rounds, t0 = 25, time.time() + 2.0
+    procs = {tag: subprocess.Popen([sys.executable, "-c", LOCK_RACER, str(tmp_path), tag, str(t0), str(rounds)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clirun.environment())
+             for tag in ("deploy", "stop")}
+    said = {}
+    for tag, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        said[tag] = dict(line.split(" ", 1) for line in out.splitlines())
+    pids = {tag: p.pid for tag, p in procs.items()}
+    for i in map(str, range(rounds)):
+        outcome = {tag: said[tag][i] for tag in procs}
+        held = [tag for tag, o in outcome.items() if o == "held"]
+        assert len(held) == 1, outcome  # (both start at the slot's start; the holder keeps it 0.2 s)
+        other = "stop" if held == ["deploy"] else "deploy"
+        assert outcome[other].startswith("refused "), outcome
+        assert f"(`builder {held[0]}`, pid {pids[held[0]]}, since " in outcome[other], outcome
+
+
 def test_fleet_lock_refuses_a_second_holder_and_names_the_first(tmp_path: Path) -> None:
     with fleet_lock(tmp_path, "f", "deploy"):
         code = (
@@ -173,14 +216,19 @@ def test_status_counts_an_unfinished_deploy_as_not_deployed() -> None:
 
 
 def test_a_step_ends_with_its_command(tmp_path: Path) -> None:
-    """builder.foundation.ssh.tied + die_with_parent: a command killed alone (SIGKILL) ends its steps' children."""
+    """builder.foundation.ssh.tied + with_parent: a command killed alone (SIGKILL) ends its steps' children;
+    a step whose command runs on ends normally, its output and exit status passed through."""
     mark = tmp_path / "mark"
     ok = subprocess.run(["sh", "-c", tied("echo out; echo err >&2; exit 3")], capture_output=True, text=True)
     assert (ok.returncode, ok.stdout, ok.stderr) == (3, "out\n", "err\n")
+    ok = subprocess.run(with_parent(["sh", "-c", "read x; echo got $x; exit 4"]), input="in\n", capture_output=True,
+                        text=True)
+    assert (ok.returncode, ok.stdout) == (4, "got in\n")
+    with pytest.raises(FileNotFoundError):  # (a missing program is the caller's to report, as without it)
+        subprocess.run(with_parent([str(tmp_path / "no-such-program")]))
     code = (
-        "import subprocess, sys; from builder.foundation.ssh import tied, die_with_parent\n"
-        f"subprocess.run(['sh', '-c', tied('sleep 2; touch {mark}')], capture_output=True, "
-        "preexec_fn=die_with_parent)\n"
+        "import subprocess, sys; from builder.foundation.ssh import tied, with_parent\n"
+        f"subprocess.run(with_parent(['sh', '-c', tied('sleep 2; touch {mark}')]), capture_output=True)\n"
     )
     p = subprocess.Popen([sys.executable, "-c", code])
     time.sleep(1.0)
@@ -188,6 +236,14 @@ def test_a_step_ends_with_its_command(tmp_path: Path) -> None:
     p.wait()
     time.sleep(3.0)
     assert not mark.exists()
+
+
+def test_no_code_runs_between_fork_and_exec() -> None:
+    """A preexec_fn runs Python in the child of a program with threads, where a lock another thread held
+    at the fork (malloc's, the import lock, dlopen's) never comes free: builder passes none."""
+    src = Path(__file__).resolve().parents[1] / "builder"
+    users = [str(p.relative_to(src)) for p in sorted(src.rglob("*.py")) if re.search(r"preexec_fn\s*=", p.read_text())]
+    assert users == []
 
 
 def test_a_rank_is_up_only_on_one_running_container_of_its_bundle() -> None:
@@ -932,3 +988,65 @@ def test_a_plan_from_the_lock_and_fleet_file_contacts_no_host(tmp_path: Path) ->
     assert not (p.root / "out").exists()  # (nothing made: a plan writes no bundle)
     d = p.cli("deploy", "--fleet", bl.FLEET, "--dry-run", "--key", str(p.key), env=env)
     assert d.returncode == 3 and calls.exists(), d.stderr  # (the stand-in answers as a host cut off)
+
+
+# --------------------------------------------------------------------------- what cannot be read is an error
+
+
+@pytest.mark.parametrize("content", [b"{ not json", b'{"format": 99, "fleet": "f"}', b'{"format": 1}', b"[]"])
+def test_a_journal_that_cannot_be_read_is_an_error_naming_the_file_and_the_fix(tmp_path: Path, content: bytes) -> None:
+    """The journal alone says which release every host ran before an unfinished deploy: one that is there
+    but cannot be read is refused (exit 2, one line), never taken for "no deploy under way"."""
+    p = bl.make_project(tmp_path)
+    path = J.journal_path(p.store, bl.FLEET)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as ei:
+        J.load(p.store, bl.FLEET)
+    line = str(ei.value)
+    assert line.startswith(f"{path}: ") and "cannot be read" in line and "remove it" in line
+    assert f"builder status --fleet {bl.FLEET}" in line
+    r = p.cli("deploy", "--fleet", bl.FLEET, "--plan", "--key", str(p.key))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert [ln for ln in r.stderr.splitlines() if ln.strip()][-1].endswith(line)
+    assert path.read_bytes() == content  # (left as it was)
+    path.unlink()
+    assert J.load(p.store, bl.FLEET) is None  # none there: no deploy under way
+
+
+READ_AS_ANOTHER = """
+import os, sys
+from pathlib import Path
+from builder.deploy.bundles import current_bundle
+from builder.errors import BuilderError
+if os.geteuid() == 0:  # root reads any file: read as a user who may not read the manifest
+    os.setgid(65534)
+    os.setuid(65534)
+try:
+    _, why = current_bundle(Path(sys.argv[1]), b"", {}, False, False)
+    print("stale: " + why)
+except BuilderError as e:
+    print("error: " + str(e))
+"""
+
+
+def test_a_stale_bundle_is_made_again_and_one_that_cannot_be_read_is_an_error(tmp_path: Path) -> None:
+    """Stale (docs/deploy.md: not signed for the hosts' key, files changed, missing or cut short) means
+    made again; a bundle folder that cannot be read is an error naming it, not a reason to make another."""
+    stale_dir = tmp_path / "stale"
+    stale_dir.mkdir()
+    (stale_dir / "manifest.json").write_text("{}\n")
+    (stale_dir / "manifest.json.minisig").write_text("not a signature\n")
+    manifest, why = current_bundle(stale_dir, b"", {}, False, False)
+    assert manifest is None and "manifest.json.minisig" in why
+    d = Path(tempfile.mkdtemp(prefix="builder-test-bundle-"))  # (the other user must reach it)
+    try:
+        d.chmod(0o755)
+        (d / "manifest.json").write_text("{}\n")
+        (d / "manifest.json").chmod(0)
+        r = subprocess.run([sys.executable, "-c", READ_AS_ANOTHER, str(d)], capture_output=True, text=True,
+                           timeout=60, env=clirun.environment())
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == f"error: {d}: cannot read the bundle: Permission denied"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -247,3 +247,60 @@ def test_the_old_folder_is_put_back_when_the_new_one_cannot_go_in(tmp_path: Path
     assert why.startswith(f"cannot put {path} in place:") and "No space left" in why
     assert (path / "old.bin").read_bytes() == b"old"
     assert sorted(x.name for x in tmp_path.iterdir()) == ["cache", "cache.tmp-1"]  # no old one left aside
+
+
+#: a stand-in for the docker CLI with the one behaviour that matters here: `docker run` starts the
+#: container as a process of its own (it outlives a killed client, as a real container does) and waits
+#: for it; `docker rm -f NAME` ends it. Every call is logged.
+FAKE_DOCKER = """#!/usr/bin/env python3
+import os, signal, subprocess, sys
+state = os.environ["FAKE_DOCKER_STATE"]
+args = sys.argv[1:]
+with open(os.path.join(state, "calls"), "a") as f:
+    f.write(" ".join(args[:1] + [a for a in args if a.startswith("builder-")]) + "\\n")
+if args[:1] == ["run"]:
+    name = args[args.index("--name") + 1]
+    c = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    open(os.path.join(state, name), "w").write(str(c.pid))
+    sys.exit(c.wait())
+if args[:2] == ["rm", "-f"]:
+    try:
+        pid = int(open(os.path.join(state, args[2])).read())
+    except FileNotFoundError:
+        sys.exit("Error: No such container: " + args[2])
+    os.kill(pid, signal.SIGKILL)
+    os.unlink(os.path.join(state, args[2]))
+    print(args[2])
+"""
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_a_timeout_removes_the_container_and_a_left_one_goes_before_the_next_run(tmp_path: Path, named: bool) -> None:
+    bin_dir, state = tmp_path / "bin", tmp_path / "docker"
+    bin_dir.mkdir()
+    state.mkdir()
+    (bin_dir / "docker").write_text(FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    name = "builder-derive-demo-cache-r1" if named else "builder-derive-cache-r1"
+    left = subprocess.Popen(["sleep", "300"], start_new_session=True)  # a killed run's container, still up
+    (state / name).write_text(str(left.pid))
+    argv = ["docker", "run", "--rm", "--network", "none", *(["--name", name] if named else []), "img", "{out}"]
+    p = tmp_path / "derive.json"
+    p.write_text(json.dumps({"format": 1, "rank": 1, "world_size": 2, "derivations": [{
+        "name": "cache", "address": "a" * 64, "path": str(tmp_path / "derived" / "cache"), "output": "/cache",
+        "timeout": 1, "argv": argv}]}))
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_DOCKER_STATE": str(state)}
+    r = subprocess.run([sys.executable, str(DERIVE), "make", str(p)], capture_output=True, text=True, timeout=120,
+                       env=env)
+    try:
+        assert r.returncode == 1, r.stderr
+        res = json.loads(r.stdout)["derivations"][0]
+        assert res["result"] == "failed" and res["why"] == f"no end within 1 s; its container {name} removed"
+        assert (state / "calls").read_text().splitlines() == [f"rm {name}", f"run {name}", f"rm {name}"]
+        left.wait(timeout=10)  # the one left before: removed before the run
+        assert sorted(x.name for x in state.iterdir()) == ["calls"]  # the run's own: removed at its timeout
+        assert list((tmp_path / "derived").iterdir()) == []
+    finally:
+        if left.poll() is None:
+            left.kill()
+            left.wait()

@@ -11,10 +11,13 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from builder.foundation.canon import file_lock
 from builder.lock import gitsrc
 from builder.lock.lockfile import load_lock
 from builder.store.content import Store
@@ -172,6 +175,32 @@ def test_missing_lock_is_one_line(filled: Filled) -> None:
     assert snapshot(filled.store_root) == before
 
 
+@pytest.mark.parametrize("case", ["pins that do not parse", "pins that do not validate",
+                                  "a kept lock that does not parse"])
+def test_inputs_it_cannot_read_change_nothing(filled: Filled, tmp_path: Path, case: str) -> None:
+    """gc keeps what the pins and the locks name: one it cannot read is refused (exit 2, one line naming
+    the file) before anything is removed, dry run or not; the image record and provenance stay."""
+    filled.add_strays()
+    _provenance(filled, filled.address)
+    env = None
+    if case == "pins that do not parse":
+        bad = filled.root / "pins.toml"
+        bad.write_text(bad.read_text() + "\n[images.demo\n")
+    elif case == "pins that do not validate":
+        bad = filled.root / "pins.toml"
+        bad.write_text(bad.read_text() + "\n[nonsense]\nx = 1\n")
+    else:
+        bad = tmp_path / "old.lock"
+        bad.write_text("{ not json")
+        env = {"BUILDER_KEEP_LOCKS": str(bad)}
+    before = snapshot(filled.store_root)
+    for args in (("--dry-run",), ()):
+        r = filled.gc(*args, env=env)
+        assert r.rc == 2, (args, r.err)
+        assert len(r.err_lines) == 1 and str(bad) in r.err and "Traceback" not in r.err, r.err
+        assert r.out == "" and snapshot(filled.store_root) == before
+
+
 def test_empty_store(tmp_path: Path) -> None:
     root = copy_project(tmp_path / "proj")
     r = builder(root, "gc", "--json", store=tmp_path / "none")
@@ -231,3 +260,35 @@ def test_provenance_and_push_locks_go_with_their_image(tmp_path: Path) -> None:
     again = f.gc()
     assert again.rc == 0 and again.json()["removed"] == [f"locks/push-{held}.lock"]  # no longer held
     assert not busy.exists() and all(p.exists() for p in keep)
+
+
+def test_a_push_lock_removed_while_a_pusher_waits_for_it_is_never_held_twice(tmp_path: Path) -> None:
+    """gc removes a push lock nobody holds, holding it itself meanwhile (_unlink_unheld). A pusher that
+    opened the file just before waits on it; once it has the lock it must not hold a removed file while
+    a second pusher locks a new one of that name."""
+    path = tmp_path / "locks" / "push-x.lock"
+    path.parent.mkdir()
+    path.touch()
+    events: list[str] = []
+    gc_fd = os.open(path, os.O_RDWR)
+    fcntl.flock(gc_fd, fcntl.LOCK_EX)  # gc has it (nobody else did)
+
+    def pusher(name: str, hold: float) -> None:
+        with file_lock(path):
+            events.append(f"{name} in")
+            time.sleep(hold)
+            events.append(f"{name} out")
+
+    first = threading.Thread(target=pusher, args=("first", 1.0))
+    first.start()
+    time.sleep(0.5)  # the first pusher has opened the file and waits on gc's hold of it
+    path.unlink()  # gc removes it, then lets go
+    os.close(gc_fd)
+    while "first in" not in events:
+        time.sleep(0.01)
+    second = threading.Thread(target=pusher, args=("second", 0.0))
+    second.start()
+    first.join(10)
+    second.join(10)
+    assert events == ["first in", "first out", "second in", "second out"]
+    assert path.exists()

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from builder.foundation import hashing
+from builder.foundation.canon import address, sha256_tree
 from builder.foundation.hashing import Entry, verify_files
 from builder.installer import files as host_files
 from builder.installer.record import fast_mode_drift
@@ -244,3 +248,39 @@ def test_fast_mode_is_the_installers_rule(tmp_path: Path) -> None:
     assert fast_mode_drift(secs, e.sha256, e.size, st.st_size, st.st_mtime_ns + 2_000_000, st.st_ino) == "modified"
     assert fast_mode_drift(dict(rec, mtime="x"), e.sha256, e.size, st.st_size, st.st_mtime_ns, st.st_ino) == (
         "modified")
+
+
+TREE_HASH_AS = """
+import os, sys
+from pathlib import Path
+from builder.foundation.canon import sha256_tree
+if os.geteuid() == 0:  # root may run anything with an x bit: hash as a user who may not run this file
+    os.setgid(65534)
+    os.setuid(65534)
+assert not os.access(Path(sys.argv[1]) / "bin" / "run", os.X_OK)
+print(sha256_tree(Path(sys.argv[1])))
+"""
+
+
+def test_a_tree_hash_reads_the_mode_bits_not_who_may_run_the_file() -> None:
+    """The exec bit in sha256_tree is the file's own (any x bit), whoever hashes it: a file this user
+    may not run (its x bit is the group's only) hashes as executable, as it does for its owner and in git."""
+    d = Path(tempfile.mkdtemp(prefix="builder-test-tree-"))  # (the other user must reach it: not tmp_path)
+    try:
+        d.chmod(0o755)
+        (d / "bin").mkdir(mode=0o755)
+        run = d / "bin" / "run"
+        run.write_bytes(b"#!/bin/sh\necho hi\n")
+        (d / "README").write_bytes(b"hi\n")
+        (d / "README").chmod(0o644)
+        run.chmod(0o755)
+        want = address(sorted([["README", "644", hashlib.sha256(b"hi\n").hexdigest()],
+                               ["bin/run", "755", hashlib.sha256(b"#!/bin/sh\necho hi\n").hexdigest()]]))
+        assert sha256_tree(d) == want
+        run.chmod(0o654)  # x for the group only: neither root's nor the owner's nor others' to run
+        p = subprocess.run([sys.executable, "-c", TREE_HASH_AS, str(d)], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.strip() == want
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

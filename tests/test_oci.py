@@ -3,10 +3,13 @@ and, offline, against a local image in the real Docker engine."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import io
 import json
 import subprocess
 import tarfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -235,3 +238,80 @@ def test_offline_from_a_local_image() -> None:
         assert str(ei.value) == "bases.b: not reachable offline (builder-test-oci-absent:1)"
     finally:
         subprocess.run(["docker", "rmi", "-f", tag], capture_output=True)
+
+
+# --------------------------------------------------------------------------- where credentials go
+# A registry on loopback (a real HTTP server) answers 401 with a Bearer challenge; the token service it
+# names is another real server. The registry's Basic credentials go to a token service over https, or
+# over plain http on the registry's own host (a plain-http registry); a plain-http realm on another host
+# is refused before anything is sent there.
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """Records each request's path and Authorization header. As a registry: 401 with the challenge
+    until a Bearer token comes, then a manifest. As a token service: a token."""
+
+    challenge = ""
+    seen: list[tuple[str, str]]
+
+    def do_GET(self) -> None:  # noqa: N802 (the http.server name)
+        auth = self.headers.get("Authorization", "")
+        self.seen.append((self.path, auth))
+        if self.path.startswith("/token"):
+            body = json.dumps({"token": "tok"}).encode()
+        elif auth != "Bearer tok":
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", self.challenge)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        else:
+            body = b'{"schemaVersion": 2}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _server(ip: str, challenge: str = "") -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    seen: list[tuple[str, str]] = []
+    handler = type("H", (_Recorder,), {"challenge": challenge, "seen": seen})
+    srv = http.server.ThreadingHTTPServer((ip, 0), handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"{ip}:{srv.server_address[1]}", seen
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_credentials_never_go_to_a_plain_http_token_service_on_another_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BUILDER_REGISTRY_USER", "builder")
+    monkeypatch.setenv("BUILDER_REGISTRY_PASSWORD", "planted-secret-pw")
+    with _server("127.0.0.2") as (tokens, token_seen):
+        realm = f"http://{tokens}/token"
+        with _server("127.0.0.1", f'Bearer realm="{realm}",service="reg"') as (addr, reg_seen):
+            reg = oci.Registry(oci.parse_ref(f"{addr}/demo/x:v1"))
+            with pytest.raises(ResolveError) as ei:
+                reg.manifest("v1")
+    assert token_seen == []  # nothing at all went to the other host
+    assert [a for _, a in reg_seen] == [""]  # the registry itself got no credentials either
+    line = str(ei.value)
+    assert "\n" not in line and f"registry {addr}" in line and realm in line
+    assert "plain http on another host" in line and "planted-secret-pw" not in line
+
+
+def test_credentials_go_to_the_registrys_own_token_service(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BUILDER_REGISTRY_USER", "builder")
+    monkeypatch.setenv("BUILDER_REGISTRY_PASSWORD", "planted-secret-pw")
+    with _server("127.0.0.1") as (tokens, token_seen):  # the registry's host (loopback, plain http)
+        with _server("127.0.0.1", f'Bearer realm="http://{tokens}/token",service="reg"') as (addr, _):
+            doc, _, _ = oci.Registry(oci.parse_ref(f"{addr}/demo/x:v1")).manifest("v1")
+    assert doc == {"schemaVersion": 2}
+    (path, auth), = token_seen
+    assert path.startswith("/token?") and auth.startswith("Basic ")

@@ -81,6 +81,8 @@ def test_every_ssh_argv_ends_options_with_dashdash(tmp_path: Path, monkeypatch: 
     ran: list[list[str]] = []
 
     def fake_run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+        if argv[:4] == [sys.executable, "-I", "-S", "-c"]:  # (ssh.with_parent's: then the pid, then ssh's argv)
+            argv = argv[6:]
         ran.append(argv)
         return subprocess.CompletedProcess(argv, 0, "", "")
 

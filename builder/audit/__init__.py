@@ -16,13 +16,11 @@ Exit: 0 all pass, 1 drift (or a check errored), 3 a host unreachable (wins over 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from builder.audit.concerns import Concern, declared
 from builder.audit.exits import name_the_cause
@@ -39,6 +37,7 @@ from builder.audit.findings import (
 )
 from builder.audit.runner import run_host
 from builder.audit.selection import AuditOptions, Loaded, audit_targets, parse_only
+from builder.foundation.canon import run_folder
 from builder.foundation.ssh import ControlSockets
 
 __all__ = [
@@ -70,25 +69,24 @@ def run_audit(opts: AuditOptions, on_host: Callable[[HostResult], None] | None =
     expectations = [build_expectations(t, opts, inputs, selected) for t in targets]
 
     start = time.monotonic()
-    work = opts.workdir or Path(tempfile.mkdtemp(prefix="builder-audit-"))
-    # the Ansible backend reaches hosts over Ansible's own connections: nothing here to keep
-    sockets = ControlSockets.for_run(opts.ssh_persist if opts.backend == "native" else 0, opts.control_dir)
     report_lock = threading.Lock()
+    # every temporary folder is made inside the cleanup's scope: an error, Ctrl-C or SIGTERM right after
+    # one is made removes it too (and one a SIGKILL left is removed by the next audit: run_folder)
+    with contextlib.ExitStack() as cleanup:
+        work = opts.workdir or cleanup.enter_context(run_folder("builder-audit-"))
+        # the Ansible backend reaches hosts over Ansible's own connections: nothing here to keep
+        sockets = ControlSockets.for_run(opts.ssh_persist if opts.backend == "native" else 0, opts.control_dir)
+        cleanup.callback(sockets.cleanup)
 
-    def one(i: int) -> HostResult:
-        r = run_host(targets[i], opts, expectations[i], work, sockets, checks_dir, concerns)
-        if on_host is not None:
-            with report_lock:
-                on_host(r)
-        return r
+        def one(i: int) -> HostResult:
+            r = run_host(targets[i], opts, expectations[i], work, sockets, checks_dir, concerns)
+            if on_host is not None:
+                with report_lock:
+                    on_host(r)
+            return r
 
-    try:
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(targets)))) as ex:
             results = list(ex.map(one, range(len(targets))))
-    finally:
-        sockets.cleanup()
-        if opts.workdir is None:
-            shutil.rmtree(work, ignore_errors=True)
     return name_the_cause(AuditReport(
         hosts=results, mode=opts.mode, phase=opts.phase, concerns=concerns, seconds=time.monotonic() - start
     ))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,12 +87,40 @@ def describe_signing_key(choice: SigningKeyChoice) -> str:
 
 def keygen(out_dir: Path | None, force: bool = False, root: Path | None = None) -> tuple[Path, Path, str]:
     """Write builder.key (0600) and builder.pub in out_dir (default: the project's keys/ when a root is
-    given, else the keygen default); return (secret path, public path, key id)."""
-    d = out_dir if out_dir is not None else project_key_dir(root) if root is not None else default_key_dir()
-    d.mkdir(parents=True, exist_ok=True)
+    given, else the keygen default); return (secret path, public path, key id). A relative out_dir is
+    under the project root, wherever the command runs, as the default is; a folder that git would track
+    takes the secret key only when named by an absolute path (refused_by_git)."""
+    if out_dir is None:
+        d = project_key_dir(root) if root is not None else default_key_dir()
+    else:
+        d = out_dir if out_dir.is_absolute() or root is None else root / out_dir
     sk, pk = d / "builder.key", d / "builder.pub"
+    if out_dir is None or not out_dir.is_absolute():
+        why = refused_by_git(sk)
+        if why is not None:
+            raise ConfigError(why)
+    d.mkdir(parents=True, exist_ok=True)
     pub = sign.generate_keypair(sk, pk, force=force)
     return sk, pk, pub.key_id_hex
+
+
+def refused_by_git(secret: Path) -> str | None:
+    """Why the secret key may not be written at ``secret`` (None: it may): the folder is in a git work
+    tree that would track it (not ignored, or the file tracked already), where one `git add -A` away it
+    would leave with the next push. Outside a work tree, or without git, there is nothing to ask."""
+    secret = secret.absolute()
+    here = secret.parent
+    while not here.is_dir():  # (git -C needs a folder that exists; the key's may not yet)
+        here = here.parent
+    try:
+        p = subprocess.run(["git", "-C", str(here), "check-ignore", "-q", "--", str(secret)],
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if p.returncode != 1:  # 0: ignored; 128: not in a work tree
+        return None
+    return (f"{secret}: a secret key is not written into a folder git would track (its work tree does not "
+            f"ignore it): add the folder to .gitignore, or name it by an absolute path (--out /ABSOLUTE/PATH)")
 
 
 def read_public_key(path: Path) -> bytes:

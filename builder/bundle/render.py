@@ -24,7 +24,7 @@ from builder.bundle.parts import WrittenFile, write_bytes, write_stream
 from builder.bundle.thin import thin_omitted
 from builder.errors import ConfigError
 from builder.foundation import sign
-from builder.foundation.canon import canonical_json, file_lock, fsync_dir, pretty_json
+from builder.foundation.canon import canonical_json, file_lock, fsync_dir, pretty_json, replace_folder
 from builder.image import mounttargets as targets
 from builder.image import provenance, registry
 from builder.image.imagerecord import ImageRecord, require_record
@@ -245,7 +245,7 @@ def render_bundle(
         unchanged = False
         with contextlib.suppress(OSError):
             unchanged = (out / MANIFEST).read_bytes() == mbytes
-        _replace_dir(tmp, out)
+        replace_folder(tmp, out)
     return BundleResult(
         fleet=fleet.fleet.name,
         host=host.name,
@@ -399,18 +399,3 @@ def _fsync_tree(tmp: Path, linked: set[str]) -> None:
             with open(full, "rb") as fh:
                 os.fsync(fh.fileno())
         fsync_dir(dirpath)
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Put the finished folder at out; an old one goes aside first and is removed after."""
-    old = None
-    if out.exists() or out.is_symlink():
-        old = out.parent / f".tmp-{out.name}-old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.rename(out, old)
-    os.rename(new, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink()

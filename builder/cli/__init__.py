@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import click
 
 from builder import __version__, output
 from builder.cli.options import file_option, folder_option
-from builder.errors import EXIT_INTERRUPTED, BuilderError
+from builder.errors import EXIT_INTERRUPTED, BuilderError, Stopped
 
 # name -> (module, attribute, one-line help). The help is here so --help needs no import.
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -103,19 +105,41 @@ def get_ctx() -> Ctx:
     return obj
 
 
+#: the signals that end a command as Ctrl-C does, with their exit line
+STOP_SIGNALS = {signal.SIGTERM: "terminated (SIGTERM)", signal.SIGHUP: "hung up (SIGHUP)"}
+
+
+def _stop(signum: int, _frame: object) -> None:
+    # a second one while the first one's cleanup runs is ignored, so that cleanup finishes (Ctrl-C still
+    # stops it, as a second Ctrl-C does)
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    raise Stopped(signum, STOP_SIGNALS[signal.Signals(signum)])
+
+
+def _stopped(e: BaseException) -> int:
+    """One line for an interrupted command and its exit code: 130 for Ctrl-C, 128 + N for signal N."""
+    cause = e if isinstance(e, Stopped) else e.__cause__ or e.__context__  # (click wraps it in Abort)
+    if isinstance(cause, Stopped):
+        sys.stderr.write(f"{cause.name}\n")
+        return cause.exit_code
+    sys.stderr.write("interrupted\n")
+    return EXIT_INTERRUPTED
+
+
 def main(argv: list[str] | None = None) -> Any:
-    """Entry point: expected failures become one line on stderr and an exit code."""
+    """Entry point: expected failures become one line on stderr and an exit code. SIGTERM and SIGHUP
+    end a command as Ctrl-C does (the same cleanup), with their own exit code."""
+    if threading.current_thread() is threading.main_thread():
+        for s in STOP_SIGNALS:
+            signal.signal(s, _stop)
     try:
         rv = cli.main(args=argv, prog_name="builder", standalone_mode=False)
     except BuilderError as e:
         output.error(str(e))
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
-        sys.stderr.write("interrupted\n")
-        sys.exit(EXIT_INTERRUPTED)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        sys.exit(EXIT_INTERRUPTED)
+    except (click.exceptions.Abort, KeyboardInterrupt) as e:
+        sys.exit(_stopped(e))
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

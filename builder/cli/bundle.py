@@ -23,7 +23,9 @@ from builder.errors import ConfigError
 
 
 @click.command()
-@folder_option("--out", "out", help="Folder for builder.key and builder.pub [default: keys/ under the project root].")
+@folder_option("--out", "out", help="Folder for builder.key and builder.pub [default: keys/ under the project root; "
+               "a relative path is under the project root too]. Refused where git would track the key, "
+               "unless given as an absolute path.")
 @click.option("--force", is_flag=True, help="Replace an existing key pair.")
 @json_option()
 def keygen(out: Path | None, force: bool, as_json: bool) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -15,6 +16,8 @@ from builder.image import registry
 from builder.image.gc import collect
 from builder.image.plan import plan
 from builder.inputs.hosts import hosts_folder
+from builder.inputs.pins import load_pins
+from builder.lock.lockfile import load_lock
 
 
 @click.command()
@@ -76,6 +79,12 @@ def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, f
     return 0
 
 
+def kept_locks() -> list[Path]:
+    """The older locks whose entries `builder gc` keeps too: BUILDER_KEEP_LOCKS, os.pathsep between them
+    (as builder.image.gc.collect reads it)."""
+    return [Path(x) for x in os.environ.get("BUILDER_KEEP_LOCKS", "").split(os.pathsep) if x]
+
+
 def _print_plan(d: dict[str, object], as_json: bool) -> None:
     if as_json:
         output.data_json(d)
@@ -102,6 +111,11 @@ def why(name: str, as_json: bool) -> int:
 def gc(dry_run: bool, verify: bool, as_json: bool) -> int:
     """Remove store entries that no lock refers to (the current lock, plus locks given in BUILDER_KEEP_LOCKS)."""
     c = get_ctx()
+    # gc keeps what the pins and the locks name, so a file it cannot read would name nothing and let it
+    # delete what is in use: each is read (a problem is exit 2, one line) before anything is removed
+    load_pins(c.pins)
+    for lock in (c.lock, *kept_locks()):
+        load_lock(lock)
     rep = collect(c.pins, c.lock, c.store, dry_run=dry_run, verify=verify)
     if as_json:
         output.data_json({"removed": rep.removed, "kept": rep.kept, "freed_bytes": rep.freed_bytes,

@@ -35,6 +35,7 @@ from builder.bundle import (
     parse_size,
     rank_launch,
 )
+from builder.errors import BuilderError, VerifyError
 from builder.inputs.hosts import Fleet, Host, bundles_folder
 from builder.installer.errors import InstallError
 from builder.installer.manifest import MANIFEST, check_manifest
@@ -107,15 +108,20 @@ def stale(manifest: dict[str, Any], want: dict[str, Any], with_image: bool, with
 def current_bundle(out: Path, key: bytes, want: dict[str, Any], with_image: bool, with_models: bool,
                    models_from: str = "bundle") -> tuple[dict[str, Any] | None, str]:
     """The bundle at out when it is current and its signature checks (sizes, not hashes); else None
-    and why."""
+    and why it is stale (made again). Stale is what docs/deploy.md says: not what the lock and inventory
+    give now, or a signature the hosts' key does not check, or files changed, missing or cut short.
+    Anything else (the folder cannot be read, a fault in builder) is an error, raised, never taken for
+    stale and papered over by a new bundle."""
     if not (out / MANIFEST).is_file():
         return None, "no bundle yet"
     try:
         manifest, _, _ = verify_bundle(str(out), key, sig_check=crypto_sig_check, hashes=False)
-    except InstallError as e:
+    except InstallError as e:  # refused: its form, its files, or a signature that does not check
         return None, str(e)
-    except Exception as e:  # a signature that does not check, a key that does not parse
-        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
+    except VerifyError as e:  # builder.foundation.sign: the signature (or the key) does not check
+        return None, str(e)
+    except OSError as e:
+        raise BuilderError(f"{out}: cannot read the bundle: {e.strerror or e}") from None
     why = stale(manifest, want, with_image, with_models, models_from)
     return (manifest, "") if why is None else (None, why)
 

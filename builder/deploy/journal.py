@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builder.foundation.canon import atomic_write, pretty_json
+from builder.errors import ConfigError
+from builder.foundation.canon import atomic_write, pretty_json, replace_folder
 
 FORMAT = 1
 
@@ -60,14 +61,32 @@ def journal_path(store: Path, fleet: str) -> Path:
 
 
 def load(store: Path, fleet: str) -> Journal | None:
-    """The unfinished deploy of this fleet, if any (a journal this version cannot read is ignored)."""
+    """The unfinished deploy of this fleet, if any. A journal that is there but cannot be read is an error
+    (ConfigError, naming the file and the fix), never taken for "none": it alone says which release
+    every host ran before, what a rollback goes back to."""
+    p = journal_path(store, fleet)
     try:
-        d = json.loads(journal_path(store, fleet).read_bytes())
-        if d.get("format") != FORMAT:
-            return None
-        return Journal(**{k: d[k] for k in Journal.__dataclass_fields__ if k in d})
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        raw = p.read_bytes()
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        raise ConfigError(_unreadable(p, fleet, f"cannot read it: {e.strerror}")) from None
+    try:
+        d = json.loads(raw)
+        if not isinstance(d, dict):
+            raise ValueError("not a JSON object")
+        if d.get("format") != FORMAT:
+            raise ValueError(f"format {d.get('format')!r}, where this builder reads format {FORMAT}")
+        j = Journal(**{k: d[k] for k in Journal.__dataclass_fields__ if k in d})
+    except (ValueError, TypeError) as e:
+        raise ConfigError(_unreadable(p, fleet, str(e).splitlines()[0] if str(e) else type(e).__name__)) from None
+    return j
+
+
+def _unreadable(p: Path, fleet: str, why: str) -> str:
+    return (f"{p}: the journal of an unfinished deploy of fleet {fleet} cannot be read ({why}); it names the "
+            f"release each host ran before: put back the file a deploy wrote, or, with every host checked "
+            f"(`builder status --fleet {fleet}`), remove it and deploy again")
 
 
 def save(store: Path, j: Journal) -> None:
@@ -101,9 +120,10 @@ def snapshot(store: Path, lock_hash: str, pins: Path, lock: Path, root: Path, re
     if recipe is not None and (root / recipe).is_dir():  # (the recipe: a folder of the project, such as images/demo)
         shutil.copytree(root / recipe, tmp / recipe, symlinks=True)
     shutil.copy2(lock, tmp / "pins.lock")  # last: a snapshot with its lock is complete
-    with contextlib.suppress(FileNotFoundError):
-        shutil.rmtree(d)
-    os.rename(tmp, d)
+    try:
+        replace_folder(tmp, d)  # (two fleets deploying this lock at once: each puts a whole copy in place)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return d
 
 

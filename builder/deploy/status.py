@@ -23,7 +23,7 @@ from builder.deploy import journal as J
 from builder.deploy.fleetwork import Fleetwork
 from builder.deploy.hoststate import HostState
 from builder.deploy.options import DeployOptions, command
-from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+from builder.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, ConfigError
 from builder.foundation.canon import attrs
 from builder.image.imagerecord import read_record
 from builder.image.plan import make_plan
@@ -88,6 +88,9 @@ class FleetStatus:
         up = sum(1 for h in self.hosts if h.up)
         on = sum(1 for h in self.hosts if h.on_lock)
         n = len(self.hosts)
+        if self.deploy and not self.deploy_phase:  # (a journal that cannot be read)
+            return (f"{up} of {n} ranks up; {on} of {n} hosts on the lock {self.lock_hash[:12]}; not deployed: "
+                    f"{self.deploy}")
         if self.deploy:
             return (f"{up} of {n} ranks up; {on} of {n} hosts on the lock {self.lock_hash[:12]}; not deployed: "
                     f"a deploy stopped while {self.deploy_phase} ({self.resume} finishes it)")
@@ -176,7 +179,10 @@ def fleet_status(opts: DeployOptions) -> FleetStatus:
     finally:
         w.close()
     name_the_cause(out)
-    j = J.load(opts.store, w.fleet_name)
+    try:
+        j = J.load(opts.store, w.fleet_name)
+    except ConfigError as e:  # (shown, not raised: the hosts' state is what its fix asks to check)
+        j, out.deploy = None, str(e)
     if j is not None:
         out.deploy_phase = j.phase
         out.resume = command(opts, "deploy")

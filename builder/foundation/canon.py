@@ -8,11 +8,16 @@ writes the same JSON and syncs the same way).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import io
 import json
 import os
+import secrets
+import shutil
+import stat
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -38,7 +43,8 @@ def address(obj: Any) -> str:
 
 
 def sha256_tree(root: Path) -> str:
-    """Hash of a directory tree: relative paths, modes (exec bit), link targets and file hashes.
+    """Hash of a directory tree: relative paths, modes (exec bit: any of the file's x bits), link targets
+    and file hashes.
 
     Independent of mtimes, owners and the filesystem's listing order.
     """
@@ -53,7 +59,9 @@ def sha256_tree(root: Path) -> str:
                 entries.append([rel, "link", os.readlink(full)])
             else:
                 digest, _ = sha256_file(full)
-                mode = "755" if os.access(full, os.X_OK) else "644"
+                # the file's own mode bits, any x bit: os.access would answer for this user and this
+                # mount (root, or noexec), and the same tree would hash otherwise elsewhere
+                mode = "755" if os.lstat(full).st_mode & 0o111 else "644"
                 entries.append([rel, mode, digest])
     return address(sorted(entries))
 
@@ -73,6 +81,97 @@ def atomic_writer(path: str | os.PathLike[str], mode: int = 0o644) -> Iterator[I
     """
     with host_atomic_writer(path, mode, prefix=f".{Path(path).name}.", suffix=".tmp") as f:
         yield f
+
+
+#: how many times replace_folder moves another process's folder aside before it gives up
+_REPLACE_TRIES = 50
+
+
+def replace_folder(new: Path, dest: Path) -> None:
+    """Put the finished folder ``new`` at ``dest`` (on one filesystem), the one way builder does it.
+
+    What is at ``dest`` (a folder, a file or a link) is renamed aside and kept until ``new`` is in place,
+    then removed; if ``new`` cannot go in, the old one is put back and the error raised. Two processes
+    may do this to one ``dest`` at once: one whose rename meets the other's folder arriving in between
+    (ENOTEMPTY, EEXIST) moves that aside too and tries again, so each ends with a whole folder at
+    ``dest``, the last one's. ``dest`` lacks a folder only between two renames. The aside's name,
+    ``.tmp-NAME-old-PID-…`` beside it, is what a killed run leaves; whoever cleans ``.tmp-NAME-*`` removes it.
+    """
+    asides: list[Path] = []
+    try:
+        for _ in range(_REPLACE_TRIES):
+            if os.path.lexists(dest):
+                aside = dest.parent / f".tmp-{dest.name}-old-{os.getpid()}-{secrets.token_hex(4)}"
+                try:
+                    os.rename(dest, aside)
+                    asides.append(aside)
+                except FileNotFoundError:
+                    pass  # another process moved it aside first
+            try:
+                os.rename(new, dest)
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+        else:
+            raise OSError(errno.ENOTEMPTY, f"other processes kept putting a folder at {dest}")
+        fsync_dir(dest.parent)
+    except BaseException:
+        if asides and not os.path.lexists(dest):  # the newest old one back: never lost for a failed rename
+            with contextlib.suppress(OSError):
+                os.rename(asides[-1], dest)
+                asides.pop()
+        raise
+    finally:
+        for a in asides:
+            if a.is_dir() and not a.is_symlink():
+                shutil.rmtree(a, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    a.unlink()
+
+
+@contextlib.contextmanager
+def run_folder(prefix: str, parent: Path | None = None) -> Iterator[Path]:
+    """A temporary folder of this run, ``PREFIX<pid>-…`` in ``parent`` (the system's temporary folder by
+    default), removed when the block ends, however it ends. Its name carries the pid so that what a
+    killed run left is known: those of this prefix whose process is gone are removed first."""
+    base = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+    remove_dead_runs(prefix, base)
+    d = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def remove_dead_runs(prefix: str, base: Path) -> list[Path]:
+    """Remove the ``PREFIX<pid>-…`` folders in ``base`` (this user's) whose process is gone; return them."""
+    gone: list[Path] = []
+    with contextlib.suppress(OSError):
+        for p in base.glob(f"{prefix}*"):
+            pid = p.name[len(prefix):].split("-", 1)[0]
+            if not pid.isdigit() or pid_alive(int(pid)):
+                continue
+            with contextlib.suppress(OSError):
+                st = p.lstat()
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                    shutil.rmtree(p, ignore_errors=True)
+                    gone.append(p)
+    return gone
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of that pid exists (one of another user's counts: it may be the writer)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class ChunkReader(io.RawIOBase):
@@ -114,12 +213,30 @@ def clean_stale_tmp(path: str | os.PathLike[str]) -> int:
 
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
-    """An exclusive advisory lock (flock) held for the block; released if the process dies."""
+    """An exclusive advisory lock (flock) held for the block; released if the process dies.
+
+    The lock held is always the one on the file at ``path``: a file removed while this waited for it
+    (`builder gc` removes a push lock nobody holds, holding it itself meanwhile) is let go and ``path``
+    opened again, so two processes never each hold a different file of one name.
+    """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    while True:
+        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            try:
+                now = os.stat(p)
+            except FileNotFoundError:
+                now = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)  # (removed or replaced while we waited: not the lock any more)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)

@@ -18,7 +18,6 @@ fleet's ssh_config says; nothing here switches that off.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import ipaddress
@@ -26,9 +25,9 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -228,13 +227,11 @@ class ControlSockets:
 #
 # A command's steps on a host must not outlive it (a `builder deploy` killed alone, SIGKILL, its process
 # group left alone). Two halves: here, every child that runs a remote step gets the parent-death signal
-# (`die_with_parent`: SIGKILL once the thread that started it is gone); on the host, the step runs under
+# (`with_parent`: SIGKILL once the thread that started it is gone); on the host, the step runs under
 # `tied`: a watchdog that ends the step's process group once its stdout or stderr has no reader left
 # (the ssh channel closed: its client died; sshd signals a command only when it has a pty, and ssh -tt is
 # not wanted here). What a step already did stays done (a `docker run` that returned started its
 # container); what it had not begun never begins.
-
-PR_SET_PDEATHSIG = 1
 
 #: the host side of `tied`: clear the parent-death signal; run argv[1] with sh in a session of its own;
 #: poll fds 1 and 2 (events 0: only POLLERR/POLLHUP, the reader gone) and the child (a pidfd, else every
@@ -265,15 +262,27 @@ def tied(command: str) -> str:
     return f"exec python3 -c {shlex.quote(_WATCHDOG)} {shlex.quote(command)}"
 
 
-def die_with_parent() -> None:
-    """A `preexec_fn`: this child gets SIGKILL when the thread that started it ends (Linux; elsewhere
-    nothing). Its own children do not inherit it: a ControlMaster that ssh forks keeps living, as it
-    should (it ends by itself once unused)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+#: the local half: set the parent-death signal, check the parent did not die before it was set, then
+#: become the command (the signal survives exec). A small program of its own rather than a preexec_fn:
+#: code run between fork and exec in a program with threads may deadlock (a lock another thread held at
+#: the fork, dlopen's among them), and this program has none.
+_WITH_PARENT = (
+    "import os,sys\n"
+    "try:\n import ctypes;ctypes.CDLL(None).prctl(1,9,0,0,0)\n"  # PR_SET_PDEATHSIG, SIGKILL
+    "except Exception:pass\n"
+    "if os.getppid()!=int(sys.argv[1]):os._exit(137)\n"  # (the parent is gone already: as if killed with it)
+    "os.execvp(sys.argv[2],sys.argv[2:])\n"
+)
+
+
+def with_parent(argv: list[str]) -> list[str]:
+    """argv run so that it gets SIGKILL when the thread that started it ends (Linux; elsewhere argv as it
+    is). Its own children do not inherit that: a ControlMaster that ssh forks keeps living, as it should
+    (it ends by itself once unused). A program that is not there is left for the caller's run to find
+    (FileNotFoundError, as without this)."""
+    if not sys.platform.startswith("linux") or shutil.which(argv[0]) is None:
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _WITH_PARENT, str(os.getpid()), *argv]
 
 
 def run_bounded(argv: list[str], limit: float) -> subprocess.CompletedProcess[str] | None:
@@ -281,8 +290,8 @@ def run_bounded(argv: list[str], limit: float) -> subprocess.CompletedProcess[st
     seconds."""
     try:
         return subprocess.run(
-            argv, capture_output=True, text=True, timeout=limit, stdin=subprocess.DEVNULL, check=False,
-            start_new_session=True, preexec_fn=die_with_parent,
+            with_parent(argv), capture_output=True, text=True, timeout=limit, stdin=subprocess.DEVNULL,
+            check=False, start_new_session=True,
         )
     except subprocess.TimeoutExpired:
         return None

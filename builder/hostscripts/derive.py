@@ -7,7 +7,9 @@ writes into. Ships in every bundle as ``derive.py``:
 * ``derive.py make PLAN [full]``: each derivation whose folder is not complete, or differs from its
   record (what `check` finds: without ``full``, by the size, mtime and inode recorded when each file
   was hashed; with ``full``, by hashing every file, as ``builder deploy --repair`` asks), is made: its
-  command runs in the lane's image (network off) into ``<folder>.tmp-<pid>``; every file it wrote is
+  command runs in the lane's image (network off) into ``<folder>.tmp-<pid>``, its container under a fixed
+  name (the plan's ``--name``, else one per derivation and rank) removed (``docker rm -f``) before the run
+  and when the run passes its timeout (which ends the docker client only); every file it wrote is
   hashed into the record ``.builder-derived.json`` with its size, mtime and inode; the folder takes its
   address's place whole (a folder already there is renamed aside first and removed after; put back if
   the new one cannot go in), so a run killed half-way leaves nothing under its address, and the next
@@ -98,17 +100,24 @@ def make_one(d: dict[str, Any], rank: int, world: int, full: bool = False) -> di
             shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     os.makedirs(tmp)
-    if "--name" in d["argv"]:  # a killed run's container, still there under the same name
-        name = d["argv"][d["argv"].index("--name") + 1]
-        subprocess.run(["docker", "rm", "-f", name], capture_output=True, timeout=120)
     argv = [a.replace("{out}", tmp) for a in d["argv"]]
+    name = container_name(argv, d["name"], rank)
+    if name:  # a killed run's container, still there under the same name
+        remove_container(name)
     if argv[:2] == ["docker", "run"]:  # its files are the host user's, as if the command ran here
         argv[2:2] = ["--user", f"{os.getuid()}:{os.getgid()}"]
     sys.stderr.write(f"derive: {d['name']}: making {base} (rank {rank} of {world})\n")
     sys.stderr.flush()
+    limit = float(d.get("timeout") or 3600)
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=float(d.get("timeout") or 3600))
-    except (OSError, subprocess.TimeoutExpired) as e:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        # the timeout ends the docker client only; the container runs on, writing, until it is removed
+        gone = remove_container(name) if name else ""
+        shutil.rmtree(tmp, ignore_errors=True)
+        what = f"; its container {name} {gone or 'removed'}" if name else ""
+        return {"name": d["name"], "result": "failed", "why": f"no end within {limit:g} s{what}"}
+    except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         return {"name": d["name"], "result": "failed", "why": str(e)[:400]}
     if p.returncode != 0:
@@ -139,6 +148,40 @@ def make_one(d: dict[str, Any], rank: int, world: int, full: bool = False) -> di
     sys.stderr.write(f"derive: {d['name']}: made {len(files)} file(s) in {secs:g} s\n")
     out = {"name": d["name"], "result": "made", "path": path, "files": len(files), "seconds": secs}
     return {**out, "differed": drift} if drift else out
+
+
+def container_name(argv: list[str], derivation: str, rank: int) -> str:
+    """The name of the container a `docker run` argv starts ("" for another command): its own --name, else
+    one given here (a fixed name per derivation and rank), so a container left running can be found."""
+    if argv[:2] != ["docker", "run"]:
+        return ""
+    for i, a in enumerate(argv):
+        if a == "--name" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--name="):
+            return a.split("=", 1)[1]
+    name = "builder-derive-" + re.sub(r"[^A-Za-z0-9_.-]", "-", derivation) + f"-r{rank}"
+    argv[2:2] = ["--name", name]
+    return name
+
+
+#: seconds for `docker rm -f` of a container left running
+REMOVE_TIMEOUT = 120.0
+
+
+def remove_container(name: str) -> str:
+    """`docker rm -f NAME` (none there is fine): "" when it is gone, else why it may not be."""
+    try:
+        p = subprocess.run(["docker", "rm", "-f", name], capture_output=True, text=True, errors="replace",
+                           timeout=REMOVE_TIMEOUT, stdin=subprocess.DEVNULL, check=False)
+    except subprocess.TimeoutExpired:
+        return f"not removed: `docker rm -f {name}` had no end within {REMOVE_TIMEOUT:g} s"
+    except OSError as e:
+        return f"not removed: docker: {e.strerror}"
+    said = (p.stdout + p.stderr).strip()
+    if p.returncode != 0 and "No such container" not in said:
+        return f"not removed: `docker rm -f {name}`: {said[-300:] or f'exit {p.returncode}'}"
+    return ""
 
 
 def place(tmp: str, path: str) -> str:

@@ -30,7 +30,7 @@ import urllib.request
 import warnings
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 from builder.errors import ConfigError, ResolveError
 from builder.inputs.pins import BaseImage
@@ -205,7 +205,7 @@ class Registry:
         url = f"{self.ref.base_url}/v2/{self.ref.repository}/{path}"
         for attempt in range(2):
             try:
-                with self._open(url, method=method, accept=accept, auth=self.auth) as resp:
+                with self._open(url, method=method, accept=accept, auth=self._auth_for(url)) as resp:
                     body = resp.read(limit + 1)
                     if len(body) > limit:
                         raise ResolveError(f"{self._where()}: answer too large from {path}")
@@ -247,7 +247,7 @@ class Registry:
             url = f"{self.ref.base_url}/v2/{self.ref.repository}/{url_or_path}"
         for attempt in range(2):
             try:
-                with self._open(url, method=method, auth=self.auth, data=data, headers=headers) as resp:
+                with self._open(url, method=method, auth=self._auth_for(url), data=data, headers=headers) as resp:
                     body = resp.read(MAX_MANIFEST + 1) if method != "HEAD" else b""
                     return resp.status, body[:MAX_MANIFEST], {k.lower(): v for k, v in resp.headers.items()}
             except urllib.error.HTTPError as e:
@@ -265,6 +265,31 @@ class Registry:
 
     def _where(self) -> str:
         return f"{self.ref.registry}/{self.ref.repository}"
+
+    def _auth_for(self, url: str) -> str | None:
+        """What a request to ``url`` carries: Basic credentials go to the registry's own host only (an
+        upload Location elsewhere, such as a blob store, gets the request without them)."""
+        if self.auth is not None and self.auth.startswith("Basic ") and not self._own_host(url):
+            return None
+        return self.auth
+
+    def _own_host(self, url: str) -> bool:
+        return (urlsplit(url).hostname or "") == urlsplit(self.ref.base_url).hostname
+
+    def _token_url_refused(self, url: str) -> str | None:
+        """Why the token service at ``url`` (a challenge's realm) is not asked (None: it is). It gets the
+        registry's credentials, so: over https, or over plain http on the registry's own host when the
+        registry itself is plain http (loopback, or named so). Elsewhere anyone on the way would read them."""
+        scheme = urlsplit(url).scheme.lower()
+        if scheme == "https":
+            return None
+        if scheme != "http":
+            return f"not an http(s) URL ({scheme or 'no scheme'})"
+        if not self._own_host(url):
+            return "plain http on another host than the registry (credentials go there over https only)"
+        if urlsplit(self.ref.base_url).scheme != "http":
+            return "plain http, while the registry itself is reached over https"
+        return None
 
     def _authenticate(self, challenge: str) -> None:
         scheme, _, params = challenge.partition(" ")
@@ -284,6 +309,9 @@ class Registry:
         wanted = "pull,push" if self.push else "pull"
         query["scope"] = fields.get("scope") or f"repository:{self.ref.repository}:{wanted}"
         token_url = f"{fields['realm']}?{urlencode(query)}"
+        why = self._token_url_refused(fields["realm"])
+        if why is not None:
+            raise ResolveError(f"registry {self.ref.registry}: token URL {fields['realm']} refused: {why}")
         try:
             with self._open(token_url, auth=self._basic()) as resp:
                 data = json.loads(resp.read(1024 * 1024))

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from builder.errors import BuilderError, ConfigError, UnreachableError
-from builder.foundation.ssh import Connection, ControlSockets, die_with_parent, tied
+from builder.foundation.ssh import Connection, ControlSockets, tied, with_parent
 from builder.inputs.hosts import Fleet, Host, ssh_config_file
 from builder.installer.errors import EXIT_CONFIG
 from builder.store.placement import kept_installer
@@ -71,8 +71,8 @@ class Remote:
         return self._ssh
 
     def argv(self, command: str) -> list[str]:
-        """The argv of one step on the host: run with `die_with_parent` as its preexec_fn, it ends with
-        this process, and the step on the host ends with it (builder.foundation.ssh.tied)."""
+        """The argv of one step on the host: run through `with_parent`, it ends with this process, and the
+        step on the host ends with it (builder.foundation.ssh.tied)."""
         command = tied(command)
         if self.kind == "local":
             return ["sh", "-c", command]
@@ -114,9 +114,7 @@ class Remote:
             else {"stdin": stdin if stdin is not None else subprocess.DEVNULL}
         )
         try:
-            proc = subprocess.run(
-                argv, capture_output=True, timeout=timeout, check=False, preexec_fn=die_with_parent, **kw
-            )
+            proc = subprocess.run(with_parent(argv), capture_output=True, timeout=timeout, check=False, **kw)
         except subprocess.TimeoutExpired:
             raise UnreachableError(
                 f"{self.host.name}: no answer within {timeout:.0f} s"

@@ -16,7 +16,7 @@ from typing import Any
 from builder.bundle import hostpkg
 from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
 from builder.foundation import sign
-from builder.foundation.ssh import die_with_parent
+from builder.foundation.ssh import with_parent
 from builder.inputs.hosts import Host
 from builder.installer.manifest import MANIFEST, SIGNATURE
 from builder.installer.receive import RECEIVE_MAGIC, widen_pipe
@@ -71,9 +71,7 @@ def _receive(
     argv = remote.argv(command)
     errf = tempfile.TemporaryFile()
     try:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, preexec_fn=die_with_parent
-        )
+        proc = subprocess.Popen(with_parent(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf)
     except FileNotFoundError:
         raise ConfigError(f"{argv[0]}: not found (needed to reach {host.name})") from None
     fired: list[bool] = []

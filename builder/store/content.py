@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from builder.errors import ResolveError, VerifyError
-from builder.foundation.canon import file_lock, fsync_dir, sha256_tree
+from builder.foundation.canon import file_lock, fsync_dir, pid_alive, sha256_tree
 from builder.foundation.hashing import READ_SIZE, sha256_file
 from builder.lock import plainfiles as fetch
 
@@ -300,7 +300,9 @@ def _size(p: Path) -> int:
 
 
 def _unlink_unheld(p: Path) -> bool:
-    """Remove a lock file nobody holds (False, leaving it, while a process holds it)."""
+    """Remove a lock file nobody holds (False, leaving it, while a process holds it). It is removed while
+    this holds it: a pusher that opened it meanwhile and waits for it finds it gone once it gets it, and
+    takes the lock on the file at that name instead (canon.file_lock), so no two pushers ever hold it."""
     try:
         fd = os.open(p, os.O_RDWR)
     except FileNotFoundError:
@@ -355,13 +357,7 @@ def _owner_alive(name: str) -> bool:
     pid = int(parts[1])
     if pid == os.getpid():
         return True  # ours: an image context or download being assembled right now
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def _rmtree_ro(p: Path) -> None:
