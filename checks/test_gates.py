@@ -16,6 +16,7 @@ from checklib import Cmd, Concern, or_skip, read_applied, remote_json
 from builder.hostscripts import GATES, dumps
 from builder.store.servingrecord import replay_differences
 
+
 def planned(expect: dict[str, Any]) -> list[Cmd]:
     """Nothing to fetch ahead: the one remote call is the gates' own, made when the first check needs it."""
     return []

@@ -58,7 +58,8 @@ def test_a_replay_difference_names_the_prompt_the_position_and_the_tokens() -> N
     assert sr.replay_differences(base, moved) == [
         "'Name a colour.': first difference at token 1: id 41 -> 52 ('blue' -> 'green')"]
     shorter = [_rec("17*19=", [5, 6], "32")]
-    assert sr.replay_differences(base, shorter) == ["'17*19=': first difference at token 2: id 7 -> end ('323' -> '32')"]
+    assert sr.replay_differences(base, shorter) == [
+        "'17*19=': first difference at token 2: id 7 -> end ('323' -> '32')"]
     # a prompt the baseline never asked has nothing to compare with; one with no answer is a difference
     assert sr.replay_differences(base, [_rec("new prompt", [1], "x")]) == []
     failed = [{"prompt": "17*19=", "ids": None, "token_sha": None, "text": "", "error": "HTTP 500: boom"}]

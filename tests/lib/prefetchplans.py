@@ -25,7 +25,8 @@ NAMES = ("image", "release", "models", "engram", "gpu", "burn", "memory", "fabri
          "gates")
 # Each host's expectations with every want on ("full", "hashing": --mode full) or off ("bare")
 VARIANTS = ("full", "hashing", "bare")
-SELECTIONS = {**{c: [c] for c in NAMES}, "preflight": [c for c in NAMES if c not in ("serving", "gates")], "all": list(NAMES),
+SELECTIONS = {**{c: [c] for c in NAMES}, "preflight": [c for c in NAMES if c not in ("serving", "gates")],
+              "all": list(NAMES),
               "image+runtime": ["image", "runtime"], "release+gpu": ["release", "gpu"]}
 
 
