@@ -117,6 +117,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # the longest tiers first: xdist hands out work in this order, so the kill loops and fleets start at
     # once and the quick tests fill the workers' gaps at the end (a stable sort: a module's order holds)
     items.sort(key=tier_rank)
+    if os.environ.get("CI") and not docker_available():
+        raise pytest.UsageError("CI needs a running Docker Engine for the docker/fleet tiers")
 
 
 def tier_rank(item: pytest.Item) -> int:
@@ -126,8 +128,6 @@ def tier_rank(item: pytest.Item) -> int:
     if marks & {"fleet", "registry"}:
         return 1
     return 2 if marks & {"docker", "build", "fuzz"} else 3
-    if os.environ.get("CI") and not docker_available():
-        raise pytest.UsageError("CI needs a running Docker Engine for the docker/fleet tiers")
 
 
 #: seconds per test file (setup, call and teardown of each test, over every worker): what CI prints last

@@ -83,6 +83,7 @@ def test_good_pins_and_closures(tmp_path: Path) -> None:
         "models": {"engram"},
         "files": {"template"},
         "kits": set(),
+        "wheels": set(),
     }
     assert pins.closure(["engram"])["models"] == {"engram"} and pins.closure(["engram"])["sources"] == set()
     with pytest.raises(ConfigError, match="no lane, image or input named 'nope'"):

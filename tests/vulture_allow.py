@@ -35,6 +35,7 @@ _.rollback_audit  # builder/deploy/report.py serialises it with attrs(self, ...,
 # pytest: hooks and marks found by name, fixtures requested by parameter name (autouse ones by no one)
 pytest_addoption, pytest_configure, pytest_collection_modifyitems, pytest_runtest_setup
 pytest_runtest_call, pytest_runtest_makereport, pytest_sessionstart, pytest_sessionfinish
+pytest_runtest_logreport, pytest_terminal_summary
 pytestmark  # a module's tier marks
 _isolated_env, _ssh_connections, _needs_the_registry, _prefetch, _quick_retries  # autouse fixtures
 bystanders, small_disk, network_refused  # fixtures a test requests for their effect, not their value

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -25,7 +26,7 @@ from builder import ASSEMBLY_FORMAT, __version__
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.foundation import dockerio
 from builder.foundation.hashing import recipe_files
-from builder.image import layers, provenance
+from builder.image import layers, provenance, wheels
 from builder.image import mounttargets as targets
 from builder.image.imagerecord import ImageRecord, read_record, tag_for, write_record
 from builder.image.plan import Plan, load_inputs, make_plan
@@ -147,6 +148,8 @@ def context_layout(pins: Pins, name: str, root: Path) -> dict[str, str]:
         out["files"] = "dir"
         for fname in img.files:
             out[f"files/{fname}"] = "file"
+    if img.wheels:
+        out[wheels.CONTEXT_DIR] = "dir"
     out[CLOSURE_FILE] = "file"
     return out
 
@@ -211,6 +214,7 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
         blob = store.fetch_url(lf.url, lf.sha256, f"files.{fname}", root=root, offline=offline)
         (dest / "files").mkdir(exist_ok=True)
         shutil.copyfile(blob, dest / "files" / fname)
+    wheels.lay_out({w: lock.wheels[w] for w in img.wheels}, root, store, dest, offline=offline, on_log=on_log)
     base = p.closure["base"]
     if base:
         name_only = base["ref"].split("@", 1)[0]
@@ -399,7 +403,10 @@ def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, label
         ctx.mkdir()
         buildargs = assemble_context(pins, lock, p, root, store, ctx, offline=offline, build_platform=engine,
                                      on_log=on_log)
-        raw_id = dockerio.build(ctx, buildargs=buildargs, network="none",
+        # the raw build's own tag: two builds of one recipe on one engine may get the same image from
+        # the cache, and each removes only its own name for it (docker deletes the image with the last)
+        raw_tag = f"builder-raw/{p.name}:{os.getpid()}-{secrets.token_hex(4)}"
+        raw_id = dockerio.build(ctx, buildargs=buildargs, network="none", tag=raw_tag,
                                 platform=None if _arch(engine) == _arch(p.platform) else p.platform,
                                 nocache=nocache, cleanup=True, on_log=on_log)
         try:
@@ -413,7 +420,7 @@ def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, label
                                                repo_tags=[tag or tag_for(p.name, p.address)],
                                                workdir=Path(td) / "layers")
         finally:
-            dockerio.remove(raw_id, force=True)
+            dockerio.remove(raw_tag)
     the_tag = tag or tag_for(p.name, p.address)
     repo, _, t = the_tag.rpartition(":")
     dockerio.tag(result.image_id, repo, t)

@@ -23,6 +23,8 @@ def referenced(lock: Lock, pins_path: Path) -> tuple[set[str], set[str], set[str
         objects.update(a.sha256 for a in t.platforms.values())
     for f in lock.files.values():
         objects.add(f.sha256)
+    for ws in lock.wheels.values():
+        objects.update(w.sha256 for w in ws.wheels)
     # Model files, kit files and the runtime copies of plain files hosts get live in the model store
     # (<store>/models, builder.store.modelstore), which gc leaves as it is; a kit from a git source is read
     # from its source's mirror (<store>/git), which gc leaves too.

@@ -2,10 +2,11 @@
 
 The closure holds exactly what goes into the image (base digest for the platform,
 source commits and tree hashes, patch hashes in order, toolchain artifact hashes for
-the platform, file hashes, build args, platform, the recipe folder's files by relative
-path, SOURCE_DATE_EPOCH and builder's assembly format). Its canonical JSON's sha256 is
-the input address: same closure, same address, on any machine. The image name, the
-project's absolute path and unrelated lock entries are deliberately not in it.
+the platform, file hashes, each wheel set's wheels by filename and sha256, build args,
+platform, the recipe folder's files by relative path, SOURCE_DATE_EPOCH and builder's
+assembly format). Its canonical JSON's sha256 is the input address: same closure, same
+address, on any machine. The image name, the project's absolute path and unrelated lock
+entries are deliberately not in it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from builder.foundation.hashing import recipe_files
 from builder.inputs.loader import did_you_mean
 from builder.inputs.pins import Pins, PublishedImage, load_pins
 from builder.lock.lockfile import Lock, LockedImage, LockedPublishedImage, check_lock, load_lock, spec_hash
+from builder.lock.wheelset import closure_entry
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,15 @@ def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
         "recipe": recipe,
         "source_date_epoch": li.source_date_epoch,
     }
+    if img.wheels:  # (only then: an image without wheel sets keeps the address it had before they existed)
+        sets: dict[str, Any] = {}
+        for w in img.wheels:
+            lw = _need(lock, "wheels", w, name)
+            if lw.spec_hash != spec_hash(pins.wheels[w]):
+                raise ConfigError(f"images.{name}: wheels.{w} changed since the lock")
+            sets[w] = closure_entry(lw)
+            used[f"wheels.{w}"] = lw.model_dump(mode="json")
+        closure["wheels"] = sets
     return Plan(name=name, closure=closure, address=address(closure), lock_hash=address(used))
 
 

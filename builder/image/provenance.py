@@ -32,6 +32,7 @@ from builder.errors import VerifyError
 from builder.foundation import sign
 from builder.foundation.canon import atomic_write, pretty_json
 from builder.lock.plainfiles import scrub_url
+from builder.lock.wheelset import sbom_items
 
 if TYPE_CHECKING:  # (types only: checking a bundle's documents needs neither)
     from builder.image.imagerecord import ImageRecord
@@ -170,6 +171,8 @@ def _dependencies(p: Plan) -> list[dict[str, Any]]:
                     "digest": {"sha256": _hex(base["manifest_digest"])}, "mediaType": MEDIA_MANIFEST})
     for fname, sha in sorted(c["files"].items()):
         out.append({"name": f"files/{fname}", "digest": {"sha256": sha}})
+    for set_name, filename, _, _, sha in sbom_items(c):
+        out.append({"name": f"wheels/{set_name}/{filename}", "digest": {"sha256": sha}})
     for rel, sha in sorted(c["recipe"].items()):
         out.append({"name": f"recipe/{p.name}/{rel}", "digest": {"sha256": sha}})
     return out
@@ -261,6 +264,11 @@ def sbom(p: Plan, rec: ImageRecord) -> dict[str, Any]:
                                purl_text=oci_purl(base["ref"], base["manifest_digest"], p.platform)))
     for fname, sha in sorted(c["files"].items()):
         comps.append(component(f"file:{fname}", ComponentType.FILE, fname, sha, purl_text=file_purl(fname, sha)))
+    for set_name, filename, wname, version, sha in sbom_items(c):
+        comps.append(component(f"wheel:{set_name}:{filename}", ComponentType.LIBRARY, wname, sha, version=version,
+                               purl_text=purl("pypi", wname, version=version,
+                                              qualifiers={"checksum": f"sha256:{sha}"}),
+                               props=[("io.builder.wheel-set", set_name), ("io.builder.filename", filename)]))
     for rel, sha in sorted(c["recipe"].items()):
         path = f"images/{p.name}/{rel}"
         comps.append(component(f"recipe:{rel}", ComponentType.FILE, path, sha, purl_text=file_purl(path, sha)))

@@ -17,13 +17,14 @@ from builder.errors import ConfigError
 from builder.inputs.lanes import Lane
 from builder.inputs.loader import did_you_mean, read_toml, validate
 from builder.inputs.schema import Digest, Name, Platform, Sha256, Strict
+from builder.inputs.wheelpin import WheelSet
 
 #: a value no public source gives: pins.toml says so, and `builder lock` names it instead of guessing
 UNKNOWN = "UNKNOWN"
 
 REV_RE = r"^[0-9a-f]{7,40}$"
 #: the kinds of input a lock resolves, in the order it resolves them (a kit after the source it comes from)
-INPUT_KINDS = ("sources", "toolchains", "bases", "models", "files", "kits")
+INPUT_KINDS = ("sources", "toolchains", "bases", "models", "files", "kits", "wheels")
 #: every section of pins.toml that names things (and of the lock, which has an entry per name)
 SECTIONS = (*INPUT_KINDS, "images", "lanes")
 
@@ -152,6 +153,10 @@ class ImageRecipe(Strict):
     sources: list[Name] = []
     toolchains: list[Name] = []
     files: list[Name] = []
+    #: the wheel sets ([wheels]) whose wheels the build context holds at wheels/. Not in the pin's dump (so
+    #: not in its spec hash): the image's lock entry holds nothing of them; its closure (the input address)
+    #: and the lock's check of that closure do, and an image without any keeps the hash it always had.
+    wheels: list[Name] = Field(default=[], exclude=True)
     build_args: dict[str, str] = {}
     platform: Platform = "linux/arm64"
     note: str | None = None
@@ -245,6 +250,7 @@ class Pins(Strict):
     models: dict[Name, HfModel] = {}
     files: dict[Name, PlainFile] = {}
     kits: dict[Name, Kit] = {}
+    wheels: dict[Name, WheelSet] = {}
     images: dict[Name, Image] = {}
     lanes: dict[Name, Lane] = {}
 
@@ -272,6 +278,9 @@ class Pins(Strict):
             for i, f in enumerate(img.files):
                 if f not in self.files:
                     raise _Ref(f"images.{name}.files[{i}]", f, "files", self.files)
+            for i, w in enumerate(img.wheels):
+                if w not in self.wheels:
+                    raise _Ref(f"images.{name}.wheels[{i}]", w, "wheels", self.wheels)
         for name, lane in self.lanes.items():
             if lane.image not in self.images:
                 raise _Ref(f"lanes.{name}.image", lane.image, "images", self.images)
@@ -335,6 +344,7 @@ class Pins(Strict):
         out["sources"].update(img.sources)
         out["toolchains"].update(img.toolchains)
         out["files"].update(img.files)
+        out["wheels"].update(img.wheels)
 
     def all_inputs(self) -> dict[str, set[str]]:
         return {k: set(getattr(self, k)) for k in INPUT_KINDS}

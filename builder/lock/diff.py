@@ -15,6 +15,7 @@ from typing import Any
 from builder.errors import ConfigError
 from builder.inputs.loader import validate
 from builder.inputs.pins import INPUT_KINDS
+from builder.lock import wheelset
 from builder.lock.lockfile import (
     Lock,
     LockedBase,
@@ -30,7 +31,7 @@ from builder.lock.lockfile import (
 
 KIND_ORDER = (*INPUT_KINDS, "images", "lanes")
 KIND_WORD = {"sources": "source", "toolchains": "toolchain", "bases": "base", "models": "model",
-             "files": "file", "kits": "kit", "images": "image", "lanes": "lane"}
+             "files": "file", "kits": "kit", "wheels": "wheel set", "images": "image", "lanes": "lane"}
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,8 @@ def _lane(old: LockedLane, new: LockedLane) -> list[str]:
 
 
 COMPARE: dict[str, Any] = {"sources": _source, "toolchains": _toolchain, "bases": _base, "models": _model,
-                           "files": _file, "kits": _kit, "images": _image, "lanes": _lane}
+                           "files": _file, "kits": _kit, "wheels": wheelset.compare, "images": _image,
+                           "lanes": _lane}
 
 
 def diff_locks(old: Lock, new: Lock) -> list[Change]:

@@ -1,7 +1,8 @@
 """`builder lock`: resolve the pins into the lock, one resolver per kind of input.
 
 Sources go to `gitsrc`, models to `hf`, bases to `oci`, plain files to `fetch`, kernel kits to
-`kits` (after the sources, whose locked commit a kit from a git tree is read at); toolchains are
+`kits` (after the sources, whose locked commit a kit from a git tree is read at), wheel sets to
+`wheelset` (a hash-pinned requirements file to its wheel files); toolchains are
 fixed-output (their pins carry the hashes). Entries whose pin did not change are kept without
 network; the lock is written through `lockfile.write_lock` (rendered by a pure function), and only
 when every selected input resolved: a lock that fails leaves `pins.lock` (its entries and its hash of
@@ -28,7 +29,7 @@ from builder.inputs.pins import (
     check_patch_files,
     load_pins,
 )
-from builder.lock import gitsrc, hf, kits, oci, published
+from builder.lock import gitsrc, hf, kits, oci, published, wheelset
 from builder.lock import plainfiles as fetch
 from builder.lock.lockfile import (
     LOCK_FORMAT,
@@ -94,6 +95,8 @@ def _resolve_one(kind: str, name: str, spec: Any, root: Path, cache: Path, opts:
         return fetch.resolve_file(name, spec, root=root, offline=opts.offline, spec_hash=spec_hash(spec))
     if kind == "toolchains":
         return lock_toolchain(spec)
+    if kind == "wheels":
+        return wheelset.resolve(name, spec, root=root, offline=opts.offline, spec_hash=spec_hash(spec))
     if kind == "kits":
         src = new["sources"].get(spec.source) if spec.source else None
         if src is not None and src.spec_hash != spec_hash(pins.sources[spec.source]):
@@ -244,6 +247,8 @@ def _still_valid(kind: str, entry: Any, root: Path, new: dict[str, dict[str, Any
             path = root / p.file
             if not path.is_file() or sha256_file(path)[0] != p.sha256:
                 return False
+    if kind == "wheels":
+        return wheelset.still_valid(entry, root)
     return True
 
 
@@ -258,6 +263,8 @@ def _identity(kind: str, entry: Any) -> str:
         return str(entry.index_digest or sorted(entry.platforms.values()))
     if kind == "files":
         return str(entry.sha256)
+    if kind == "wheels":
+        return wheelset.identity(entry)
     if kind == "kits":
         return f"{entry.manifest.sha256[:12]} ({len(entry.files)} files" + (
             f", {entry.source} at {entry.commit[:12]})" if entry.commit else ")")
