@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from tests.lib import fleetlib, journeylib, registrylib, vllmconf, vllmlane
+from tests.lib import factory, fleetlib, journeylib, registrylib, vllmconf, vllmlane
 from tests.lib.journeylib import PATHS, Journey
 
 pytestmark = [pytest.mark.vllm, pytest.mark.fleet, pytest.mark.docker, pytest.mark.registry]
@@ -62,7 +62,7 @@ class Served:
     cost: dict[str, float] = field(default_factory=dict)
     timeline: list[str] = field(default_factory=list)  # the last deploy's steps, each with its time
 
-    def deploy(self) -> tuple[int, dict[str, Any]]:
+    def deploy(self, *extra: str) -> tuple[int, dict[str, Any]]:
         """`builder deploy --fleet vllm --json ...` as Journey.deploy runs it, each line of its progress
         stamped with the seconds since it started (``timeline``: the stage, each rank up, the end)."""
         # --timeout: the base of every remote call; a host's stage pulls the image (6.7 GB) from the registry
@@ -70,7 +70,7 @@ class Served:
         # this machine's shared disk and cores)
         argv = [journeylib.BUILDER, "deploy", "--fleet", FLEET, "--json", "--key", str(self.j.keys / "builder.key"),
                 "--with-image", "--with-models", "--stop-timeout", "30", "--start-timeout", str(START_TIMEOUT),
-                "--timeout", "1800"]
+                "--timeout", "1800", *extra]
         t0 = time.monotonic()
         lines: list[str] = []
         with tempfile.TemporaryFile("w+") as out:
@@ -254,6 +254,46 @@ def test_the_deploy_asked_the_lanes_serving_gates(served: Served) -> None:
     p = served.j.builder("status", "--fleet", FLEET, "--json")
     head = json.loads(p.stdout)["hosts"][served.head.name]
     assert head["up"] and head["serving"]["gates"] == dict.fromkeys(GATES, True), head
+
+
+def test_a_redeploy_of_the_running_release_replays_it_identically(served: Served) -> None:
+    """Nothing to deploy: the deploy audits the running release, and its replay equals its own record,
+    token id for token id (the engine's promise: the same prompt at T=0, the same ids)."""
+    rc, rep = served.deploy()
+    assert rc == 0 and rep["result"] == "unchanged", f"{rep.get('reason')}\n{served.j.last_stderr[-3000:]}"
+    replay = rep["audit"]["hosts"][served.head.name]["checks"]["gates::replay"]
+    assert replay["status"] == "pass", replay
+    first = head_gates(served.report, served.head.name)["replay"]
+    assert [r["ids"] for r in replay["facts"]["replay"]] == [r["ids"] for r in first]
+
+
+def test_a_model_that_answers_otherwise_is_refused_by_the_replay_then_accepted(served: Served) -> None:
+    """The model taught one other answer ("Name a colour." -> green), locked again: its gates pass, but
+    its replay differs from the running release's, so the deploy is refused and rolled back, naming the
+    prompt, the first differing token and the lock's change; `--accept-replay` then deploys it and its
+    answers become the baseline."""
+    j = served.j
+    before = {h.name: j.fleet.exec(h, f"readlink {PATHS['bundles']}/current").stdout.strip() for h in j.fleet.hosts}
+    factory.edit_pins(j.root, lambda d: d["models"][vllmlane.MODEL].update(local="models/tiny-chat/changed"))
+    j.builder("lock", "--offline", LANE)
+    rc, rep = served.deploy()
+    say(f"the changed model refused by its replay, then rolled back: {served.timeline[-1:]}")
+    assert rc == 1 and rep["result"] == "rolled-back", f"{rep.get('reason')}\n{j.last_stderr[-4000:]}"
+    reason = rep["reason"]
+    changed = (r"gates::replay: replay against release [0-9a-f]{12}: 1 of 5 prompts changed: "
+               r"'Name a colour\.': first difference at token 0: id \d+ -> \d+ \('blue' -> 'green'\)")
+    assert re.search(changed, reason), reason
+    assert f"models.{vllmlane.MODEL}" in reason and "--accept-replay" in reason, reason
+    after = {h.name: j.fleet.exec(h, f"readlink {PATHS['bundles']}/current").stdout.strip() for h in j.fleet.hosts}
+    assert after == before
+    assert served.chat("Name a colour.")["choices"][0]["message"]["content"].strip() == "blue"
+
+    rc, rep = served.deploy("--accept-replay")
+    assert rc == 0 and rep["result"] == "deployed", f"{rep.get('reason')}\n{j.last_stderr[-4000:]}"
+    assert served.chat("Name a colour.")["choices"][0]["message"]["content"].strip() == "green"
+    head = json.loads(j.builder("status", "--fleet", FLEET, "--json").stdout)["hosts"][served.head.name]
+    assert head["serving"]["accepted"] is True, head["serving"]
+    assert {r["prompt"]: r["text"] for r in head["serving"]["replay"]}["Name a colour."] == "green"
 
 
 def test_a_flag_vllm_refuses_fails_the_start_and_the_deploy_rolls_back(served: Served) -> None:
