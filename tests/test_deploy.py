@@ -190,7 +190,9 @@ def test_journal_round_trip_and_snapshot(tmp_path: Path) -> None:
     assert J.load(tmp_path, "f") is None
     (tmp_path / "deploy").mkdir(exist_ok=True)
     J.journal_path(tmp_path, "f").write_text("{not json")
-    assert J.load(tmp_path, "f") is None  # unreadable: ignored, never a traceback
+    with pytest.raises(ConfigError, match="cannot be read"):  # unreadable: an error naming it, never "none"
+        J.load(tmp_path, "f")
+    J.clear(tmp_path, "f")
     root = tmp_path / "proj"
     (root / "images" / "demo").mkdir(parents=True)
     (root / "images" / "demo" / "Dockerfile").write_text("FROM scratch\n")
