@@ -1,4 +1,5 @@
-"""`builder deploy`, `builder start`, `builder stop`: a whole fleet, in rank order, under the fleet lock.
+"""`builder deploy`: a whole fleet, in rank order, under the fleet lock (`builder start` and `builder stop`:
+builder.deploy.startstop).
 
 A deploy, in order (each step bounded; hosts in parallel where the order allows it):
 

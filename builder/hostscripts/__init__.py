@@ -7,14 +7,15 @@ standard library is assumed). They are real modules so that ruff, mypy and the t
 tests import and call them directly too.
 
 * ``batch``: many fact commands at once, each bounded in time (checks/checklib.py prefetch);
-* ``files``: stat or hash model files, list model and Engram folders;
+* ``filefacts``: stat or hash model files, list model and Engram folders;
 * ``fabric``: RDMA devices and network interfaces in sysfs;
 * ``serve``: the lane's API (/health, /v1/models, a one-token completion);
 * ``gates``: the lane's serving gates, replay prompts and speed check, asked of its API;
 * ``memory``: who holds the host's memory (each running container's cgroup, the biggest processes);
-* ``burn``: the burn gate's load, run bounded, with the GPUs sampled while it runs;
+* ``burnload``: the burn gate's load, run bounded, with the GPUs sampled while it runs;
 * ``gpuprocs``: the lane each GPU compute process belongs to, from its environment;
 * ``matmul``: the burn's default load, a timed matrix product (needs torch: it runs in the lane's image);
+* ``derive``: a rank's derivations, each made in the lane's image where its address does not hold it;
 * ``lane``: the lane's releases and containers on the host, and the wait for its rank to answer
   (builder.deploy.hoststate; sent over stdin as ``python3 - REQUEST``).
 

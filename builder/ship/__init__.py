@@ -1,6 +1,6 @@
 """Move a bundle to its host and install it: over SSH (resumable), or to a folder for sneakernet.
 
-The rooms: `options` (what a ship is asked and what it did), `remote` (running commands on a host
+The rooms: `job` (what a ship is asked and what it did), `remote` (running commands on a host
 over its one connection), `send` (the stream to the installer's ``receive``), `todir` (the
 sneakernet copy); here: checking the bundle and picking the way.
 
