@@ -83,39 +83,15 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return wh
 
 
-def shared_fixture_group(item: pytest.Item) -> str | None:
-    """The xdist group of a test that uses a module- or session-scoped fixture of its own module (a test
-    fleet, a registry, a compiled engine): its module, and the parameter of such a fixture where it has
-    one (each seed lane's fleet is a group of its own). With ``-n N --dist loadgroup`` (.ci/run) a group
-    runs in one worker, which makes each fixture once, while every other test goes to whichever worker
-    is free."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return None
-    module = item.nodeid.split("::", 1)[0]
-    shared, params = False, []
-    for name in getattr(item, "fixturenames", ()):
-        defs = info.name2fixturedefs.get(name)
-        if not defs or defs[-1].scope not in ("module", "session") or not defs[-1].baseid.startswith(module):
-            continue
-        shared = True
-        param = getattr(getattr(item, "callspec", None), "params", {}).get(name)
-        if param is not None:
-            params.append(f"{name}={param}")
-    return (module + "".join(f"[{p}]" for p in sorted(params))) if shared else None
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         # property tests (1000 examples each) are a tier of their own: CI runs them,
         # a developer's quick loop can skip them with -m "not fuzz"
         if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
             item.add_marker(pytest.mark.fuzz)
-        group = shared_fixture_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-    # the longest tiers first: xdist hands out work in this order, so the kill loops and fleets start at
-    # once and the quick tests fill the workers' gaps at the end (a stable sort: a module's order holds)
+    # the longest tiers first: xdist (--dist loadfile: a file's tests in one worker, in order, so a module's
+    # fleet is made once) hands out files in this order, so the kill loops and fleets start at once and the
+    # quick files fill the workers' gaps at the end (a stable sort: a module's order holds)
     items.sort(key=tier_rank)
     if os.environ.get("CI") and not docker_available():
         raise pytest.UsageError("CI needs a running Docker Engine for the docker/fleet tiers")

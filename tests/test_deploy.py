@@ -512,8 +512,6 @@ def test_dry_run_first_deploy_a_no_op_and_a_changed_serve_setting(j: Journey) ->
     assert st["hosts"][head_name]["serving"] == rec
     on_head = j.fleet.exec(j.fleet.hosts[0], f"cat {PATHS_BUNDLES}/state/serving/{first[head_name]}.json").stdout
     assert json.loads(on_head) == rec
-    table = j.builder("status", "--fleet", j.name, check=False).stdout
-    assert f"gates 5/5, replay 5, {rec['at']}" in table, table
     dl.start_bystanders(j)
     ids = {h.name: [c["id"] for c in dl.lane_containers(j, h)] for h in j.fleet.hosts}
 

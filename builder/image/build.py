@@ -25,6 +25,7 @@ from typing import Any
 from builder import ASSEMBLY_FORMAT, __version__
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.foundation import dockerio
+from builder.foundation.canon import file_lock
 from builder.foundation.hashing import recipe_files
 from builder.image import layers, provenance, wheels
 from builder.image import mounttargets as targets
@@ -403,24 +404,27 @@ def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, label
         ctx.mkdir()
         buildargs = assemble_context(pins, lock, p, root, store, ctx, offline=offline, build_platform=engine,
                                      on_log=on_log)
-        # the raw build's own tag: two builds of one recipe on one engine may get the same image from
-        # the cache, and each removes only its own name for it (docker deletes the image with the last)
-        raw_tag = f"builder-raw/{p.name}:{os.getpid()}-{secrets.token_hex(4)}"
-        raw_id = dockerio.build(ctx, buildargs=buildargs, network="none", tag=raw_tag,
-                                platform=None if _arch(engine) == _arch(p.platform) else p.platform,
-                                nocache=nocache, cleanup=True, on_log=on_log)
-        try:
-            base_layers = 0
-            if p.closure["base"]:
-                base_ref = buildargs["BASE"]
-                info = dockerio.image_inspect(base_ref)
-                base_layers = len(((info or {}).get("RootFS") or {}).get("Layers") or [])
-            result = layers.normalize_and_load(raw_id, source_date_epoch=p.source_date_epoch,
-                                               base_layers=base_layers, labels=labels,
-                                               repo_tags=[tag or tag_for(p.name, p.address)],
-                                               workdir=Path(td) / "layers")
-        finally:
-            dockerio.remove(raw_tag)
+        # One build at a time on this machine: the engine's build cache is shared, and a build removes the
+        # intermediate images it made, which a concurrent build of a recipe with the same first steps may be
+        # using as its cache ("No such image" at its next step). The raw build's own tag: each build
+        # removes only its own name for the image it got (docker deletes the image with the last).
+        with file_lock(Path(tempfile.gettempdir()) / "builder-image-build.lock"):
+            raw_tag = f"builder-raw/{p.name}:{os.getpid()}-{secrets.token_hex(4)}"
+            raw_id = dockerio.build(ctx, buildargs=buildargs, network="none", tag=raw_tag,
+                                    platform=None if _arch(engine) == _arch(p.platform) else p.platform,
+                                    nocache=nocache, cleanup=True, on_log=on_log)
+            try:
+                base_layers = 0
+                if p.closure["base"]:
+                    base_ref = buildargs["BASE"]
+                    info = dockerio.image_inspect(base_ref)
+                    base_layers = len(((info or {}).get("RootFS") or {}).get("Layers") or [])
+                result = layers.normalize_and_load(raw_id, source_date_epoch=p.source_date_epoch,
+                                                   base_layers=base_layers, labels=labels,
+                                                   repo_tags=[tag or tag_for(p.name, p.address)],
+                                                   workdir=Path(td) / "layers")
+            finally:
+                dockerio.remove(raw_tag)
     the_tag = tag or tag_for(p.name, p.address)
     repo, _, t = the_tag.rpartition(":")
     dockerio.tag(result.image_id, repo, t)
