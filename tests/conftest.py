@@ -92,7 +92,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # the longest tiers first: xdist (--dist loadfile: a file's tests in one worker, in order, so a module's
     # fleet is made once) hands out files in this order, so the kill loops and fleets start at once and the
     # quick files fill the workers' gaps at the end (a stable sort: a module's order holds)
-    items.sort(key=tier_rank)
+    first: dict[str, int] = {}
+    for item in items:  # (a file's rank is its longest test's: its own tests keep their order)
+        f = item.nodeid.split("::", 1)[0]
+        first[f] = min(first.get(f, 3), tier_rank(item))
+    items.sort(key=lambda item: first[item.nodeid.split("::", 1)[0]])
     if os.environ.get("CI") and not docker_available():
         raise pytest.UsageError("CI needs a running Docker Engine for the docker/fleet tiers")
 
