@@ -304,3 +304,39 @@ def test_a_timeout_removes_the_container_and_a_left_one_goes_before_the_next_run
         if left.poll() is None:
             left.kill()
             left.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_mid_run_removes_the_container_and_the_folder(tmp_path: Path, sig: signal.Signals) -> None:
+    """The step's ssh channel gone, the host's watchdog TERMs derive.py (a hang-up likewise): the container
+    (its fixed name) is removed and the half-made folder with it, the exit code says the signal; nothing is
+    left for the next run to find."""
+    bin_dir, state = tmp_path / "bin", tmp_path / "docker"
+    bin_dir.mkdir()
+    state.mkdir()
+    (bin_dir / "docker").write_text(FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    name = "builder-derive-demo-cache-r1"
+    argv = ["docker", "run", "--rm", "--network", "none", "--name", name, "img", "{out}"]
+    p = tmp_path / "derive.json"
+    p.write_text(json.dumps({"format": 1, "rank": 1, "world_size": 2, "derivations": [{
+        "name": "cache", "address": "a" * 64, "path": str(tmp_path / "derived" / "cache"), "output": "/cache",
+        "timeout": 300, "argv": argv}]}))
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_DOCKER_STATE": str(state)}
+    proc = subprocess.Popen([sys.executable, str(DERIVE), "make", str(p)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while not (state / name).exists():  # the container runs
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    pid = int((state / name).read_text())
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    assert f"ended by signal {int(sig)}" in err
+    assert (state / "calls").read_text().splitlines() == [f"rm {name}", f"run {name}", f"rm {name}"]
+    assert not (state / name).exists() and list((tmp_path / "derived").iterdir()) == []
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):  # (the fake's container, SIGKILLed by its `rm -f`, is reaped by its parent)
+            os.kill(pid, 0)
+            time.sleep(0.05)

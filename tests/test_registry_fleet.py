@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -306,12 +307,33 @@ def test_the_fleet_takes_its_model_files_from_its_registry(tmp_path: Path) -> No
             assert _current(fleet, h).endswith(manifest(h)["bundle_id"])
 
 
+#: what builder's own steps look like in a host's process list (host scripts run as `python3 -I -S`, the
+#: audit's pytest, the installer's zipapp, the watchdog that ties a step to its ssh channel)
+_STEP_MARKS = ("-I -S", "pytest", "install.pyz", "select,signal")
+
+
+def _left_on_host(fleet: fleetlib.Fleet, h: fleetlib.Host) -> list[str]:
+    """builder's steps still running on the host, and containers that are not the lane's ranks."""
+    procs = fleet.exec(h, "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f 2>/dev/null; echo; done",
+                       check=False).stdout.splitlines()
+    left = [p for p in procs if any(m in p for m in _STEP_MARKS)]
+    names = fleet.exec(h, "docker ps -a --format '{{.Names}}'").stdout.split()
+    return left + [f"container {n}" for n in names if not n.startswith("builder-demo-r")]
+
+
 def test_a_deploy_through_the_registry_killed_at_any_moment_converges_on_rerun(tmp_path: Path) -> None:
-    """SIGKILL of `builder deploy` (image and model files by way of the fleet registry, the hosts' model
-    files removed first, so that each install pulls them) at points spread over one measured deploy,
-    BUILDER_KILL_RUNS times (3 here unless set): after each kill a rerun deploys, every host runs the new
-    bundle with each model file whole, and no temp file is left beside them."""
+    """`builder deploy` (image and model files by way of the fleet registry, the hosts' model files removed
+    first, so that each install pulls them) ended at points spread over one measured deploy,
+    BUILDER_KILL_RUNS times (3 here unless set), by SIGTERM to the command alone (its cleanup runs: exit
+    143) and by SIGKILL to its whole process group, in turn. After each, a rerun deploys: every host runs
+    the new bundle with each model file whole, and nothing of the ended run is left: no temp file beside
+    the model files, no step of builder's still running on a host and no container but the lane's, no
+    folder in $TMPDIR and no ssh run folder."""
     with registry_fleet(tmp_path, models_from="registry") as rf:
+        tmpdir = tmp_path / "tmpdir"
+        tmpdir.mkdir()
+        rf.env["TMPDIR"] = str(tmpdir)
+        ssh_dir = Path(rf.env["BUILDER_SSH_DIR"])
         deploy = ["deploy", "--fleet", FLEET, "--json", "--key", str(rf.keys / "builder.key"), "--with-image",
                   "--with-models", "--stop-timeout", "2", "--start-timeout", "60"]
         argv = [sys.executable, "-m", "builder", "--pins", str(rf.root / "pins.toml"), *deploy]
@@ -326,11 +348,11 @@ def test_a_deploy_through_the_registry_killed_at_any_moment_converges_on_rerun(t
             for h in rf.fleet.hosts:
                 rf.fleet.exec(h, f"find {models_dir} -type f -delete")
 
-        def converged() -> None:
+        def converged(after: str) -> None:
             p = rf.builder(*deploy, check=False)
             rep = json.loads(p.stdout) if p.stdout.strip() else {}
             assert p.returncode == 0 and rep.get("result") in ("deployed", "unchanged"), (
-                p.returncode, rep.get("reason"), p.stderr[-3000:])
+                after, p.returncode, rep.get("reason"), p.stderr[-3000:])
             for h in rf.fleet.hosts:
                 m = json.loads((rf.root / "out" / "bundles" / FLEET / h.name / "manifest.json").read_text())
                 assert _current(rf.fleet, h).endswith(m["bundle_id"]), h.name
@@ -338,19 +360,32 @@ def test_a_deploy_through_the_registry_killed_at_any_moment_converges_on_rerun(t
                     got = rf.fleet.exec(h, f"sha256sum {f['path']}").stdout.split()[0]
                     assert got == f["sha256"], (h.name, f["path"])
                 left = rf.fleet.exec(h, f"find {models_dir} -name '.tmp-*'").stdout.split()
-                assert not left, (h.name, left)
+                assert not left, (after, h.name, left)
+                assert not _left_on_host(rf.fleet, h), (after, h.name, _left_on_host(rf.fleet, h))
+            assert not list(tmpdir.iterdir()), (after, list(tmpdir.iterdir()))
+            assert not list(ssh_dir.glob("run-*")), (after, list(ssh_dir.glob("run-*")))
 
-        converged()  # the first release
+        converged("the first release")
         new_release()
         t0 = time.monotonic()
-        converged()
+        converged("a deploy")
         span = time.monotonic() - t0
         rng = random.Random(rlib.kill_seed(38))
         hits = []
-        for _ in range(int(os.environ.get("BUILDER_KILL_RUNS", "3"))):
+        for i in range(int(os.environ.get("BUILDER_KILL_RUNS", "3"))):
             new_release()
             proc = rlib.start_killable(argv, rf.root, rf.env)
-            time.sleep(rng.uniform(0, span))
-            hits.append(rlib.killpg(proc))
-            converged()
+            at = rng.uniform(0, span)
+            time.sleep(at)
+            if i % 2 == 0:  # a CI timeout, `kill PID`, `systemctl stop`: the command alone, its cleanup runs
+                running = proc.poll() is None
+                proc.send_signal(signal.SIGTERM)
+                rc = proc.wait(timeout=120)
+                assert rc in ((128 + signal.SIGTERM,) if running else (0, 128 + signal.SIGTERM)), (at, rc)
+                hits.append(running)
+                what = f"SIGTERM at {at:.1f} s (exit {rc})"
+            else:
+                hits.append(rlib.killpg(proc))
+                what = f"SIGKILL at {at:.1f} s"
+            converged(what)
         assert any(hits), "no kill found the deploy still running"

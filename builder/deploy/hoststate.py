@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from builder.bundle import hostpkg
 from builder.errors import BuilderError
+from builder.foundation.answer import Answer
 from builder.hostscripts import source
 from builder.launch import LABEL_BUNDLE, LABEL_RANK, lane_filters, stop_lane_command
 
@@ -123,17 +124,12 @@ class HostOps:
     def _lane(self, req: dict[str, Any], *, timeout: float, what: str) -> dict[str, Any]:
         """builder.hostscripts.lane on the host, with `req`: its JSON answer."""
         cmd = "python3 - " + shlex.quote(json.dumps(req, sort_keys=True))
-        p = self.remote.run(cmd, timeout=timeout, stdin=source("lane").encode(), what=what)
-        text = p.stdout.decode("utf-8", "replace").strip()
-        if p.returncode != 0 or not text:
-            err = [ln for ln in p.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
-            raise BuilderError(f"{self.host.name}: {what}: {err[-1] if err else f'exit status {p.returncode}'}")
-        try:
-            out = json.loads(text.splitlines()[-1])
-        except ValueError:
-            raise BuilderError(f"{self.host.name}: {what}: unreadable answer") from None
-        if not isinstance(out, dict):
-            raise BuilderError(f"{self.host.name}: {what}: unexpected answer")
+        a = Answer.of(self.remote.run(cmd, timeout=timeout, stdin=source("lane").encode(), what=what))
+        if not a.ok or not a.stdout.strip():
+            raise BuilderError(f"{self.host.name}: {what}: {a.error(())}")
+        out = a.json_object()
+        if out is None:
+            raise BuilderError(f"{self.host.name}: {what}: unreadable answer")
         return out
 
     def state(self, lane: str, health_port: int | None) -> HostState:
@@ -163,18 +159,13 @@ class HostOps:
         rel = f"{self.root}/{release}"
         cmd = (f"if [ -f {shlex.quote(rel + '/derive.json')} ]; then python3 {shlex.quote(rel + '/derive.py')} make "
                f"{shlex.quote(rel + '/derive.json')}{' full' if full else ''}; else echo none; fi")
-        p = self.remote.run(cmd, timeout=timeout + self.timeout, what="derive")
-        text = p.stdout.decode("utf-8", "replace").strip()
-        if text == "none":
+        a = Answer.of(self.remote.run(cmd, timeout=timeout + self.timeout, what="derive"))
+        if a.stdout.strip() == "none":
             return None
-        try:
-            out = json.loads(text.splitlines()[-1])
-        except (ValueError, IndexError):
-            err = [ln for ln in p.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
-            why = err[-1] if err else f"exit status {p.returncode}"
-            raise BuilderError(f"{self.host.name}: derive: {why}") from None
-        if not isinstance(out, dict):
-            raise BuilderError(f"{self.host.name}: derive: unexpected answer")
+        out = a.json_object()
+        if out is None:
+            why = a.error(()) if a.stderr.strip() or not a.ok else "unreadable answer"
+            raise BuilderError(f"{self.host.name}: derive: {why}")
         return out
 
     def keep_serving(self, bundle_id: str, record: dict[str, Any]) -> dict[str, Any]:
@@ -194,10 +185,9 @@ class HostOps:
     # ------------------------------------------------------------------ stop, start, wait
 
     def _shell(self, command: str, *, timeout: float, what: str) -> None:
-        p = self.remote.run(command, timeout=timeout, what=what)
-        if p.returncode != 0:
-            err = [ln.strip() for ln in p.stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
-            raise BuilderError(f"{self.host.name}: {what}: {err[-1] if err else f'exit status {p.returncode}'}")
+        a = Answer.of(self.remote.run(command, timeout=timeout, what=what))
+        if not a.ok:
+            raise BuilderError(f"{self.host.name}: {what}: {Answer(a.rc, '', a.stderr).error(())}")
 
     def stop(self, lane: str, has_release: bool, stop_timeout: int = 30) -> None:
         """Stop and remove this lane's containers of this rank (only those)."""

@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from builder.foundation.answer import Answer
+from builder.foundation.canon import remove_dead_runs
+
 # ----------------------------------------------------------------------------- targets
 
 #: a user, a host name or an ssh_config alias: letters, digits, '.', '_' and '-', not '-' or '.' first
@@ -182,6 +185,10 @@ _SOCKET_NAME = 48
 _SOCKET_PATH_MAX = 104
 
 
+#: a run's own socket folder: in the shared one, else (a path too long for a socket) in /tmp
+_RUN_PREFIX, _SHORT_PREFIX = "run-", "bA-"
+
+
 def _room(folder: Path) -> bool:
     return len(str(folder)) + 1 + _SOCKET_NAME < _SOCKET_PATH_MAX
 
@@ -203,12 +210,15 @@ class ControlSockets:
         usable = _room(base) and private_folder(base)
         if persist > 0 and usable:
             return cls(base, True, persist)
+        # (named with the pid: the folders a killed run left are removed by the next run, canon.run_folder)
         if usable:
-            own = Path(tempfile.mkdtemp(prefix="run-", dir=base))
+            remove_dead_runs(_RUN_PREFIX, base)
+            own = Path(tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-", dir=base))
             if _room(own):
                 return cls(own, False, 0)
             own.rmdir()
-        return cls(Path(tempfile.mkdtemp(prefix="bA-", dir="/tmp")), False, 0)
+        remove_dead_runs(_SHORT_PREFIX, Path("/tmp"))
+        return cls(Path(tempfile.mkdtemp(prefix=f"{_SHORT_PREFIX}{os.getpid()}-", dir="/tmp")), False, 0)
 
     def path(self, config: Path | None, target: str) -> str:
         """A host's ControlPath: a hash of the fleet's ssh_config and the host's ssh target, so a
@@ -309,8 +319,8 @@ def why_not(argv: list[str], limit: float) -> str | None:
         return f"no answer within {limit:g} s"
     if p.returncode == 0:
         return None
-    lines = [ln.strip() for ln in (p.stderr or p.stdout).splitlines() if ln.strip()]
-    return lines[-1] if lines else f"{tool} exit status {p.returncode}"
+    a = Answer.of(p)
+    return a.error(()) if (a.stderr + a.stdout).strip() else f"{tool} exit status {p.returncode}"
 
 
 # ----------------------------------------------------------------------------- one host's connection

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -111,6 +112,12 @@ def make_one(d: dict[str, Any], rank: int, world: int, full: bool = False) -> di
     limit = float(d.get("timeout") or 3600)
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=limit)
+    except Ended:
+        # the step ended (its ssh channel gone: the watchdog's TERM): its container and folder go with it
+        if name:
+            remove_container(name)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except subprocess.TimeoutExpired:
         # the timeout ends the docker client only; the container runs on, writing, until it is removed
         gone = remove_container(name) if name else ""
@@ -248,7 +255,29 @@ def check(plan: dict[str, Any], full: bool) -> dict[str, Any]:
     return {d["name"]: check_one(d, rank, world, full) for d in plan["derivations"]}
 
 
+class Ended(BaseException):
+    """SIGTERM or SIGHUP while a derivation is made (a BaseException: no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _end(signum: int, _frame: object) -> None:
+    raise Ended(signum)
+
+
 def main(argv: list[str]) -> int:
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _end)
+    try:
+        return _main(argv)
+    except Ended as e:
+        sys.stderr.write(f"derive: ended by signal {e.signum}\n")
+        return 128 + e.signum
+
+
+def _main(argv: list[str]) -> int:
     if argv[1].startswith("{"):
         req = json.loads(argv[1])
         sys.stdout.write(json.dumps(check(req["plan"], req.get("mode") == "full")))

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from builder.errors import ResolveError
+from builder.foundation.answer import Answer
 from builder.foundation.canon import address, file_lock
 from builder.inputs.pins import GitSource
 from builder.lock.lockfile import LockedSource
@@ -68,12 +69,8 @@ def git_env() -> dict[str, str]:
 
 
 def _short_reason(stderr: bytes) -> str:
-    lines = [ln.strip() for ln in stderr.decode("utf-8", "replace").splitlines() if ln.strip()]
-    for prefix in ("fatal:", "error:"):
-        for ln in lines:
-            if ln.startswith(prefix):
-                return scrub_url(ln[len(prefix):].strip())[:240]
-    return scrub_url(lines[-1])[:240] if lines else "git failed"
+    a = Answer.from_parts(1, b"", stderr)
+    return scrub_url(a.error(("fatal:", "error:")))[:240] if a.stderr.strip() else "git failed"
 
 
 def git(args: list[str], *, cwd: Path | None = None, timeout: float = LOCAL_TIMEOUT,

@@ -19,7 +19,7 @@ from typing import IO
 from urllib.parse import unquote, urlsplit
 
 from builder.errors import ConfigError, ResolveError, VerifyError
-from builder.foundation.canon import fsync_dir
+from builder.foundation.canon import fsync_dir, run_folder
 from builder.foundation.hashing import copy_hashed, sha256_file
 from builder.inputs.pins import PlainFile
 from builder.lock.lockfile import LockedFile
@@ -120,13 +120,13 @@ def hash_url(url: str, *, root: Path | None = None, timeout: float = TIMEOUT) ->
     """(sha256, size) of the bytes at url, streaming remote ones through a temporary file."""
     if not is_remote(url):
         return sha256_file(local_path(url, root))
-    fd, tmp = tempfile.mkstemp(prefix="builder-fetch-", suffix=".part")
-    try:
-        return _stream_to(url, fd, root=root, timeout=timeout)
-    finally:
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+    # (in a folder of this run's: one a killed run left is removed by the next, builder.foundation.canon)
+    with run_folder("builder-fetch-") as d:
+        fd = os.open(d / "download.part", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            return _stream_to(url, fd, root=root, timeout=timeout)
+        finally:
+            os.close(fd)
 
 
 def resolve_file(name: str, spec: PlainFile, *, root: Path, offline: bool, spec_hash: str) -> LockedFile:

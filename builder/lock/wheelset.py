@@ -7,7 +7,7 @@ each requirement, the wheel whose sha256 the file lists, in the wheelhouses (eac
 ``BUILDER_WHEELHOUSE``, then ``.cache/wheelhouse`` in the project: the folders a wheel toolchain is
 taken from); online, pip downloads the missing ones there first (``--require-hashes``). Every candidate
 is hashed for real; the lock records each wheel's name, version, filename, size and sha256, and the
-requirements file's own sha256, so that an edit of the file is seen (``still_valid``). Nothing is
+requirements file's own sha256, so that an edit of the file is seen (``check``). Nothing is
 guessed: a requirement no wheelhouse holds is named, with the one command that fills the wheelhouse.
 
 The lock entry's schema lives here (lockfile imports it); this module imports nothing of lockfile.
@@ -19,7 +19,6 @@ import os
 import re
 import shlex
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 from pydantic import Field
 
 from builder.errors import ConfigError, ResolveError
+from builder.foundation.canon import run_folder
 from builder.foundation.hashing import in_parallel, sha256_file
 from builder.inputs.schema import Sha256, Strict
 from builder.inputs.wheelpin import WheelSet
@@ -170,8 +170,8 @@ def _match(reqs: list[Requirement], houses: list[Path]) -> tuple[dict[str, tuple
 def _download(spec: WheelSet, missing: list[Requirement], house: Path, where: str) -> None:
     """pip downloads the missing wheels into ``house``, each checked against its pinned hashes."""
     house.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="builder-wheels-") as td:
-        req = Path(td) / "missing.txt"
+    with run_folder("builder-wheels-") as td:
+        req = td / "missing.txt"
         req.write_text("".join(f"{r.name}=={r.version} " + " ".join(f"--hash=sha256:{h}" for h in sorted(r.hashes))
                                + "\n" for r in missing))
         cmd = ["python3", "-m", "pip", "download", "--no-deps", "--require-hashes", "--only-binary=:all:", "-q",
@@ -208,14 +208,9 @@ def resolve(name: str, spec: WheelSet, *, root: Path, offline: bool, spec_hash: 
                           wheels=wheels, total_size=sum(w.size for w in wheels))
 
 
-def still_valid(entry: LockedWheelSet, root: Path) -> bool:
-    """An entry kept from the last lock holds while its requirements file is the same bytes."""
-    path = root / entry.requirements
-    return path.is_file() and sha256_file(path)[0] == entry.requirements_sha256
-
-
 def check(name: str, entry: LockedWheelSet, root: Path) -> str | None:
-    """What `builder lock --check` says of a locked set whose requirements file changed (None: it did not)."""
+    """Why a locked set no longer holds: its requirements file is missing or changed (None: it holds).
+    `lockfile.why_stale` asks it, for `builder lock` and `--check` alike."""
     path = root / entry.requirements
     if not path.is_file():
         return f"wheels.{name}: {entry.requirements} is missing"

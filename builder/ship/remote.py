@@ -4,13 +4,13 @@ installer there (install.pyz, kept on the host by its sha256), and reading its a
 from __future__ import annotations
 
 import hashlib
-import json
 import shlex
 import subprocess
 from pathlib import Path
 from typing import IO, Any
 
 from builder.errors import BuilderError, ConfigError, UnreachableError
+from builder.foundation.answer import Answer
 from builder.foundation.ssh import Connection, ControlSockets, tied, with_parent
 from builder.inputs.hosts import Fleet, Host, ssh_config_file
 from builder.installer.errors import EXIT_CONFIG
@@ -123,7 +123,7 @@ class Remote:
         except FileNotFoundError:
             raise ConfigError(f"{argv[0]}: not found (needed to reach {self.host.name})") from None
         if self.kind == "ssh" and proc.returncode == 255:
-            last = last_line(proc.stderr) or "connection failed"
+            last = Answer.of(proc).last_line() or "connection failed"
             raise UnreachableError(f"{self.host.name}: unreachable over ssh ({self.host.ssh}): {last}")
         return proc
 
@@ -138,40 +138,26 @@ class Remote:
 
 
 def bad_installer(host: Host, stderr: bytes) -> str:
+    why = Answer.from_parts(BAD_INSTALLER, b"", stderr).last_line() or "no reason given"
     return (f"{host.name}: cannot keep the installer under {host.paths.bundles}/incoming "
-            f"(or the copy there does not match the one sent): {last_line(stderr) or 'no reason given'}")
-
-
-def last_line(data: bytes) -> str:
-    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
-
-
-def error_line(data: bytes) -> str:
-    lines = [ln.strip() for ln in data.decode("utf-8", "replace").splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ln.startswith("error: "):
-            return ln[len("error: ") :]
-    return lines[-1] if lines else ""
+            f"(or the copy there does not match the one sent): {why}")
 
 
 def installer_answer(remote: Remote, proc_rc: int, stdout: bytes, stderr: bytes, what: str) -> dict[str, Any]:
     """The installer's JSON answer (its last stdout line), or the error it printed (one
     reading for run_installer and ship's receive stream)."""
     name = remote.host.name
+    a = Answer.from_parts(proc_rc, stdout, stderr)
     if remote.kind == "ssh" and proc_rc == 255:
-        last = last_line(stderr) or "connection failed"
-        raise UnreachableError(f"{name}: unreachable over ssh ({remote.host.ssh}): {last}")
+        why = a.last_line() or "connection failed"
+        raise UnreachableError(f"{name}: unreachable over ssh ({remote.host.ssh}): {why}")
     if proc_rc != 0:
-        msg = error_line(stderr) or f"exit status {proc_rc}"
+        msg = Answer.from_parts(proc_rc, b"", stderr).error()
         if proc_rc == 127 or "python3: not found" in msg or "command not found" in msg:
             raise BuilderError(f"{name}: python3 not found on the host")
         cls = ConfigError if proc_rc == EXIT_CONFIG else BuilderError
         raise cls(f"{name}: {what}: {msg}")
-    try:
-        out = json.loads(stdout.decode("utf-8").strip().splitlines()[-1])
-    except (ValueError, IndexError, UnicodeDecodeError):
-        raise BuilderError(f"{name}: {what}: unreadable answer from the installer") from None
-    if not isinstance(out, dict):
-        raise BuilderError(f"{name}: {what}: unexpected answer from the installer")
+    out = a.json_object()
+    if out is None:
+        raise BuilderError(f"{name}: {what}: unreadable answer from the installer")
     return out

@@ -248,11 +248,15 @@ class ModelStore:
                 raise BuilderError(f"{w.where}: cannot copy {src} into the store ({tmp.parent}): "
                                    f"{e.strerror or e}") from None
             digest, size = sha256_file(tmp)  # the copy is what the store keeps
-        if how == "linked":
-            # a hard link shares the source's inode: keep the source's mode, do not chmod it
-            self._publish(tmp, w)
-        else:
-            self.commit_object(tmp, w, digest, size)
+        try:
+            if how == "linked":
+                # a hard link shares the source's inode: keep the source's mode, do not chmod it
+                self._publish(tmp, w)
+            else:
+                self.commit_object(tmp, w, digest, size)
+        except OSError as e:  # (a full disk while the stamp or the view is written: the object is whole)
+            tmp.unlink(missing_ok=True)
+            raise BuilderError(f"{w.where}: cannot write into the store ({self.root}): {e.strerror or e}") from None
         return how
 
     def link_view(self, w: Wanted) -> Path:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from builder.errors import BuilderError
 from builder.foundation import dockerio
+from builder.foundation.canon import run_folder
 from builder.image.layers.read import normalize_image, read_image
 from builder.image.layers.spooled import SpooledImage
 from builder.image.layers.write import archive_chunks, write_archive
@@ -65,5 +65,5 @@ def _workdir(workdir: str | os.PathLike[str] | None) -> Iterator[Path]:
     if workdir is not None:
         yield Path(workdir)
         return
-    with tempfile.TemporaryDirectory(prefix="builder-layers-") as tmp:
-        yield Path(tmp)
+    with run_folder("builder-layers-") as tmp:
+        yield tmp
