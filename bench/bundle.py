@@ -43,7 +43,7 @@ from builder import __version__
 from builder.bundle import hostpkg
 from builder.foundation import sign
 from builder.foundation.canon import atomic_write
-from builder.foundation.hashing import hash_files, recipe_files
+from builder.foundation.hashing import in_parallel, recipe_files, sha256_file
 from builder.inputs.pins import load_pins
 from builder.lock.lockfile import Lock, LockedImage, LockedLane, LockedModel, LockedModelFile, render_lock, spec_hash
 from tests.lib import bundlelib
@@ -77,9 +77,9 @@ def _project(base: Path, files: dict[str, Path], hosts_root: Path, *, hosts: lis
     (root / "hosts").mkdir()
     (root / "hosts" / "test.toml").write_text(bundlelib.fleet_toml(hosts, ssh_config=ssh_config))
     pins = load_pins(root / "pins.toml")
-    digests = hash_files(list(files.values()))
-    lf = [LockedModelFile(path=n, size=digests[str(p)][1], sha256=digests[str(p)][0])
-          for n, p in sorted(files.items())]
+    named = sorted(files.items())
+    lf = [LockedModelFile(path=n, size=size, sha256=digest)
+          for (n, _), (digest, size) in zip(named, in_parallel(sha256_file, [p for _, p in named]), strict=True)]
     lock = Lock(
         format=1, builder=__version__, inputs_hash="0" * 64, inputs={},
         images={"tiny": LockedImage(spec_hash=spec_hash(pins.images["tiny"]), recipe="images/tiny",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import Config, GiB, MiB, warm, write_data_file
-from builder.foundation.hashing import hash_files
+from builder.foundation.hashing import hash_folder_files
 
 
 @dataclass
@@ -38,8 +38,7 @@ def model_folder(cfg: Config) -> ModelFolder:
     names = [f"model-{i + 1:05d}-of-00008.safetensors" for i in range(8)]
     for i, n in enumerate(names):
         write_data_file(root / n, each, seed=i)
-    hashes = hash_files([root / n for n in names])
-    mf = ModelFolder(root, [(n, each, hashes[str(root / n)][0]) for n in names])
+    mf = ModelFolder(root, [(n, size, digest) for n, digest, size in hash_folder_files(root, names, where="model")])
     assert mf.total >= (256 * MiB if cfg.quick else 4 * GiB)
     warm(mf.paths)
     _CACHE[root] = mf

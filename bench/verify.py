@@ -1,4 +1,7 @@
-"""(a) Model folder verification: builder.foundation.hashing full and fast mode vs openssl dgst and sha256sum."""
+"""(a) Model folder verification vs openssl dgst and sha256sum: full mode is builder.foundation.hashing's
+hash_folder_files (what `builder lock` hashes a local model folder with), each digest against the expected
+one; fast mode is the installer's check of each file against the apply record an install wrote
+(builder.installer.record.model_ok and model_records)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from collections.abc import Callable
 from bench.common import Config, Row, gib_s, have, judge, median_interleaved, secs, skipped, warm
 from bench.data import model_folder
 from builder.foundation import hashing
+from builder.installer.record import model_ok, model_records
 
 NAME = "verify"
 
@@ -22,9 +26,11 @@ def run(cfg: Config) -> list[Row]:
     paths = [str(p) for p in mf.paths]
     rows: list[Row] = []
 
+    names = [e[0] for e in mf.entries]
+
     def full() -> None:
-        probs = hashing.verify_files(mf.entries, mf.root, mode="full")
-        assert not probs, probs
+        got = hashing.hash_folder_files(mf.root, names, where="model")
+        assert got == [(n, digest, size) for n, size, digest in mf.entries], got
 
     contenders = {"builder": full}
     if have("openssl"):
@@ -58,11 +64,12 @@ def run(cfg: Config) -> list[Row]:
     else:
         rows.append(skipped(NAME, "single file sha256 vs openssl dgst", "openssl not installed", ">= 0.95"))
 
-    # Fast mode against the record a full verification leaves (what the installer writes).
-    record = hashing.record_for(mf.entries, mf.root)
+    # Fast mode against the record an install writes once the files are in place.
+    models = [{"path": str(mf.root / n), "size": size, "sha256": digest} for n, size, digest in mf.entries]
+    record = {"models": model_records({"models": models})}
 
     def fast() -> None:
-        probs = hashing.verify_files(mf.entries, mf.root, mode="fast", record=record)
+        probs = [why for m in models if (why := model_ok(m, record)) is not None]
         assert not probs, probs
 
     tf = median_interleaved({"fast": fast}, max(cfg.runs, 20), warmup=3)["fast"]

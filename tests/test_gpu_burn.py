@@ -111,7 +111,7 @@ def test_captured_states_read_rightly() -> None:
         (g,) = gpu.parse_query((H200 / f"{state}-query.txt").read_text())
         assert g.name == "NVIDIA H200" and (g.clocks_sm_mhz or 0) <= clock_max
         assert not g.throttled, state
-        assert ("sw_power_cap" in g.event_reason_names) is cap
+        assert ("sw_power_cap" in gpu.decode_event_reasons(g.event_reasons or 0)) is cap
         (s,) = gpu.parse_query((H200 / f"{state}-sample.txt").read_text(), B.SAMPLE_FIELDS)
         assert B.busy(s) is cap
     assert gpu.parse_compute_apps((H200 / "idle-apps.txt").read_text()) == []

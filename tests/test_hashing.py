@@ -1,7 +1,9 @@
-"""builder.foundation.hashing on real files.
+"""Hashing on real files: builder.foundation.hashing's, and the installer's check of a model file.
 
-Full mode finds a changed byte; size mismatches are found without reading; fast mode catches a
-replaced file and (documented) trusts an in-place edit whose mtime was put back.
+The installer (builder.installer.record.model_ok) reports a size mismatch without reading a byte,
+trusts a file whose apply record still vouches for it (size, mtime and inode as when it was hashed),
+and hashes the rest; fast mode catches a replaced file and (documented) trusts an in-place edit whose
+mtime was put back.
 """
 
 from __future__ import annotations
@@ -13,25 +15,33 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from builder.errors import ResolveError
 from builder.foundation import hashing
 from builder.foundation.canon import address, sha256_tree
-from builder.foundation.hashing import Entry, verify_files
 from builder.installer import files as host_files
-from builder.installer.record import fast_mode_drift
+from builder.installer.record import fast_mode_drift, model_cached, model_ok, model_records
 
 
-def _make(root: Path, n: int = 6) -> list[Entry]:
+def _make(root: Path, n: int = 6) -> list[dict[str, Any]]:
+    """Model files under ``root`` as an install's manifest lists them: absolute path, size, sha256."""
     out = []
     for i in range(n):
         data = os.urandom(1000 + i * 70_000) + bytes([i]) * (i * 5_000_000 // max(1, n))
         p = root / "sub" / f"f{i}.bin" if i % 2 else root / f"f{i}.bin"
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data)
-        out.append(Entry(str(p.relative_to(root)), len(data), hashlib.sha256(data).hexdigest()))
+        out.append({"path": str(p), "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
     return out
+
+
+def _record(models: list[dict[str, Any]]) -> dict[str, Any]:
+    """The apply record's models, as an install writes them once the files are in place."""
+    return {"models": model_records({"models": models})}
 
 
 def test_sha256_file_matches_hashlib_and_openssl(tmp_path: Path) -> None:
@@ -50,42 +60,33 @@ def test_empty_file(tmp_path: Path) -> None:
     p = tmp_path / "empty"
     p.write_bytes(b"")
     assert hashing.sha256_file(p) == (hashlib.sha256(b"").hexdigest(), 0)
-    assert verify_files([("empty", 0, hashlib.sha256(b"").hexdigest())], tmp_path) == []
+    assert model_ok({"path": str(p), "size": 0, "sha256": hashlib.sha256(b"").hexdigest()}, None) is None
 
 
-def test_hash_files_parallel_equals_serial(tmp_path: Path) -> None:
-    entries = _make(tmp_path)
-    paths = [tmp_path / e.path for e in entries]
-    par = hashing.hash_files(paths, workers=4)
-    ser = hashing.hash_files(paths, workers=1)
-    assert par == ser
-    assert list(par) == [str(p) for p in paths]  # the caller's order
-    for e, p in zip(entries, paths, strict=True):
-        assert par[str(p)] == (e.sha256, e.size)
+def test_a_folder_hashed_in_parallel_equals_serial(tmp_path: Path) -> None:
+    models = _make(tmp_path)
+    rels = [os.path.relpath(m["path"], tmp_path) for m in models]
+    par = hashing.hash_folder_files(tmp_path, rels, where="models.m", workers=4)
+    ser = hashing.hash_folder_files(tmp_path, rels, where="models.m", workers=1)
+    assert par == ser == [(r, m["sha256"], m["size"]) for r, m in zip(rels, models, strict=True)]  # in order
+    os.unlink(models[2]["path"])
+    with pytest.raises(ResolveError, match=f"^models.m: file vanished: {rels[2]} "):
+        hashing.hash_folder_files(tmp_path, rels, where="models.m", workers=2)
 
 
-def test_full_mode_all_good(tmp_path: Path) -> None:
-    entries = _make(tmp_path)
-    assert verify_files(entries, tmp_path, workers=3) == []
-    # the other entry shapes: tuples, dicts, absolute paths
-    assert verify_files([(e.path, e.size, e.sha256) for e in entries], tmp_path) == []
-    dicts = [{"path": str(tmp_path / e.path), "size": e.size, "sha256": e.sha256} for e in entries]
-    assert verify_files(dicts) == []
+def test_full_check_all_good(tmp_path: Path) -> None:
+    assert [model_ok(m, None) for m in _make(tmp_path)] == [None] * 6
 
 
-def test_full_mode_finds_one_corrupted_byte(tmp_path: Path) -> None:
-    entries = _make(tmp_path)
-    victim = tmp_path / entries[3].path
-    with open(victim, "r+b") as f:
-        f.seek(entries[3].size // 2)
+def test_full_check_finds_one_corrupted_byte(tmp_path: Path) -> None:
+    models = _make(tmp_path)
+    victim = models[3]
+    with open(victim["path"], "r+b") as f:
+        f.seek(victim["size"] // 2)
         b = f.read(1)
-        f.seek(entries[3].size // 2)
+        f.seek(victim["size"] // 2)
         f.write(bytes([b[0] ^ 0x01]))
-    probs = verify_files(entries, tmp_path, workers=2)
-    assert [(p.path, p.kind) for p in probs] == [(entries[3].path, "sha256")]
-    assert probs[0].expected == entries[3].sha256
-    assert probs[0].found == hashing.sha256_file(victim)[0]
-    assert entries[3].path in str(probs[0])
+    assert [model_ok(m, None) for m in models] == [None, None, None, "sha256 differs", None, None]
 
 
 def _rchar() -> int:
@@ -94,24 +95,23 @@ def _rchar() -> int:
 
 
 def test_size_mismatch_found_without_reading(tmp_path: Path) -> None:
-    """The kernel's count of bytes this process read (/proc/self/io rchar, all threads) barely moves:
-    the 32 MiB file with one byte appended is reported from its size, never hashed."""
+    """The kernel's count of bytes this process read (/proc/self/io rchar) barely moves: the 32 MiB
+    file with one byte appended is reported from its size, never hashed."""
     if not os.path.exists("/proc/self/io"):
         pytest.skip("no /proc/self/io")
     big = tmp_path / "big.bin"
     data = os.urandom(1 << 20) * 32
     big.write_bytes(data + b"x")
-    entries = [Entry("big.bin", len(data), hashlib.sha256(data).hexdigest())]
+    m = {"path": str(big), "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     before = _rchar()
-    probs = verify_files(entries, tmp_path, workers=2)
+    why = model_ok(m, None)
     read = _rchar() - before
-    assert [(p.path, p.kind) for p in probs] == [("big.bin", "size")]
-    assert probs[0].found == f"{len(data) + 1} bytes"
+    assert why == f"{len(data) + 1} bytes, expected {len(data)}"
     assert read < 1 << 20, f"read {read} bytes"
     # and the same file with the right size is read in full (the counter does count our reads)
     big.write_bytes(data)
     before = _rchar()
-    assert verify_files(entries, tmp_path, workers=2) == []
+    assert model_ok(m, None) is None
     assert _rchar() - before >= len(data)
 
 
@@ -121,30 +121,31 @@ def test_size_mismatch_on_sparse_file_is_instant(tmp_path: Path) -> None:
     p = tmp_path / "huge"
     with open(p, "wb") as f:
         f.truncate(1 << 40)
-    probs = verify_files([("huge", 5, "0" * 64)], tmp_path, workers=1)
-    assert [(x.kind, x.found) for x in probs] == [("size", f"{1 << 40} bytes")]
+    assert model_ok({"path": str(p), "size": 5, "sha256": "0" * 64}, None) == f"{1 << 40} bytes, expected 5"
 
 
 def test_missing_and_not_a_file(tmp_path: Path) -> None:
     (tmp_path / "dir").mkdir()
-    probs = verify_files([("nope", 1, "0" * 64), ("dir", 1, "0" * 64)], tmp_path)
-    assert [(p.path, p.kind) for p in probs] == [("nope", "missing"), ("dir", "not-a-file")]
+    assert model_ok({"path": str(tmp_path / "nope"), "size": 1, "sha256": "0" * 64}, None) == "missing"
+    assert model_ok({"path": str(tmp_path / "dir"), "size": 1, "sha256": "0" * 64}, None) == "not a regular file"
 
 
-def test_fast_mode_passes_with_a_fresh_record(tmp_path: Path) -> None:
-    entries = _make(tmp_path)
-    assert verify_files(entries, tmp_path) == []
-    record = hashing.record_for(entries, tmp_path)
-    assert verify_files(entries, tmp_path, mode="fast", record=record) == []
-    # the apply record's own shape ({"models": [...]}) with absolute paths works too
-    abs_rec = {"models": [dict(r, path=str(tmp_path / r["path"])) for r in record]}
-    assert verify_files(entries, tmp_path, mode="fast", record=abs_rec) == []
+def test_fast_mode_passes_with_a_fresh_record_and_reads_nothing(tmp_path: Path) -> None:
+    models = _make(tmp_path)
+    record = _record(models)
+    assert all(model_cached(m, record) for m in models)
+    if os.path.exists("/proc/self/io"):
+        before = _rchar()
+        assert [model_ok(m, record) for m in models] == [None] * 6
+        assert _rchar() - before < 1 << 20
+    # the staged release's record beside the applied one: either may vouch
+    assert [model_ok(m, [None, record]) for m in models] == [None] * 6
 
 
 def test_fast_mode_catches_a_replaced_file(tmp_path: Path) -> None:
-    entries = _make(tmp_path, n=3)
-    record = hashing.record_for(entries, tmp_path)
-    victim = tmp_path / entries[2].path
+    models = _make(tmp_path, n=3)
+    record = _record(models)
+    victim = Path(models[2]["path"])
     st = os.stat(victim)
     data = bytearray(victim.read_bytes())
     data[0] ^= 0xFF
@@ -153,61 +154,55 @@ def test_fast_mode_catches_a_replaced_file(tmp_path: Path) -> None:
     os.utime(new, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime: only the inode differs
     os.replace(new, victim)
     assert os.stat(victim).st_ino != st.st_ino
-    probs = verify_files(entries, tmp_path, mode="fast", record=record)
-    assert [(p.path, p.kind) for p in probs] == [(entries[2].path, "replaced")]
+    assert [model_cached(m, record) for m in models] == [True, True, False]
+    assert [model_ok(m, record) for m in models] == [None, None, "sha256 differs"]  # hashed, not trusted
 
 
 def test_fast_mode_catches_an_edit_that_moves_mtime(tmp_path: Path) -> None:
-    entries = _make(tmp_path, n=3)
-    record = hashing.record_for(entries, tmp_path)
-    victim = tmp_path / entries[0].path
+    models = _make(tmp_path, n=3)
+    record = _record(models)
+    victim = models[0]["path"]
     st = os.stat(victim)
     with open(victim, "r+b") as f:
         f.write(b"Z")
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
-    probs = verify_files(entries, tmp_path, mode="fast", record=record)
-    assert [(p.path, p.kind) for p in probs] == [(entries[0].path, "modified")]
+    assert [model_cached(m, record) for m in models] == [False, True, True]
+    assert [model_ok(m, record) for m in models] == ["sha256 differs", None, None]
 
 
 def test_fast_mode_trusts_an_in_place_same_size_edit_with_restored_mtime(tmp_path: Path) -> None:
     """Documented limit: fast mode trusts the file system. An in-place edit of the same size whose
     mtime is put back keeps size, mtime and inode, so fast mode passes it; full mode catches it."""
-    entries = _make(tmp_path, n=3)
-    record = hashing.record_for(entries, tmp_path)
-    victim = tmp_path / entries[1].path
+    models = _make(tmp_path, n=3)
+    record = _record(models)
+    victim = models[1]["path"]
     st = os.stat(victim)
     with open(victim, "r+b") as f:
         f.seek(10)
         f.write(b"\x00\x01\x02")
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert os.stat(victim).st_ino == st.st_ino
-    assert verify_files(entries, tmp_path, mode="fast", record=record) == []
-    full = verify_files(entries, tmp_path, mode="full")
-    assert [(p.path, p.kind) for p in full] == [(entries[1].path, "sha256")]
+    assert [model_ok(m, record) for m in models] == [None, None, None]
+    assert [model_ok(m, None) for m in models] == [None, "sha256 differs", None]
 
 
 def test_fast_mode_never_vouches_without_a_record(tmp_path: Path) -> None:
-    entries = _make(tmp_path, n=2)
-    record = hashing.record_for(entries[:1], tmp_path)
-    probs = verify_files(entries, tmp_path, mode="fast", record=record)
-    assert [(p.path, p.kind) for p in probs] == [(entries[1].path, "no-record")]
+    models = _make(tmp_path, n=2)
+    record = _record(models[:1])
+    assert [model_cached(m, record) for m in models] == [True, False]
     # a record for another sha256 (a new lock for the same path) does not count either
-    stale = [dict(r, sha256="f" * 64) for r in hashing.record_for(entries, tmp_path)]
-    assert {p.kind for p in verify_files(entries, tmp_path, mode="fast", record=stale)} == {"no-record"}
+    stale = {"models": [dict(r, sha256="f" * 64) for r in _record(models)["models"]]}
+    assert [model_cached(m, stale) for m in models] == [False, False]
+    # nor does a damaged record, or none
+    assert not any(model_cached(m, rec) for m in models for rec in ({"models": "x"}, {}, None))
 
 
 def test_fast_mode_size_change_reported(tmp_path: Path) -> None:
-    entries = _make(tmp_path, n=2)
-    record = hashing.record_for(entries, tmp_path)
-    with open(tmp_path / entries[0].path, "ab") as f:
+    models = _make(tmp_path, n=2)
+    record = _record(models)
+    with open(models[0]["path"], "ab") as f:
         f.write(b"more")
-    probs = verify_files(entries, tmp_path, mode="fast", record=record)
-    assert [(p.path, p.kind) for p in probs] == [(entries[0].path, "size")]
-
-
-def test_bad_mode_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError):
-        verify_files([], tmp_path, mode="quick")  # type: ignore[arg-type]
+    assert model_ok(models[0], record) == f"{models[0]['size'] + 4} bytes, expected {models[0]['size']}"
 
 
 def test_in_parallel_keeps_the_items_order_and_starts_the_largest_first() -> None:
@@ -229,12 +224,13 @@ def test_the_installer_pool_is_the_same_one() -> None:
     assert host_files.in_parallel(lambda n: -n, [3, 1, 2], size=lambda n: n, workers=2) == [-3, -1, -2]
 
 
-def test_fast_mode_is_the_installers_rule(tmp_path: Path) -> None:
-    assert hashing.fast_mode_drift is fast_mode_drift
-    entries = _make(tmp_path, n=1)
-    (rec,) = hashing.record_for(entries, tmp_path)
-    st = os.stat(tmp_path / entries[0].path)
-    e = entries[0]
+def test_fast_mode_drift_names_each_kind_of_drift(tmp_path: Path) -> None:
+    models = _make(tmp_path, n=1)
+    (rec,) = _record(models)["models"]
+    st = os.stat(models[0]["path"])
+    # the operator side's stamps (builder.store.modelstore's) are the record's keys, read by the same rule
+    assert hashing.stamp(models[0]["path"]) == {k: rec[k] for k in ("size", "mtime", "inode")}
+    e = SimpleNamespace(**models[0])
     assert fast_mode_drift(rec, e.sha256, e.size, st.st_size, st.st_mtime_ns, st.st_ino) is None
     assert fast_mode_drift(None, e.sha256, e.size, st.st_size, st.st_mtime_ns, st.st_ino) == "no-record"
     assert fast_mode_drift(dict(rec, sha256="f" * 64), e.sha256, e.size, st.st_size, st.st_mtime_ns,

@@ -2,7 +2,7 @@
 
 For each recipe and each image of pins.toml built from it: every FROM is `${BASE}` (builder passes the image's
 locked base by digest, so the image must pin a base; `ARG BASE` comes before the first FROM), `scratch` or an
-earlier stage; every COPY/ADD source is something the context has, as `builder.image.build.context_layout` says (the
+earlier stage; every COPY/ADD source is something the context has, as `tests.lib.contextlayout` says (the
 recipe folder's files, `src/` and `src-<name>/` per source, the toolchains, `files/<name>`): a name the pins do not
 provide fails here rather than on a Spark, an hour into a build. What is inside a source tree only the lock and the
 store know; a path under `src/` is taken as the tree's. A recipe no image uses fails too.
@@ -32,6 +32,7 @@ from builder.lock import resolve
 from builder.lock.lockfile import load_lock
 from builder.store.content import Store
 from tests.lib import factory, journeylib, vllmlane
+from tests.lib.contextlayout import context_layout
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p.name for p in (ROOT / "images").iterdir() if (p / "Dockerfile").is_file())
@@ -160,7 +161,7 @@ def recipe_problems(root: Path, pins: Pins, recipe: str) -> list[str]:
             if not sources:
                 problems.append(f"{at}: {s.cmd} {s.args}: no source")
             for name in images:
-                layout = core.context_layout(pins, name, root)
+                layout = context_layout(pins, name, root)
                 for src in sources:
                     why = source_problem(src, layout)
                     if why:
@@ -283,7 +284,7 @@ def test_context_layout_is_what_assembly_lays_out(tmp_path: Path) -> None:
     ctx.mkdir()
     core.assemble_context(pins, lock, make_plan(pins, lock, "two", root), root, Store(tmp_path / "store"), ctx,
                           offline=True, build_platform="linux/amd64", on_log=lambda s: None)
-    layout = core.context_layout(pins, "two", root)
+    layout = context_layout(pins, "two", root)
     assert layout == {
         "Dockerfile": "file", "sub": "dir", "sub/helper.txt": "file", "src": "tree", "src-dep": "tree",
         "toolchains": "dir", "toolchains/zig": "dir", "files": "dir", "files/data": "file",

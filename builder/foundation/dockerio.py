@@ -160,15 +160,6 @@ def engine_platform() -> str:
     return f"{os_name}/{_ARCH.get(arch, arch)}"
 
 
-def image_store() -> str:
-    """``classic`` or ``containerd``: what ``.Id`` means depends on it (lessons §1.2)."""
-    info = _call("docker info", lambda: client().info())
-    for pair in info.get("DriverStatus") or []:
-        if len(pair) == 2 and pair[0] == "driver-type" and "containerd" in str(pair[1]):
-            return "containerd"
-    return "classic"
-
-
 _HELPER_MISSING = re.compile(r"(docker-credential-\S+) not installed or not available in PATH")
 
 

@@ -303,19 +303,6 @@ def sign(
     )
 
 
-def sign_file(
-    path: str | os.PathLike[str],
-    secret_key: SecretKey | str | os.PathLike[str],
-    trusted_comment: str,
-    sig_path: str | os.PathLike[str] | None = None,
-) -> Path:
-    """Sign a file and write ``PATH.minisig`` (or ``sig_path``) atomically; return its path."""
-    out = Path(sig_path) if sig_path is not None else Path(os.fspath(path) + ".minisig")
-    text = sign(path, secret_key, trusted_comment)
-    atomic_write(out, text.encode("utf-8"), mode=0o644)
-    return out
-
-
 def _parse_both(
     minisig_text: str | bytes, public_key_text: str | bytes | PublicKey
 ) -> tuple[Signature, PublicKey]:

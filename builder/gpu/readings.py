@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from builder.gpu.events import decode_event_reasons, is_throttled
+from builder.gpu.events import is_throttled
 
 
 class GpuInfo(BaseModel):
@@ -39,10 +39,6 @@ class GpuInfo(BaseModel):
     utilization_pct: int | None = None
     compute_cap: str | None = None
     other: dict[str, str | None] = Field(default_factory=dict, description="requested fields not modelled")
-
-    @property
-    def event_reason_names(self) -> list[str]:
-        return decode_event_reasons(self.event_reasons) if self.event_reasons is not None else []
 
     @property
     def throttled(self) -> bool:

@@ -6,7 +6,7 @@ argv[2], if given, bounds each item's seconds. Every item runs in a child proces
 session. One that runs past its bound (a hung
 nvidia-smi, a df or a stat on a stale NFS mount) is killed with its process group and answers exit
 status 124 ("builder: timed out after N s" on stderr), so the host's other facts still come back. A fact module may
-report progress (one byte to the descriptor in $BUILDER_PROGRESS_FD, see files.py); each report
+report progress (one byte to the descriptor in $BUILDER_PROGRESS_FD, see filefacts.py); each report
 restarts its bound, so a full-mode hash that takes minutes goes on while one stuck read is killed
 N s after its last progress.
 
@@ -126,12 +126,6 @@ class Child:
         self.proc.stderr.close()
         if self.progress_r is not None:
             os.close(self.progress_r)
-
-
-def run_item(item: Any, limit: float | None) -> tuple[str, list[object]]:
-    """(the item's key, its answer)."""
-    key, child = start(item, limit)
-    return key, child if isinstance(child, list) else child.answer()
 
 
 def start(item: Any, limit: float | None) -> tuple[str, Child | list[object]]:

@@ -26,7 +26,6 @@ from builder import ASSEMBLY_FORMAT, __version__
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.foundation import dockerio
 from builder.foundation.canon import file_lock
-from builder.foundation.hashing import recipe_files
 from builder.image import layers, provenance, wheels
 from builder.image import mounttargets as targets
 from builder.image.imagerecord import ImageRecord, read_record, tag_for, write_record
@@ -121,38 +120,6 @@ def toolchain_dir(kind: str, name: str) -> str | None:
     if kind == "cuda":
         return None
     return "zig" if kind == "wheel" else f"toolchains/{name}"
-
-
-def context_layout(pins: Pins, name: str, root: Path) -> dict[str, str]:
-    """What ``assemble_context`` lays out for image ``name``, from the pins and the recipe folder alone
-    (no lock, no store, no network).
-
-    Path (relative, ``/``) to kind: ``file``; ``tree`` (a source tree, the locked commit's content, which
-    only the lock can name); ``dir`` (a folder assembly fills: a toolchain, ``files/``). The recipe
-    folder's own files are listed as files (and their folders as ``dir``).
-    """
-    img = _recipe(pins, name)
-    out: dict[str, str] = {}
-    for rel in recipe_files(root, img.recipe):
-        parts = Path(rel).relative_to(img.recipe).parts
-        for k in range(1, len(parts)):
-            out.setdefault("/".join(parts[:k]), "dir")
-        out["/".join(parts)] = "file"
-    for i, sname in enumerate(img.sources):
-        out[source_dir(i, sname)] = "tree"
-    for tname in img.toolchains:
-        where = toolchain_dir(pins.toolchains[tname].kind, tname)
-        if where is not None:
-            out.setdefault(where.split("/", 1)[0], "dir")
-            out[where] = "dir"
-    if img.files:
-        out["files"] = "dir"
-        for fname in img.files:
-            out[f"files/{fname}"] = "file"
-    if img.wheels:
-        out[wheels.CONTEXT_DIR] = "dir"
-    out[CLOSURE_FILE] = "file"
-    return out
 
 
 def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, dest: Path, *,

@@ -1,5 +1,5 @@
 """The apply record (state/applied.json) and fast mode's one rule: does a record still vouch for a
-model file's bytes (builder.foundation.hashing, builder.store.modelstore and the audit's checks decide with it too)."""
+model file's bytes (builder.store.modelstore and the audit's checks decide with it too)."""
 
 # ruff: noqa: UP031
 from __future__ import annotations
@@ -37,7 +37,7 @@ def fast_mode_drift(recorded: Any, sha256: str, size: int, st_size: int, st_mtim
     None when the entry vouches; else the drift: "no-record" (no entry, or one for other bytes),
     "size", "replaced" (another inode) or "modified" (another mtime). Seconds lose precision as
     floats, so a recorded mtime in seconds matches within a millisecond; nanoseconds match exactly.
-    The installer, builder.foundation.hashing and checks/test_models.py all decide with this function.
+    The installer, builder.store.modelstore and checks/test_models.py all decide with this function.
     """
     if not isinstance(recorded, dict) or recorded.get("sha256") != sha256 or recorded.get("size") != size:
         return "no-record"

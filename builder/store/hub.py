@@ -227,12 +227,6 @@ def _bar_class(progress: Progress, follower: _Follower | None = None) -> type:
         def set_transfer_postfix_str(self, *args: Any, **kwargs: Any) -> None:
             return None
 
-        def set_description(self, *args: Any, **kwargs: Any) -> None:
-            return None
-
-        def refresh(self, *args: Any, **kwargs: Any) -> None:
-            return None
-
         def close(self) -> None:
             return None
 

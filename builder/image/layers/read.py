@@ -150,7 +150,7 @@ def _store_layer(src: Path, blobs: Path, scratch: Path, expected: str, where: st
             os.link(plain, dest)
         except OSError:
             shutil.copyfile(plain, dest)
-    return Layer("sha256:" + digest, size, dest, rewritten=False)
+    return Layer("sha256:" + digest, size, dest)
 
 
 def normalize_image(
@@ -219,7 +219,7 @@ def _convert(
             )
         dest = blobs / res.diff_id.removeprefix("sha256:")
         os.replace(tmp, dest)
-        layers.append(Layer(res.diff_id, res.size, dest, rewritten=True))
+        layers.append(Layer(res.diff_id, res.size, dest))
         skipped.extend(f"layer {i + 1}: {s}" for s in res.skipped)
     if normalize:
         config_bytes = canonical_config(

@@ -29,7 +29,6 @@ class Layer:
     diff_id: str  # "sha256:<hex>" of the uncompressed tar
     size: int
     path: Path
-    rewritten: bool  # False for a base layer passed through
 
 
 @dataclass(frozen=True)
