@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from builder.audit.concerns import Cmd, Concern
-from builder.hostscripts import BATCH, BURN, DERIVE, FILES, GPUPROCS, MEMORY, batch_groups, batches, dumps, parse_batch
+from builder.hostscripts import BATCH, BURN, DERIVE, FILES, GPUPROCS, MEMORY, dumps, fits, parse_batch, split_args
 from builder.launch import LABEL_BUNDLE, lane_filters
 
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
@@ -200,7 +200,7 @@ def model_files_commands(expect: dict[str, Any]) -> list[Cmd]:
     paths = [f["path"] for m in expect.get("models") or [] for f in m["files"]]
     full = expect.get("mode") == "full"
     jobs = expect.get("hash_jobs", 4)
-    return [python(FILES, dumps({"paths": c, "hash": full, "jobs": jobs})) for c in batches(paths)]
+    return [python(FILES, dumps({"paths": c, "hash": full, "jobs": jobs})) for c in split_args(paths)]
 
 
 def release_files_command(expect: dict[str, Any]) -> Cmd:
@@ -273,7 +273,8 @@ def prefetch(host: Any, expect: dict[str, Any], concerns: list[Concern]) -> None
         line = host.backend.quote(*c)
         # a python3 fact script runs inside the batch's own python3 rather than starting another
         items[line] = ["py", line, c[1], c[2]] if c[0] == PYTHON and len(c) == 3 else line
-    for group in batch_groups(items.values()):
+    # a command too long to share a batch call is left to its check, which runs it by itself
+    for group in split_args(i for i in items.values() if fits(i)):
         # -I -S: the batch needs only the standard library; no site-packages scan, no user paths
         r = host.run("python3 -I -S -c %s %s %s", BATCH, json.dumps(group), str(COMMAND_SECONDS))
         if r.rc != 0:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from builder import hostscripts as hs
-from builder.hostscripts import batch, fabric, lane, serve
+from builder.hostscripts import fabric, lane, serve
 from builder.hostscripts import filefacts as files
 from tests.lib import fleetlib
 
@@ -271,10 +271,6 @@ def test_batch_runs_shell_and_python_items(tmp_path: Path) -> None:
     assert rc == 1 and out == b"" and b"ValueError: bad fact" in err
     assert got["exits"] == (3, b"x", b"")
     assert got["says"] == (1, b"", b"why")  # a fact's stderr is kept too
-    key, answer = batch.run_item("echo direct", 5)  # and called directly
-    assert key == "echo direct" and hs.parse_batch(json.dumps({key: answer})) == {key: (0, b"direct\n", b"")}
-    _, missing = batch.run_item(["py", "k", "x", ""], 5)
-    assert missing[0] == 1
 
 
 def test_a_fact_runs_as_python3_minus_c_in_a_session_of_its_own(tmp_path: Path) -> None:
@@ -353,14 +349,21 @@ def test_parse_batch_refuses_what_the_batch_does_not_print() -> None:
             hs.parse_batch(text)
 
 
-def test_batch_groups_stay_under_the_argument_limit() -> None:
+def test_split_args_stays_under_the_argument_limit() -> None:
     items: list[object] = [f"cat /srv/f{i:04d}" for i in range(400)] + [["py", "big", "x" * 200, "y"]]
-    groups = hs.batch_groups(items, max_chars=2_000)
+    groups = hs.split_args(items, max_chars=2_000)
     assert len(groups) > 1
     assert [i for g in groups for i in g] == items
     assert all(len(json.dumps(g)) <= 2_000 for g in groups)
-    huge = "z" * 5_000
-    assert hs.batch_groups(["a", huge, "b"], max_chars=2_000) == [["a", "b"]]  # left to the check that needs it
+
+
+def test_split_args_refuses_an_item_too_long_for_any_call() -> None:
+    huge = "/srv/models/m/" + "z" * 5_000
+    with pytest.raises(ValueError) as e:
+        hs.split_args(["a", huge, "b"], max_chars=2_000)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith('"/srv/models/m/zz') and "too long for one remote command line" in msg
+    assert not hs.fits(huge, max_chars=2_000) and hs.fits("a", max_chars=2_000)
 
 
 # ----------------------------------------------------------------------------- the readers
@@ -377,11 +380,11 @@ def test_meminfo() -> None:
     assert round(hs.gib(m["MemAvailable"]), 2) == 114.44
 
 
-def test_batches_keep_every_path_once() -> None:
+def test_split_args_keeps_every_path_once() -> None:
     paths = [f"/srv/models/m/{i:05d}-" + "x" * 50 for i in range(3000)]
-    chunks = list(hs.batches(paths, max_chars=10_000))
+    chunks = hs.split_args(paths, max_chars=10_000)
     assert len(chunks) > 1 and [p for c in chunks for p in c] == paths
-    assert all(sum(len(p) + 4 for p in c) <= 10_000 for c in chunks)
+    assert all(len(json.dumps(c)) <= 10_000 for c in chunks)
 
 
 # ----------------------------------------------------------------------------- the lane (deploy, status)

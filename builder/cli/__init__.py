@@ -7,6 +7,7 @@ help in ``COMMANDS``, so `builder --help` lists them without importing their sta
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import signal
@@ -86,16 +87,16 @@ def cli(ctx: click.Context, pins: Path | None, lock: Path | None, store: Path | 
 
     pins.toml -> lock -> image -> bundle -> install -> audit.
     """
-    if pins is None:
-        from builder.inputs.pins import default_pins  # (here: a command's --help does not load the schema)
+    # (imported here: a command's --help does not load the schema)
+    from builder.inputs.pins import default_lock, default_pins, default_store
 
+    if pins is None:
         pins = default_pins()
-    root = pins.resolve().parent
     ctx.obj = Ctx(
         pins=pins,
-        lock=lock if lock is not None else pins.parent / "pins.lock",
-        store=store if store is not None else root / ".cache" / "builder",
-        root=root,
+        lock=lock if lock is not None else default_lock(pins),
+        store=store if store is not None else default_store(pins),
+        root=pins.resolve().parent,
     )
 
 
@@ -127,6 +128,10 @@ def _stopped(e: BaseException) -> int:
     return EXIT_INTERRUPTED
 
 
+#: errors that come from the machine (a full disk, a read-only mount, a failing device), wherever met
+_MACHINE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+
+
 def main(argv: list[str] | None = None) -> Any:
     """Entry point: expected failures become one line on stderr and an exit code. SIGTERM and SIGHUP
     end a command as Ctrl-C does (the same cleanup), with their own exit code."""
@@ -147,6 +152,12 @@ def main(argv: list[str] | None = None) -> Any:
         sys.exit(e.exit_code)
     except BrokenPipeError:
         os._exit(1)
+    except OSError as e:
+        if e.errno not in _MACHINE_ERRNOS:
+            raise  # a bug, with its traceback
+        # the machine's state, not builder's: a full disk anywhere is one line, not a traceback
+        output.error(f"{e.filename}: {e.strerror}" if e.filename else str(e.strerror or e))
+        sys.exit(1)
     if isinstance(rv, int):
         sys.exit(rv)
     sys.exit(0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +30,14 @@ from builder.deploy.report import DeployReport
 from builder.deploy.status import fleet_status, rows
 from builder.errors import named, unnamed
 
+#: the fleet commands' defaults are the core's own (DeployOptions): a caller without this command line
+#: gets the same
+_DEFAULT = {f.name: f.default for f in fields(DeployOptions)}
+
 
 def _stop_timeout_option(what: str) -> Callable[[Any], Any]:
     return click.option(
-        "--stop-timeout", type=click.IntRange(1, 3600), default=30, show_default=True,
+        "--stop-timeout", type=click.IntRange(1, 3600), default=_DEFAULT["stop_timeout"], show_default=True,
         help=f"Seconds docker gives {what} to stop before it is killed.",
     )
 
@@ -44,11 +48,11 @@ _fleet_options = together(
     json_option(),
     hosts_dir_option,
     click.option(
-        "--connect-timeout", type=click.IntRange(1, 600), default=10, show_default=True,
+        "--connect-timeout", type=click.IntRange(1, 600), default=_DEFAULT["connect_timeout"], show_default=True,
         help="Seconds a host may take to answer before it counts as unreachable.",
     ),
     click.option(
-        "--timeout", "timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+        "--timeout", "timeout", type=click.FloatRange(min=1), default=_DEFAULT["timeout"], show_default=True,
         help="Base seconds of every remote call (transfers add size / 1 MiB/s).",
     ),
     ssh_persist_option("Keep each host's ssh connection open this long after the command, for the next command "
@@ -129,7 +133,8 @@ def _print(rep: DeployReport, as_json: bool) -> int:
 )
 @part_size_option
 @click.option(
-    "--parallel", type=click.IntRange(1, 64), default=4, show_default=True, help="Hosts staged at once."
+    "--parallel", type=click.IntRange(1, 64), default=_DEFAULT["parallel"], show_default=True,
+    help="Hosts staged at once.",
 )
 @click.option(
     "--repair", is_flag=True,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.inputs.pins import default_pins
+from builder.inputs.pins import default_lock, default_pins, default_store
 
 #: where a fleet command says what it does (one line at a time, on stderr)
 Say = Callable[[str], None]
@@ -53,9 +53,8 @@ def command(opts: DeployOptions, verb: str, *args: str, mode: bool = False) -> s
     head = ["builder"]
     env = os.environ
     pins = Path(env["BUILDER_PINS"]) if env.get("BUILDER_PINS") else default_pins()
-    lock = Path(env["BUILDER_LOCK"]) if env.get("BUILDER_LOCK") else opts.pins.parent / "pins.lock"
-    root = opts.pins.resolve().parent
-    store = Path(env["BUILDER_STORE"]) if env.get("BUILDER_STORE") else root / ".cache" / "builder"
+    lock = Path(env["BUILDER_LOCK"]) if env.get("BUILDER_LOCK") else default_lock(opts.pins)
+    store = Path(env["BUILDER_STORE"]) if env.get("BUILDER_STORE") else default_store(opts.pins)
     if opts.pins.resolve() != pins.resolve():
         head += ["--pins", str(opts.pins)]
     if opts.lock.resolve() != lock.resolve():

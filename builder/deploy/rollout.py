@@ -33,7 +33,6 @@ failure, every host back to the old one), and says which.
 from __future__ import annotations
 
 import hashlib
-import re
 import time
 from dataclasses import replace
 from typing import Any
@@ -53,9 +52,7 @@ from builder.deploy.stage import gate, stage
 from builder.deploy.switch import forward
 from builder.errors import ConfigError
 from builder.hostscripts import shown
-from builder.installer.manifest import MANIFEST, release_files
-
-NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")  # (a fleet's name, as the inventory allows it)
+from builder.installer.manifest import MANIFEST, is_name, release_files
 
 
 def deploy(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
@@ -72,7 +69,7 @@ def deploy(opts: DeployOptions, say: Say = lambda _: None) -> DeployReport:
         finally:
             w.close()
     else:
-        if not NAME.fullmatch(opts.fleet):
+        if not is_name(opts.fleet):  # (a fleet's name, as the inventory allows it)
             raise ConfigError(f"--fleet: not a fleet name: {opts.fleet!r}")
         with fleet_lock(opts.store, opts.fleet, "deploy"):
             sockets = command_sockets(opts)

@@ -29,10 +29,10 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 _HERE = Path(__file__).resolve().parent
 
@@ -56,21 +56,36 @@ MATMUL = source("matmul")
 
 # ----------------------------------------------------------------------------- the batch
 
-#: the most characters of command lines sent in one batch call: Linux caps one argument at
-#: 128 KiB (MAX_ARG_STRLEN), and the list is quoted once more for the remote shell.
-BATCH_MAX_CHARS = 60_000
+#: the most characters of JSON in one list argument of a remote command line (the batch's commands, the
+#: paths of one filefacts call): Linux caps one argument at 128 KiB (MAX_ARG_STRLEN), and the list is
+#: quoted once more for the remote shell.
+ARG_MAX_CHARS = 60_000
+
+T = TypeVar("T")
 
 
-def batch_groups(items: Iterable[Any], max_chars: int = BATCH_MAX_CHARS) -> list[list[Any]]:
-    """Split batch items into calls of at most `max_chars` (JSON-encoded). An item too long for any
-    call is left out: the check that needs it runs it by itself."""
-    groups: list[list[Any]] = []
-    cur: list[Any] = []
-    size = 2
+def _chars(item: Any) -> int:
+    """What `item` adds to a JSON list: its JSON, and the ", " json.dumps puts between items."""
+    return len(json.dumps(item)) + 2
+
+
+def fits(item: Any, max_chars: int = ARG_MAX_CHARS) -> bool:
+    """Whether `item` fits in a list argument by itself (the brackets and the item)."""
+    return 2 + _chars(item) <= max_chars
+
+
+def split_args(items: Iterable[T], max_chars: int = ARG_MAX_CHARS) -> list[list[T]]:
+    """Split `items`, in order, into lists whose JSON is at most `max_chars` each: one remote command
+    line's list argument. An item too long for any list is refused (ValueError naming its start): left
+    out, the host would not be asked what the caller needs."""
+    groups: list[list[T]] = []
+    cur: list[T] = []
+    size = 2  # the list's brackets
     for item in items:
-        n = len(json.dumps(item)) + 2  # json.dumps(list) separates items with ", "
-        if n + 2 > max_chars:
-            continue
+        n = _chars(item)
+        if not fits(item, max_chars):
+            raise ValueError(f"{json.dumps(item)[:60]}...: too long for one remote command line ({n - 2} "
+                             f"characters of JSON, at most {max_chars - 4})")
         if cur and size + n > max_chars:
             groups.append(cur)
             cur, size = [], 2
@@ -92,20 +107,6 @@ def parse_batch(text: str) -> dict[str, tuple[int, bytes, bytes]]:
             raise ValueError(f"batch output: bad entry for {cmd[:40]!r}")
         out[cmd] = (v[0], base64.b64decode(v[1]), base64.b64decode(v[2]))
     return out
-
-
-def batches(items: list[str], max_chars: int = 60_000) -> Iterator[list[str]]:
-    """Split paths so one remote command line stays well under ARG_MAX."""
-    cur: list[str] = []
-    size = 0
-    for p in items:
-        if cur and size + len(p) + 4 > max_chars:
-            yield cur
-            cur, size = [], 0
-        cur.append(p)
-        size += len(p) + 4
-    if cur:
-        yield cur
 
 
 def dumps(obj: Any) -> str:

@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from builder.inputs.schema import Name, Strict
+from builder.installer.manifest import is_name
 
 #: what a lane's strings may name, substituted per rank by builder.launch
 PLACEHOLDERS = (
@@ -82,7 +83,7 @@ class Mount(Strict):
                 raise ValueError(f"host path {v!r}: want an absolute path without '..', ',' or ':'")
             return v
         kind, _, name = v.partition(":")
-        if kind not in MOUNT_KINDS or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", name):
+        if kind not in MOUNT_KINDS or not is_name(name):
             raise ValueError(f"{v!r}: want model:NAME, input:NAME, derived:NAME, state:NAME or an absolute host path")
         return v
 

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import tomllib
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from builder.errors import ConfigError
 
@@ -29,8 +30,9 @@ def key_path(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def _real_loc(loc: tuple[Any, ...], obj: Any) -> tuple[Any, ...]:
-    """Drop the parts pydantic adds to a location (union tags, validator names) that are not keys in the input."""
+def _real_loc(loc: tuple[Any, ...], obj: Any, tags: Collection[str]) -> tuple[Any, ...]:
+    """Drop the parts pydantic adds to a location (``tags``: union_tags; validator names) that are not keys
+    in the input."""
     out = []
     cur = obj
     for part in loc:
@@ -38,19 +40,15 @@ def _real_loc(loc: tuple[Any, ...], obj: Any) -> tuple[Any, ...]:
             if part in cur:
                 out.append(part)
                 cur = cur[part]
-            elif isinstance(part, str) and not part.startswith("function-") and part not in _TAGS:
+            elif isinstance(part, str) and not part.startswith("function-") and part not in tags:
                 out.append(part)  # a missing key: keep it, stop walking
                 cur = None
         elif isinstance(cur, list) and isinstance(part, int):
             out.append(part)
             cur = cur[part] if 0 <= part < len(cur) else None
-        elif cur is None and isinstance(part, str | int) and not (isinstance(part, str) and part in _TAGS):
+        elif cur is None and isinstance(part, str | int) and not (isinstance(part, str) and part in tags):
             out.append(part)
     return tuple(out)
-
-
-# tags pydantic inserts into locations for discriminated unions and similar
-_TAGS = {"zig", "cuda", "wheel", "int", "str", "literal['auto']", "image-recipe", "image-published"}
 
 
 def _strip(tp: Any) -> Any:
@@ -77,6 +75,63 @@ def _tag(tp: Any) -> set[str]:
     if typing.get_origin(tp) is not typing.Annotated:
         return set()
     return {str(m.tag) for m in typing.get_args(tp)[1:] if hasattr(m, "tag")}
+
+
+def _discriminator(tp: Any, meta: Iterable[Any] = ()) -> str | None:
+    """The field that picks a union's member (``Field(discriminator="kind")``, on the union or on the field
+    that holds it), or None."""
+    found = [*(typing.get_args(tp)[1:] if typing.get_origin(tp) is typing.Annotated else ()), *meta]
+    for m in found:
+        d = getattr(m, "discriminator", None)
+        d = getattr(d, "discriminator", d)  # (a Discriminator object holds the field's name, or a callable)
+        if isinstance(d, str):
+            return d
+    return None
+
+
+def _member_tags(member: Any, discriminator: str | None) -> set[str]:
+    """What pydantic names a union member in an error's location: its ``Tag`` (a callable discriminator),
+    the value of its discriminator field (``kind = "zig"``), else its validator's name (``int``,
+    ``literal['auto']``, a model's class name)."""
+    tags = _tag(member)
+    if tags:
+        return tags
+    inner = _strip(member)
+    if discriminator is not None and isinstance(inner, type) and issubclass(inner, BaseModel):
+        f = inner.model_fields.get(discriminator)
+        if f is not None and typing.get_origin(_strip(f.annotation)) is typing.Literal:
+            return {str(v) for v in typing.get_args(_strip(f.annotation))}
+    return {TypeAdapter(member).validator.title}
+
+
+@functools.cache
+def union_tags(model: type[BaseModel]) -> frozenset[str]:
+    """Every name pydantic puts in an error's location for a union member anywhere in ``model``'s schema:
+    read from the schema, so that a new kind of input is known here the moment it is declared. None of
+    them is a key of the input."""
+    out: set[str] = set()
+    seen: set[type[BaseModel]] = set()
+
+    def walk(tp: Any, meta: Iterable[Any] = ()) -> None:
+        discriminator = _discriminator(tp, meta)
+        inner = _strip(tp)
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            if inner not in seen:
+                seen.add(inner)
+                for f in inner.model_fields.values():
+                    walk(f.annotation, (f,))
+            return
+        args = typing.get_args(inner)
+        members = [m for m in args if m is not type(None)]
+        # (`X | None` is no union to pydantic: it names no member)
+        if typing.get_origin(inner) in (typing.Union, types.UnionType) and len(members) > 1:
+            for m in members:
+                out.update(_member_tags(m, discriminator))
+        for a in args:
+            walk(a)
+
+    walk(model)
+    return frozenset(out)
 
 
 def _step(tps: list[Any], part: Any) -> list[Any]:
@@ -127,29 +182,24 @@ def known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
     return keys
 
 
-def did_you_mean(name: str, candidates: Iterable[str]) -> str:
-    """`` (did you mean `X`?)`` with the closest of ``candidates`` to a name the operator typed (a lane, a
-    host, a model, a fleet; difflib's ratio, at least 0.6), or "": the one form every unknown name takes."""
-    close = difflib.get_close_matches(name, sorted(set(candidates)), n=1, cutoff=0.6)
-    return f" (did you mean `{close[0]}`?)" if close else ""
-
-
-def _suggestion(unknown: Any, candidates: set[str], missing: set[str]) -> str:
-    """`` (did you mean `KEY`?)`` with the closest candidate (difflib's ratio, at least 0.6; between equally
-    close ones, a key reported missing beside it, then the first by name), or ""."""
-    if not isinstance(unknown, str) or not candidates:
+def did_you_mean(name: object, candidates: Iterable[str], prefer: Collection[str] = ()) -> str:
+    """`` (did you mean `X`?)`` with the closest of ``candidates`` to a name or key the operator typed, or "":
+    the one form every unknown name (a lane, a host, a model, a fleet) and unknown key takes. Closest is
+    difflib's ratio, at least 0.6, of ``name`` as typed or as a key is spelt (lower case, ``_`` for ``-``);
+    between equally close candidates, one in ``prefer`` (a key reported missing beside an unknown one),
+    then the first by name."""
+    if not isinstance(name, str):
         return ""
     best: tuple[float, bool, str] | None = None
-    for spelling in dict.fromkeys([unknown, unknown.lower().replace("-", "_")]):
-        for c in sorted(candidates):
+    for spelling in dict.fromkeys([name, name.lower().replace("-", "_")]):
+        for c in sorted(set(candidates)):
             m = difflib.SequenceMatcher(None, spelling, c)
             if m.real_quick_ratio() < 0.6 or m.quick_ratio() < 0.6:
                 continue
             score = m.ratio()
-            if score >= 0.6:
-                # (rank: the score, then a missing key, then the name first in order)
-                if best is None or (score, c in missing) > best[:2]:
-                    best = (score, c in missing, c)
+            # (rank: the score, then a preferred candidate; the first by name wins a tie, as sorted)
+            if score >= 0.6 and (best is None or (score, c in prefer) > best[:2]):
+                best = (score, c in prefer, c)
     return f" (did you mean `{best[2]}`?)" if best else ""
 
 
@@ -160,19 +210,30 @@ def validation_message(path: Path | str, err: ValidationError, obj: Any = None,
     knows there (``model``), or that another error says is missing beside it; a key the file wrote there
     (``written``, where ``obj`` was made from it: a lane ``based_on`` another) is no suggestion."""
     errors = err.errors(include_url=False)
+    tags = union_tags(model) if model is not None else frozenset()
     unknown = [e for e in errors if e["type"] == "extra_forbidden"]
+    if model is not None and len(unknown) > 1:
+        # a union without a discriminator is tried member by member, and each member calls the others' keys
+        # unknown: a key that no member of the union (the table without the member's tag) knows comes first
+        def known_to_one(x: Any) -> bool:
+            table = tuple(x["loc"])[:-1]
+            if table and table[-1] in tags:
+                table = table[:-1]
+            return x["loc"][-1] in known_keys(model, table)
+
+        unknown.sort(key=known_to_one)
     e = unknown[0] if unknown else errors[0]
     raw_loc = tuple(e["loc"])
     if e["type"] == "union_tag_not_found" and model is not None:
         # a table whose discriminator (`kind`) is misspelt: pydantic names no key; the one no member
         # of the union knows is the one to name
-        here = _at(obj, _real_loc(raw_loc, obj)) if obj is not None else None
+        here = _at(obj, _real_loc(raw_loc, obj, tags)) if obj is not None else None
         known = known_keys(model, raw_loc)
         strays = sorted(k for k in here if isinstance(k, str) and k not in known) if isinstance(here, dict) else []
         if known and strays:
             e = {**e, "type": "extra_forbidden", "loc": (*raw_loc, strays[0])}
             raw_loc = tuple(e["loc"])
-    loc = _real_loc(raw_loc, obj) if obj is not None else tuple(
+    loc = _real_loc(raw_loc, obj, tags) if obj is not None else tuple(
         x for x in raw_loc if not (isinstance(x, str) and x.startswith("function-")))
     # pydantic puts the tag of a discriminated union in the path; drop it for readability
     msg = e["msg"]
@@ -184,7 +245,7 @@ def validation_message(path: Path | str, err: ValidationError, obj: Any = None,
         present = _at(obj if written is None else written, loc[:-1])
         if isinstance(present, dict):
             candidates -= {k for k in present if isinstance(k, str)}  # a key already there is no suggestion
-        msg = "unknown key" + _suggestion(loc[-1] if loc else None, candidates, missing)
+        msg = "unknown key" + did_you_mean(loc[-1] if loc else None, candidates, prefer=missing)
     elif e["type"] == "missing":
         msg = "missing required key"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""

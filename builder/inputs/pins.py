@@ -408,6 +408,16 @@ def default_pins(start: Path | None = None) -> Path:
     return Path(PINS_FILE)
 
 
+def default_lock(pins: Path) -> Path:
+    """The lock file when none is named: `pins.lock` beside the pins."""
+    return pins.parent / "pins.lock"
+
+
+def default_store(pins: Path) -> Path:
+    """The store when none is named: `.cache/builder` under the project root (the pins' folder)."""
+    return pins.resolve().parent / ".cache" / "builder"
+
+
 def load_pins(path: Path) -> Pins:
     """Load and validate pins.toml; every problem is one ConfigError line naming file and key."""
     written = read_toml(path)

@@ -10,7 +10,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+# the name rule is the installer's, which checks every name of a manifest on the host
+from builder.installer.manifest import NAME_RE
+
 SHA256_RE = r"^[0-9a-f]{64}$"
 DIGEST_RE = r"^sha256:[0-9a-f]{64}$"
 HEX40_RE = r"^[0-9a-f]{40}$"

@@ -25,7 +25,10 @@ MAX_MANIFEST = 64 * 1024 * 1024
 MODES = {"0644": 0o644, "0755": 0o755}
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
-NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+#: a lane, image, input, fleet or host name: the one rule, here because the installer checks it on hosts
+#: with the standard library alone; builder.inputs.schema (the pydantic field) and the operator side use it
+NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+NAME = re.compile(NAME_RE)
 
 # host[:port]/repo@sha256:<hex>: the only form of image.pull (by digest, never by tag)
 REPOSITORY = re.compile(r"^[a-z0-9]+([._/-][a-z0-9]+)*$")
@@ -34,6 +37,12 @@ REGISTRY_URL = re.compile(r"^https?://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:[0-9]{
 PULL_REF = re.compile(
     r"^([A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(:[0-9]{1,5})?/[a-z0-9]+([._/-][a-z0-9]+)*@sha256:[0-9a-f]{64}$"
 )
+
+
+def is_name(s: str) -> bool:
+    """The whole of `s` is a name (fullmatch: ``$`` alone would also take a name with a final newline,
+    which the schema's pattern refuses)."""
+    return NAME.fullmatch(s) is not None
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -148,7 +157,7 @@ def _check_identity(obj: Any) -> None:
     if not HEX64.match(obj["bundle_id"]):
         raise _err("bundle_id", "not a sha256")
     for k in ("fleet", "host", "lane"):
-        if not NAME.match(obj[k]):
+        if not is_name(obj[k]):
             raise _err(k, "not a valid name")
     if obj["role"] not in ("head", "worker"):
         raise _err("role", "must be head or worker")
@@ -258,7 +267,7 @@ def _check_models(models: list[Any], files: list[dict[str, Any]], names: set[str
         w = "models[%d]" % i
         _want(m, {"model": str, "file": str, "path": str, "size": int, "sha256": str, "bundled": "str?",
                   "registry": dict}, w, optional=("registry",))
-        if not NAME.match(m["model"]):
+        if not is_name(m["model"]):
             raise _err(w + ".model", "not a valid name")
         check_abs_path(m["path"], w + ".path")
         if not (under(m["path"], paths["models"]) or under(m["path"], paths["engram"])):
