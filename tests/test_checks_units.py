@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -141,12 +142,6 @@ def test_a_hung_tool_costs_its_own_fact_only(tmp_path: Path, monkeypatch: pytest
 # ----------------------------------------------------------------------------- docker facts
 
 
-def test_docker_facts_come_from_the_docker_cli() -> None:
-    cl: Any = checklib_fresh()
-    assert cl.docker_info() == ("docker info --format '{{json .}}'",)
-    assert cl.inspect_images(["sha256:ab", "builder/demo:1"]) == ("docker image inspect sha256:ab builder/demo:1",)
-
-
 @pytest.mark.docker
 def test_inspect_images_answers_found_and_missing_images_in_one_call() -> None:
     """Against this machine's real Docker Engine, through testinfra's local backend as a check runs it."""
@@ -162,46 +157,135 @@ def test_inspect_images_answers_found_and_missing_images_in_one_call() -> None:
     assert info.rc == 0 and json.loads(info.stdout)["ServerVersion"]
 
 
+IMAGE_ID = "sha256:" + "ab" * 32
+IMAGE = {"Id": IMAGE_ID, "RepoTags": ["builder/demo:1"]}
+
+
 def docker_expect(concerns: list[str]) -> dict[str, Any]:
     return {"concerns": concerns, "containers": any(checkmods.check_module(c).CONCERN.containers for c in concerns),
             "lane": "demo", "host": {"rank": 1, "role": "worker"},
-            "image": {"image_id": "sha256:ab", "tag": "builder/demo:1"}}
+            "image": {"image_id": IMAGE_ID, "tag": "builder/demo:1"}}
 
 
-def test_the_image_and_the_ranks_containers_are_one_docker_inspect(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One docker CLI call answers the image checks and the container checks; docker's answer is
-    taken apart by what it says (containers have a State, images are in the order asked, less those
-    it names as not found), and an answer it cannot take apart leaves each image to its own call."""
+def container(n: int, lane: str, rank: int) -> dict[str, Any]:
+    """A container as `docker inspect` gives it (the keys the checks read), labelled as start.sh labels them."""
+    return {"Id": str(n) * 64, "Name": f"/{lane}-r{rank}", "State": {"Running": True},
+            "Config": {"Labels": {LABEL_LANE: lane, LABEL_RANK: str(rank)}}}
+
+
+FAKE_DOCKER = """
+# FAKE docker CLI (test only: the fast tier has no Docker Engine), holding the images and containers of the
+# JSON file $FAKE_DOCKER_STATE. Where the checks read docker it follows the docker CLI: `ps -aq --filter
+# label=K=V ...` prints the short ID of each container with every such label, one a line; `inspect REF...`
+# (`image inspect`, `container inspect`) prints a JSON list of the objects found, in the order asked, and
+# "Error: No such object: REF" (No such image, No such container) on stderr for each one not found, exit 1
+# then; `info` prints the engine's JSON; with no engine, docker's own line and exit 1. The state's "answer"
+# replaces inspect's with one docker does not give (the checks guard against it). Each call's arguments
+# are appended, a JSON line, to $FAKE_DOCKER_STATE.calls.
+import json, os, sys
+args, path = sys.argv[1:], os.environ["FAKE_DOCKER_STATE"]
+with open(path + ".calls", "a") as f:
+    f.write(json.dumps(args) + "\\n")
+with open(path) as f:
+    state = json.load(f)
+if not state["engine"]:
+    sys.exit("Cannot connect to the Docker daemon at unix:///var/run/docker.sock. Is the docker daemon running?")
+images, containers = state["images"], state["containers"]
+if args[0] == "info":
+    print(json.dumps({"ServerVersion": "20.10.24", "ServerErrors": None}))
+elif args[:2] == ["ps", "-aq"]:
+    want = [a[len("label="):].split("=", 1) for a in args[2:] if a.startswith("label=")]
+    print("".join(c["Id"][:12] + "\\n" for c in containers if all(c["Config"]["Labels"].get(k) == v for k, v in want)),
+          end="")
+elif state["answer"] is not None:
+    print(state["answer"])
+else:
+    kind = args[0] if args[0] in ("image", "container") else "object"
+    refs = args[1:] if kind == "object" else args[2:]
+    pool = (containers if kind != "image" else []) + (images if kind != "container" else [])
+    found = [next((o for o in pool if o["Id"].startswith(r) or r in o.get("RepoTags", [])), None) for r in refs]
+    print(json.dumps([o for o in found if o is not None], indent=4))
+    for r, o in zip(refs, found):
+        if o is None:
+            print(f"Error: No such {kind}: {r}", file=sys.stderr)
+    sys.exit(1 if None in found else 0)
+"""
+
+
+class FakeDocker:
+    """FAKE_DOCKER on PATH, as `docker`; `holds` sets what it holds and forgets the calls so far."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        exe = tmp_path / "bin" / "docker"
+        exe.parent.mkdir()
+        exe.write_text(f"#!{sys.executable}\n{FAKE_DOCKER}")
+        exe.chmod(0o755)
+        self.state = tmp_path / "docker-state.json"
+        monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
+        monkeypatch.setenv("FAKE_DOCKER_STATE", str(self.state))
+
+    def holds(self, images: list[dict[str, Any]], containers: list[dict[str, Any]], *, engine: bool = True,
+              answer: str | None = None) -> None:
+        self.state.write_text(json.dumps({"images": images, "containers": containers, "engine": engine,
+                                          "answer": answer}))
+        Path(f"{self.state}.calls").unlink(missing_ok=True)
+
+    def calls(self) -> list[str]:
+        """Which docker command each call was (ps, inspect, image, container, info)."""
+        log = Path(f"{self.state}.calls")
+        return [json.loads(ln)[0] for ln in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_the_image_and_the_ranks_containers_are_one_docker_inspect(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One docker inspect answers the image checks and the container checks, run through a local shell as
+    a check runs it, against FakeDocker; docker's answer is taken apart by what it says (containers have a
+    State, images are in the order asked, less those it names as not found), and an answer it cannot take
+    apart leaves each image to its own call."""
     cl: Any = checklib_fresh()
-    both = cl.docker_objects_command(docker_expect(["image", "runtime"]))
-    assert both[0].endswith("docker inspect %s %s $ids") and both[1:] == (
-        "--filter", "label=io.builder.lane=demo", "--filter", "label=io.builder.rank=1", "sha256:ab", "builder/demo:1")
-    assert cl.docker_objects_command(docker_expect(["image"])) == cl.inspect_images(["sha256:ab", "builder/demo:1"])
-    assert cl.docker_objects_command(docker_expect(["serving"])) == cl.lane_containers("demo", 1)
-    exp = {**docker_expect(["image", "runtime"]), "expect": {"docker": True}}
-    plan = cl.planned(exp, concerns_for(exp))
-    assert [c for c in plan if "docker" in c[0]] == [cl.lookup_commands(["docker", "nvidia-smi"]), both,
-                                                     cl.docker_info()]
-    img, ctr = {"Id": "sha256:ab"}, {"Id": "c1", "State": {"Running": True}, "Name": "/demo-r1"}
-    answers: dict[str, Any] = {}
-    monkeypatch.setattr(cl, "run", lambda host, *cmd: answers["r"])
-    exp = docker_expect(["image", "runtime"])
+    host = testinfra.get_host("local://")
+    docker = FakeDocker(tmp_path, monkeypatch)
+    mine, others = container(1, "demo", 1), [container(2, "demo", 0), container(3, "other", 1)]
+    both = docker_expect(["image", "runtime"])
 
-    def said(rc: int, out: object, err: str = "") -> Any:
-        answers["r"] = SimpleNamespace(rc=rc, stdout=out if isinstance(out, str) else json.dumps(out), stderr=err)
-        return cl.docker_objects(None, exp)
+    def seen(exp: dict[str, Any], images: list[dict[str, Any]], containers: list[dict[str, Any]],
+             **kw: Any) -> Any:
+        docker.holds(images, containers, **kw)
+        return cl.docker_objects(host, exp)
 
-    got = said(0, [img, img, ctr])
-    assert got.images == {"sha256:ab": img, "builder/demo:1": img} and got.containers == [ctr]
-    got = said(1, [img, ctr], "Error: No such object: builder/demo:1\n")  # the tag points nowhere
-    assert got.images == {"sha256:ab": img, "builder/demo:1": None} and got.containers == [ctr]
-    got = said(1, [], "Error: No such object: sha256:ab\nError: No such object: builder/demo:1\n")
-    assert got.images == {"sha256:ab": None, "builder/demo:1": None} and got.containers == []
-    got = said(1, "", "Cannot connect to the Docker daemon at unix:///var/run/docker.sock.\n")  # no engine
-    assert got.images == {"sha256:ab": None, "builder/demo:1": None} and got.containers is None
-    assert got.why == "docker gave no answer (exit 1: Cannot connect to the Docker daemon at unix:///var/run/docker.sock.)"
-    assert said(0, [img, ctr]).images is None  # two references, one image: ask for each
-    assert said(0, "garbage").why == "docker inspect: output is not JSON"
+    got = seen(both, [IMAGE], [mine, *others])
+    assert got.images == {IMAGE_ID: IMAGE, "builder/demo:1": IMAGE} and got.containers == [mine]
+    assert docker.calls() == ["ps", "inspect"]  # (the rank's containers listed, then one inspect of all)
+    got = seen(docker_expect(["image"]), [IMAGE], [mine])
+    assert got.images == {IMAGE_ID: IMAGE, "builder/demo:1": IMAGE} and docker.calls() == ["image"]
+    got = seen(docker_expect(["serving"]), [IMAGE], [mine, *others])
+    assert got.images == {} and got.containers == [mine] and docker.calls() == ["ps", "container"]
+    got = seen(docker_expect(["serving"]), [IMAGE], others)  # no container of this rank
+    assert got.containers == [] and docker.calls() == ["ps"]
+
+    got = seen(both, [{"Id": IMAGE_ID, "RepoTags": []}], [mine])  # the tag points nowhere
+    assert got.images == {IMAGE_ID: {"Id": IMAGE_ID, "RepoTags": []}, "builder/demo:1": None}
+    assert got.containers == [mine]
+    got = seen(both, [], [])
+    assert got.images == {IMAGE_ID: None, "builder/demo:1": None} and got.containers == []
+    got = seen(both, [IMAGE], [mine], engine=False)
+    assert got.images == {IMAGE_ID: None, "builder/demo:1": None} and got.containers is None
+    assert got.why == ("docker gave no answer (exit 1: Cannot connect to the Docker daemon at "
+                       "unix:///var/run/docker.sock. Is the docker daemon running?)")
+    assert seen(both, [IMAGE], [mine], answer=json.dumps([IMAGE, mine])).images is None  # ask for each
+    assert seen(both, [IMAGE], [mine], answer="garbage").why == "docker inspect: output is not JSON"
+
+    # as the audit runs it: the prefetch runs every planned command in one call, still one docker inspect,
+    # and the checks read its answer from there
+    cl = checklib_fresh()
+    exp = {**both, "expect": {"docker": True}}
+    docker.holds([IMAGE], [mine, *others])
+    cl.prefetch(host, exp, concerns_for(exp))
+    calls = docker.calls()
+    assert sorted(calls) == ["info", "inspect", "ps"], calls
+    got = cl.docker_objects(host, exp)
+    assert got.images == {IMAGE_ID: IMAGE, "builder/demo:1": IMAGE} and got.containers == [mine]
+    assert docker.calls() == calls  # (answered by the prefetch)
 
 
 @pytest.mark.docker

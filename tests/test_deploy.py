@@ -14,11 +14,13 @@ is not the lane's is never touched.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -644,6 +646,61 @@ def test_refused_on_a_latched_gpu_naming_the_host_and_the_fix(j: Journey) -> Non
             j.fleet.exec(h, f"rm -f {state}/sample-busy {state}/tflops {state}/apps-live")
 
 
+def _builder_steps(j: Journey, h: fleetlib.Host) -> list[str]:
+    """builder's steps running on the host: its host scripts (`python3 -I -S`), the audit's pytest, the
+    burn's load (the fake GPU's), the watchdog that ties a step to its ssh channel."""
+    procs = j.fleet.exec(h, "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f 2>/dev/null; echo; done",
+                         check=False).stdout.splitlines()
+    return [p for p in procs if any(m in p for m in ("-I -S", "pytest", "--fake-burn", "select,signal"))]
+
+
+@pytest.mark.fleet
+@pytest.mark.docker
+@pytest.mark.build
+@pytest.mark.slow
+def test_an_audit_ended_mid_burn_by_sigterm_or_sigkill_leaves_nothing_behind(j: Journey, tmp_path: Path) -> None:
+    """`builder audit --only burn` (the FAKE GPU's load, 60 s) ended while the burn runs on the hosts: by
+    SIGTERM (its cleanup runs: exit 143, nothing of it is left) and by SIGKILL of the command alone (its
+    steps on the hosts end with their ssh channel; its temp folder, named with its pid, goes with the next
+    audit). After each, within the watchdog's bound, no step of builder's runs on any host; the next audit
+    passes and leaves nothing in $TMPDIR or the ssh folder."""
+    _good(j)
+    inventory = j.root / "hosts" / f"{j.name}.toml"
+    before = inventory.read_text()
+    burn = {"command": ["/usr/local/bin/nvidia-smi", "--fake-burn", "60"], "seconds": 60}
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    env = {**j.env, "TMPDIR": str(tmpdir)}
+    ssh_dir = Path(j.ssh_dir().get("BUILDER_SSH_DIR") or j.env["BUILDER_SSH_DIR"])
+    audit_args = ["audit", "--fleet", j.name, "--only", "burn", "--json"]
+    try:
+        inventory.write_text(fleet_toml(j.name, "demo", j.fleet, j.keys, GPU_EXPECT | {"burn": burn}))
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            bg = dl.Background(dataclasses.replace(j, env=env), *audit_args)
+            deadline = time.monotonic() + 300
+            while not all(any("--fake-burn" in p for p in _builder_steps(j, h)) for h in j.fleet.hosts):
+                assert bg.p.poll() is None, ("the audit ended before its burn ran", bg.lines[-20:])
+                assert time.monotonic() < deadline, "the burn never ran on every host"
+                time.sleep(0.2)
+            os.kill(bg.p.pid, sig)
+            rc = bg.p.wait(timeout=120)
+            assert rc == (128 + signal.SIGTERM if sig == signal.SIGTERM else -signal.SIGKILL), (sig, rc, bg.lines[-5:])
+            if sig == signal.SIGTERM:
+                bg.wait_line(r"^terminated \(SIGTERM\)$", timeout=30)
+                assert not list(tmpdir.iterdir()), list(tmpdir.iterdir())
+            deadline = time.monotonic() + 30  # (the hosts' watchdog: TERM, then KILL 3 s later)
+            while left := [s for h in j.fleet.hosts for s in _builder_steps(j, h)]:
+                assert time.monotonic() < deadline, (sig, left)
+                time.sleep(0.5)
+        p = j.builder(*audit_args, env={"TMPDIR": str(tmpdir)}, check=False)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert all(h["checks"]["burn::gpu"]["status"] == "pass" for h in json.loads(p.stdout)["hosts"].values())
+        assert not list(tmpdir.iterdir()), list(tmpdir.iterdir())  # the killed audit's folder went too
+        assert not list(ssh_dir.glob("run-*")), list(ssh_dir.glob("run-*"))
+    finally:
+        inventory.write_text(before)
+
+
 @pytest.mark.fleet
 @pytest.mark.docker
 @pytest.mark.build
@@ -939,30 +996,65 @@ def test_a_repair_compares_the_apply_record_with_the_bundles_signed_manifest(tmp
         assert record_drift({**good, "files": edited}, b) == "files"
 
 
-@pytest.mark.parametrize(("finished", "reason"), [
-    (False, "nothing to repair: every file on every host matches"),
-    (True, "the earlier deploy had moved every host"),
-])
-def test_a_repair_with_nothing_to_do_keeps_the_reason_of_an_earlier_deploy_it_finished(
-        monkeypatch: pytest.MonkeyPatch, finished: bool, reason: str) -> None:
-    from types import SimpleNamespace
+@pytest.mark.parametrize("earlier_deploy", [False, True])
+def test_a_repair_with_nothing_to_do_says_so_or_keeps_the_reason_of_an_earlier_deploy_it_finished(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, earlier_deploy: bool) -> None:
+    """`deploy --repair` of a fleet whose hosts run their current bundles, each apply record as the
+    installer writes it: nothing differs, and it says "nothing to repair" (exit 0, unchanged); after an
+    earlier deploy that had moved every host but did not finish, that deploy's reason stands (deployed)
+    and its journal is cleared. The real deploy, bundles, journal, record comparison and no-op; FAKE
+    (test only: no host here) are only the steps that run on the hosts: what each host answers, the
+    staging over ssh, the derivations and the fleet audit, each as it goes on a fleet that is whole."""
+    from builder.audit import AuditReport, HostResult
+    from builder.deploy import dryrun, rollout
+    from builder.deploy.hoststate import Container
+    from builder.installer.record import write_record
+    from builder.installer.root import Root
 
-    from builder.deploy import rollout
-    from builder.deploy.report import DeployReport
+    p = bl.make_project(tmp_path, hosts=bl.local_hosts(tmp_path / "host"))
+    ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
+    fleet_path, fleet = find_fleet(ctx.hosts_dir, bl.FLEET)
+    bundles = ensure_bundles(ctx, fleet_path, fleet, key=p.key, with_image=False, with_models=False,
+                             part_size="256MiB")
+    installed: dict[str, HostState] = {}
+    for h in fleet.by_rank():
+        b = bundles[h.name]
+        assert isinstance(b, FleetBundle)
+        for m in b.manifest["models"]:  # (placed, as the installer places them before it records them)
+            Path(m["path"]).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(p.root / "models" / "demo" / m["file"], m["path"])
+        record = write_record(Root(str(tmp_path / h.name)), b.manifest, (b.path / "manifest.json").read_bytes(),
+                              "install", None, path=str(tmp_path / f"{h.name}-applied.json"))
+        installed[h.name] = HostState(
+            h.name, current=b.bundle_id, releases=[b.bundle_id], applied=record,
+            containers=[Container(f"c{h.rank}", f"{fleet.fleet.lane}-r{h.rank}", "running", b.bundle_id,
+                                  "sha256:ab", "Up 1 hour")],
+            health={"status": 200} if h.role == "head" else None)
+    if earlier_deploy:
+        J.save(p.store, J.Journal(bl.FLEET, target={n: s.current or "" for n, s in installed.items()},
+                                  origin=dict.fromkeys(installed), origin_locks=dict.fromkeys(installed),
+                                  target_lock=ctx.lock.lock_hash(), phase="starting"))
 
-    def noop(d: Any, earlier: Any) -> DeployReport:
-        rep = DeployReport("f", "l", result="deployed" if finished else "unchanged", audit={"exit": 0})
-        rep.reason = ("the earlier deploy had moved every host; the fleet serves and passes its audit" if finished
-                      else "already deployed and serving; the audit passes")
-        return rep
+    def answers(self: Fleetwork, hosts: list[Any] | None = None) -> dict[str, str]:
+        self.states.update(installed)
+        return {}
 
-    for name, value in (("changes", lambda d: []), ("snapshot", lambda d: None), ("stage", lambda d: True),
-                        ("derive", lambda d: None), ("is_noop", lambda d: True), ("noop", noop)):
-        monkeypatch.setattr(rollout, name, value)
-    d: Any = SimpleNamespace(w=SimpleNamespace(hosts=[], states={}, say=lambda line: None), rep=DeployReport("f", "l"),
-                             replaced={}, rehash=False, repair=set())
-    got = rollout.repair(d, None)
-    assert got.exit_code == 0 and got.reason.startswith(reason), got.reason
+    staged: list[bool] = []
+    monkeypatch.setattr(Fleetwork, "probe", answers)
+    monkeypatch.setattr(rollout, "stage", lambda d: staged.append(d.rehash) or True)
+    monkeypatch.setattr(rollout, "derive", lambda d: None)
+    monkeypatch.setattr(dryrun, "audit", lambda w, phase, **kw: AuditReport(
+        [HostResult(h.name, w.fleet_name, "pass") for h in w.hosts], "fast", phase, []))
+    rep = rollout.deploy(DeployOptions(root=p.root, pins=p.pins, lock=p.root / "pins.lock", store=p.store,
+                                       fleet=bl.FLEET, key=p.key, repair=True))
+    assert staged == [True]  # (every file hashed as it is staged)
+    assert rep.exit_code == 0 and {o.result for o in rep.hosts} == {"unchanged"}, rep.to_json()
+    if earlier_deploy:
+        assert rep.result == "deployed" and rep.reason.startswith("the earlier deploy had moved every host"), rep.reason
+        assert J.load(p.store, bl.FLEET) is None
+    else:
+        assert rep.result == "unchanged", rep.reason
+        assert rep.reason.startswith("nothing to repair: every file on every host matches"), rep.reason
 
 
 def test_a_plan_from_the_lock_and_fleet_file_contacts_no_host(tmp_path: Path) -> None:

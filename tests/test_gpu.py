@@ -70,7 +70,7 @@ def test_query_with_header_and_units_maps_every_field() -> None:
     assert g.clocks_applications_memory_mhz == 3201
     assert g.clocks_default_applications_graphics_mhz == 1980
     assert g.event_reasons == 0x1
-    assert g.event_reason_names == ["gpu_idle"]
+    assert gpu.decode_event_reasons(g.event_reasons) == ["gpu_idle"]
     assert g.throttled is False
     assert (g.memory_total_mib, g.memory_used_mib, g.memory_free_mib) == (143771, 0, 143156)
     assert g.ecc_mode is True and g.mig_mode is False
@@ -160,7 +160,7 @@ def test_not_available_values_become_none() -> None:
     assert g.memory_total_mib is None and g.memory_used_mib is None and g.memory_free_mib is None
     assert g.clocks_mem_mhz is None and g.vbios_version is None and g.power_limit_w is None
     assert g.ecc_mode is None and g.mig_mode is None
-    assert g.event_reasons == 0 and g.event_reason_names == []
+    assert g.event_reasons == 0 and gpu.decode_event_reasons(g.event_reasons) == []
 
 
 def test_several_gpus_and_blank_lines() -> None:
@@ -236,12 +236,44 @@ def test_compute_apps() -> None:
         gpu.parse_compute_apps("12\n")
 
 
-def test_query_command() -> None:
-    argv = gpu.query_command(gpu.QUERY_FIELDS)
-    assert argv[0] == "nvidia-smi"
-    assert argv[1] == "--query-gpu=" + ",".join(gpu.QUERY_FIELDS)
-    assert argv[2] == "--format=csv,noheader,nounits"
-    assert "compute_cap" not in gpu.FALLBACK_FIELDS
+def recorded_h200(*, lacks_compute_cap: bool = False) -> gpu.Runner:
+    """nvidia-smi on the recorded H200: each command docs/h200-probe.sh ran is answered with what it printed
+    (h200-live-*.txt); any other command has no recorded answer and fails the test. With `lacks_compute_cap`,
+    an older driver: a query naming that field is refused as the H200 refused a field it lacks ("bad field"
+    in the probe capture, exit 2)."""
+    nounits = "--format=csv,noheader,nounits"
+    answers = {
+        ("nvidia-smi", "--query-gpu=" + ",".join(gpu.QUERY_FIELDS), nounits): "query",
+        ("nvidia-smi", "--query-gpu=" + ",".join(gpu.FALLBACK_FIELDS), nounits): "fallback",
+        ("nvidia-smi", "--version"): "version",
+        ("nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", nounits): "apps",
+    }
+    refusal = section("bad field").split("rc=")[0].replace("not.a.field", "compute_cap")
+
+    def run(argv: list[str]) -> tuple[int, str, str]:
+        if lacks_compute_cap and any(a.startswith("--query-gpu=") and "compute_cap" in a for a in argv):
+            return 2, refusal, ""
+        name = answers.get(tuple(argv))
+        assert name is not None, f"no recorded answer of nvidia-smi to {argv}"
+        return 0, (DATA / f"h200-live-{name}.txt").read_text(), ""
+
+    return run
+
+
+def test_the_probe_reads_the_recorded_h200_and_an_older_drivers_answer() -> None:
+    """The probe's commands, answered as the H200 answered them, give its GPU; a driver that refuses
+    compute_cap gets the older field list, which it answers, and the same GPU less what that list lacks."""
+    new = gpu.probe(recorded_h200())
+    assert not new.fallback and (new.driver_version, new.cuda_version) == ("580.159.04", "13.0")
+    (g,) = new.gpus
+    assert (g.name, g.compute_cap, g.memory_total_mib, g.clocks_max_sm_mhz) == ("NVIDIA H200", "9.0", 143771, 1980)
+    old = gpu.probe(recorded_h200(lacks_compute_cap=True))
+    assert old.fallback and old.fields == gpu.FALLBACK_FIELDS and old.compute_apps == new.compute_apps == []
+    (o,) = old.gpus
+    assert o.compute_cap is None and o.vbios_version is None and o.mig_mode is None
+    shared = ("index", "uuid", "name", "pci_bus_id", "driver_version", "persistence_mode", "clocks_max_sm_mhz",
+              "clocks_max_mem_mhz", "event_reasons", "memory_total_mib", "power_limit_w")
+    assert {k: getattr(o, k) for k in shared} == {k: getattr(g, k) for k in shared}
 
 
 # ---------------------------------------------------------------- probe with a real executable

@@ -17,6 +17,7 @@ from builder.errors import ConfigError
 from builder.foundation.ssh import parse_target
 from builder.inputs.hosts import (
     bundles_folder,
+    check_against_pins,
     find_fleet,
     find_host,
     fleet_registry_ca,
@@ -26,6 +27,8 @@ from builder.inputs.hosts import (
     load_fleets,
     ssh_config_file,
 )
+from builder.inputs.pins import load_pins
+from builder.lock.lockfile import load_lock
 from tests.lib import auditlib, clirun, factory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,8 +108,15 @@ def test_inventory_names_file_and_key(tmp_path: Path, target: str) -> None:
 
 
 def test_inventory_accepts_the_shipped_fleets() -> None:
-    for p in sorted((ROOT / "hosts").glob("*.toml")):
-        load_fleet(p)
+    """Every fleet file shipped in hosts/ validates, is found by its name, and runs a lane that the shipped
+    pins and lock both hold: what `builder deploy --fleet NAME` reads before it contacts a host."""
+    files = sorted((ROOT / "hosts").glob("*.toml"))
+    fleets = load_fleets(ROOT / "hosts")  # (raises on the first file that does not validate)
+    assert files and sorted(p for p, _ in fleets.values()) == files, (files, fleets.keys())
+    lanes, locked = set(load_pins(ROOT / "pins.toml").lanes), set(load_lock(ROOT / "pins.lock").lanes)
+    for name, (path, fleet) in fleets.items():
+        assert find_fleet(ROOT / "hosts", name) == (path, fleet)
+        check_against_pins(path, fleet, lanes, locked)
 
 
 def _cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:

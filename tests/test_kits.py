@@ -206,8 +206,7 @@ def test_parse_manifest_refuses_escaping_and_repeated_paths() -> None:
     with pytest.raises(ResolveError, match="lists no files"):
         kits.parse_manifest(b"# only a comment\n\n", "kits.k")
     (line,) = kits.parse_manifest(f"# c\n{'A' * 64}   10  rope tp2  dir/with space.f32\n".encode(), "kits.k")
-    assert (line.sha256, line.size, line.origin, line.two_node, line.path) == ("a" * 64, 10, "rope", "tp2",
-                                                                                "dir/with space.f32")
+    assert (line.sha256, line.size, line.origin, line.path) == ("a" * 64, 10, "rope", "dir/with space.f32")
 
 
 # --------------------------------------------------------------------------- lock: a kit from a git tree

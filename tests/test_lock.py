@@ -2,7 +2,8 @@
 
 Covers determinism, stale detection (`--check`), `--update`, closures, offline reporting,
 and every bad input: malformed TOML, unknown keys, a missing patch file, an unreachable
-remote, a revision not on its ref, a model file that vanished, a lock edited by hand.
+remote, a revision not on its ref, a model file that vanished, a lock edited by hand. That lock
+keeps just what --check calls current is shown through the functions behind the two commands.
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from builder.inputs.pins import INPUT_KINDS
 from builder.lock import unknown
+from builder.lock.lockfile import check_lock
+from builder.lock.resolve import ResolveOptions, resolve
 from tests.lib import clirun, factory
+from tests.lib.gitlib import run_git
 from tests.lib.lockproject import TINY_COMMIT, ZIG_SHA, Project, Result, sha
 
 
@@ -158,6 +163,81 @@ def test_check_names_each_unknown_input_what_it_lacks_and_what_to_do(proj: Proje
     assert data["ok"] is False and "files.unpublished: not in the lock" in data["problems"]
     assert data["unknown"] == [{"input": "files.unpublished", "what": "its sha256: from https://example.invalid/f.py"}]
     assert proj.run("lock", "--check", "demo").rc == 0
+
+
+KIT_FILES = {"kit/rope.json": '{"theta": 10000}\n', "kit/aot.json": '{"kernels": []}\n'}
+
+
+def kit_manifest(files: dict[str, str]) -> str:
+    """A kit MANIFEST (sha256, bytes, origin, two-node, path) listing files of the kit/ folder."""
+    return "".join(f"{sha(t.encode())} {len(t.encode())} git - {rel.removeprefix('kit/')}\n"
+                   for rel, t in sorted(files.items()))
+
+
+def verdicts(proj: Project) -> tuple[set[str], set[str], set[str]]:
+    """What `lock --check` calls stale, then what `lock` resolves and keeps, by input; and,
+    once lock has run, --check finds nothing stale. (The functions behind the two commands, in this process:
+    the CLI's start, paid a dozen times, would be most of the test's time.)"""
+    # an input's problems name it first (kind.name, or kind.name.patches[i]); the rest name files or sections
+    stale = {".".join(p.split(":", 1)[0].split(".")[:2]) for p in check_lock(proj.pins, proj.lock).problems
+             if p.split(".", 1)[0] in INPUT_KINDS}
+    rep = resolve(proj.pins, proj.lock, ResolveOptions())
+    assert not rep.failed, rep.failed
+    after = check_lock(proj.pins, proj.lock)
+    assert after.ok, after.problems  # nothing lock kept (or wrote) is stale by --check's rule
+    return stale, set(rep.resolved), set(rep.kept)
+
+
+def test_lock_keeps_exactly_what_check_calls_current(proj: Project) -> None:
+    """`builder lock` re-resolves what `lock --check` calls stale and keeps the rest, for each way an
+    entry goes stale: a patch edited, a kit's commit left behind by its source's, a source's URL changed."""
+    proj.up.commit({**KIT_FILES, "kit/MANIFEST": kit_manifest(KIT_FILES)})
+    proj.up.push()
+    kit = {"engine-kit": {"source": "engine", "path": "kit"}}
+    proj.write_pins(kits=kit)
+    assert not resolve(proj.pins, proj.lock, ResolveOptions()).failed
+    every = {"sources.engine", "toolchains.zig", "files.template", "models.tiny", "kits.engine-kit"}
+
+    # nothing changed: nothing stale, everything kept
+    assert verdicts(proj) == (set(), set(), every)
+
+    # a patch edited: its source is stale and resolved again; the kit, at the same commit, is kept
+    (proj.root / "patches" / "0001-fix.patch").write_text("--- a/README\n+++ b/README\n@@ edited\n")
+    stale, resolved, kept = verdicts(proj)
+    assert stale == resolved == {"sources.engine"} and kept == every - resolved
+
+    # the source moved on alone (the kit not selected): the kit, read at the old commit, is stale
+    moved = {"kit/rope.json": '{"theta": 500000}\n', "kit/aot.json": KIT_FILES["kit/aot.json"]}
+    c3 = proj.up.commit({**moved, "kit/MANIFEST": kit_manifest(moved)})
+    proj.up.push()
+    assert not resolve(proj.pins, proj.lock, ResolveOptions(names=["engine"], update={"engine"})).failed
+    data = json.loads(proj.lock.read_text())
+    assert data["sources"]["engine"]["commit"] == c3 != data["kits"]["engine-kit"]["commit"]
+    stale, resolved, kept = verdicts(proj)
+    assert stale == resolved == {"kits.engine-kit"} and kept == every - resolved
+    assert json.loads(proj.lock.read_text())["kits"]["engine-kit"]["commit"] == c3
+
+    # the source's URL changed, to a mirror at the same commit: the source is resolved again from it,
+    # and the kit, whose commit did not move, is kept
+    mirror = proj.tmp / "mirror.git"
+    run_git("clone", "-q", "--bare", str(proj.up.bare), str(mirror), cwd=proj.tmp)
+    doc = proj.doc(kits=kit)
+    doc["sources"]["engine"]["url"] = f"file://{mirror}"
+    factory.write_pins(proj.root, doc)
+    stale, resolved, kept = verdicts(proj)
+    assert stale == resolved == {"sources.engine"} and kept == every - resolved
+    assert json.loads(proj.lock.read_text())["sources"]["engine"]["url"] == f"file://{mirror}"
+
+    # the URL changed again, to a repository a commit further on: --check (no network) can only name the
+    # source; lock moves the source, and then the kit with it, and keeps nothing --check called stale
+    c4 = proj.up.commit({"README": "engine, mirrored\n"})
+    run_git("push", "-q", str(mirror), "HEAD:refs/heads/main", cwd=proj.up.work)
+    doc["sources"]["engine"]["url"] = str(mirror)
+    factory.write_pins(proj.root, doc)
+    stale, resolved, kept = verdicts(proj)
+    assert stale == {"sources.engine"} and resolved == {"sources.engine", "kits.engine-kit"}
+    assert kept == every - resolved
+    assert json.loads(proj.lock.read_text())["kits"]["engine-kit"]["commit"] == c4
 
 
 # ---------------------------------------------------------------------------------------

@@ -42,12 +42,11 @@ READ = 4 * 1024 * 1024
 
 @dataclass(frozen=True)
 class Line:
-    """One MANIFEST line."""
+    """One MANIFEST line (its two-node column is the kit's own note: nothing here reads it)."""
 
     sha256: str
     size: int
     origin: str
-    two_node: str
     path: str
 
 
@@ -86,8 +85,7 @@ def parse_manifest(data: bytes, where: str, manifest: str = "MANIFEST") -> list[
         if path in seen:
             raise ResolveError(f"{where}: {manifest} line {n}: {path} is listed twice (line {seen[path]} too)")
         seen[path] = n
-        out.append(Line(sha256=parts[0].lower(), size=int(parts[1]), origin=parts[2], two_node=parts[3],
-                        path=path))
+        out.append(Line(sha256=parts[0].lower(), size=int(parts[1]), origin=parts[2], path=path))
     if not out:
         raise ResolveError(f"{where}: {manifest} lists no files")
     return out

@@ -2,12 +2,15 @@
 
 The schema, `render_lock` (a pure function: sorted, stable, header, format version, seal, so the
 same resolution always gives the same bytes), loading and writing, and `check_lock`, which says
-without network whether a lock is stale, incomplete or malformed and names the input. Resolving
-the pins into a lock is `builder.lock.resolve`'s; this module imports no resolver.
+without network whether a lock is stale, incomplete or malformed and names the input. Whether one
+locked input still holds is `why_stale`'s alone: `check_lock` reports it, and `builder.lock.resolve`
+keeps an entry only when it finds nothing. Resolving the pins into a lock is `builder.lock.resolve`'s;
+this module imports no resolver.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -250,6 +253,34 @@ class LockCheck:
     complete_lanes: list[str] = field(default_factory=list)
 
 
+def why_stale(kind: str, name: str, entry: Any, spec: Any, root: Path,
+              sources: Mapping[str, LockedSource]) -> list[str]:
+    """Why a locked input entry no longer holds for its pin and the files it was read from; empty when it
+    holds. `check_lock` reports these, and `builder lock` keeps an entry only when there are none: one rule,
+    so that lock never keeps what --check calls stale. No network: `sources` are the locked sources a kit
+    from a git tree is judged against (the lock on disk for --check; for lock, the ones it is writing)."""
+    where = f"{kind}.{name}"
+    if entry.spec_hash != spec_hash(spec):
+        return [f"{where}: pins changed since the lock was written"]
+    if kind == "kits" and entry.origin == "git":
+        src = sources.get(entry.source or "")
+        if src is None:
+            return [f"{where}: its source sources.{entry.source} is not in the lock"]
+        if src.commit != entry.commit:
+            return [f"{where}: locked from {entry.source} at {str(entry.commit)[:12]}, "
+                    f"which the lock now has at {src.commit[:12]}"]
+    if kind == "wheels" and (moved := wheelset.check(name, entry, root)) is not None:
+        return [moved]
+    out: list[str] = []
+    for i, p in enumerate(entry.patches if kind == "sources" else []):
+        path = root / p.file
+        if not path.is_file():
+            out.append(f"{where}.patches[{i}]: {p.file} is missing")
+        elif sha256_file(path)[0] != p.sha256:
+            out.append(f"{where}.patches[{i}]: {p.file} changed since the lock")
+    return out
+
+
 def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None) -> LockCheck:
     """Is the lock complete and current for these names (default: everything)? No network."""
     pins = load_pins(pins_path)
@@ -268,22 +299,8 @@ def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None)
             entry = entries.get(name)
             if entry is None:
                 problems.append(f"{kind}.{name}: not in the lock")
-            elif entry.spec_hash != spec_hash(specs[name]):
-                problems.append(f"{kind}.{name}: pins changed since the lock was written")
-            elif kind == "kits" and entry.origin == "git":
-                src = lock.sources.get(entry.source or "")
-                if src is not None and src.commit != entry.commit:
-                    problems.append(f"kits.{name}: locked from {entry.source} at {str(entry.commit)[:12]}, "
-                                    f"which the lock now has at {src.commit[:12]}")
-            elif kind == "wheels" and (moved := wheelset.check(name, entry, root)) is not None:
-                problems.append(moved)
-            elif kind == "sources":
-                for i, p in enumerate(entry.patches):
-                    path = root / p.file
-                    if not path.is_file():
-                        problems.append(f"sources.{name}.patches[{i}]: {p.file} is missing")
-                    elif sha256_file(path)[0] != p.sha256:
-                        problems.append(f"sources.{name}.patches[{i}]: {p.file} changed since the lock")
+            else:
+                problems += why_stale(kind, name, entry, specs[name], root, lock.sources)
     img_names = selected_images(pins, names)
     for name in sorted(img_names):
         spec = pins.images[name]

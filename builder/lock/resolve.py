@@ -44,6 +44,7 @@ from builder.lock.lockfile import (
     selected_images,
     spec_hash,
     tracked_inputs,
+    why_stale,
     write_lock,
 )
 
@@ -162,7 +163,9 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
         for name in sorted(selected[kind]):
             prev = new[kind].get(name)
             prev_any = getattr(previous, kind).get(name) if previous is not None else None
-            if prev is not None and name not in opts.update and _still_valid(kind, prev, root, new):
+            # judged by the rule --check applies, against the sources this lock will hold
+            if prev is not None and name not in opts.update and not why_stale(kind, name, prev, specs[name],
+                                                                              root, new["sources"]):
                 report.kept.append(f"{kind}.{name}")
                 continue
             if kind == "kits" and specs[name].source and f"sources.{specs[name].source}" in report.failed:
@@ -236,20 +239,6 @@ def _published(pins: Pins, previous: Lock | None, opts: ResolveOptions,
         out[name] = entry
         report.resolved.append(f"images.{name}")
     return out
-
-
-def _still_valid(kind: str, entry: Any, root: Path, new: dict[str, dict[str, Any]]) -> bool:
-    if kind == "kits" and entry.origin == "git":
-        src = new["sources"].get(entry.source)  # read at the commit the lock now has for its source
-        return src is not None and src.commit == entry.commit
-    if kind == "sources":
-        for p in entry.patches:
-            path = root / p.file
-            if not path.is_file() or sha256_file(path)[0] != p.sha256:
-                return False
-    if kind == "wheels":
-        return wheelset.still_valid(entry, root)
-    return True
 
 
 def _identity(kind: str, entry: Any) -> str:

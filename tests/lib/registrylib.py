@@ -3,7 +3,6 @@
     from tests.lib.registrylib import start_registry
 
     with start_registry(tmp_path, auth=True) as reg:          # htpasswd (bcrypt) basic auth
-        digest = reg.push_image("builder-test-tiny:1", "demo/tiny", "v1")   # docker tag + docker push
         idx = reg.push_index("demo/multi", "v1")               # OCI index, amd64 + arm64, pure HTTP
         idx.digest, idx.manifests["linux/arm64"]                # what was computed = what the registry says
         reg.blob_bytes_served(mark)                             # bytes its access log says it served
@@ -14,9 +13,8 @@
 By default it listens on 127.0.0.1 (Docker treats 127.0.0.0/8 as an insecure-allowed registry, so
 ``docker push 127.0.0.1:PORT/...`` needs no daemon config); ``ip`` puts it on another address (the test
 fleet's gateway), ``tls`` serves a certificate for that address from a CA made in the test. Storage,
-config, TLS files, htpasswd, the docker client config (``DOCKER_CONFIG``, so ``docker login`` never
-touches $HOME) and the log (with the access log, from which served bytes are counted) all live under
-workdir. ``stop()`` (or leaving ``with``) ends it; ``start()`` starts it again on the same address and
+config, TLS files, htpasswd and the log (with the access log, from which served bytes are counted) all
+live under workdir. ``stop()`` (or leaving ``with``) ends it; ``start()`` starts it again on the same address and
 storage. The planted password is a test value; it never appears in this object's repr.
 """
 
@@ -158,11 +156,6 @@ class Registry:
     @property
     def log(self) -> Path:
         return self.workdir / "registry.log"
-
-    @property
-    def docker_config(self) -> Path:
-        """DOCKER_CONFIG folder used for ``docker login``/``push`` (never $HOME/.docker)."""
-        return self.workdir / "docker-config"
 
     def __enter__(self) -> Registry:
         return self
@@ -356,41 +349,6 @@ class Registry:
             raw_index,
             f"{self.addr}/{repository}:{tag}",
         )
-
-    def docker_env(self) -> dict[str, str]:
-        return {**os.environ, "DOCKER_CONFIG": str(self.docker_config)}
-
-    def login(self) -> None:
-        """``docker login`` to this registry (credentials stored under workdir/docker-config only)."""
-        if self.username is None:
-            return
-        self.docker_config.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(
-            ["docker", "login", "-u", self.username, "--password-stdin", self.addr],
-            input=self.password,
-            capture_output=True,
-            text=True,
-            env=self.docker_env(),
-            timeout=60,
-        )
-        if proc.returncode != 0:
-            raise RegistryError(f"{self.addr}: docker login failed: {proc.stderr.strip()[-200:]}")
-
-    def push_image(self, local: str, repository: str, tag: str = "latest") -> str:
-        """``docker tag`` + ``docker push`` a local image to this registry; returns the manifest digest
-        the push reported (sha256:...)."""
-        self.login()
-        ref = f"{self.addr}/{repository}:{tag}"
-        env = self.docker_env()
-        for argv in (["docker", "tag", local, ref], ["docker", "push", ref]):
-            proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
-            if proc.returncode != 0:
-                raise RegistryError(f"{ref}: {' '.join(argv[:2])} failed: {proc.stderr.strip()[-200:]}")
-        subprocess.run(["docker", "rmi", ref], capture_output=True, env=env, timeout=60)
-        for line in proc.stdout.splitlines():
-            if "digest: sha256:" in line:
-                return "sha256:" + line.split("digest: sha256:")[1].split()[0]
-        raise RegistryError(f"{ref}: docker push printed no digest")
 
 
 def _deterministic_tar(files: Mapping[str, bytes]) -> bytes:
