@@ -29,8 +29,8 @@ from checklib import (
     run,
 )
 
+from builder.core.fastmode import fast_mode_drift
 from builder.hostscripts import shown
-from builder.installer.record import fast_mode_drift
 
 
 def planned(expect: dict[str, Any]) -> list[Cmd]:

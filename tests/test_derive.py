@@ -84,7 +84,7 @@ def test_killed_half_way_leaves_nothing_under_its_address_and_is_made_again(tmp_
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert not folder(p).exists()
-    assert [x.name for x in (tmp_path / "derived").iterdir()][0].startswith(folder(p).name + ".tmp-")
+    assert [x.name for x in (tmp_path / "derived").iterdir()][0].startswith(f".tmp-builder-{folder(p).name}.")
     p2 = plan(tmp_path, 'printf y > "$1/rank1of2-a.bin"')
     r = derive("make", str(p2))
     assert r.returncode == 0 and json.loads(r.stdout)["derivations"][0]["result"] == "made"
@@ -227,10 +227,26 @@ def test_a_first_fast_make_names_nothing_as_differed(tmp_path: Path) -> None:
     assert out["result"] == "made" and "differed" not in out
 
 
+def test_its_temps_are_named_by_the_core_rule(tmp_path: Path) -> None:
+    """derive.py is sent to hosts as its source alone, so it keeps its own copy of builder.core's
+    temp-naming rule: what it leaves beside a folder is what the core's cleaner finds."""
+    from builder.core import atomic
+    from builder.hostscripts import derive as host_derive
+    path = str(tmp_path / "cache-0123")
+    assert host_derive.tmp_stem(path) == atomic.tmp_stem(path)
+    made, aside = host_derive.tmp_name(path), host_derive.tmp_name(path, "old-")
+    os.mkdir(made)
+    os.mkdir(aside)
+    (tmp_path / "cache-0123").mkdir()
+    assert atomic.clean_stale_tmp(path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache-0123"]
+
+
 def test_the_old_folder_is_put_back_when_the_new_one_cannot_go_in(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from builder.hostscripts import derive as host_derive
-    path, tmp = tmp_path / "cache", tmp_path / "cache.tmp-1"
+    path = tmp_path / "cache"
+    tmp = Path(host_derive.tmp_name(str(path)))
     path.mkdir()
     (path / "old.bin").write_bytes(b"old")
     tmp.mkdir()
@@ -246,7 +262,7 @@ def test_the_old_folder_is_put_back_when_the_new_one_cannot_go_in(tmp_path: Path
     why = host_derive.place(str(tmp), str(path))
     assert why.startswith(f"cannot put {path} in place:") and "No space left" in why
     assert (path / "old.bin").read_bytes() == b"old"
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["cache", "cache.tmp-1"]  # no old one left aside
+    assert sorted(x.name for x in tmp_path.iterdir()) == sorted(["cache", tmp.name])  # no old one left aside
 
 
 #: a stand-in for the docker CLI with the one behaviour that matters here: `docker run` starts the

@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
+from builder.core.fastmode import fast_mode_drift
 from builder.errors import ResolveError
 from builder.foundation import hashing
 from builder.foundation.canon import address, sha256_tree
-from builder.installer import files as host_files
-from builder.installer.record import fast_mode_drift, model_cached, model_ok, model_records
+from builder.installer.record import model_cached, model_ok, model_records
 
 
 def _make(root: Path, n: int = 6) -> list[dict[str, Any]]:
@@ -217,11 +217,6 @@ def test_in_parallel_keeps_the_items_order_and_starts_the_largest_first() -> Non
     assert started == [50, 20, 3, 1]
     assert hashing.in_parallel(one, sizes, size=lambda n: n, workers=3) == [10, 500, 30, 200]
     assert hashing.in_parallel(one, []) == []
-
-
-def test_the_installer_pool_is_the_same_one() -> None:
-    assert hashing.in_parallel is host_files.in_parallel and hashing.default_workers is host_files.default_workers
-    assert host_files.in_parallel(lambda n: -n, [3, 1, 2], size=lambda n: n, workers=2) == [-3, -1, -2]
 
 
 def test_fast_mode_drift_names_each_kind_of_drift(tmp_path: Path) -> None:

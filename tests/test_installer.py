@@ -56,39 +56,46 @@ def snapshot(root: Path) -> dict[str, Any]:
 
 
 def test_install_pyz_is_a_deterministic_stdlib_zipapp() -> None:
-    """builder.installer's modules and a __main__.py, stored in sorted order with fixed times and modes;
-    every module parses as python 3.8 and imports the standard library and its own package only."""
+    """builder.installer's and builder.core's modules, a builder/__init__.py of its own and a __main__.py,
+    stored in sorted order with fixed times and modes; every module parses as python 3.8 and imports the
+    standard library, builder.core and its own package only."""
     assert SCRIPT.startswith(b"#!/usr/bin/env python3\n")
-    pkg = Path(installer.__file__).parent
+    top = Path(installer.__file__).parent.parent
     with zipfile.ZipFile(io.BytesIO(SCRIPT)) as z:
         infos = z.infolist()
         names = [i.filename for i in infos]
-        assert names == ["__main__.py", *sorted(f"installer/{f.name}" for f in pkg.glob("*.py"))]
+        modules = sorted(f"builder/{f.relative_to(top).as_posix()}" for pkg in ("core", "installer")
+                         for f in (top / pkg).glob("*.py"))
+        assert names == ["__main__.py", *sorted(["builder/__init__.py", *modules])]
         for i in infos:
             assert i.date_time == (1980, 1, 1, 0, 0, 0) and i.compress_type == zipfile.ZIP_STORED, i.filename
             assert i.external_attr >> 16 == 0o100644, i.filename
         mods = set()
         for name in names:
             src = z.read(name)
-            if name != "__main__.py":
-                assert src == (pkg / name.split("/", 1)[1]).read_bytes(), name
+            if name in modules:
+                assert src == (top / name.split("/", 1)[1]).read_bytes(), name
             for node in ast.walk(ast.parse(src, feature_version=(3, 8))):
                 if isinstance(node, ast.Import):
-                    mods.update(a.name.split(".")[0] for a in node.names)
+                    mods.update(a.name for a in node.names)
                 elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    mods.add(node.module.split(".")[0])
-        verifier = z.read("installer/minisign.py").decode()
-    assert not mods - set(sys.stdlib_module_names) - {"installer"}, mods
-    assert "builder" not in mods and "def verify_with_openssl" in verifier
+                    mods.add(node.module)
+        verifier = z.read("builder/core/minisign.py").decode()
+    ours = {m for m in mods if m.split(".")[0] == "builder"}
+    assert not {m.split(".")[0] for m in mods - ours} - set(sys.stdlib_module_names), mods
+    assert all(m.startswith(("builder.core", "builder.installer")) for m in ours), ours
+    assert "def verify_with_openssl" in verifier
     assert hostpkg.zipapp() == SCRIPT == pack.build(pack.sources())  # deterministic
     # the same bytes from another process, and from the zipapp itself
     made = subprocess.run([sys.executable, "-c", "import sys; from builder.installer import pack; "
                            "sys.stdout.buffer.write(pack.zipapp())"], capture_output=True, check=True)
     assert made.stdout == SCRIPT
-    again = subprocess.run([sys.executable, "-I", str(bl.installer_file()), "assemble"], capture_output=True,
-                           cwd="/", check=True)
+    # no site-packages and no checkout on the path (-I -S): the zipapp alone carries what it imports
+    alone = [sys.executable, "-I", "-S", str(bl.installer_file())]
+    again = subprocess.run([*alone, "assemble"], capture_output=True, cwd="/", check=True)
     assert again.stdout == SCRIPT
-    p = run_installer("status", "--root", "/nonexistent/builder-root")
+    p = subprocess.run([*alone, "status", "--root", "/nonexistent/builder-root"], capture_output=True, text=True,
+                       cwd="/")
     assert p.returncode == 0 and json.loads(p.stdout)["current"] is None
 
 
@@ -531,6 +538,7 @@ def test_writeback_is_started_behind_the_writes_and_the_bytes_are_whole(tmp_path
 
 def test_a_damaged_release_is_replaced_and_its_path_never_lacks_one(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from builder.core import atomic
     from builder.installer import release as host_release
     from builder.installer.root import Root
     bid, body = "b" * 64, b"PORT=8000\n"
@@ -548,11 +556,11 @@ def test_a_damaged_release_is_replaced_and_its_path_never_lacks_one(tmp_path: Pa
     rmtree = shutil.rmtree
 
     def watch(path: str, *a: Any, **k: Any) -> None:  # what the release path holds while the old one goes
-        if ".tmp-old-" in os.path.basename(path):
+        if os.path.basename(path).startswith(atomic.tmp_stem(final) + "old-"):
             seen.append((final / "launch" / "rank.env").read_bytes())
         rmtree(path, *a, **k)
 
-    monkeypatch.setattr(host_release.shutil, "rmtree", watch)
+    monkeypatch.setattr(atomic.shutil, "rmtree", watch)
     host_release.stage_release(r, str(bundle_dir), manifest, b"{}", b"", link=True)
     assert seen == [body]  # the new release was already in place when the old one was removed
     assert (final / "launch" / "rank.env").read_bytes() == body and (final / "manifest.json").read_bytes() == b"{}"

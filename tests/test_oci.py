@@ -1,5 +1,6 @@
-"""builder.lock.oci against a REAL registry on loopback (Debian's docker-registry, tests/lib/registrylib.py)
-and, offline, against a local image in the real Docker engine."""
+"""builder.lock.oci, and the registry client it reads through (builder.foundation.distribution), against
+a REAL registry on loopback (Debian's docker-registry, tests/lib/registrylib.py) and, offline, against a
+local image in the real Docker engine."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from builder.errors import ConfigError, ResolveError
+from builder.foundation import distribution
 from builder.inputs.pins import BaseImage
 from builder.lock import oci
 from tests.lib import clirun, factory
@@ -32,14 +34,14 @@ NGC_ENV = ["PATH=/usr/local/bin:/usr/bin", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1"]
 
 
 def test_parse_ref() -> None:
-    r = oci.parse_ref("nvcr.io/nvidia/pytorch:26.07-py3")
+    r = distribution.parse_ref("nvcr.io/nvidia/pytorch:26.07-py3")
     assert (r.registry, r.repository, r.tag, r.digest) == ("nvcr.io", "nvidia/pytorch", "26.07-py3", None)
     assert r.base_url == "https://nvcr.io"
-    r = oci.parse_ref("ubuntu")
+    r = distribution.parse_ref("ubuntu")
     assert (r.registry, r.repository, r.tag) == ("registry-1.docker.io", "library/ubuntu", "latest")
-    r = oci.parse_ref("127.0.0.1:5000/demo/x@sha256:" + "a" * 64)
+    r = distribution.parse_ref("127.0.0.1:5000/demo/x@sha256:" + "a" * 64)
     assert r.base_url == "http://127.0.0.1:5000" and r.reference == "sha256:" + "a" * 64
-    assert oci.parse_ref("localhost:5000/x:1").base_url == "http://localhost:5000"
+    assert distribution.parse_ref("localhost:5000/x:1").base_url == "http://localhost:5000"
     with pytest.raises(ConfigError, match=r"bases\.b\.ref: .*not a valid repository name"):
         oci.resolve("b", BaseImage(ref="Bad/UPPER:1", platforms=["linux/arm64"]), offline=False, spec_hash=H)
     with pytest.raises(ConfigError, match=r"bases\.b\.ref: 'scratch' is not a base"):
@@ -296,7 +298,7 @@ def test_credentials_never_go_to_a_plain_http_token_service_on_another_host(monk
     with _server("127.0.0.2") as (tokens, token_seen):
         realm = f"http://{tokens}/token"
         with _server("127.0.0.1", f'Bearer realm="{realm}",service="reg"') as (addr, reg_seen):
-            reg = oci.Registry(oci.parse_ref(f"{addr}/demo/x:v1"))
+            reg = distribution.RegistryClient(distribution.parse_ref(f"{addr}/demo/x:v1"))
             with pytest.raises(ResolveError) as ei:
                 reg.manifest("v1")
     assert token_seen == []  # nothing at all went to the other host
@@ -311,7 +313,7 @@ def test_credentials_go_to_the_registrys_own_token_service(monkeypatch: pytest.M
     monkeypatch.setenv("BUILDER_REGISTRY_PASSWORD", "planted-secret-pw")
     with _server("127.0.0.1") as (tokens, token_seen):  # the registry's host (loopback, plain http)
         with _server("127.0.0.1", f'Bearer realm="http://{tokens}/token",service="reg"') as (addr, _):
-            doc, _, _ = oci.Registry(oci.parse_ref(f"{addr}/demo/x:v1")).manifest("v1")
+            doc, _, _ = distribution.RegistryClient(distribution.parse_ref(f"{addr}/demo/x:v1")).manifest("v1")
     assert doc == {"schemaVersion": 2}
     (path, auth), = token_seen
     assert path.startswith("/token?") and auth.startswith("Basic ")

@@ -413,13 +413,14 @@ def test_a_read_refused_twice_is_one_line_naming_the_registry_and_the_fix(
     """What `builder lock` asks of a registry (a manifest, to pin a published image) refused with the
     credentials it wanted: the same one line as a push's, for an account that may pull."""
     from builder.errors import ResolveError
-    from builder.lock import oci
+    from builder.foundation import distribution
 
     monkeypatch.setenv("BUILDER_REGISTRY_USER", str(registry.username))
     monkeypatch.setenv("BUILDER_REGISTRY_PASSWORD", "not-the-password")
-    ref = oci.ImageRef(registry=registry.addr, repository="builder/demo", tag="v1", digest=None, scheme="http")
+    ref = distribution.ImageRef(registry=registry.addr, repository="builder/demo", tag="v1", digest=None,
+                                scheme="http")
     with pytest.raises(ResolveError) as e:
-        oci.Registry(ref).manifest("v1")
+        distribution.RegistryClient(ref).manifest("v1")
     line = str(e.value)
     assert line.startswith(f"registry {registry.addr}: authentication failed (401): it refused the credentials "
                            "from BUILDER_REGISTRY_USER and BUILDER_REGISTRY_PASSWORD"), line

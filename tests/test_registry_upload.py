@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from builder.errors import BuilderError, ResolveError
+from builder.foundation import distribution
 from builder.image import registry
 from tests.lib import registrylib
 
@@ -32,8 +33,8 @@ MiB = 1 << 20
 def _needs_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     if not registrylib.registry_available():
         pytest.skip("docker-registry is not installed")
-    monkeypatch.setattr(registry, "CHUNK", 4 * MiB)  # a 10 MiB blob: three chunks
-    monkeypatch.setattr(registry, "RETRY_WAIT", 0.05)
+    monkeypatch.setattr(distribution, "CHUNK", 4 * MiB)  # a 10 MiB blob: three chunks
+    monkeypatch.setattr(distribution, "RETRY_WAIT", 0.05)
 
 
 class Link:
@@ -158,7 +159,7 @@ def blob(n: int = 10 * MiB) -> tuple[bytes, str]:
 
 def send(addr: str, data: bytes, digest: str, told: list[int] | None = None) -> int:
     """Upload ``data``; the bytes the client says it put on the wire."""
-    client = registry._Client(registry.parse_target(f"http://{addr}", "test"), "builder/blob")
+    client = registry.client_for(registry.parse_target(f"http://{addr}", "test"), "builder/blob")
     return client.upload(digest, len(data), lambda: io.BytesIO(data), (told.append if told is not None else None))
 
 
@@ -182,17 +183,17 @@ def test_a_blob_goes_in_chunks_with_content_range(reg: registrylib.Registry, lin
 def test_a_link_down_between_chunks_goes_on_from_the_byte_the_registry_holds(
         reg: registrylib.Registry, link: Link, creds: None) -> None:
     data, digest = blob()
-    real_send = registry.oci.Registry.send
+    real_send = distribution.RegistryClient.send
     calls = [0]
 
-    def send_counting(self: registry.oci.Registry, *a: object, **kw: object) -> object:
+    def send_counting(self: distribution.RegistryClient, *a: object, **kw: object) -> object:
         calls[0] += 1
         if calls[0] == 4:  # the third chunk (after the 401, POST and two PATCHes): the link goes down
             link.down(3)
         return real_send(self, *a, **kw)  # type: ignore[arg-type]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(registry.oci.Registry, "send", send_counting)
+        mp.setattr(distribution.RegistryClient, "send", send_counting)
         send(link.addr, data, digest)
     assert stored(reg, digest) == data
     got = link.requests()

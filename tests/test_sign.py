@@ -17,9 +17,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from builder.core import minisign as mv
 from builder.errors import ConfigError, VerifyError
 from builder.foundation import sign
-from builder.installer import minisign as mv
 
 MINISIGN = shutil.which("minisign")
 needs_minisign = pytest.mark.skipif(

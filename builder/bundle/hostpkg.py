@@ -1,6 +1,7 @@
-"""install.pyz on the operator's side: the zipapp of builder.installer (builder.installer.pack makes it),
-the one form in which the host side reaches a host: in every bundle as ``install.pyz``, and kept by
-ship and deploy on the host by its sha256 (builder.store.placement.kept_installer).
+"""install.pyz on the operator's side: the zipapp of builder.installer and the builder.core it imports
+(builder.installer.pack makes it), the one form in which the host side reaches a host: in every bundle
+as ``install.pyz``, and kept by ship and deploy on the host by its sha256
+(builder.store.placement.kept_installer).
 
 ``python3 -m builder.bundle.hostpkg FILE`` writes it (the operator's trusted copy for the first
 install of a sneakernet host); ``python3 -m builder.installer assemble`` prints the same bytes.
@@ -12,8 +13,8 @@ import functools
 import hashlib
 import sys
 
+from builder.foundation.canon import atomic_write
 from builder.installer import pack
-from builder.installer.files import atomic_write
 
 NAME = pack.NAME
 

@@ -9,7 +9,6 @@ import contextlib
 import hashlib
 import os
 import re
-import secrets
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from builder.bundle.archive import image_archive
 from builder.bundle.keys import signing_key_path
 from builder.bundle.parts import WrittenFile, write_bytes, write_stream
 from builder.bundle.thin import thin_omitted
+from builder.core.atomic import clean_stale_tmp, tmp_name
 from builder.errors import ConfigError
 from builder.foundation import sign
 from builder.foundation.canon import canonical_json, file_lock, fsync_dir, pretty_json, replace_folder
@@ -305,9 +305,8 @@ def _staging(out: Path) -> Iterator[Path]:
     parent = out.parent
     parent.mkdir(parents=True, exist_ok=True)
     with file_lock(parent / f".{out.name}.lock"):
-        for stale in parent.glob(f".tmp-{out.name}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = parent / f".tmp-{out.name}-{os.getpid()}-{secrets.token_hex(4)}"
+        clean_stale_tmp(out)
+        tmp = Path(tmp_name(out))
         tmp.mkdir(mode=0o755)
         try:
             yield tmp

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from builder.core.atomic import tmp_name
 from builder.errors import ConfigError
 from builder.foundation.canon import atomic_write, pretty_json, replace_folder
 
@@ -113,9 +114,9 @@ def snapshot(store: Path, lock_hash: str, pins: Path, lock: Path, root: Path, re
     d = snapshot_dir(store, lock_hash)
     if (d / "pins.lock").is_file():
         return d
-    tmp = d.parent / f".tmp-{lock_hash[:16]}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tmp_name(d))
+    tmp.mkdir()
     shutil.copy2(pins, tmp / "pins.toml")
     if recipe is not None and (root / recipe).is_dir():  # (the recipe: a folder of the project, such as images/demo)
         shutil.copytree(root / recipe, tmp / recipe, symlinks=True)

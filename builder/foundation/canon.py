@@ -1,31 +1,32 @@
 """Canonical JSON, content addresses and atomic writes: the primitives every stage shares.
 
 File hashing is builder.foundation.hashing's (``sha256_file``, and the pool every parallel hash uses).
-``canonical_json`` and ``fsync_dir`` are builder.installer's (the host side is the bottom layer, and
-writes the same JSON and syncs the same way).
+Canonical JSON, atomic writes, the move of a finished folder into place, fsync and the temps' cleaner
+are builder.core's, re-exported here: the installer runs the same functions on hosts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import io
 import json
 import os
-import secrets
 import shutil
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from builder.core.atomic import atomic_write as atomic_write
+from builder.core.atomic import atomic_writer as atomic_writer
+from builder.core.atomic import clean_stale_tmp as clean_stale_tmp
+from builder.core.atomic import fsync_dir as fsync_dir
+from builder.core.atomic import replace_folder as replace_folder
+from builder.core.canonjson import canonical_json as canonical_json
 from builder.foundation.hashing import sha256_file
-from builder.installer.files import atomic_writer as host_atomic_writer
-from builder.installer.files import fsync_dir as fsync_dir
-from builder.installer.manifest import canonical_json as canonical_json
 
 
 def pretty_json(obj: Any) -> bytes:
@@ -64,71 +65,6 @@ def sha256_tree(root: Path) -> str:
                 mode = "755" if os.lstat(full).st_mode & 0o111 else "644"
                 entries.append([rel, mode, digest])
     return address(sorted(entries))
-
-
-def atomic_write(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
-    """Write a file so that readers see either the old bytes or the new, never a part."""
-    with atomic_writer(path, mode) as f:
-        f.write(data)
-
-
-@contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike[str], mode: int = 0o644) -> Iterator[IO[bytes]]:
-    """A file to stream into: a temp file beside `path` (``.NAME.*.tmp``, see clean_stale_tmp),
-    fsynced and renamed over it on success (builder.installer.files.atomic_writer, the one copy).
-
-    On any exception the temp file is removed and `path` keeps its old bytes.
-    """
-    with host_atomic_writer(path, mode, prefix=f".{Path(path).name}.", suffix=".tmp") as f:
-        yield f
-
-
-#: how many times replace_folder moves another process's folder aside before it gives up
-_REPLACE_TRIES = 50
-
-
-def replace_folder(new: Path, dest: Path) -> None:
-    """Put the finished folder ``new`` at ``dest`` (on one filesystem), the one way builder does it.
-
-    What is at ``dest`` (a folder, a file or a link) is renamed aside and kept until ``new`` is in place,
-    then removed; if ``new`` cannot go in, the old one is put back and the error raised. Two processes
-    may do this to one ``dest`` at once: one whose rename meets the other's folder arriving in between
-    (ENOTEMPTY, EEXIST) moves that aside too and tries again, so each ends with a whole folder at
-    ``dest``, the last one's. ``dest`` lacks a folder only between two renames. The aside's name,
-    ``.tmp-NAME-old-PID-…`` beside it, is what a killed run leaves; whoever cleans ``.tmp-NAME-*`` removes it.
-    """
-    asides: list[Path] = []
-    try:
-        for _ in range(_REPLACE_TRIES):
-            if os.path.lexists(dest):
-                aside = dest.parent / f".tmp-{dest.name}-old-{os.getpid()}-{secrets.token_hex(4)}"
-                try:
-                    os.rename(dest, aside)
-                    asides.append(aside)
-                except FileNotFoundError:
-                    pass  # another process moved it aside first
-            try:
-                os.rename(new, dest)
-                break
-            except OSError as e:
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                    raise
-        else:
-            raise OSError(errno.ENOTEMPTY, f"other processes kept putting a folder at {dest}")
-        fsync_dir(dest.parent)
-    except BaseException:
-        if asides and not os.path.lexists(dest):  # the newest old one back: never lost for a failed rename
-            with contextlib.suppress(OSError):
-                os.rename(asides[-1], dest)
-                asides.pop()
-        raise
-    finally:
-        for a in asides:
-            if a.is_dir() and not a.is_symlink():
-                shutil.rmtree(a, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    a.unlink()
 
 
 @contextlib.contextmanager
@@ -194,21 +130,6 @@ class ChunkReader(io.RawIOBase):
         b[:n] = self._buf[:n]
         self._buf = self._buf[n:]
         return n
-
-
-def clean_stale_tmp(path: str | os.PathLike[str]) -> int:
-    """Remove `.NAME.*.tmp` files a killed atomic_write left beside `path`.
-
-    Call it only while holding the lock that serialises writers of `path`.
-    """
-    p = Path(path)
-    n = 0
-    if p.parent.is_dir():
-        for t in p.parent.glob(f".{p.name}.*.tmp"):
-            with contextlib.suppress(OSError):
-                t.unlink()
-                n += 1
-    return n
 
 
 @contextlib.contextmanager

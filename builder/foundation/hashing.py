@@ -6,12 +6,12 @@ thread (no allocation per read, no copy into a bytes object), in large reads (:d
 rather than the 8 KiB BIO chunks of ``openssl dgst`` (docs/benchmarks.md has the figures).
 
 :func:`stamp` is what fast mode compares instead of reading a file: its size, mtime (ns) and inode, as
-recorded when its bytes were last hashed in full; whether a stamp still vouches for the bytes is the
-host side's one rule (``builder.installer.record.fast_mode_drift``).
+recorded when its bytes were last hashed in full; whether a stamp still vouches for the bytes is
+fast mode's one rule (``builder.core.fastmode.fast_mode_drift``, which hosts run too).
 
 Every pool of hashing threads in builder is :func:`in_parallel`, and every file is hashed by
-:func:`sha256_file`'s read loop (builder.installer.files's, the one copy of each: the host side runs
-them too).
+:func:`sha256_file`'s read loop (builder.core.digest's, the one copy of each: the installer runs
+them too, and they are re-exported here).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from builder.core.digest import READ_SIZE as READ_SIZE
+from builder.core.digest import default_workers as default_workers
+from builder.core.digest import in_parallel as in_parallel
+from builder.core.digest import sha256_file as sha256_file
 from builder.errors import ConfigError, ResolveError
-from builder.installer.files import READ_SIZE as READ_SIZE
-from builder.installer.files import default_workers as default_workers
-from builder.installer.files import in_parallel
-from builder.installer.files import sha256_file as sha256_file
 
 
 def size_or_zero(path: str | os.PathLike[str]) -> int:

@@ -6,7 +6,7 @@
 - :func:`sign` writes ``.minisig`` text with the default ``ED`` algorithm (the Ed25519
   signature covers the BLAKE2b-512 hash of the data) and a signed trusted comment.
 - :func:`verify` checks with ``cryptography``; :func:`verify_with_openssl` checks with
-  ``openssl pkeyutl`` through :mod:`builder.installer.minisign`, the stdlib-only verifier the
+  ``openssl pkeyutl`` through :mod:`builder.core.minisign`, the stdlib-only verifier the
   installer runs. Both give the trusted comment back or raise one-line VerifyError.
 
 Secret material (the seed) never appears in a repr, a message or a log.
@@ -28,9 +28,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from builder.core import minisign as mv
 from builder.errors import ConfigError, VerifyError
 from builder.foundation.canon import atomic_write
-from builder.installer import minisign as mv
 
 PublicKey = mv.PublicKey
 Signature = mv.Signature
@@ -365,7 +365,7 @@ def verify_with_openssl(
     openssl: str = "openssl",
     source: str | None = None,
 ) -> str:
-    """As :func:`verify`, through ``openssl pkeyutl`` and the stdlib-only :mod:`builder.installer.minisign`."""
+    """As :func:`verify`, through ``openssl pkeyutl`` and the stdlib-only :mod:`builder.core.minisign`."""
     try:
         return mv.verify_with_openssl(data_or_path, minisig_text, public_key_text, openssl=openssl)
     except mv.MinisignError as e:

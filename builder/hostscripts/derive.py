@@ -7,13 +7,15 @@ writes into. Ships in every bundle as ``derive.py``:
 * ``derive.py make PLAN [full]``: each derivation whose folder is not complete, or differs from its
   record (what `check` finds: without ``full``, by the size, mtime and inode recorded when each file
   was hashed; with ``full``, by hashing every file, as ``builder deploy --repair`` asks), is made: its
-  command runs in the lane's image (network off) into ``<folder>.tmp-<pid>``, its container under a fixed
+  command runs in the lane's image (network off) into a temp folder beside it, its container under a fixed
   name (the plan's ``--name``, else one per derivation and rank) removed (``docker rm -f``) before the run
   and when the run passes its timeout (which ends the docker client only); every file it wrote is
   hashed into the record ``.builder-derived.json`` with its size, mtime and inode; the folder takes its
   address's place whole (a folder already there is renamed aside first and removed after; put back if
   the new one cannot go in), so a run killed half-way leaves nothing under its address, and the next
-  run makes it again. One JSON object on stdout (per derivation: ``made`` or ``held``, seconds, files,
+  run makes it again. The temp folder and the aside are named as builder.core.atomic names every temp
+  (``.tmp-builder-NAME.`` then a tag, the pid and a random part), which a host script, sent as its
+  source alone, cannot import. One JSON object on stdout (per derivation: ``made`` or ``held``, seconds, files,
   and what differed: with ``full``, a folder or record that is gone counts as differed, since the
   rank's release expects it), a line on stderr as each starts and ends; exit 1 when one failed.
 * ``derive.py check PLAN [full]``, or the check's ``python3 -c SOURCE '{"plan": …, "mode": …}'``: per
@@ -28,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -67,6 +70,16 @@ def read_record(folder: str) -> dict[str, Any] | None:
         return None
 
 
+def tmp_stem(path: str) -> str:
+    """The start of every temp name that stands in for path beside it (builder.core.atomic's rule)."""
+    return f".tmp-builder-{os.path.basename(path)}."
+
+
+def tmp_name(path: str, tag: str = "") -> str:
+    """A fresh temp path beside path: its stem, tag, this process's id and a random part."""
+    return os.path.join(os.path.dirname(path), f"{tmp_stem(path)}{tag}{os.getpid()}.{secrets.token_hex(4)}")
+
+
 def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -97,9 +110,9 @@ def make_one(d: dict[str, Any], rank: int, world: int, full: bool = False) -> di
     os.makedirs(parent, exist_ok=True)
     base = os.path.basename(path)
     for stale in os.listdir(parent):  # what a killed run left: never under the address itself
-        if stale.startswith(base + ".tmp-"):
+        if stale.startswith(tmp_stem(path)):
             shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = tmp_name(path)
     os.makedirs(tmp)
     argv = [a.replace("{out}", tmp) for a in d["argv"]]
     name = container_name(argv, d["name"], rank)
@@ -195,7 +208,7 @@ def place(tmp: str, path: str) -> str:
     """Put the whole folder tmp at path: a folder already there (one without its record, or one that
     differs from it) is renamed aside, tmp renamed into its place, then the old one removed, so path
     never holds a half-made folder. "" when done, else why not."""
-    aside = f"{path}.tmp-old-{os.getpid()}"
+    aside = tmp_name(path, "old-")
     if os.path.lexists(path):
         try:
             os.rename(path, aside)

@@ -5,57 +5,42 @@ digest is its DiffID and the manifest digest is a function of the image), not wh
 would make of it: the same image gives the same manifest digest from any machine. Before anything is
 sent, the manifest and every blob are asked for with HEAD; what the registry holds is not sent, and an
 image the registry holds whole costs one HEAD (plus the check below). The engine is asked for the
-image's bytes (`docker save`) only when a blob is missing. A blob is sent in chunks (PATCH with
-Content-Range); a chunk the link drops is followed by a look at where the upload stands, and the blob
-goes on from there (or, where the registry dropped the upload, starts again). After the push the
-registry's answer is checked: the manifest by digest, its config's DiffIDs against the record. The reference pushed
-(``host:port/builder/NAME@sha256:...``) is recorded in the image record; credentials
-(BUILDER_REGISTRY_USER / BUILDER_REGISTRY_PASSWORD, else the docker client's config through the docker
-SDK: its credential helpers, ``credHelpers`` and ``credsStore``, and its ``auths``) are sent only to the
-registry and never written or printed.
+image's bytes (`docker save`) only when a blob is missing. After the push the registry's answer is
+checked: the manifest by digest, its config's DiffIDs against the record. The reference pushed
+(``host:port/builder/NAME@sha256:...``) is recorded in the image record. The model files of a fleet
+go to its registry as blobs here too, and the bundle's preflight asks the registry through here.
+
+Every request goes through builder.foundation.distribution, the operator side's one registry client:
+blobs in chunks resumed where a link drops, the credentials (sent only to the registry, never written
+or printed), one-line errors naming the registry.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import http.client
 import io
 import ipaddress
 import os
 import re
-import ssl
 import tempfile
-import time
-import urllib.error
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from builder.errors import BuilderError, ConfigError, UnreachableError, VerifyError
+from builder.errors import ConfigError, VerifyError
 from builder.foundation import dockerio
 from builder.foundation.canon import canonical_json, file_lock
+from builder.foundation.distribution import ImageRef, RegistryClient, sha256_of
 from builder.image import layers
 from builder.image.imagerecord import ImageRecord, read_record, write_record
 from builder.image.layers.spooled import MEDIA_CONFIG, MEDIA_LAYER, MEDIA_MANIFEST
 from builder.inputs.hosts import Fleet, fleet_registry_ca
-from builder.lock import oci
-from builder.lock.plainfiles import network_reason
 from builder.store.content import live_marker
 
 REPO_PREFIX = "builder"
 #: the repository that holds a fleet's model files, each a blob whose digest is its locked sha256
 MODEL_REPOSITORY = f"{REPO_PREFIX}/model-files"
-#: bytes read from a blob at a time while a chunk is sent
-UPLOAD_BLOCK = 1024 * 1024
-#: bytes one PATCH carries (a registry's OCI-Chunk-Min-Length can ask for more): a chunk the link drops
-#: midway costs at most this much where the registry keeps the chunks before it
-CHUNK = 64 * 1024 * 1024
-#: tries in a row that bring an upload no byte further, and the wait before the first (doubled each time)
-RETRIES = 5
-RETRY_WAIT = 0.5
 
 
 @dataclass(frozen=True)
@@ -143,199 +128,16 @@ def manifest_of(rec: ImageRecord) -> bytes | None:
     })
 
 
-def _sha(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
+def client_for(target: Target, repository: str) -> RegistryClient:
+    """The registry client that pushes to ``repository`` of ``target``."""
+    ref = ImageRef(registry=target.registry, repository=repository, tag=None, digest=None, scheme=target.scheme)
+    return RegistryClient(ref, ca_file=target.ca_file, push=True)
 
 
-class _Client:
-    """The push side of the distribution API over oci.Registry's HTTP and auth."""
-
-    def __init__(self, target: Target, repository: str) -> None:
-        self.target = target
-        ref = oci.ImageRef(registry=target.registry, repository=repository, tag=None, digest=None,
-                           scheme=target.scheme)
-        self.reg = oci.Registry(ref, ca_file=target.ca_file, push=True)
-        self.where = f"registry {target.registry}"
-
-    def send(self, url_or_path: str, **kw: Any) -> tuple[int, bytes, dict[str, str]]:
-        """oci.Registry.send; a 401 after the credentials were sent is BuilderError (auth_failed)."""
-        status, body, headers = self.reg.send(url_or_path, **kw)
-        if status == 401:
-            raise BuilderError(self.auth_failed())
-        return status, body, headers
-
-    def auth_failed(self) -> str:
-        """One line for a registry that refused the credentials sent (oci.Registry.auth_refused)."""
-        return self.reg.auth_refused()
-
-    def has(self, kind: str, digest: str) -> bool:
-        status, _, headers = self.send(f"{kind}/{digest}", method="HEAD",
-                                       headers={"Accept": MEDIA_MANIFEST} if kind == "manifests" else None)
-        if status == 200:
-            if kind == "manifests" and headers.get("docker-content-digest", digest) != digest:
-                raise VerifyError(f"{self.where}: manifest {digest} is answered as "
-                                  f"{headers.get('docker-content-digest')}")
-            return True
-        if status == 404:
-            return False
-        raise BuilderError(f"{self.where}: HEAD {kind}/{digest[:19]}: HTTP {status}")
-
-    def _start_upload(self) -> tuple[str, int]:
-        """POST a new upload: (its location, the chunk size the registry asks at least)."""
-        status, body, headers = self.send("blobs/uploads/", method="POST", data=b"",
-                                          headers={"Content-Length": "0"})
-        if status != 202 or "location" not in headers:
-            raise BuilderError(f"{self.where}: starting an upload: HTTP {status} {_short(body)}")
-        least = headers.get("oci-chunk-min-length", "")
-        return headers["location"], int(least) if least.isdigit() else 0
-
-    def _upload_state(self, location: str) -> tuple[str, int] | None:
-        """Where an upload stands (GET on its location: 204 with its ``Range``): (its location now, the
-        bytes it holds). None when the registry no longer has it (404, or 400: distribution cancels an
-        upload that holds more bytes than its last answer said, as a chunk cut midway leaves it)."""
-        status, body, headers = self.send(location, method="GET")
-        if status in (200, 204):
-            return headers.get("location", location), _received(headers.get("range"))
-        if status in (400, 404):
-            return None
-        if status >= 500 or status in (408, 429):  # (the registry's trouble, not the upload's: ask again)
-            raise ConnectionError(f"HTTP {status}")
-        raise BuilderError(f"{self.where}: asking an upload's state: HTTP {status} {_short(body)}")
-
-    def upload(self, digest: str, size: int, open_body: Callable[[], Any],
-               on_bytes: Callable[[int], None] | None = None) -> int:
-        """Send one blob in chunks (POST, then PATCH with ``Content-Range`` per chunk, then PUT with its
-        digest). A chunk cut midway (a dropped link, a refused connection, a 5xx) is followed by a
-        look at where the upload stands (GET on its location) and the blob goes on from the byte the
-        registry holds; where the registry has dropped the upload (distribution does, for a chunk cut
-        midway) a new one starts from the blob's first byte. RETRIES tries in a row that bring nothing
-        further, then BuilderError; ``on_bytes``: told each number of bytes sent (negative when the
-        registry kept fewer than were sent). Returns the bytes of the blob handed to the connection,
-        each resent byte counted again: ``size`` when no chunk was cut, at most one chunk more where the
-        registry keeps the bytes of a cut chunk, more where it drops the upload."""
-        told = [0]  # the bytes on_bytes was told so far
-        wire = [0]  # the bytes handed to the connection, resent ones too
-
-        def tell(n: int) -> None:
-            told[0] += n
-            if on_bytes is not None and n:
-                on_bytes(n)
-
-        def back_to(off: int) -> None:  # progress back to what the registry holds
-            tell(off - told[0])
-
-        link_errors = (OSError, http.client.HTTPException)
-        with open_body() as f:
-            location, least = self._start_upload()
-            chunk = max(CHUNK, least)
-            off, tries, starts = 0, 0, 1  # off: the bytes the registry has acknowledged
-            while True:
-                done = off >= size
-                status: int | None = None
-                try:
-                    if done:  # the last request: no bytes, the digest
-                        sep = "&" if "?" in location else "?"
-                        status, body, headers = self.send(f"{location}{sep}digest={digest}", method="PUT",
-                                                          data=b"", headers={"Content-Length": "0"})
-                        if status == 201:
-                            return wire[0]
-                    else:
-                        n = min(chunk, size - off)
-                        status, body, headers = self.send(
-                            location, method="PATCH", data=_Piece(f, off, n, tell, wire),
-                            headers={"Content-Type": "application/octet-stream",
-                                     "Content-Range": f"{off}-{off + n - 1}", "Content-Length": str(n)})
-                        if status == 202 and "location" in headers:
-                            got = _received(headers.get("range"))
-                            location, off, tries = headers["location"], got if got > off else off + n, 0
-                            back_to(off)
-                            continue
-                    if 400 <= status < 500 and status not in (400, 404, 408, 416, 429):
-                        raise BuilderError(f"{self.where}: uploading {digest[:19]}: HTTP {status} {_short(body)}")
-                except _Piece.Spent as e:
-                    raise BuilderError(f"{self.where}: uploading {digest[:19]}: {e}") from None
-                except link_errors:
-                    pass  # the link dropped mid-request
-                back_to(off)
-                # where does the upload stand? (asked until the registry answers, a few times)
-                while True:
-                    tries += 1
-                    if tries > RETRIES or starts > RETRIES:
-                        raise BuilderError(
-                            f"{self.where}: uploading {digest[:19]}: no progress after {RETRIES} tries, at byte "
-                            f"{off} of {size} (last answer: "
-                            f"{'none, the link dropped' if status is None else f'HTTP {status}'})")
-                    time.sleep(min(RETRY_WAIT * 2 ** (tries - 1), 8.0))
-                    try:
-                        if done and self.has("blobs", digest):  # the PUT was taken; its answer was lost
-                            return wire[0]
-                        state = self._upload_state(location)
-                        if state is None:  # the registry dropped the upload: a new one, from the first byte
-                            (location, least), starts = self._start_upload(), starts + 1
-                            chunk, off = max(CHUNK, least), 0
-                        else:
-                            location, off = state
-                        break
-                    except link_errors:
-                        continue  # still no link
-                back_to(off)
-
-    def put_manifest(self, reference: str, raw: bytes) -> None:
-        status, body, headers = self.send(f"manifests/{reference}", method="PUT", data=raw,
-                                          headers={"Content-Type": MEDIA_MANIFEST})
-        if status != 201:
-            raise BuilderError(f"{self.where}: putting manifest {reference[:19]}: HTTP {status} {_short(body)}")
-        theirs = headers.get("docker-content-digest")
-        if theirs and theirs != _sha(raw):
-            raise VerifyError(f"{self.where}: manifest {reference[:19]}: the registry says {theirs}, "
-                              f"the bytes are {_sha(raw)}")
-
-
-def _short(body: bytes) -> str:
-    text = " ".join(body.decode("utf-8", "replace").split())
-    return text[:160]
-
-
-def _received(rng: str | None) -> int:
-    """The bytes an upload holds from its ``Range: 0-<last>`` (distribution says ``0-0`` for none)."""
-    m = re.fullmatch(r"\s*(?:bytes=)?0-(\d+)\s*", rng or "")
-    last = int(m.group(1)) if m else -1
-    return last + 1 if last > 0 else 0
-
-
-class _Piece:
-    """One chunk of a blob as a request body: ``n`` bytes from ``off`` of ``f``, read as it is sent, in
-    blocks of UPLOAD_BLOCK; iterated again from its start (a retry after a 401), it sends them again.
-    ``tell`` is told each block handed to the connection (less what an earlier pass told); ``wire[0]``
-    counts every block handed to it, each pass's."""
-
-    class Spent(OSError):
-        """The file ended before the chunk did (it changed under the push)."""
-
-    def __init__(self, f: Any, off: int, n: int, tell: Callable[[int], None], wire: list[int]) -> None:
-        self.f, self.off, self.n, self.tell, self.wire = f, off, n, tell, wire
-        self.told = 0
-
-    def __iter__(self) -> Any:
-        self.tell(-self.told)  # (again: count from the start)
-        self.told = 0
-        self.f.seek(self.off)
-        left = self.n
-        while left:
-            block = self.f.read(min(UPLOAD_BLOCK, left))
-            if not block:
-                raise _Piece.Spent(f"the blob ended {left} bytes early")
-            left -= len(block)
-            self.told += len(block)
-            self.wire[0] += len(block)
-            self.tell(len(block))
-            yield block
-
-
-def verify_pushed(client: _Client, rec: ImageRecord, manifest_digest: str) -> None:
+def verify_pushed(client: RegistryClient, rec: ImageRecord, manifest_digest: str) -> None:
     """What the registry returns for the digest is this image: its config is the ImageID, its layers and
     its config's DiffIDs are the recorded ones."""
-    doc, _, got = client.reg.manifest(manifest_digest)
+    doc, _, got = client.manifest(manifest_digest)
     if got != manifest_digest:
         raise VerifyError(f"{client.where}: manifest {manifest_digest} hashes to {got}")
     config = doc.get("config") or {}
@@ -343,10 +145,10 @@ def verify_pushed(client: _Client, rec: ImageRecord, manifest_digest: str) -> No
         raise VerifyError(f"{client.where}: manifest {manifest_digest[:19]} names config {config.get('digest')}, "
                           f"not image {rec.image_id}")
     layer_digests = [str(x.get("digest")) for x in doc.get("layers") or []]
-    cfg = client.reg.blob_json(rec.image_id)
+    cfg = client.blob_json(rec.image_id)
     diff_ids = [str(x) for x in ((cfg.get("rootfs") or {}).get("diff_ids") or [])]
     if diff_ids != list(rec.diff_ids) or layer_digests != list(rec.diff_ids):
-        raise VerifyError(f"{client.where}: {client.reg.ref.repository}@{manifest_digest[:19]} has DiffIDs other "
+        raise VerifyError(f"{client.where}: {client.ref.repository}@{manifest_digest[:19]} has DiffIDs other "
                           f"than the image record's")
 
 
@@ -368,62 +170,23 @@ def push_image(store: Path, rec: ImageRecord, target: Target, *,
 
     One push of an image at a time (a lock beside its record): the bundles of a fleet are made at once,
     and the second finds the registry holding what the first sent."""
-    client = _Client(target, target.repository(rec.name))
-    with _one_line_errors(client), file_lock(store / "locks" / f"push-{rec.input_address}.lock"):
+    client = client_for(target, target.repository(rec.name))
+    with client.one_line_errors(), file_lock(store / "locks" / f"push-{rec.input_address}.lock"):
         rec = read_record(store, rec.input_address) or rec
         res, rec = _push(store, rec, target, client, on_log, progress)
     return res, rec
 
 
-@contextlib.contextmanager
-def _one_line_errors(client: _Client) -> Iterator[None]:
-    """An HTTP error or a dropped link as one line naming the registry."""
-    try:
-        yield
-    except urllib.error.HTTPError as e:
-        if e.code == 401:
-            raise BuilderError(client.auth_failed()) from None
-        raise BuilderError(f"{client.where}: HTTP {e.code} for {client.reg.ref.repository}") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        tls = tls_problem(e, client.target)
-        if tls is not None:
-            raise UnreachableError(tls) from None
-        raise UnreachableError(f"{client.where}: cannot reach {client.target.url}: {network_reason(e)}") from None
-
-
-def tls_problem(exc: BaseException, target: Target) -> str | None:
-    """One line for a TLS handshake the registry's certificate failed: the registry, what the check
-    said, and the fix. None for any other trouble."""
-    e = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    if not isinstance(e, ssl.SSLError):
-        return None
-    said = getattr(e, "verify_message", None) or getattr(e, "reason", None) or str(e)
-    where = f"registry {target.registry}"
-    if isinstance(e, ssl.SSLCertVerificationError):
-        cause = f"certificate verify failed: {said}"
-        if "mismatch" in str(said) or "not valid for" in str(said):
-            fix = (f"reach it by a name its certificate is for, or give it a certificate for "
-                   f"{target.registry.rsplit(':', 1)[0]}")
-        elif target.ca_file is not None:
-            fix = f"the CA file {target.ca_file} does not sign its certificate; give the one that does with --ca FILE"
-        else:
-            fix = "give the CA file that signs its certificate with --ca FILE, or the fleet's fleet.registry_ca"
-    else:
-        cause = f"TLS handshake failed: {said}"
-        fix = f"check that {target.url} serves TLS on that port"
-    return f"{where}: {cause} (fix: {fix})"
-
-
-def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
+def _push(store: Path, rec: ImageRecord, target: Target, client: RegistryClient,
           on_log: Callable[[str], None], progress: PushProgress | None = None) -> tuple[PushResult, ImageRecord]:
     manifest = manifest_of(rec)
     sizes: dict[str, Any] = {}
     sent_blobs = sent_bytes = held = 0
     already = False
-    if manifest is not None and client.has("manifests", _sha(manifest)):
+    if manifest is not None and client.has("manifests", sha256_of(manifest), accept=MEDIA_MANIFEST):
         already = True
         held = 1 + len(rec.diff_ids)
-        on_log(f"{client.where} holds {_sha(manifest)[:19]}: nothing to send")
+        on_log(f"{client.where} holds {sha256_of(manifest)[:19]}: nothing to send")
     else:
         blobs = [rec.image_id, *rec.diff_ids]
         missing = [d for d in dict.fromkeys(blobs) if not client.has("blobs", d)]
@@ -431,13 +194,13 @@ def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
         if missing or manifest is None:
             manifest, n, size, sizes = _send_from_engine(store, rec, client, set(missing), on_log, progress)
             sent_blobs, sent_bytes = n, size
-        client.put_manifest(_sha(manifest), manifest)
+        client.put_manifest(sha256_of(manifest), manifest, MEDIA_MANIFEST)
         sent_bytes += len(manifest)
-    digest = _sha(manifest)
+    digest = sha256_of(manifest)
     tag = rec.input_address[:32]
     status, _, headers = client.send(f"manifests/{tag}", method="HEAD", headers={"Accept": MEDIA_MANIFEST})
     if status != 200 or headers.get("docker-content-digest") != digest:
-        client.put_manifest(tag, manifest)  # a tag too, so the registry's garbage collection keeps it
+        client.put_manifest(tag, manifest, MEDIA_MANIFEST)  # a tag too, so the registry's garbage collection keeps it
     verify_pushed(client, rec, digest)
     reference = target.reference(rec.name, digest)
     new = rec.model_copy(update={
@@ -451,7 +214,7 @@ def _push(store: Path, rec: ImageRecord, target: Target, client: _Client,
                       sent_bytes=sent_bytes, held_blobs=held, already=already), new
 
 
-def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: set[str],
+def _send_from_engine(store: Path, rec: ImageRecord, client: RegistryClient, missing: set[str],
                       on_log: Callable[[str], None],
                       progress: PushProgress | None = None) -> tuple[bytes, int, int, dict[str, Any]]:
     """The image's bytes from the engine (spooled: the config and its layers), the missing blobs sent.
@@ -479,7 +242,7 @@ def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: s
         if rec.image_id in missing:
             on_log(f"sending config {rec.image_id[:19]} ({len(image.config)} bytes)")
             config = image.config
-            size += client.upload(rec.image_id, len(config), lambda: _BytesBody(config), on_bytes)
+            size += client.upload(rec.image_id, len(config), lambda: io.BytesIO(config), on_bytes)
             sent += 1
         done: set[str] = set()
         for layer in image.layers:
@@ -491,22 +254,6 @@ def _send_from_engine(store: Path, rec: ImageRecord, client: _Client, missing: s
             done.add(layer.diff_id)
             sent += 1
     return manifest, sent, size, sizes
-
-
-class _BytesBody(contextlib.AbstractContextManager["_BytesBody"]):
-    """Bytes as a seekable body for a retried PUT."""
-
-    def __init__(self, data: bytes) -> None:
-        self._f = io.BytesIO(data)
-
-    def read(self, n: int = -1) -> bytes:
-        return self._f.read(n)
-
-    def seek(self, pos: int) -> int:
-        return self._f.seek(pos)
-
-    def __exit__(self, *exc: object) -> None:
-        self._f.close()
 
 
 def reference_for(rec: ImageRecord, target: Target) -> str | None:
@@ -531,7 +278,7 @@ def planned_reference(rec: ImageRecord, target: Target) -> str | None:
     """The reference by digest the image has in ``target`` once pushed, from the record alone (None for a
     record of an older build, whose manifest only the engine's bytes tell)."""
     manifest = manifest_of(rec)
-    return None if manifest is None else target.reference(rec.name, _sha(manifest))
+    return None if manifest is None else target.reference(rec.name, sha256_of(manifest))
 
 
 def fleet_pull_reference(fleet_path: Path, fleet: Fleet, rec: ImageRecord, *, pushing: bool) -> str | None:
@@ -559,11 +306,11 @@ def push_blobs(target: Target, repository: str, blobs: list[Blob], *,
                on_log: Callable[[str], None] = lambda s: None,
                progress: PushProgress | None = None) -> tuple[int, int, int]:
     """Each blob the registry lacks (a HEAD for each first) sent once, in chunks, resumed where a link
-    drops (``_Client.upload``). Returns (blobs sent, bytes sent, blobs the registry held). One line
+    drops (``RegistryClient.upload``). Returns (blobs sent, bytes sent, blobs the registry held). One line
     naming the registry on any failure."""
-    client = _Client(target, repository)
+    client = client_for(target, repository)
     unique = list({b.digest: b for b in blobs}.values())
-    with _one_line_errors(client):
+    with client.one_line_errors():
         missing = [b for b in unique if not client.has("blobs", b.digest)]
         on_bytes = progress(f"push {repository}", sum(b.size for b in missing)) if progress and missing else None
         for b in missing:
@@ -575,8 +322,8 @@ def push_blobs(target: Target, repository: str, blobs: list[Blob], *,
 def check_blobs_reachable(target: Target, repository: str) -> None:
     """One HEAD request in ``repository``: the registry answers, with the credentials a push would use.
     UnreachableError or BuilderError, one line, otherwise."""
-    client = _Client(target, repository)
-    with _one_line_errors(client):
+    client = client_for(target, repository)
+    with client.one_line_errors():
         client.has("blobs", "sha256:" + "0" * 64)
 
 
@@ -584,10 +331,10 @@ def check_reachable(rec: ImageRecord, target: Target) -> None:
     """One HEAD request for the image's manifest (else its config, for a record that cannot name its
     manifest): the registry answers, with the credentials a push would use. UnreachableError or
     BuilderError, one line, otherwise."""
-    client = _Client(target, target.repository(rec.name))
+    client = client_for(target, target.repository(rec.name))
     manifest = manifest_of(rec)
-    with _one_line_errors(client):
+    with client.one_line_errors():
         if manifest is not None:
-            client.has("manifests", _sha(manifest))
+            client.has("manifests", sha256_of(manifest), accept=MEDIA_MANIFEST)
         else:
             client.has("blobs", rec.image_id)

@@ -1,22 +1,22 @@
 """builder's host side: verify a bundle, stage it as a release, switch atomically, roll back.
 
-Standard library only (no third-party imports, no other part of builder; python3 >= 3.8 as on DGX
-OS): a host needs only python3, docker and openssl (OpenSSL 3.0 or newer, for Ed25519). The operator
-side imports these same modules as a library (builder.bundle, builder.ship, builder.deploy,
-builder.foundation.hashing, builder.foundation.canon, builder.store.modelstore); the imports inside
-the package are relative, so it runs under either name.
+Standard library only (no third-party imports, nothing of builder but builder.core, the
+standard-library core it shares with the operator side; python3 >= 3.8 as on DGX OS): a host needs
+only python3, docker and openssl (OpenSSL 3.0 or newer, for Ed25519). The operator side imports these
+same modules as a library (builder.bundle, builder.ship, builder.deploy).
 
 One module per concern: ``errors`` (InstallError, exit codes), ``manifest`` (format, names, the
-structure and path rules, the bundle id), ``files`` (atomic writes, fsync, sha256, writeback, the
-pool of hashing threads), ``minisign`` (the signature verifier, through openssl), ``verify`` (a
-bundle folder against its signed manifest), ``engine`` (docker load, pull, thin archives), ``blobs``
+structure and path rules, the bundle id), ``files`` (a regular file's sha256, writeback, reads with a
+limit, the walk of a bundle folder), ``verify`` (a bundle folder against its signed manifest, through
+builder.core.minisign), ``engine`` (docker load, pull, thin archives), ``blobs``
 (model files pulled from the fleet registry by digest), ``root``
-(links, lock, temps, free disk), ``record`` (the apply record, fast mode's rule), ``release`` (stage,
+(links, lock, temps, free disk), ``record`` (the apply record), ``release`` (stage,
 switch, rollback, status), ``install`` (a bundle folder), ``receive`` (ship's stream), ``pack``
-(the zipapp), ``cli``.
+(the zipapp), ``commands``. Atomic writes, temp names, the move into place, sha256, the pool of
+hashing threads and fast mode's rule are builder.core's.
 
-How it reaches a host: as ``install.pyz``, one zipapp of this package made by ``pack`` (fixed
-timestamps, order and modes: the same source gives the same bytes), run as
+How it reaches a host: as ``install.pyz``, one zipapp of this package and builder.core made by
+``pack`` (fixed timestamps, order and modes: the same source gives the same bytes), run as
 ``python3 install.pyz COMMAND ...``.
 
 - ``builder ship HOST`` and ``builder deploy`` keep this machine's trusted copy on the host as

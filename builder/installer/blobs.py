@@ -22,8 +22,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from builder.core.atomic import fsync_file, tmp_stem
+
 from .errors import InstallError, say
-from .files import fsync_file, tmp_stem
 from .root import check_disk
 
 #: bytes read from the registry at a time

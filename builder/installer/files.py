@@ -1,83 +1,19 @@
-"""Files on the host: atomic writes, fsync, sha256 of a file, writeback started behind the writes,
-and the one pool of hashing threads (builder.foundation.hashing and builder.foundation.canon use these
-same functions)."""
+"""Files on the host: a file's sha256 checked to be a regular file's, writeback started behind the
+writes, reads with a limit, the walk of a bundle folder. Atomic writes, temp names, fsync, the read
+loop of every sha256 and the pool of hashing threads are builder.core's."""
 
 # ruff: noqa: UP031
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import os
-import secrets
 import stat
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, TypeVar
+from collections.abc import Callable
+from typing import Any
+
+from builder.core.digest import READ_SIZE, sha256_of
 
 from .errors import InstallError
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-#: Read size for hashing. Large reads keep OpenSSL in its multi-block path and cut syscalls; 4 MiB
-#: keeps a thread's buffer small enough that a full pool stays far under the memory target.
-READ_SIZE = 4 * 1024 * 1024
-#: how every temp name on a host's root starts (Root.clean_temps removes what a killed run left)
-TMP_PREFIX = ".tmp-"
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a folder (its entries); a file system that cannot is let be."""
-    with contextlib.suppress(OSError):
-        fsync_file(path)
-
-
-def fsync_file(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def tmp_stem(path: str) -> str:
-    """Start of the temp names atomic_write uses beside path (.tmp-builder-NAME.)."""
-    return "%sbuilder-%s." % (TMP_PREFIX, os.path.basename(path))
-
-
-def atomic_write(path: str | os.PathLike[str], data: bytes | Iterable[bytes | memoryview], mode: int = 0o644) -> None:
-    """Write data (bytes, or an iterable of chunks) to path via a temp name beside it, then rename."""
-    with atomic_writer(path, mode) as f:
-        for chunk in [data] if isinstance(data, bytes) else data:
-            f.write(chunk)
-
-
-@contextlib.contextmanager
-def atomic_writer(
-    path: str | os.PathLike[str], mode: int = 0o644, *, prefix: str | None = None, suffix: str = ""
-) -> Iterator[IO[bytes]]:
-    """A file to stream into: a temp name beside ``path`` (``prefix`` and ``suffix`` around its
-    process id and a random part; tmp_stem(path) by default), fsynced and renamed over ``path`` on
-    success. On any exception the temp is removed and ``path`` keeps its old bytes."""
-    path = os.fspath(path)
-    d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)
-    start = tmp_stem(path) if prefix is None else prefix
-    tmp = os.path.join(d, "%s%d.%s%s" % (start, os.getpid(), secrets.token_hex(4), suffix))
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(d)
 
 
 def human(n: int) -> str:
@@ -128,78 +64,12 @@ def write_all(fd: int, chunk: memoryview, wb: Writeback | None = None) -> None:
         wb.wrote(n)
 
 
-def _sha256_of(f: io.FileIO, read_size: int, on_bytes: Callable[[int], None] | None) -> tuple[str, int]:
-    """(sha256 hex, size) of what is left to read of f: readinto one reusable buffer (no allocation
-    per read), hashed through a memoryview; ``on_bytes`` (progress) is told each read's size."""
-    h = hashlib.sha256()
-    size = 0
-    buf = bytearray(read_size)
-    view = memoryview(buf)
-    while True:
-        n = f.readinto(buf)
-        if not n:
-            break
-        # hashlib releases the GIL for updates over 2 KiB: other threads hash meanwhile.
-        h.update(view[:n])
-        size += n
-        if on_bytes is not None:
-            on_bytes(n)
-    return h.hexdigest(), size
-
-
 def hash_file(path: str, on_bytes: Callable[[int], None] | None = None) -> tuple[str, int]:
     """sha256 and size of one regular file (anything else is refused)."""
     with open(path, "rb", buffering=0) as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise InstallError("%s: not a regular file" % path)
-        return _sha256_of(f, READ_SIZE, on_bytes)
-
-
-def sha256_file(
-    path: str | os.PathLike[str], read_size: int = READ_SIZE, on_bytes: Callable[[int], None] | None = None
-) -> tuple[str, int]:
-    """(sha256 hex, size) of one file, told to the kernel as read front to back (builder.foundation.hashing's:
-    the operator's stores and bundles)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        # Tell the kernel we read front to back: it doubles readahead on a cold cache; no cost warm.
-        if hasattr(os, "posix_fadvise"):
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        with open(fd, "rb", buffering=0, closefd=False) as f:
-            return _sha256_of(f, read_size, on_bytes)
-    finally:
-        os.close(fd)
-
-
-def default_workers() -> int:
-    """One thread per usable core (at least 1, at most 16: past that the disk, not the CPU, limits)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(16, n))
-
-
-def in_parallel(
-    fn: Callable[[T], R], items: Sequence[T], *, size: Callable[[T], int] | None = None, workers: int | None = None
-) -> list[R]:
-    """``fn`` over ``items`` on one pool of hashing threads; the results in the items' order.
-
-    At most :func:`default_workers` threads, never more than items (one item: no thread at all).
-    With ``size``, the largest items start first, so one big file started last does not leave the
-    other threads idle at the end. hashlib releases the GIL for large updates: N threads use N cores.
-    An exception from ``fn`` propagates (the first in the order the items started); callers that
-    must name the first bad item in their own order return problems as values instead.
-    """
-    n = min(workers or default_workers(), len(items))
-    order = sorted(range(len(items)), key=lambda i: size(items[i]), reverse=True) if size else range(len(items))
-    if n <= 1:
-        done = {i: fn(items[i]) for i in order}
-    else:
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sha256") as ex:
-            done = dict(ex.map(lambda i: (i, fn(items[i])), order))
-    return [done[i] for i in range(len(items))]
+        return sha256_of(f, READ_SIZE, on_bytes)
 
 
 def read_limited(path: str, limit: int, what: str) -> bytes:

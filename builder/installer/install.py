@@ -11,20 +11,13 @@ import shutil
 import stat
 from typing import TYPE_CHECKING, Any
 
+from builder.core.atomic import clean_stale_tmp, fsync_dir, fsync_file, tmp_name
+from builder.core.digest import in_parallel
+
 from .blobs import check_room, from_registry, pull_models
 from .engine import check_thin, docker_root, image_present, load_image, pull_image
 from .errors import EXIT_CONFIG, InstallError, say
-from .files import (
-    TMP_PREFIX,
-    Writeback,
-    fsync_dir,
-    fsync_file,
-    hash_file,
-    in_parallel,
-    read_limited,
-    tmp_stem,
-    write_all,
-)
+from .files import Writeback, hash_file, read_limited, write_all
 from .manifest import REGISTRY_CA, release_files, under
 from .record import model_ok, release_ok
 from .release import mark_staged, stage_release, switch_in
@@ -231,14 +224,8 @@ def _write_models(
     written again (see _link_whole); anything else is copied."""
     written: list[tuple[str, str]] = []
     for m in placing:
-        d = os.path.dirname(m["path"])
-        stem = tmp_stem(m["path"])
-        with contextlib.suppress(FileNotFoundError):
-            for n in os.listdir(d):  # left by a killed run (outside ROOT: clean_temps misses it)
-                if n.startswith(stem):
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(d, n))
-        written.append((os.path.join(d, "%splace-%d" % (stem, os.getpid())), m["path"]))
+        clean_stale_tmp(m["path"])  # left by a killed run (outside ROOT: clean_temps misses it)
+        written.append((tmp_name(m["path"], "place-"), m["path"]))
 
     def one(i: int) -> None:
         m, (tmp, _) = placing[i], written[i]
@@ -285,7 +272,7 @@ def _remove_source(r: Root, bundle_dir: str) -> None:
     real = os.path.realpath(bundle_dir)
     if not under(real, os.path.realpath(r.incoming)):
         raise InstallError("--remove-source: %s is not under %s" % (bundle_dir, r.incoming), EXIT_CONFIG)
-    gone = os.path.join(r.incoming, "%sgone-%d" % (TMP_PREFIX, os.getpid()))
+    gone = tmp_name(real, "gone-")
     with contextlib.suppress(OSError):
         os.rename(real, gone)
         shutil.rmtree(gone, ignore_errors=True)

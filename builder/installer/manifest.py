@@ -5,11 +5,12 @@ every manifest must meet (check_manifest), its id and the files it lists."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from collections.abc import Callable
 from typing import Any
+
+from builder.core.canonjson import canonical_json
 
 from .errors import InstallError
 
@@ -43,11 +44,6 @@ def is_name(s: str) -> bool:
     """The whole of `s` is a name (fullmatch: ``$`` alone would also take a name with a final newline,
     which the schema's pattern refuses)."""
     return NAME.fullmatch(s) is not None
-
-
-def canonical_json(obj: Any) -> bytes:
-    """Sorted keys, fixed separators, UTF-8: the same object gives the same bytes on any machine."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
 def bundle_id_of(manifest: dict[str, Any]) -> str:

@@ -16,13 +16,17 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from builder.core.atomic import atomic_write, clean_stale_tmp, fsync_dir, fsync_file, tmp_stem
+from builder.core.digest import READ_SIZE
+from builder.core.fastmode import fast_mode_drift
+
 from .blobs import check_room, from_registry, pull_models
 from .engine import Load, docker_root, image_present, pull_image
 from .errors import EXIT_CONFIG, InstallError, say
-from .files import READ_SIZE, WRITEBACK_STEP, Writeback, atomic_write, fsync_dir, fsync_file, tmp_stem, write_all
+from .files import WRITEBACK_STEP, Writeback, write_all
 from .install import Admission, check_image_source, host_key, host_record, registry_ca, vouching
 from .manifest import HEX64, MANIFEST, MAX_MANIFEST, SIGNATURE, release_files
-from .record import fast_mode_drift, model_ok, release_ok, release_ok_file
+from .record import model_ok, release_ok, release_ok_file
 from .release import mark_staged, stage_release, switch_in
 from .root import Root
 from .verify import check_signed
@@ -325,12 +329,9 @@ def _wanted(manifest: dict[str, Any], inc_dir: str, survey: _Survey,
                 "model file %s: %s (the bundle does not carry it; copy it there or bundle "
                 "with --with-models)" % (m["path"], model_ok(m, survey.vouch))
             )
+        # named by the bundle, not the process: a cut receive of this bundle resumes into it
         d, mine = os.path.dirname(m["path"]), tmp_stem(m["path"]) + "recv-" + bid[:16]
-        with contextlib.suppress(FileNotFoundError):
-            for n in os.listdir(d):  # what a receive of another bundle left for this file
-                if n.startswith(tmp_stem(m["path"])) and n != mine:
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(d, n))
+        clean_stale_tmp(m["path"], keep=mine)  # what a receive of another bundle left for this file
         models.append(_Incoming(files[m["bundled"]], os.path.join(d, mine)))
     return archive, wanted + models, models
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
+
+from builder.core.atomic import atomic_write, fsync_dir, replace_folder, tmp_name
 
 from .engine import image_present
 from .errors import EXIT_CONFIG, InstallError, say
-from .files import TMP_PREFIX, atomic_write, fsync_dir, read_limited
+from .files import read_limited
 from .manifest import HEX64, MANIFEST, MAX_MANIFEST, MODES, SIGNATURE, bundle_id_of, check_manifest, release_files
 from .record import model_ok, release_ok, write_record
 from .root import Root
@@ -28,8 +29,7 @@ def stage_release(
     if os.path.isdir(final) and release_ok(final, manifest, mbytes):
         return
     os.makedirs(r.releases, exist_ok=True)
-    tmp = os.path.join(r.releases, "%s%s-%d" % (TMP_PREFIX, bid[:16], os.getpid()))
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = tmp_name(final)
     os.mkdir(tmp, 0o755)
     for fe in release_files(manifest):
         dest = os.path.join(tmp, fe["path"])
@@ -45,12 +45,7 @@ def stage_release(
     for dirpath, _dirs, _files in os.walk(tmp):
         os.chmod(dirpath, 0o755)
         fsync_dir(dirpath)
-    aside = os.path.join(r.releases, "%sold-%s-%d" % (TMP_PREFIX, bid[:16], os.getpid()))
-    if os.path.lexists(final):  # damaged or partial (not ours to trust): move aside, then replace
-        os.rename(final, aside)
-    os.rename(tmp, final)  # (before the old one is removed: the path lacks a release only between renames)
-    fsync_dir(r.releases)
-    shutil.rmtree(aside, ignore_errors=True)
+    replace_folder(tmp, final)  # (one there is damaged or partial: not ours to trust)
 
 
 def _release_manifest(r: Root, bid: str) -> tuple[dict[str, Any], bytes]:

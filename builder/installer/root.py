@@ -14,8 +14,10 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from builder.core.atomic import fsync_dir, remove_temps, tmp_name
+
 from .errors import InstallError
-from .files import TMP_PREFIX, fsync_dir, human
+from .files import human
 from .manifest import HEX64, MAX_MANIFEST
 
 DEFAULT_RESERVE = 256 * 1024 * 1024
@@ -61,11 +63,10 @@ class Root:
         return sorted(n for n in names if HEX64.match(n) and os.path.isdir(os.path.join(self.releases, n)))
 
     def set_link(self, name: str, bundle_id: str) -> None:
-        tmp = os.path.join(self.root, "%slink-%s-%d" % (TMP_PREFIX, name, os.getpid()))
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        path = os.path.join(self.root, name)
+        tmp = tmp_name(path)
         os.symlink("releases/" + bundle_id, tmp)
-        os.replace(tmp, os.path.join(self.root, name))
+        os.replace(tmp, path)
         fsync_dir(self.root)
 
     def release(self, bundle_id: str) -> str:
@@ -80,20 +81,9 @@ class Root:
         return obj if isinstance(obj, dict) else None
 
     def clean_temps(self) -> None:
-        """Remove staging left by a killed run (names start with .tmp-)."""
+        """Remove every temp name a killed run left in the root's own folders (the install lock is held)."""
         for d in (self.root, self.releases, self.state):
-            try:
-                names = os.listdir(d)
-            except OSError:
-                continue
-            for n in names:
-                if n.startswith(TMP_PREFIX):
-                    p = os.path.join(d, n)
-                    if os.path.isdir(p) and not os.path.islink(p):
-                        shutil.rmtree(p, ignore_errors=True)
-                    else:
-                        with contextlib.suppress(OSError):
-                            os.unlink(p)
+            remove_temps(d)
 
     @contextlib.contextmanager
     def locked(self, timeout: float) -> Iterator[None]:

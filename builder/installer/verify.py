@@ -5,7 +5,6 @@ every file's presence, size and sha256; nothing is written."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
@@ -13,9 +12,12 @@ import stat
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import minisign as mv
+from builder.core import minisign as mv
+from builder.core.atomic import atomic_write, clean_stale_tmp
+from builder.core.digest import READ_SIZE, in_parallel
+
 from .errors import EXIT_CONFIG, InstallError
-from .files import READ_SIZE, atomic_write, hash_file, in_parallel, read_limited, scan_tree, tmp_stem
+from .files import hash_file, read_limited, scan_tree
 from .manifest import (
     MANIFEST,
     MAX_MANIFEST,
@@ -197,13 +199,7 @@ def iter_file(bundle_dir: str, entry: dict[str, Any], check: bool = True) -> Ite
 
 def copy_entry(bundle_dir: str, entry: dict[str, Any], dest: str, mode: int) -> None:
     """Write a manifest file (reassembled, hash-checked) to dest via a temp name beside it."""
-    d = os.path.dirname(dest)
-    stale = tmp_stem(dest)
-    with contextlib.suppress(FileNotFoundError):
-        for n in os.listdir(d):  # left by a killed run (dest may lie outside ROOT: clean_temps misses it)
-            if n.startswith(stale):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(d, n))
+    clean_stale_tmp(dest)  # left by a killed run (dest may lie outside ROOT: clean_temps misses it)
     atomic_write(dest, iter_file(bundle_dir, entry), mode)
 
 

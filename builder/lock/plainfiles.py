@@ -20,6 +20,7 @@ from urllib.parse import unquote, urlsplit
 
 from builder.errors import ConfigError, ResolveError, VerifyError
 from builder.foundation.canon import fsync_dir, run_folder
+from builder.foundation.distribution import network_reason
 from builder.foundation.hashing import copy_hashed, sha256_file
 from builder.inputs.pins import PlainFile
 from builder.lock.lockfile import LockedFile
@@ -73,17 +74,6 @@ def _stream_to(url: str, fd: int, *, root: Path | None, timeout: float) -> tuple
         src = _open(url, timeout) if is_remote(url) else open(local_path(url, root), "rb")
         with src:
             return copy_hashed(src, out, CHUNK)
-
-
-def network_reason(e: BaseException) -> str:
-    """One short line for why a URL could not be read: the HTTP status, the socket error, or the kind."""
-    if isinstance(e, urllib.error.HTTPError):
-        return f"HTTP {e.code} {e.reason}"
-    if isinstance(e, urllib.error.URLError):
-        return str(e.reason)
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    return type(e).__name__
 
 
 def download(url: str, dest: Path, sha256: str, *, root: Path | None = None, size: int | None = None,
@@ -154,4 +144,4 @@ def resolve_file(name: str, spec: PlainFile, *, root: Path, offline: bool, spec_
     return LockedFile(spec_hash=spec_hash, url=spec.url, sha256=got, size=n, verified=True)
 
 
-__all__ = ["resolve_file", "download", "hash_url", "local_path", "is_remote", "scrub_url", "network_reason"]
+__all__ = ["resolve_file", "download", "hash_url", "local_path", "is_remote", "scrub_url"]

@@ -9,10 +9,17 @@ import urllib.error
 from typing import Any
 
 from builder.errors import ConfigError, ResolveError
+from builder.foundation.distribution import (
+    INDEX_TYPES,
+    MANIFEST_TYPES,
+    ImageRef,
+    RegistryClient,
+    network_reason,
+    parse_ref,
+)
 from builder.inputs.pins import PublishedImage
 from builder.lock.lockfile import LockedPublishedImage
-from builder.lock.oci import INDEX_TYPES, MANIFEST_TYPES, ImageRef, Registry, local_image, parse_ref, platform_matches
-from builder.lock.plainfiles import network_reason
+from builder.lock.oci import local_image, platform_matches
 
 
 def _diff_ids(where: str, config: dict[str, Any], layers: int | None) -> list[str]:
@@ -36,7 +43,7 @@ def resolve_published(name: str, spec: PublishedImage, *, offline: bool, spec_ha
     assert ref.digest is not None  # PublishedImage takes references by digest only
     if offline:
         return _published_local(where, spec, ref, spec_hash)
-    reg = Registry(ref)
+    reg = RegistryClient(ref)
     try:
         doc, media, digest = reg.manifest(ref.digest)
         if media in INDEX_TYPES or "manifests" in doc:

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from builder.bundle import verify_with_key
+from builder.core.atomic import clean_stale_tmp, tmp_name
 from builder.errors import VerifyError
+from builder.foundation.hashing import READ_SIZE
 from builder.installer.errors import InstallError
-from builder.installer.files import READ_SIZE, hash_file, scan_tree
+from builder.installer.files import hash_file, scan_tree
 from builder.installer.manifest import MANIFEST, MODES, SIGNATURE, physical_files
 from builder.installer.verify import verify_bundle
 from builder.ship.job import ShipResult
@@ -65,8 +67,8 @@ def ship_to_dir(bdir: Path, manifest: dict[str, Any], dest: Path, key: bytes | N
         dest=str(dest),
     )
     dest.mkdir(parents=True, exist_ok=True)
-    tmp_root = dest.parent / f".tmp-{dest.name}"
-    shutil.rmtree(tmp_root, ignore_errors=True)
+    clean_stale_tmp(dest)  # what a killed copy left
+    tmp_root = Path(tmp_name(dest))
     files = _file_order(manifest)
     expected = {p for p, _, _ in files} | {MANIFEST, SIGNATURE}
     present, refused = scan_tree(str(dest))

@@ -42,10 +42,10 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
+from builder.core.fastmode import fast_mode_drift
 from builder.errors import BuilderError, VerifyError
 from builder.foundation.canon import atomic_write, file_lock, fsync_dir
 from builder.foundation.hashing import READ_SIZE, sha256_file, stamp
-from builder.installer.record import fast_mode_drift
 
 #: Linux's FICLONE ioctl (a reflink: a new inode sharing the source's extents; btrfs, XFS, bcachefs)
 FICLONE = 0x40049409

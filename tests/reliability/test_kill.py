@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from builder.bundle import verify_dir
+from builder.core.atomic import tmp_stem
 from builder.foundation.canon import sha256_tree
 from builder.foundation.hashing import sha256_file
 from builder.installer.errors import InstallError
@@ -128,7 +129,7 @@ def test_lock_killed_at_random_points(tmp_path: Path) -> None:
             outcomes["new"] += 1
             res = check_lock(work / "pins.toml", work / "pins.lock")
             assert res.ok, res.problems
-        leftovers += len(list(work.glob(".pins.lock.*.tmp")))
+        leftovers += len(list(work.glob(f"{tmp_stem('pins.lock')}*")))
         t0 = time.monotonic()
         r = rlib.run_builder("--pins", "pins.toml", "lock", cwd=work)
         reruns.append(time.monotonic() - t0)

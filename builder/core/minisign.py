@@ -1,8 +1,8 @@
 """Verify minisign signatures with the Python standard library and the openssl CLI alone.
 
-Standard library only, as all of builder.installer (which runs on a fresh DGX OS with only
-python3, docker and openssl), and it imports nothing else of it: ``python3 minisign.py`` checks
-a file alone. builder.foundation.sign uses the same parsers.
+Standard library only, as all of builder.core (the installer runs it on a fresh DGX OS with only
+python3, docker and openssl), and it imports nothing else: ``python3 minisign.py`` checks a file
+alone. builder.foundation.sign uses the same parsers.
 
 Formats (https://jedisct1.github.io/minisign):
 
