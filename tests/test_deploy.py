@@ -32,9 +32,9 @@ from typing import Any, get_args
 import pytest
 
 from builder.audit import AuditOptions, run_audit
-from builder.bundle import load_bundle_inputs
+from builder.bundle import launch_manifest, load_bundle_inputs, rank_launch
 from builder.deploy import journal as J
-from builder.deploy.bundles import FleetBundle, current_bundle, ensure_bundles, stale
+from builder.deploy.bundles import FleetBundle, current_bundle, ensure_bundles, why_stale
 from builder.deploy.fleetaudit import audit
 from builder.deploy.fleetlock import fleet_lock
 from builder.deploy.fleetwork import Fleetwork
@@ -261,24 +261,94 @@ def test_a_rank_is_up_only_on_one_running_container_of_its_bundle() -> None:
     assert HostState(host="h", current="b1", applied={"bundle_id": "b0"}).installed is None  # record disagrees
 
 
-def test_bundle_currency_names_what_differs() -> None:
-    want = {
-        "identity": {"lock_hash": "L", "host": "h"},
-        "image": {"image_id": "sha256:" + "1" * 64},
-        "models": [{"model": "m", "file": "f", "path": "/p", "size": 1, "sha256": "s"}],
-        "files": {"start.sh": {"size": 3, "sha256": "a", "mode": "0755"}},
-    }
-    m = {
-        "lock_hash": "L", "host": "h", "image": {"image_id": "sha256:" + "1" * 64, "archive": None},
-        "models": [{"model": "m", "file": "f", "path": "/p", "size": 1, "sha256": "s", "bundled": None}],
-        "files": [{"path": "start.sh", "size": 3, "sha256": "a", "mode": "0755"}],
-    }
-    assert stale(m, want, False, False) is None
-    assert stale({**m, "lock_hash": "K"}, want, False, False) == "lock_hash differs"
-    assert stale(m, want, True, False) == "it carries no image (--with-image)"
-    assert stale(m, want, False, True) == "it carries no model files (--with-models)"
-    changed = {**m, "files": [{"path": "start.sh", "size": 3, "sha256": "b", "mode": "0755"}]}
-    assert stale(changed, want, False, False) == "start.sh differs"
+def test_a_deploy_makes_its_stale_bundles_in_one_call_of_the_fleet_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bundles a deploy makes again are made together: the lane check and the registry's preflights
+    run once for the fleet, whether every host's bundle is stale or one; a bundle just made is fresh
+    (what its launch decides is what its manifest holds), and a deploy of what is there makes none.
+    The steps are the real ones, counted as they are called."""
+    from builder.bundle import make
+
+    p = bl.make_project(tmp_path)
+    ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
+    fleet_path, fleet = find_fleet(ctx.hosts_dir, bl.FLEET)
+    calls: list[str] = []
+
+    def counted(name: str) -> None:
+        real = getattr(make, name)
+
+        def call(*args: Any, **kw: Any) -> Any:
+            calls.append(name)
+            return real(*args, **kw)
+
+        monkeypatch.setattr(make, name, call)
+
+    for name in ("check_lane", "registry_preflight", "models_preflight", "render_bundle"):
+        counted(name)
+
+    def deploy() -> tuple[dict[str, FleetBundle | str], list[str]]:
+        said: list[str] = []
+        calls.clear()
+        made = ensure_bundles(ctx, fleet_path, fleet, key=p.key, with_image=False, with_models=False,
+                              part_size="4KiB", say=said.append)
+        return made, said
+
+    made, said = deploy()
+    names = [h.name for h in fleet.by_rank()]
+    assert len(names) == 2 and list(made) == names
+    assert all(isinstance(b, FleetBundle) and b.made for b in made.values()), made
+    assert sorted(calls) == sorted(["check_lane", "registry_preflight", "models_preflight", *["render_bundle"] * 2])
+    assert [ln for ln in said if "making its bundle" in ln] == [f"{n}: making its bundle (no bundle yet)"
+                                                                 for n in names], said
+    first = {n: b.bundle_id for n, b in made.items() if isinstance(b, FleetBundle)}
+
+    made, said = deploy()
+    assert calls == [] and said == [] and all(isinstance(b, FleetBundle) and not b.made for b in made.values())
+
+    shutil.rmtree(bundle_dir_of(p, names[1]))
+    made, said = deploy()
+    assert sorted(calls) == ["check_lane", "models_preflight", "registry_preflight", "render_bundle"]
+    a, b = made[names[0]], made[names[1]]
+    assert isinstance(a, FleetBundle) and not a.made and a.bundle_id == first[names[0]]
+    assert isinstance(b, FleetBundle) and b.made and b.bundle_id == first[names[1]]  # (the same inputs)
+    assert [ln for ln in said if "making its bundle" in ln] == [f"{names[1]}: making its bundle (no bundle yet)"]
+
+
+def bundle_dir_of(p: bl.Project, host: str) -> Path:
+    return p.root / "out" / "bundles" / bl.FLEET / host
+
+
+def test_bundle_currency_names_what_differs(tmp_path: Path) -> None:
+    """A bundle just made holds what its rank's launch decides (though its install.pyz is in parts),
+    and each part of that, changed, is named as the reason it is made again; so is what the deploy
+    asks it to carry."""
+    p = bl.make_project(tmp_path)
+    ctx = load_bundle_inputs(p.pins, p.root / "pins.lock", p.store)
+    fleet_path, fleet = find_fleet(ctx.hosts_dir, bl.FLEET)
+    made = ensure_bundles(ctx, fleet_path, fleet, key=p.key, with_image=False, with_models=False,
+                          part_size="4KiB")
+    host = fleet.by_rank()[0]
+    bundled = made[host.name]
+    assert isinstance(bundled, FleetBundle)
+    m = bundled.manifest
+    want = launch_manifest(rank_launch(ctx, fleet, host, fleet.fleet.lane))
+    assert any(f.get("parts") for f in m["files"]) and m["models"], m  # (what the manifest adds to it)
+    assert why_stale(m, want, False, False) is None
+    assert why_stale({**m, "lock_hash": "K"}, want, False, False) == "lock_hash differs"
+    assert why_stale({**m, "paths": {**m["paths"], "models": "/elsewhere"}}, want, False, False) == \
+        "paths.models differs"
+    assert why_stale({**m, "image": {**m["image"], "image_id": "sha256:" + "2" * 64}}, want, False, False) == \
+        "image.image_id differs"
+    models = [{**m["models"][0], "sha256": "0" * 64}, *m["models"][1:]]
+    assert why_stale({**m, "models": models}, want, False, False) == "its model files differ from the lock's"
+    assert why_stale({**m, "models": m["models"][1:]}, want, False, False) == "its model files differ from the lock's"
+    files = [{**f, "sha256": "0" * 64} if f["path"] == "start.sh" else f for f in m["files"]]
+    assert why_stale({**m, "files": files}, want, False, False) == "start.sh differs"
+    assert why_stale({**m, "files": [f for f in m["files"] if f["path"] != "install.pyz"]}, want, False, False) == \
+        "install.pyz differs"
+    assert why_stale(m, want, True, False) == "it carries no image (--with-image)"
+    assert why_stale(m, want, False, True) == "it carries no model files (--with-models)"
 
 
 def test_bundles_made_again_name_their_key_and_a_home_key_needs_asking(

@@ -1,5 +1,6 @@
 """`builder bundle`'s steps, for one host or a whole fleet: the lane checked, the registry's preflight,
-each host's bundle rendered (builder.bundle.render: files only), then the registry push.
+each host's bundle rendered (builder.bundle.render: files only), then the registry push. The checks and
+the push run once for every host made in one call (a deploy makes the stale hosts' bundles in one).
 
 A fleet whose hosts pull model files from its registry (``fleet.models_from = "registry"``) gets, with
 --with-models, bundles that name each model file's blob (its digest is its locked sha256) instead of
@@ -14,6 +15,8 @@ URL and CA file and asks it once, so a bad or unreachable registry fails before 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,10 +32,14 @@ from builder.errors import VerifyError
 from builder.foundation.canon import file_lock
 from builder.image import registry
 from builder.image.imagerecord import ImageRecord
-from builder.inputs.hosts import Fleet, bundles_folder, find_fleet, find_host
+from builder.inputs.hosts import Fleet, Host, bundles_folder, find_fleet, find_host
 from builder.store.modelfetch import in_store, wanted_for
 from builder.store.modelstore import ModelStore
 from builder.store.placement import host_files
+
+#: bundles rendered at once: each is independent (one host's image archive is written while another's
+#: model files are linked), and more would only contend for the same disk
+RENDER_AT_ONCE = 4
 
 
 @dataclass(frozen=True)
@@ -50,28 +57,66 @@ def make_bundle(ctx: BundleInputs, host_ref: str, opts: BundleOptions) -> Bundle
     fleet has a registry and opts.with_image."""
     fleet_path, fleet, host = find_host(ctx.hosts_dir, host_ref)
     out = opts.out if opts.out is not None else bundles_folder(ctx.root, fleet.fleet.name, host.name)
-    pending = registry_preflight(ctx, fleet_path, fleet, check_lane(ctx, fleet_path, fleet), opts)
-    models_to = models_preflight(fleet_path, fleet, opts)
-    result = render_bundle(ctx, fleet_path, fleet, host, out, opts)
-    if pending is not None:
-        push_image(ctx, pending, [result])
-    if models_to is not None:
-        push_models(ctx, fleet, models_to, [result])
-    return result
+    return _make(ctx, fleet_path, fleet, [(host, out)], opts)[0]
 
 
-def make_fleet_bundles(ctx: BundleInputs, fleet_name: str, opts: BundleOptions) -> list[BundleResult]:
-    """Every host's bundle of the fleet, by rank (under opts.out, else out/bundles/FLEET), then one push."""
+def make_fleet_bundles(
+    ctx: BundleInputs, fleet_name: str, opts: BundleOptions, hosts: Collection[str] | None = None
+) -> list[BundleResult]:
+    """The fleet's bundles, by rank (under opts.out, else out/bundles/FLEET): every host's, or only
+    those of ``hosts`` (names of the fleet's hosts; ConfigError for another). The lane check, the
+    registry's preflight and the push run once for them all."""
     fleet_path, fleet = find_fleet(ctx.hosts_dir, fleet_name)
     base = opts.out if opts.out is not None else bundles_folder(ctx.root, fleet.fleet.name)
+    chosen = fleet.by_rank() if hosts is None else sorted((fleet.host(n) for n in set(hosts)), key=lambda h: h.rank)
+    return _make(ctx, fleet_path, fleet, [(h, base / h.name) for h in chosen], opts)
+
+
+def _make(ctx: BundleInputs, fleet_path: Path, fleet: Fleet, outs: list[tuple[Host, Path]],
+          opts: BundleOptions) -> list[BundleResult]:
+    """The steps of `builder bundle` for these hosts of one fleet (host, its bundle's folder)."""
     pending = registry_preflight(ctx, fleet_path, fleet, check_lane(ctx, fleet_path, fleet), opts)
     models_to = models_preflight(fleet_path, fleet, opts)
-    results = [render_bundle(ctx, fleet_path, fleet, h, base / h.name, opts) for h in fleet.by_rank()]
+    results = _render_all(ctx, fleet_path, fleet, outs, opts,
+                          pushing=pending is not None or models_to is not None)
     if pending is not None:
         push_image(ctx, pending, results)
     if models_to is not None:
         push_models(ctx, fleet, models_to, results)
     return results
+
+
+def _render_all(ctx: BundleInputs, fleet_path: Path, fleet: Fleet, outs: list[tuple[Host, Path]],
+                opts: BundleOptions, *, pushing: bool) -> list[BundleResult]:
+    """Each host's bundle rendered, in the order of ``outs``: one in this thread (a signal stops it where
+    it is), several RENDER_AT_ONCE at a time. When one fails and a push was to follow, the bundles
+    rendered beside it are removed, as a failed push removes them: each would name what the registry
+    may never get, yet look current to the next deploy, which then makes and pushes only the others'."""
+    if len(outs) == 1:
+        (host, out), = outs
+        return [render_bundle(ctx, fleet_path, fleet, host, out, opts)]
+    ex = ThreadPoolExecutor(max_workers=max(1, min(RENDER_AT_ONCE, len(outs))))
+    try:
+        futures = [ex.submit(render_bundle, ctx, fleet_path, fleet, h, out, opts) for h, out in outs]
+        wait(futures)
+    except BaseException:
+        ex.shutdown(wait=False, cancel_futures=True)  # a signal: the renders not begun never begin
+        raise
+    ex.shutdown()
+    failed = [e for e in (f.exception() for f in futures) if e is not None]
+    rendered = [f.result() for f in futures if f.exception() is None]
+    if failed:
+        if pushing:
+            _remove_rendered(rendered)
+        raise failed[0]
+    return rendered
+
+
+def _remove_rendered(results: list[BundleResult]) -> None:
+    """The bundles just written (not those rendered again to the same bytes: those were there before)."""
+    for r in results:
+        if not r.unchanged:
+            shutil.rmtree(r.path, ignore_errors=True)
 
 
 def registry_preflight(
@@ -128,9 +173,7 @@ def push_models(
         with file_lock(ctx.store / "locks" / "push-model-files.lock"):
             sent, size, _ = registry.push_blobs(target, registry.MODEL_REPOSITORY, list(blobs.values()))
     except BaseException:
-        for r in results:
-            if not r.unchanged:
-                shutil.rmtree(r.path, ignore_errors=True)
+        _remove_rendered(results)
         raise
     return sent, size
 
@@ -143,9 +186,7 @@ def push_image(ctx: BundleInputs, pending: RegistryPush, results: list[BundleRes
     try:
         res, _ = registry.push_image(ctx.store, pending.record, pending.target)
     except BaseException:
-        for r in results:
-            if not r.unchanged:
-                shutil.rmtree(r.path, ignore_errors=True)
+        _remove_rendered(results)
         raise
     for r in results:
         if r.pull is not None and r.pull != res.reference:

@@ -182,6 +182,54 @@ def rank_launch(ctx: BundleInputs, fleet: Fleet, host: Host, lane_name: str) -> 
                       placed={f.path: f for f in placed})
 
 
+def rank_files(launch: RankLaunch) -> dict[str, tuple[bytes, str]]:
+    """The files every bundle of the rank holds, whatever its options (path -> (bytes, mode)): its launch
+    files and the installer."""
+    return {**launch.files, hostpkg.NAME: (hostpkg.zipapp(), "0755")}
+
+
+def launch_manifest(launch: RankLaunch) -> dict[str, Any]:
+    """What the rank's launch decides of its bundle's manifest, whatever the options and the signing key:
+    the identity keys, the image (by ImageID), the model files the rank holds and the entries of
+    rank_files (``files``: path -> entry). render_bundle writes each manifest from these same pieces and
+    refuses one that does not hold them all (launch_differs), so a deploy can tell whether a bundle is
+    what the lock and inventory give now without making it again."""
+    return {
+        **launch.identity,
+        "image": launch.image,
+        "models": launch.models,
+        "files": {rel: WrittenFile(rel, len(data), hashlib.sha256(data).hexdigest(), mode).entry()
+                  for rel, (data, mode) in rank_files(launch).items()},
+    }
+
+
+def launch_differs(manifest: dict[str, Any], want: dict[str, Any]) -> tuple[str, ...] | None:
+    """Where a manifest does not hold what its launch decides (``want``: launch_manifest), as keys: a
+    top-level key and, under a mapping, the key in it (``("image", "image_id")``, ``("files",
+    "start.sh")``, ``("models",)``); None when it holds all of it. A manifest may add to it (the image
+    archive or pull reference, a file's parts, where each model file comes from, the files of the
+    archive, the provenance and the model files); a list (the model files) must match entry for entry."""
+    have = {**manifest, "files": {f["path"]: f for f in manifest.get("files", [])}}
+    for key, value in want.items():
+        if isinstance(value, dict):
+            inner = have.get(key)
+            for k, v in value.items():
+                if not isinstance(inner, dict) or not _holds(inner.get(k), v):
+                    return (key, k)
+        elif not _holds(have.get(key), value):
+            return (key,)
+    return None
+
+
+def _holds(have: Any, want: Any) -> bool:
+    """``have`` is ``want``, or adds keys to it (at any depth), or is a list of such, entry for entry."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(_holds(have.get(k), v) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(have, list) and len(have) == len(want) and all(map(_holds, have, want))
+    return bool(have == want)
+
+
 # --------------------------------------------------------------------------- rendering a bundle
 
 
@@ -221,8 +269,7 @@ def render_bundle(
     source = models_source(fleet_path, fleet) if opts.with_models else None
     with _staging(out) as tmp:
         written = [write_bytes(data, rel, tmp, opts.part_size, mode)
-                   for rel, (data, mode) in sorted(launch.files.items())]
-        written.append(write_bytes(hostpkg.zipapp(), hostpkg.NAME, tmp, opts.part_size, "0755"))
+                   for rel, (data, mode) in sorted(rank_files(launch).items())]
         for rel, data in provenance.bundle_files(ctx.store, rec, secret).items():
             written.append(write_bytes(data, rel, tmp, opts.part_size, "0644"))
         if archive is not None:
@@ -240,6 +287,9 @@ def render_bundle(
             "files": sorted((w.entry() for w in written), key=lambda e: e["path"]),
             "models": model_entries,
         }
+        where = launch_differs(body, launch_manifest(launch))
+        if where is not None:  # a fault in builder: a deploy would take every such bundle for stale
+            raise RuntimeError(f"bundle of {host.name}: its manifest does not hold its launch's {'.'.join(where)}")
         bid, mbytes = _write_manifest(tmp, body, secret)
         _fsync_tree(tmp, linked)
         unchanged = False

@@ -1,13 +1,13 @@
 """The bundles a deploy ships: the ones in ``out/bundles/<fleet>/<host>`` when they are what the lock
-and inventory give now, else made again (``builder bundle``).
+and inventory give now, else made again, the stale hosts' together (``builder bundle --fleet``'s form:
+the lane check, the registry's preflight and the push run once per deploy).
 
-"What they give now" is decided without re-making anything heavy: the manifest's identity (fleet, host,
-lane, rank, role, world size, paths, builder version), the lock hash, the image (input address,
-ImageID, DiffIDs from the build record), the models this rank holds (builder.store.placement), the launch
-files rendered again (pure) and the installer's bytes must all equal what a new ``builder bundle``
-would write, and the signature must check against the key the hosts trust. The image archive and the
-model files are not read: their identity is the ImageID and the locked sha256, and ship verifies every
-byte before it sends anything.
+"What they give now" is decided without re-making anything heavy: what the rank's launch decides of
+its manifest (builder.bundle.launch_manifest: the identity keys, the lock hash, the image by ImageID,
+the models this rank holds, the launch files rendered again (pure) and the installer's bytes) must be
+what the bundle's manifest holds, and the signature must check against the key the hosts trust. The
+image archive and the model files are not read: their identity is the ImageID and the locked sha256,
+and ship verifies every byte before it sends anything.
 
 A bundle is made again with the image archive and the model files only when the deploy is asked
 for them (``--with-image`` / ``--with-models``, as ``builder bundle``): a host that already holds the
@@ -17,9 +17,7 @@ anything is switched, a bundle without what its host lacks.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +28,9 @@ from builder.bundle import (
     choose_signing_key,
     crypto_sig_check,
     describe_signing_key,
-    hostpkg,
-    make_bundle,
+    launch_differs,
+    launch_manifest,
+    make_fleet_bundles,
     parse_size,
     rank_launch,
 )
@@ -59,42 +58,18 @@ def bundle_dir(root: Path, fleet: Fleet, host: Host) -> Path:
     return bundles_folder(root, fleet.fleet.name, host.name)
 
 
-def expected(ctx: Any, fleet: Fleet, host: Host) -> dict[str, Any]:
-    """What a bundle of this host made now must hold (all but the archive and the model bytes)."""
-    lane_name = fleet.fleet.lane
-    rl = rank_launch(ctx, fleet, host, lane_name)
-    files = {
-        rel: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "mode": mode}
-        for rel, (data, mode) in rl.files.items()
-    }
-    installer = hostpkg.zipapp()
-    files[hostpkg.NAME] = {"size": len(installer), "sha256": hashlib.sha256(installer).hexdigest(), "mode": "0755"}
-    return {
-        "identity": rl.identity,
-        "image": rl.image,
-        "models": rl.models,
-        "files": files,
-    }
-
-
-def stale(manifest: dict[str, Any], want: dict[str, Any], with_image: bool, with_models: bool,
-          models_from: str = "bundle") -> str | None:
-    """Why a bundle's manifest is not what a bundle made now would be (None: it is)."""
-    for k, v in want["identity"].items():
-        if manifest.get(k) != v:
-            return f"{k} differs"
-    img = manifest.get("image") or {}
-    for k, v in want["image"].items():
-        if img.get(k) != v:
-            return f"image.{k} differs"
-    have_models = [{k: m.get(k) for k in ("model", "file", "path", "size", "sha256")} for m in manifest["models"]]
-    if have_models != want["models"]:
+def why_stale(manifest: dict[str, Any], want: dict[str, Any], with_image: bool, with_models: bool,
+              models_from: str = "bundle") -> str | None:
+    """Why a bundle whose manifest is ``manifest`` is made again, in words; None when it is fresh: it
+    holds ``want`` (builder.bundle.launch_manifest of its rank now) and carries what the deploy asks for
+    (``--with-image``, ``--with-models``; the fleet's ``models_from``). ``manifest`` has been read and
+    its signature checked (current_bundle): a bundle that cannot be read is an error, never stale."""
+    where = launch_differs(manifest, want)
+    if where == ("models",):
         return "its model files differ from the lock's"
-    entries = {f["path"]: f for f in manifest["files"]}
-    for rel, w in want["files"].items():
-        e = entries.get(rel)
-        if e is None or (e["size"], e["sha256"], e["mode"]) != (w["size"], w["sha256"], w["mode"]):
-            return f"{rel} differs"
+    if where is not None:  # a file by its path, else the manifest's key (``lock_hash``, ``image.image_id``)
+        return f"{where[1] if where[0] == 'files' else '.'.join(where)} differs"
+    img = manifest.get("image") or {}
     if with_image and img.get("archive") is None and img.get("pull") is None:
         return "it carries no image (--with-image)"
     if with_models and models_from == "registry":
@@ -122,7 +97,7 @@ def current_bundle(out: Path, key: bytes, want: dict[str, Any], with_image: bool
         return None, str(e)
     except OSError as e:
         raise BuilderError(f"{out}: cannot read the bundle: {e.strerror or e}") from None
-    why = stale(manifest, want, with_image, with_models, models_from)
+    why = why_stale(manifest, want, with_image, with_models, models_from)
     return (manifest, "") if why is None else (None, why)
 
 
@@ -139,45 +114,37 @@ def ensure_bundles(
     dry_run: bool = False,
     say: Any = None,
 ) -> dict[str, FleetBundle | str]:
-    """host -> its bundle (made again where stale); with dry_run, host -> why it would be made. The key
-    that signs is chosen once, when the first bundle is made again, and named through ``say``."""
-    chosen: list[Path] = []
-    choosing = threading.Lock()
-
-    def signing_key() -> Path:
-        with choosing:
-            if not chosen:
-                choice = choose_signing_key(key, ctx.root, allow_outside=allow_outside_key)
-                line = describe_signing_key(choice)
-                if say is not None:
-                    say(f"signing bundles with {line}")
-                chosen.append(choice.path)
-            return chosen[0]
-
-    def one(h: Host) -> FleetBundle | str:
-        bdir = bundle_dir(ctx.root, fleet, h)
-        want = expected(ctx, fleet, h)
-        manifest: dict[str, Any] | None = None
-        why = "no bundle yet"
-        if (bdir / MANIFEST).is_file():
-            ship_opts = ShipOptions(signing_key=key, allow_outside_key=allow_outside_key)
-            pub = trusted_key_bytes(ctx.root, fleet, bdir, ship_opts)
-            manifest, why = current_bundle(bdir, pub, want, with_image, with_models, fleet.fleet.models_from)
-        if manifest is not None:
-            return FleetBundle(h.name, bdir, manifest, made=False)
-        if dry_run:
-            return why
-        if say is not None:
-            say(f"{h.name}: making its bundle ({why})")
-        opts = BundleOptions(
-            out=bdir, key=signing_key(), with_image=with_image, with_models=with_models, part_size=size
-        )
-        res = make_bundle(ctx, f"{fleet.fleet.name}/{h.name}", opts)
-        return FleetBundle(h.name, res.path, check_manifest(json.loads((res.path / MANIFEST).read_bytes())),
-                           made=True)
-
+    """host -> its bundle, by rank (made again where stale); with dry_run, a stale host -> why it would
+    be made. The stale hosts' bundles are made in one call of the fleet form
+    (builder.bundle.make_fleet_bundles), so the lane check, the registry's preflight and the push run
+    once, not once per host. The key that signs is chosen then, once, and named through ``say``."""
     size = parse_size(part_size)  # (ConfigError before anything is written)
-    hosts = fleet.by_rank()
-    with ThreadPoolExecutor(max_workers=max(1, min(4, len(hosts)))) as ex:  # (hosts' bundles are independent)
-        return dict(zip([h.name for h in hosts], ex.map(one, hosts), strict=True))
+    ship_opts = ShipOptions(signing_key=key, allow_outside_key=allow_outside_key)
 
+    def found(h: Host) -> FleetBundle | str:
+        bdir = bundle_dir(ctx.root, fleet, h)
+        # (first: a lane that cannot be bundled now, e.g. its image not built, fails a dry run too)
+        want = launch_manifest(rank_launch(ctx, fleet, h, fleet.fleet.lane))
+        if not (bdir / MANIFEST).is_file():
+            return "no bundle yet"
+        pub = trusted_key_bytes(ctx.root, fleet, bdir, ship_opts)
+        manifest, why = current_bundle(bdir, pub, want, with_image, with_models, fleet.fleet.models_from)
+        return why if manifest is None else FleetBundle(h.name, bdir, manifest, made=False)
+
+    hosts = fleet.by_rank()
+    with ThreadPoolExecutor(max_workers=max(1, min(4, len(hosts)))) as ex:  # (each host's bundle is read alone)
+        bundles = dict(zip([h.name for h in hosts], ex.map(found, hosts), strict=True))
+    stale = {name: why for name, why in bundles.items() if isinstance(why, str)}
+    if dry_run or not stale:
+        return bundles
+    for name, why in stale.items():
+        if say is not None:
+            say(f"{name}: making its bundle ({why})")
+    choice = choose_signing_key(key, ctx.root, allow_outside=allow_outside_key)
+    if say is not None:
+        say(f"signing bundles with {describe_signing_key(choice)}")
+    opts = BundleOptions(key=choice.path, with_image=with_image, with_models=with_models, part_size=size)
+    for res in make_fleet_bundles(ctx, fleet.fleet.name, opts, hosts=list(stale)):  # (out: bundle_dir's)
+        manifest = check_manifest(json.loads((res.path / MANIFEST).read_bytes()))
+        bundles[res.host] = FleetBundle(res.host, res.path, manifest, made=True)
+    return bundles
