@@ -13,7 +13,7 @@
       # paramiko is a runtime dependency: the docker SDK's ssh:// transport (DOCKER_HOST=ssh://...) needs it.
       pythonDeps = [ "click" "pydantic" "rich" "docker" "huggingface-hub" "cryptography" "pytest-testinfra" "pytest" "paramiko"
                      "packageurl-python" "cyclonedx-python-lib" ];
-      pythonDevDeps = [ "hypothesis" "pytest-xdist" "mypy" "vulture" ];
+      pythonDevDeps = [ "hypothesis" "pytest-xdist" "mypy" "vulture" "radon" ];
       # Tools builder calls at run time.
       runtimeTools = [ "git" "docker-client" "zstd" "openssh" "openssl" "minisign" ];
 

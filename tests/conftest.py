@@ -83,6 +83,13 @@ def wheelhouse(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return wh
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist hands out a --dist loadfile run's files by their number of tests, most first, unless told
+    # not to: the order below (the longest tiers first) is what keeps the slowest file off the end
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         # property tests (1000 examples each) are a tier of their own: CI runs them,
@@ -95,19 +102,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first: dict[str, int] = {}
     for item in items:  # (a file's rank is its longest test's: its own tests keep their order)
         f = item.nodeid.split("::", 1)[0]
-        first[f] = min(first.get(f, 3), tier_rank(item))
+        first[f] = min(first.get(f, 4), tier_rank(item))
     items.sort(key=lambda item: first[item.nodeid.split("::", 1)[0]])
     if os.environ.get("CI") and not docker_available():
         raise pytest.UsageError("CI needs a running Docker Engine for the docker/fleet tiers")
 
 
 def tier_rank(item: pytest.Item) -> int:
+    """0 first: the real vLLM (its image, once per machine, is the longest single job), then the kill loops
+    and other slow tests, the fleets and registries, Docker, builds and property tests, the rest."""
     marks = {m.name for m in item.iter_markers()}
-    if "slow" in marks or "vllm" in marks:
+    if "vllm" in marks:
         return 0
-    if marks & {"fleet", "registry"}:
+    if "slow" in marks:
         return 1
-    return 2 if marks & {"docker", "build", "fuzz"} else 3
+    if marks & {"fleet", "registry"}:
+        return 2
+    return 3 if marks & {"docker", "build", "fuzz"} else 4
 
 
 #: seconds per test file (setup, call and teardown of each test, over every worker): what CI prints last

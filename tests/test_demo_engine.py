@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import ziglang
 
-from builder.foundation import dockerio
+from builder.foundation import dockerbuild, dockerio
 from builder.image import layers
 from tests.lib import dockerlib
 
@@ -324,7 +324,7 @@ class DemoImage:
         self.log: list[str] = []
 
     def build(self, *, raw_tag: str, norm_tag: str, workdir: Path) -> tuple[str, layers.SpooledImage]:
-        raw = dockerio.build(
+        raw = dockerbuild.build(
             self.ctx,
             buildargs={"ENGINE_COMMIT": self.commit, "ENGINE_VERSION": "0.1.0"},
             tag=f"{self.repo}:{raw_tag}",

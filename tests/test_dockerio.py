@@ -1,4 +1,5 @@
-"""builder.foundation.dockerio against the real engine (small FROM scratch images, no network, no pulls)."""
+"""builder.foundation.dockerio and its build (dockerbuild) against the real engine (small FROM scratch images, no
+network, no pulls)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from requests.exceptions import ConnectionError as RequestsConnectionError
 from urllib3.exceptions import ProtocolError
 
 from builder.errors import BuilderError
-from builder.foundation import dockerio
+from builder.foundation import dockerbuild, dockerio
 from builder.image import layers
 
 
@@ -84,7 +85,7 @@ def test_a_missing_paramiko_is_named() -> None:
 
 def test_build_refuses_missing_dockerfile(tmp_path: Path) -> None:
     with pytest.raises(BuilderError, match="no such Dockerfile"):
-        dockerio.build(tmp_path)
+        dockerbuild.build(tmp_path)
 
 
 @pytest.fixture
@@ -118,7 +119,7 @@ def test_build_inspect_tag_save_load_remove(tmp_path: Path, repo: str) -> None:
         {"hello.txt": "hello\n"},
     )
     lines: list[str] = []
-    image_id = dockerio.build(
+    image_id = dockerbuild.build(
         ctx,
         buildargs={"NOTE": "x"},
         labels={"org.example.input": "abc"},
@@ -166,7 +167,7 @@ def test_build_inspect_tag_save_load_remove(tmp_path: Path, repo: str) -> None:
 def test_build_failure_names_the_step(tmp_path: Path, repo: str) -> None:
     ctx = _context(tmp_path, "FROM scratch\nCOPY hello.txt /a\nCOPY missing.txt /b\n", {"hello.txt": "hi"})
     with pytest.raises(BuilderError) as exc:
-        dockerio.build(ctx, tag=f"{repo}:a", cleanup=True)
+        dockerbuild.build(ctx, tag=f"{repo}:a", cleanup=True)
     msg = str(exc.value)
     assert "Step 3/3 : COPY missing.txt /b" in msg
     assert "missing.txt" in msg and "\n" not in msg
@@ -279,7 +280,7 @@ def test_an_interrupted_or_failed_build_leaves_no_image_or_container(tmp_path: P
             threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()
 
     with pytest.raises(BuilderError if interrupt == "a failing step" else KeyboardInterrupt):
-        dockerio.build(ctx, nocache=True, on_log=on_log)
+        dockerbuild.build(ctx, nocache=True, on_log=on_log)
     assert sum(1 for ln in seen if re.match(r"^ ---> [0-9a-f]{12}$", ln)) >= 3, seen  # LABEL, COPY, COPY
     # (each of those steps committed an image the build must remove)
     time.sleep(1)  # (anything the engine still committed would show by now)

@@ -14,7 +14,7 @@ LIMIT = 80
 
 #: (path under builder/, function name) -> why it stays longer than LIMIT
 ALLOWED: dict[tuple[str, str], str] = {
-    ("foundation/dockerio.py", "build"): "one call to the engine's build API: its keyword arguments, and the "
+    ("foundation/dockerbuild.py", "build"): "one call to the engine's build API: its keyword arguments, and the "
     "log stream read line by line into the step, the intermediate images and the image ID it reports",
 }
 

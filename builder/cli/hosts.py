@@ -11,6 +11,7 @@ from builder.cli import get_ctx
 from builder.cli.options import file_option, fleet_option, hosts_dir_option, json_option
 from builder.errors import EXIT_CONFIG
 from builder.inputs import hosts as core
+from builder.inputs.ansible import write_ansible_inventory
 
 
 @click.command()
@@ -24,7 +25,7 @@ def hosts(fleet: str | None, as_json: bool, ansible: Path | None, hosts_dir: Pat
     c = get_ctx()
     hdir = core.hosts_folder(c.root, hosts_dir)
     if ansible is not None:
-        n = core.write_ansible_inventory(hdir, fleet, ansible)
+        n = write_ansible_inventory(hdir, fleet, ansible)
         output.status(f"{ansible}: {n} host(s)")
         return 0
     rows, errors = core.host_rows(hdir, fleet)

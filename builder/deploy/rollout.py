@@ -148,6 +148,19 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     start in the lane's order and the serving audit, or the rollback. Nothing differs and the fleet
     serves and passes its audit: it says so (exit 0). A host whose apply record alone drifted (nothing
     to place) is reinstalled in the same way once the audit names it."""
+    refused = _repair_files(d)
+    if refused is not None:
+        return refused
+    _note_drifted_records(d)
+    d.repair = set(d.replaced)
+    if d.replaced or not is_noop(d):
+        return switch_over(d, earlier)
+    return _repair_what_the_audit_fails(d, earlier)
+
+
+def _repair_files(d: Deployment) -> DeployReport | None:
+    """Stage with every file hashed, placing again what differs, then the derivations; the refusal when
+    either fails."""
     w, rep = d.w, d.rep
     d.rehash = True
     for line in changes(d):
@@ -158,9 +171,13 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
     if not stage(d):
         bad = "; ".join(f"{o.host}: {o.message}" for o in rep.hosts if o.result in ("failed", "unreachable"))
         return d.refuse(f"repair: staging failed, no host was switched: {bad}", unreachable=rep.unreachable)
-    refused = derive(d)
-    if refused is not None:
-        return refused
+    return derive(d)
+
+
+def _note_drifted_records(d: Deployment) -> None:
+    """Add to ``d.replaced`` each host on its target bundle whose apply record drifted, and say what
+    was put right on each host."""
+    w = d.w
     on_target = {h.name for h in w.hosts if w.states[h.name].installed == d.out(h).target}
     # (a host moving to a new bundle receives it whole: only those already on it can have drifted)
     d.replaced = {n: what for n, what in d.replaced.items() if n in on_target}
@@ -170,9 +187,12 @@ def repair(d: Deployment, earlier: J.Journal | None) -> DeployReport:
             d.replaced.setdefault(name, []).append(f"the apply record ({why})")
     for name, what in sorted(d.replaced.items()):
         w.say(f"{name}: differed from its bundle or record, put right: {shown(what)}")
-    d.repair = set(d.replaced)
-    if d.replaced or not is_noop(d):
-        return switch_over(d, earlier)
+
+
+def _repair_what_the_audit_fails(d: Deployment, earlier: J.Journal | None) -> DeployReport:
+    """No file differed: audit the fleet as it is; the hosts the audit fails are reinstalled (their apply
+    record written again)."""
+    w, rep = d.w, d.rep
     done = noop(d, earlier)
     if done.exit_code == 0 and done.result != "deployed":  # (an earlier deploy finished: its reason stands)
         done.reason = ("nothing to repair: every file on every host matches its signed manifest or its "

@@ -179,6 +179,23 @@ def judge(facts: dict[str, Any], band: Band, index: int = 0) -> BurnResult:
                      seconds=float(facts.get("seconds") or 0.0))
     gpus, bad = loaded_samples(facts, index)
     res.samples = len(gpus)
+    c, p, mask = _read_samples(res, gpus)
+    doc, failure = _load_report(facts, index, res.seconds)
+    if doc is None:
+        res.message = failure
+        return res
+    res.tflops = float(doc["tflops"])
+    if not gpus:
+        why = f" ({bad[0]})" if bad else ""
+        res.message = f"burn: no sample showed GPU {index} busy while the load ran{why}"
+        return res
+    _give_verdict(res, band, index, c, p, mask)
+    return res
+
+
+def _read_samples(res: BurnResult, gpus: list[GpuInfo]) -> tuple[float | None, float | None, int]:
+    """The loaded samples' median clock and power, hottest temperature and event reasons, into ``res``;
+    the median clock and power unrounded, and the reasons' mask."""
     clocks = [float(g.clocks_sm_mhz) for g in gpus if g.clocks_sm_mhz is not None]
     power = [g.power_draw_w for g in gpus if g.power_draw_w is not None]
     temps = [g.temperature_c for g in gpus if g.temperature_c is not None]
@@ -190,49 +207,53 @@ def judge(facts: dict[str, Any], band: Band, index: int = 0) -> BurnResult:
     for g in gpus:
         mask |= g.event_reasons or 0
     res.reasons = decode_event_reasons(mask)
+    return c, p, mask
+
+
+def _load_report(facts: dict[str, Any], index: int, seconds: float) -> tuple[dict[str, Any] | None, str]:
+    """The load's report; or None and why the load did not run to a result (its timeout and any failed
+    cleanup, what it printed, or the error it reported)."""
     if facts.get("timed_out"):
-        res.message = f"burn of GPU {index}: the load did not finish within its timeout ({res.seconds:.0f} s)"
+        message = f"burn of GPU {index}: the load did not finish within its timeout ({seconds:.0f} s)"
         failed = [c for c in facts.get("cleanup") or [] if c.get("when") == "after timeout" and c.get("rc") != 0]
         if failed:
             out = str(failed[0].get("out") or "").strip().splitlines()
-            res.message += f"; its cleanup failed (exit {failed[0].get('rc')}{': ' + out[-1][:160] if out else ''})"
-        return res
+            message += f"; its cleanup failed (exit {failed[0].get('rc')}{': ' + out[-1][:160] if out else ''})"
+        return None, message
     try:
         doc = load_report(str(facts.get("stdout") or ""))
     except GpuError as e:
         err = str(facts.get("stderr") or "").strip().splitlines()
         why = str(e).replace("burn:", f"burn of GPU {index}:", 1)
-        res.message = f"{why} (exit {facts.get('rc')}{': ' + err[-1][:160] if err else ''})"
-        return res
+        return None, f"{why} (exit {facts.get('rc')}{': ' + err[-1][:160] if err else ''})"
     if "error" in doc:
-        res.message = f"burn of GPU {index}: the load failed: {doc['error']}"
-        return res
-    res.tflops = float(doc["tflops"])
-    if not gpus:
-        why = f" ({bad[0]})" if bad else ""
-        res.message = f"burn: no sample showed GPU {index} busy while the load ran{why}"
-        return res
+        return None, f"burn of GPU {index}: the load failed: {doc['error']}"
+    return doc, ""
+
+
+def _give_verdict(res: BurnResult, band: Band, index: int, c: float | None, p: float | None, mask: int) -> None:
+    """Throttled, pass, latched or slow, with its message and fix, for a load that reported its TFLOPS."""
+    assert res.tflops is not None
     trouble = trouble_reasons(mask)
     if trouble:
         res.verdict, res.fix = "throttled", THROTTLE_FIX
         res.message = (f"GPU {index} slowed down under load: {', '.join(trouble)} ({mask & ~0x1:#x}); "
                        f"{res.summary()}; fix: {res.fix}")
-        return res
+        return
     if res.tflops >= band.min_tflops:
         res.verdict = "pass"
         res.message = f"GPU {index}: {res.summary()} (floor {band.min_tflops:g} TFLOPS; healthy {band.healthy})"
-        return res
+        return
     latched = (c is not None and p is not None and c <= band.latch_clock_mhz and p <= band.latch_power_w)
     if latched:
         res.verdict, res.fix = "latched", LATCH_FIX
         res.message = (f"GPU {index} clock latch: {res.tflops:.1f} TFLOPS at {res.clock_mhz} MHz and "
                        f"{res.power_w:g} W under load (expected >= {band.min_tflops:g} TFLOPS; healthy "
                        f"{band.healthy}); fix: {res.fix}")
-        return res
+        return
     res.verdict = "slow"
     res.message = (f"GPU {index} slow: {res.summary()}, expected >= {band.min_tflops:g} TFLOPS "
                    f"(healthy {band.healthy})")
-    return res
 
 
 def fleet_outliers(tflops: dict[str, float], fraction: float = 0.85) -> dict[str, str]:

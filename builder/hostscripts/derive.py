@@ -97,32 +97,65 @@ def make_one(d: dict[str, Any], rank: int, world: int, full: bool = False) -> di
     path, start = d["path"], time.monotonic()
     if d.get("address") is None:
         return {"name": d["name"], "result": "failed", "why": "an input of it is not locked"}
-    rec = read_record(path)
-    drift: list[str] = []
-    if rec is not None and rec.get("address") == d["address"]:
-        drift = check_one(d, rank, world, full)
-        if not drift:
-            return {"name": d["name"], "result": "held", "path": path, "files": len(rec.get("files") or [])}
-        sys.stderr.write(f"derive: {d['name']}: {drift[0]}{' …' if len(drift) > 1 else ''}: making it again\n")
-    elif full:  # a repair: the rank's release expects it, so a lost folder or record is drift too
-        drift = [f"{path}: no record" if rec is None else f"{path}: made for another address"]
+    held, drift = held_or_drift(d, rank, world, full)
+    if held is not None:
+        return held
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    base = os.path.basename(path)
-    for stale in os.listdir(parent):  # what a killed run left: never under the address itself
-        if stale.startswith(tmp_stem(path)):
-            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
-    tmp = tmp_name(path)
-    os.makedirs(tmp)
+    tmp = fresh_tmp(path)
     argv = [a.replace("{out}", tmp) for a in d["argv"]]
     name = container_name(argv, d["name"], rank)
     if name:  # a killed run's container, still there under the same name
         remove_container(name)
     if argv[:2] == ["docker", "run"]:  # its files are the host user's, as if the command ran here
         argv[2:2] = ["--user", f"{os.getuid()}:{os.getgid()}"]
-    sys.stderr.write(f"derive: {d['name']}: making {base} (rank {rank} of {world})\n")
+    sys.stderr.write(f"derive: {d['name']}: making {os.path.basename(path)} (rank {rank} of {world})\n")
     sys.stderr.flush()
-    limit = float(d.get("timeout") or 3600)
+    why = run_into(argv, name, tmp, float(d.get("timeout") or 3600))
+    if why:
+        return {"name": d["name"], "result": "failed", "why": why}
+    files = write_record(d, tmp, rank, world)
+    why = place(tmp, path)
+    if why:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return {"name": d["name"], "result": "failed", "why": why}
+    fsync_path(parent)
+    secs = round(time.monotonic() - start, 3)
+    sys.stderr.write(f"derive: {d['name']}: made {len(files)} file(s) in {secs:g} s\n")
+    out = {"name": d["name"], "result": "made", "path": path, "files": len(files), "seconds": secs}
+    return {**out, "differed": drift} if drift else out
+
+
+def held_or_drift(d: dict[str, Any], rank: int, world: int, full: bool) -> tuple[dict[str, Any] | None, list[str]]:
+    """The ``held`` result of a derivation whose folder still matches its record; else None, and what
+    differs (with ``full``, a folder or record that is gone or for another address differs too)."""
+    path = d["path"]
+    rec = read_record(path)
+    drift: list[str] = []
+    if rec is not None and rec.get("address") == d["address"]:
+        drift = check_one(d, rank, world, full)
+        if not drift:
+            return {"name": d["name"], "result": "held", "path": path, "files": len(rec.get("files") or [])}, []
+        sys.stderr.write(f"derive: {d['name']}: {drift[0]}{' …' if len(drift) > 1 else ''}: making it again\n")
+    elif full:  # a repair: the rank's release expects it, so a lost folder or record is drift too
+        drift = [f"{path}: no record" if rec is None else f"{path}: made for another address"]
+    return None, drift
+
+
+def fresh_tmp(path: str) -> str:
+    """A new, empty temp folder beside path, after removing the temps a killed run left there."""
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    for stale in os.listdir(parent):  # what a killed run left: never under the address itself
+        if stale.startswith(tmp_stem(path)):
+            shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
+    tmp = tmp_name(path)
+    os.makedirs(tmp)
+    return tmp
+
+
+def run_into(argv: list[str], name: str, tmp: str, limit: float) -> str:
+    """Run the derivation's command, which writes into tmp: "" when it passed, else why it failed (tmp and
+    its container, if it has one, then removed)."""
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=limit)
     except Ended:
@@ -136,14 +169,20 @@ def make_one(d: dict[str, Any], rank: int, world: int, full: bool = False) -> di
         gone = remove_container(name) if name else ""
         shutil.rmtree(tmp, ignore_errors=True)
         what = f"; its container {name} {gone or 'removed'}" if name else ""
-        return {"name": d["name"], "result": "failed", "why": f"no end within {limit:g} s{what}"}
+        return f"no end within {limit:g} s{what}"
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        return {"name": d["name"], "result": "failed", "why": str(e)[:400]}
+        return str(e)[:400]
     if p.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tail = " | ".join(ln.strip() for ln in (p.stdout + p.stderr).splitlines() if ln.strip())[-600:]
-        return {"name": d["name"], "result": "failed", "why": f"exit {p.returncode}: {tail}"}
+        return f"exit {p.returncode}: {tail}"
+    return ""
+
+
+def write_record(d: dict[str, Any], tmp: str, rank: int, world: int) -> list[dict[str, Any]]:
+    """Hash every file the command wrote into tmp, with the stat fast mode trusts, into the record there
+    (tmp then synced); the files' entries."""
     files = []
     for rel in walk(tmp):
         fp = os.path.join(tmp, rel)
@@ -159,15 +198,7 @@ def make_one(d: dict[str, Any], rank: int, world: int, full: bool = False) -> di
         f.flush()
         os.fsync(f.fileno())
     fsync_path(tmp)
-    why = place(tmp, path)
-    if why:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return {"name": d["name"], "result": "failed", "why": why}
-    fsync_path(parent)
-    secs = round(time.monotonic() - start, 3)
-    sys.stderr.write(f"derive: {d['name']}: made {len(files)} file(s) in {secs:g} s\n")
-    out = {"name": d["name"], "result": "made", "path": path, "files": len(files), "seconds": secs}
-    return {**out, "differed": drift} if drift else out
+    return files
 
 
 def container_name(argv: list[str], derivation: str, rank: int) -> str:

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 #: urllib without proxies: a host's http_proxy must not carry a request for the lane's own address
@@ -94,31 +95,9 @@ def stream(base: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
     has_ids = False
     try:
         with LOCAL.open(req, timeout=timeout) as resp:
-            for raw in resp:
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            for chunk in _events(resp):
                 for ch in chunk.get("choices") or []:
-                    d = ch.get("delta") or {}
-                    now = time.monotonic()
-                    if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls"):
-                        out["first"] = out["first"] or now
-                        out["last"] = now
-                    out["content"] += d.get("content") or ""
-                    out["reasoning"] += d.get("reasoning_content") or d.get("reasoning") or ""
-                    for tc in d.get("tool_calls") or []:
-                        slot = out["tool_calls"].setdefault(tc.get("index", 0), {"name": "", "arguments": ""})
-                        fn = tc.get("function") or {}
-                        slot["name"] += fn.get("name") or ""
-                        slot["arguments"] += fn.get("arguments") or ""
-                    if ch.get("token_ids") is not None:
-                        has_ids = True
-                        out["ids"] += list(ch["token_ids"])
-                    out["finish"] = ch.get("finish_reason") or out["finish"]
+                    has_ids = _add_delta(out, ch) or has_ids
                 out["chunks"] += 1
     except Failed:
         raise
@@ -128,6 +107,39 @@ def stream(base: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         out["ids"] = None
     out["tool_calls"] = [out["tool_calls"][k] for k in sorted(out["tool_calls"])]
     return out
+
+
+def _events(resp: Any) -> Iterator[dict[str, Any]]:
+    """Each server-sent event's JSON (its ``data:`` line), up to ``[DONE]``."""
+    for raw in resp:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _add_delta(out: dict[str, Any], ch: dict[str, Any]) -> bool:
+    """One streamed choice's delta joined onto ``out`` (and when a token came); whether it carried token ids."""
+    d = ch.get("delta") or {}
+    now = time.monotonic()
+    if d.get("content") or d.get("reasoning_content") or d.get("reasoning") or d.get("tool_calls"):
+        out["first"] = out["first"] or now
+        out["last"] = now
+    out["content"] += d.get("content") or ""
+    out["reasoning"] += d.get("reasoning_content") or d.get("reasoning") or ""
+    for tc in d.get("tool_calls") or []:
+        slot = out["tool_calls"].setdefault(tc.get("index", 0), {"name": "", "arguments": ""})
+        fn = tc.get("function") or {}
+        slot["name"] += fn.get("name") or ""
+        slot["arguments"] += fn.get("arguments") or ""
+    out["finish"] = ch.get("finish_reason") or out["finish"]
+    if ch.get("token_ids") is not None:
+        out["ids"] += list(ch["token_ids"])
+        return True
+    return False
 
 
 def _why(e: Exception) -> str:

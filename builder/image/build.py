@@ -24,7 +24,7 @@ from typing import Any
 
 from builder import ASSEMBLY_FORMAT, __version__
 from builder.errors import BuilderError, ConfigError, VerifyError
-from builder.foundation import dockerio
+from builder.foundation import dockerbuild, dockerio
 from builder.foundation.canon import file_lock
 from builder.image import layers, provenance, wheels
 from builder.image import mounttargets as targets
@@ -130,53 +130,13 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
     buildargs: dict[str, str] = dict(img.build_args)
     buildargs["SOURCE_DATE_EPOCH"] = str(p.source_date_epoch)
     ignored = dockerignore_literals(dest)
-    cache = store.root / "git"
     for i, sname in enumerate(img.sources):
-        ls = lock.sources[sname]
-        what = f"sources.{sname}"
-        url = gitsrc.source_url(ls.url, root)
-
-        def export(d: Path, url: str = url, commit: str = ls.commit, what: str = what) -> None:
-            mirror = gitsrc.ensure_mirror(url, cache, offline=offline, name=what.split(".", 1)[1])
-            gitsrc.export_tree(mirror, commit, d)
-
-        tree = store.put_tree(ls.tree_sha256, export, what)
-        store.verified_tree(ls.tree_sha256, what)
-        target = dest / source_dir(i, sname)
-        shutil.copytree(tree, target, symlinks=True)
-        for mode_fix in target.rglob("*"):
-            if mode_fix.is_dir() and not mode_fix.is_symlink():
-                mode_fix.chmod(0o755)
-        for j, patch in enumerate(ls.patches):
-            pwhat = f"{what}.patches[{j}] ({patch.file})"
-            blob = store.put_file(root / patch.file, patch.sha256, pwhat)
-            apply_patch(target, blob, pwhat)
-            on_log(f"applied {patch.file}")
+        _lay_out_source(i, sname, lock, root, store, dest, offline=offline, on_log=on_log)
         if i == 0:
-            buildargs["ENGINE_COMMIT"] = ls.commit
+            buildargs["ENGINE_COMMIT"] = lock.sources[sname].commit
     for tname in img.toolchains:
-        lt = lock.toolchains[tname]
-        what = f"toolchains.{tname}"
-        if lt.kind == "cuda":
-            if lt.version:
-                buildargs["CUDA_VERSION"] = lt.version
-            continue
-        # the toolchain runs where the build runs: pick the build machine's artifact
-        art = lt.platforms.get(build_platform) or lt.platforms.get(img.platform)
-        if art is None:
-            raise ConfigError(f"{what}: no artifact for {build_platform} in the lock")
-        where = toolchain_dir(lt.kind, tname)
-        assert where is not None
-        if lt.kind == "wheel":
-            blob = store.fetch_wheel(lt.package or tname, lt.version or "", art.filename or "", art.sha256, what,
-                                     _wheelhouses(root), offline, pip_cache_dir())
-            extract_wheel_folder(blob, "ziglang/", dest / where,
-                                 skip=[x.removeprefix(f"{where}/") for x in ignored if x.startswith(f"{where}/")])
-        else:
-            blob = store.fetch_url(art.url, art.sha256, what, root=root, offline=offline, filename=art.filename)
-            tdir = dest / where
-            tdir.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(blob, tdir / (art.filename or "toolchain.tar.xz"))
+        _lay_out_toolchain(tname, img, lock, root, store, dest, buildargs, ignored, offline=offline,
+                           build_platform=build_platform)
     for fname in img.files:
         lf = lock.files[fname]
         blob = store.fetch_url(lf.url, lf.sha256, f"files.{fname}", root=root, offline=offline)
@@ -191,6 +151,61 @@ def assemble_context(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, 
         buildargs["BASE"] = f"{name_only}@{base['manifest_digest']}"
     (dest / CLOSURE_FILE).write_text(json.dumps(p.closure, sort_keys=True, indent=1))
     return buildargs
+
+
+def _lay_out_source(i: int, sname: str, lock: Lock, root: Path, store: Store, dest: Path, *, offline: bool,
+                    on_log: Callable[[str], None]) -> None:
+    """The ``i``-th source's tree at its locked commit, from the store (exported from its mirror once),
+    with its patches applied in order."""
+    ls = lock.sources[sname]
+    what = f"sources.{sname}"
+    url = gitsrc.source_url(ls.url, root)
+    cache = store.root / "git"
+
+    def export(d: Path) -> None:
+        mirror = gitsrc.ensure_mirror(url, cache, offline=offline, name=sname)
+        gitsrc.export_tree(mirror, ls.commit, d)
+
+    tree = store.put_tree(ls.tree_sha256, export, what)
+    store.verified_tree(ls.tree_sha256, what)
+    target = dest / source_dir(i, sname)
+    shutil.copytree(tree, target, symlinks=True)
+    for mode_fix in target.rglob("*"):
+        if mode_fix.is_dir() and not mode_fix.is_symlink():
+            mode_fix.chmod(0o755)
+    for j, patch in enumerate(ls.patches):
+        pwhat = f"{what}.patches[{j}] ({patch.file})"
+        blob = store.put_file(root / patch.file, patch.sha256, pwhat)
+        apply_patch(target, blob, pwhat)
+        on_log(f"applied {patch.file}")
+
+
+def _lay_out_toolchain(tname: str, img: ImageRecipe, lock: Lock, root: Path, store: Store, dest: Path,
+                       buildargs: dict[str, str], ignored: list[str], *, offline: bool, build_platform: str) -> None:
+    """One toolchain's artifact for the build machine, into its folder of the context (CUDA: only its
+    version, as a build arg)."""
+    lt = lock.toolchains[tname]
+    what = f"toolchains.{tname}"
+    if lt.kind == "cuda":
+        if lt.version:
+            buildargs["CUDA_VERSION"] = lt.version
+        return
+    # the toolchain runs where the build runs: pick the build machine's artifact
+    art = lt.platforms.get(build_platform) or lt.platforms.get(img.platform)
+    if art is None:
+        raise ConfigError(f"{what}: no artifact for {build_platform} in the lock")
+    where = toolchain_dir(lt.kind, tname)
+    assert where is not None
+    if lt.kind == "wheel":
+        blob = store.fetch_wheel(lt.package or tname, lt.version or "", art.filename or "", art.sha256, what,
+                                 _wheelhouses(root), offline, pip_cache_dir())
+        extract_wheel_folder(blob, "ziglang/", dest / where,
+                             skip=[x.removeprefix(f"{where}/") for x in ignored if x.startswith(f"{where}/")])
+    else:
+        blob = store.fetch_url(art.url, art.sha256, what, root=root, offline=offline, filename=art.filename)
+        tdir = dest / where
+        tdir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(blob, tdir / (art.filename or "toolchain.tar.xz"))
 
 
 def _recipe(pins: Pins, name: str) -> ImageRecipe:
@@ -326,21 +341,37 @@ def take_published(store_root: Path, p: Plan, *, offline: bool, force: bool = Fa
     if rec is not None and not force and info is not None and dockerio.image_id(tag) == rec.image_id:
         return ImageResult(record=rec, built=False)
     if info is None or force:
-        if offline:
-            raise BuilderError(f"images.{p.name}: {pub['ref']} is not in the Docker engine, and --offline does "
-                               "not pull (docker load it, or run without --offline)")
-        on_log(f"pulling {pub['ref']}")
-        dockerio.pull(pub["ref"])
-        info = dockerio.image_inspect(pub["image_id"])
-        if info is None:
-            got = dockerio.image_id(pub["ref"]) or "nothing"
-            raise VerifyError(f"images.{p.name}: {pub['ref']} pulled as image {got}, not the locked {pub['image_id']}")
+        info = _pull_published(p, pub, offline=offline, on_log=on_log)
     layers_ = list((info.get("RootFS") or {}).get("Layers") or [])
     if str(info.get("Id")) != pub["image_id"] or layers_ != pub["diff_ids"]:
         raise VerifyError(f"images.{p.name}: the engine's image {str(info.get('Id'))[:19]} has DiffIDs other than "
                           "the lock's")
     repo, _, t = tag.rpartition(":")
     dockerio.tag(pub["image_id"], repo, t)
+    new = _published_record(p, pub, tag, info, layers_, rec)
+    if new != rec:
+        write_record(store_root, new)
+    return ImageResult(record=new, built=rec is None)
+
+
+def _pull_published(p: Plan, pub: dict[str, Any], *, offline: bool, on_log: Callable[[str], None]) -> dict[str, Any]:
+    """Pull the published image by its digest; the engine's inspect record of the locked ImageID."""
+    if offline:
+        raise BuilderError(f"images.{p.name}: {pub['ref']} is not in the Docker engine, and --offline does "
+                           "not pull (docker load it, or run without --offline)")
+    on_log(f"pulling {pub['ref']}")
+    dockerio.pull(pub["ref"])
+    info = dockerio.image_inspect(pub["image_id"])
+    if info is None:
+        got = dockerio.image_id(pub["ref"]) or "nothing"
+        raise VerifyError(f"images.{p.name}: {pub['ref']} pulled as image {got}, not the locked {pub['image_id']}")
+    return info
+
+
+def _published_record(p: Plan, pub: dict[str, Any], tag: str, info: dict[str, Any], layers_: list[Any],
+                      rec: ImageRecord | None) -> ImageRecord:
+    """The record of a published image, with the fields of a built one; what a push learned of the same
+    image kept."""
     labels = {str(k): str(v) for k, v in ((info.get("Config") or {}).get("Labels") or {}).items()}
     new = ImageRecord(name=p.name, input_address=p.address, image_id=pub["image_id"], diff_ids=layers_, tag=tag,
                       lock_hash=p.lock_hash, platform=p.platform, source_date_epoch=p.source_date_epoch,
@@ -351,9 +382,7 @@ def take_published(store_root: Path, p: Plan, *, offline: bool, force: bool = Fa
         # what a push learned (the manifest builder pushes, its sizes) still holds for the same image
         new = new.model_copy(update={"manifest_digest": rec.manifest_digest, "config_size": rec.config_size,
                                      "layer_sizes": rec.layer_sizes})
-    if new != rec:
-        write_record(store_root, new)
-    return ImageResult(record=new, built=rec is None)
+    return new
 
 
 def _arch(platform: str) -> str:
@@ -377,7 +406,7 @@ def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, label
         # removes only its own name for the image it got (docker deletes the image with the last).
         with file_lock(Path(tempfile.gettempdir()) / "builder-image-build.lock"):
             raw_tag = f"builder-raw/{p.name}:{os.getpid()}-{secrets.token_hex(4)}"
-            raw_id = dockerio.build(ctx, buildargs=buildargs, network="none", tag=raw_tag,
+            raw_id = dockerbuild.build(ctx, buildargs=buildargs, network="none", tag=raw_tag,
                                     platform=None if _arch(engine) == _arch(p.platform) else p.platform,
                                     nocache=nocache, cleanup=True, on_log=on_log)
             try:

@@ -20,7 +20,7 @@ from builder.errors import ConfigError
 from builder.foundation.canon import address
 from builder.foundation.hashing import recipe_files
 from builder.inputs.loader import did_you_mean
-from builder.inputs.pins import Pins, PublishedImage, load_pins
+from builder.inputs.pins import ImageRecipe, Pins, PublishedImage, load_pins
 from builder.lock.lockfile import Lock, LockedImage, LockedPublishedImage, check_lock, load_lock, spec_hash
 from builder.lock.wheelset import closure_entry
 
@@ -102,18 +102,44 @@ def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
         changed = sorted(set(current.items()) ^ set(li.recipe_files.items()))
         raise ConfigError(f"images.{name}: recipe file {changed[0][0]} changed since the lock "
                           f"(run `builder lock {name}`)")
-    plat = img.platform
-    _check_zig_target(name, plat, img.build_args)
+    _check_zig_target(name, img.platform, img.build_args)
     used: dict[str, Any] = {f"images.{name}": li.model_dump(mode="json")}
-    base: dict[str, Any] | None = None
-    if img.base:
-        lb = _need(lock, "bases", img.base, name)
-        if lb.spec_hash != spec_hash(pins.bases[img.base]):
-            raise ConfigError(f"images.{name}: bases.{img.base} changed since the lock")
-        if plat not in lb.platforms:
-            raise ConfigError(f"images.{name}: base {img.base} has no {plat} manifest in the lock")
-        base = {"ref": lb.ref, "index_digest": lb.index_digest, "manifest_digest": lb.platforms[plat]}
-        used[f"bases.{img.base}"] = lb.model_dump(mode="json")
+    closure = {
+        "assembly_format": ASSEMBLY_FORMAT,
+        "platform": img.platform,
+        "build_args": dict(sorted(img.build_args.items())),
+        "base": _base_entry(pins, lock, img, name, used),
+        "sources": _source_entries(pins, lock, img, name, used),
+        "toolchains": _toolchain_entries(lock, img, name, used),
+        "files": _file_entries(lock, img, name, used),
+        "recipe": {Path(rel).relative_to(img.recipe).as_posix(): h for rel, h in sorted(li.recipe_files.items())},
+        "source_date_epoch": li.source_date_epoch,
+    }
+    if img.wheels:  # (only then: an image without wheel sets keeps the address it had before they existed)
+        closure["wheels"] = _wheel_entries(pins, lock, img, name, used)
+    return Plan(name=name, closure=closure, address=address(closure), lock_hash=address(used))
+
+
+# Each part of a recipe image's closure, from the lock: the entries it reads go into ``used``, whose
+# address is the image's lock hash.
+
+
+def _base_entry(pins: Pins, lock: Lock, img: ImageRecipe, name: str, used: dict[str, Any]) -> dict[str, Any] | None:
+    """The base image's manifest for the image's platform (None for an image from scratch)."""
+    if not img.base:
+        return None
+    plat = img.platform
+    lb = _need(lock, "bases", img.base, name)
+    if lb.spec_hash != spec_hash(pins.bases[img.base]):
+        raise ConfigError(f"images.{name}: bases.{img.base} changed since the lock")
+    if plat not in lb.platforms:
+        raise ConfigError(f"images.{name}: base {img.base} has no {plat} manifest in the lock")
+    used[f"bases.{img.base}"] = lb.model_dump(mode="json")
+    return {"ref": lb.ref, "index_digest": lb.index_digest, "manifest_digest": lb.platforms[plat]}
+
+
+def _source_entries(pins: Pins, lock: Lock, img: ImageRecipe, name: str, used: dict[str, Any]) -> dict[str, Any]:
+    """Each source's commit, tree hash and patches' hashes in order."""
     sources: dict[str, Any] = {}
     for s in img.sources:
         ls = _need(lock, "sources", s, name)
@@ -122,6 +148,11 @@ def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
         sources[s] = {"url": ls.url, "commit": ls.commit, "tree_sha256": ls.tree_sha256,
                       "patches": [{"file": Path(p.file).name, "sha256": p.sha256} for p in ls.patches]}
         used[f"sources.{s}"] = ls.model_dump(mode="json")
+    return sources
+
+
+def _toolchain_entries(lock: Lock, img: ImageRecipe, name: str, used: dict[str, Any]) -> dict[str, Any]:
+    """Each toolchain's kind, version, package and artifacts' hashes by platform."""
     toolchains: dict[str, Any] = {}
     for t in img.toolchains:
         lt = _need(lock, "toolchains", t, name)
@@ -134,33 +165,29 @@ def make_plan(pins: Pins, lock: Lock, name: str, root: Path) -> Plan:
             entry["artifacts"] = {p: a.sha256 for p, a in sorted(lt.platforms.items())}
         toolchains[t] = entry
         used[f"toolchains.{t}"] = lt.model_dump(mode="json")
+    return toolchains
+
+
+def _file_entries(lock: Lock, img: ImageRecipe, name: str, used: dict[str, Any]) -> dict[str, Any]:
+    """Each plain file's sha256."""
     files: dict[str, Any] = {}
     for f in img.files:
         lf = _need(lock, "files", f, name)
         files[f] = lf.sha256
         used[f"files.{f}"] = lf.model_dump(mode="json")
-    recipe = {Path(rel).relative_to(img.recipe).as_posix(): h for rel, h in sorted(li.recipe_files.items())}
-    closure = {
-        "assembly_format": ASSEMBLY_FORMAT,
-        "platform": plat,
-        "build_args": dict(sorted(img.build_args.items())),
-        "base": base,
-        "sources": sources,
-        "toolchains": toolchains,
-        "files": files,
-        "recipe": recipe,
-        "source_date_epoch": li.source_date_epoch,
-    }
-    if img.wheels:  # (only then: an image without wheel sets keeps the address it had before they existed)
-        sets: dict[str, Any] = {}
-        for w in img.wheels:
-            lw = _need(lock, "wheels", w, name)
-            if lw.spec_hash != spec_hash(pins.wheels[w]):
-                raise ConfigError(f"images.{name}: wheels.{w} changed since the lock")
-            sets[w] = closure_entry(lw)
-            used[f"wheels.{w}"] = lw.model_dump(mode="json")
-        closure["wheels"] = sets
-    return Plan(name=name, closure=closure, address=address(closure), lock_hash=address(used))
+    return files
+
+
+def _wheel_entries(pins: Pins, lock: Lock, img: ImageRecipe, name: str, used: dict[str, Any]) -> dict[str, Any]:
+    """Each wheel set's wheels by filename and sha256."""
+    sets: dict[str, Any] = {}
+    for w in img.wheels:
+        lw = _need(lock, "wheels", w, name)
+        if lw.spec_hash != spec_hash(pins.wheels[w]):
+            raise ConfigError(f"images.{name}: wheels.{w} changed since the lock")
+        sets[w] = closure_entry(lw)
+        used[f"wheels.{w}"] = lw.model_dump(mode="json")
+    return sets
 
 
 def _published_plan(name: str, li: LockedPublishedImage) -> Plan:

@@ -138,26 +138,33 @@ def _step(tps: list[Any], part: Any) -> list[Any]:
     """The types found one location part further down from each of ``tps`` (a union gives several)."""
     out: list[Any] = []
     for tp in tps:
-        inner = _strip(tp)
-        origin = typing.get_origin(inner)
-        if origin in (typing.Union, types.UnionType):
-            members = [m for m in typing.get_args(inner) if m is not type(None)]
-            if isinstance(part, str) and any(part in _tag(m) for m in members):
-                # a callable discriminator guessed the member from the keys present, a misspelt one
-                # among them: every member's keys are candidates
-                out += members
-                continue
-            chosen = [m for m in members if isinstance(part, str) and part in _literal_tags(m)]
-            out += chosen if chosen else _step(members, part)
-        elif isinstance(inner, type) and issubclass(inner, BaseModel):
-            for name, f in inner.model_fields.items():
-                if part in (name, f.alias):
-                    out.append(f.annotation)
-        elif origin is dict and len(typing.get_args(inner)) == 2:
-            out.append(typing.get_args(inner)[1])
-        elif origin in (list, set, frozenset, tuple) and isinstance(part, int) and typing.get_args(inner):
-            out.append(typing.get_args(inner)[0])
+        out += _step_into(_strip(tp), part)
     return out
+
+
+def _step_into(inner: Any, part: Any) -> list[Any]:
+    """The types found one location part further down from one type (its ``Annotated`` stripped)."""
+    origin = typing.get_origin(inner)
+    if origin in (typing.Union, types.UnionType):
+        return _step_union(inner, part)
+    if isinstance(inner, type) and issubclass(inner, BaseModel):
+        return [f.annotation for name, f in inner.model_fields.items() if part in (name, f.alias)]
+    if origin is dict and len(typing.get_args(inner)) == 2:
+        return [typing.get_args(inner)[1]]
+    if origin in (list, set, frozenset, tuple) and isinstance(part, int) and typing.get_args(inner):
+        return [typing.get_args(inner)[0]]
+    return []
+
+
+def _step_union(inner: Any, part: Any) -> list[Any]:
+    """A union's members that ``part`` names (by its tag), or the types one part down from its members."""
+    members = [m for m in typing.get_args(inner) if m is not type(None)]
+    if isinstance(part, str) and any(part in _tag(m) for m in members):
+        # a callable discriminator guessed the member from the keys present, a misspelt one
+        # among them: every member's keys are candidates
+        return members
+    chosen = [m for m in members if isinstance(part, str) and part in _literal_tags(m)]
+    return chosen if chosen else _step(members, part)
 
 
 def known_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> set[str]:
@@ -211,6 +218,24 @@ def validation_message(path: Path | str, err: ValidationError, obj: Any = None,
     (``written``, where ``obj`` was made from it: a lane ``based_on`` another) is no suggestion."""
     errors = err.errors(include_url=False)
     tags = union_tags(model) if model is not None else frozenset()
+    e = _first_error(errors, model, tags)
+    if e["type"] == "union_tag_not_found" and model is not None:
+        e = _stray_key_error(e, obj, model, tags)
+    raw_loc = tuple(e["loc"])
+    loc = _real_loc(raw_loc, obj, tags) if obj is not None else tuple(
+        x for x in raw_loc if not (isinstance(x, str) and x.startswith("function-")))
+    # pydantic puts the tag of a discriminated union in the path; drop it for readability
+    msg = e["msg"]
+    if e["type"] == "extra_forbidden":
+        msg = _unknown_key_message(errors, raw_loc, loc, obj if written is None else written, model)
+    elif e["type"] == "missing":
+        msg = "missing required key"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{path}: {key_path(loc)}: {msg}{more}"
+
+
+def _first_error(errors: list[Any], model: type[BaseModel] | None, tags: Collection[str]) -> Any:
+    """The error to name: an unknown key before any other error (a misspelt key is also a "missing" one)."""
     unknown = [e for e in errors if e["type"] == "extra_forbidden"]
     if model is not None and len(unknown) > 1:
         # a union without a discriminator is tried member by member, and each member calls the others' keys
@@ -222,34 +247,33 @@ def validation_message(path: Path | str, err: ValidationError, obj: Any = None,
             return x["loc"][-1] in known_keys(model, table)
 
         unknown.sort(key=known_to_one)
-    e = unknown[0] if unknown else errors[0]
+    return unknown[0] if unknown else errors[0]
+
+
+def _stray_key_error(e: Any, obj: Any, model: type[BaseModel], tags: Collection[str]) -> Any:
+    """A table whose discriminator (`kind`) is misspelt: pydantic names no key; the one no member of the
+    union knows is the one to name (as an unknown key), when there is one."""
     raw_loc = tuple(e["loc"])
-    if e["type"] == "union_tag_not_found" and model is not None:
-        # a table whose discriminator (`kind`) is misspelt: pydantic names no key; the one no member
-        # of the union knows is the one to name
-        here = _at(obj, _real_loc(raw_loc, obj, tags)) if obj is not None else None
-        known = known_keys(model, raw_loc)
-        strays = sorted(k for k in here if isinstance(k, str) and k not in known) if isinstance(here, dict) else []
-        if known and strays:
-            e = {**e, "type": "extra_forbidden", "loc": (*raw_loc, strays[0])}
-            raw_loc = tuple(e["loc"])
-    loc = _real_loc(raw_loc, obj, tags) if obj is not None else tuple(
-        x for x in raw_loc if not (isinstance(x, str) and x.startswith("function-")))
-    # pydantic puts the tag of a discriminated union in the path; drop it for readability
-    msg = e["msg"]
-    if e["type"] == "extra_forbidden":
-        parent = raw_loc[:-1]
-        missing = {str(x["loc"][-1]) for x in errors
-                   if x["type"] == "missing" and x["loc"] and tuple(x["loc"])[:-1] == parent}
-        candidates = (known_keys(model, parent) if model is not None else set()) | missing
-        present = _at(obj if written is None else written, loc[:-1])
-        if isinstance(present, dict):
-            candidates -= {k for k in present if isinstance(k, str)}  # a key already there is no suggestion
-        msg = "unknown key" + did_you_mean(loc[-1] if loc else None, candidates, prefer=missing)
-    elif e["type"] == "missing":
-        msg = "missing required key"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{path}: {key_path(loc)}: {msg}{more}"
+    here = _at(obj, _real_loc(raw_loc, obj, tags)) if obj is not None else None
+    known = known_keys(model, raw_loc)
+    strays = sorted(k for k in here if isinstance(k, str) and k not in known) if isinstance(here, dict) else []
+    if known and strays:
+        return {**e, "type": "extra_forbidden", "loc": (*raw_loc, strays[0])}
+    return e
+
+
+def _unknown_key_message(errors: list[Any], raw_loc: tuple[Any, ...], loc: tuple[Any, ...], written: Any,
+                         model: type[BaseModel] | None) -> str:
+    """The message for an unknown key: it names the closest key the schema knows there, or that another
+    error says is missing beside it; none that ``written`` already has there."""
+    parent = raw_loc[:-1]
+    missing = {str(x["loc"][-1]) for x in errors
+               if x["type"] == "missing" and x["loc"] and tuple(x["loc"])[:-1] == parent}
+    candidates = (known_keys(model, parent) if model is not None else set()) | missing
+    present = _at(written, loc[:-1])
+    if isinstance(present, dict):
+        candidates -= {k for k in present if isinstance(k, str)}  # a key already there is no suggestion
+    return "unknown key" + did_you_mean(loc[-1] if loc else None, candidates, prefer=missing)
 
 
 def _at(obj: Any, loc: tuple[Any, ...]) -> Any:

@@ -267,33 +267,34 @@ class Pins(Strict):
     @model_validator(mode="after")
     def _references(self) -> Pins:
         for name, img in self.recipes().items():
-            if img.base is not None and img.base not in self.bases:
-                raise _Ref(f"images.{name}.base", img.base, "bases", self.bases)
-            for i, s in enumerate(img.sources):
-                if s not in self.sources:
-                    raise _Ref(f"images.{name}.sources[{i}]", s, "sources", self.sources)
-            for i, t in enumerate(img.toolchains):
-                if t not in self.toolchains:
-                    raise _Ref(f"images.{name}.toolchains[{i}]", t, "toolchains", self.toolchains)
-            for i, f in enumerate(img.files):
-                if f not in self.files:
-                    raise _Ref(f"images.{name}.files[{i}]", f, "files", self.files)
-            for i, w in enumerate(img.wheels):
-                if w not in self.wheels:
-                    raise _Ref(f"images.{name}.wheels[{i}]", w, "wheels", self.wheels)
+            self._recipe_references(name, img)
         for name, lane in self.lanes.items():
-            if lane.image not in self.images:
-                raise _Ref(f"lanes.{name}.image", lane.image, "images", self.images)
-            for i, m in enumerate(lane.models):
-                if m not in self.models:
-                    raise _Ref(f"lanes.{name}.models[{i}]", m, "models", self.models)
-            for n in lane.inputs():
-                if n not in self.kits and n not in self.files:
-                    raise ValueError(f"lanes.{name}: runtime input {n!r} is not defined in [kits] or [files]")
+            self._lane_references(name, lane)
         for name, kit in self.kits.items():
             if kit.source is not None and kit.source not in self.sources:
                 raise _Ref(f"kits.{name}.source", kit.source, "sources", self.sources)
         return self
+
+    def _recipe_references(self, name: str, img: ImageRecipe) -> None:
+        """Every input a recipe image names is defined, its base first, then each list in order."""
+        if img.base is not None and img.base not in self.bases:
+            raise _Ref(f"images.{name}.base", img.base, "bases", self.bases)
+        for kind in ("sources", "toolchains", "files", "wheels"):
+            defined = getattr(self, kind)
+            for i, n in enumerate(getattr(img, kind)):
+                if n not in defined:
+                    raise _Ref(f"images.{name}.{kind}[{i}]", n, kind, defined)
+
+    def _lane_references(self, name: str, lane: Lane) -> None:
+        """A lane's image, models and runtime inputs are defined."""
+        if lane.image not in self.images:
+            raise _Ref(f"lanes.{name}.image", lane.image, "images", self.images)
+        for i, m in enumerate(lane.models):
+            if m not in self.models:
+                raise _Ref(f"lanes.{name}.models[{i}]", m, "models", self.models)
+        for n in lane.inputs():
+            if n not in self.kits and n not in self.files:
+                raise ValueError(f"lanes.{name}: runtime input {n!r} is not defined in [kits] or [files]")
 
     def recipes(self) -> dict[str, ImageRecipe]:
         """The images built from a recipe."""

@@ -198,6 +198,7 @@ def _fetch(m: dict[str, Any], ctx: ssl.SSLContext | None, tmp: str, h: Any, have
     return h
 
 
+# radon: one ranged GET, where each status and socket error decides whether the pull resumes, restarts or stops
 def _get(url: str, tmp: str, h: Any, have: int, size: int, ctx: ssl.SSLContext | None) -> tuple[Any, int]:
     """One GET of the blob from byte ``have`` on, appended to tmp and hashed: (the hash, the bytes held)."""
     headers = {"User-Agent": AGENT}

@@ -19,6 +19,7 @@ from builder.image import mounttargets as targets
 from builder.image.imagerecord import read_record, tag_for
 from builder.image.plan import make_plan
 from builder.inputs.hosts import Fleet, Host, find_fleet, find_host
+from builder.inputs.lanes import Lane
 from builder.inputs.loader import did_you_mean
 from builder.inputs.pins import Pins, PublishedImage, load_pins
 from builder.launch import memory_floor
@@ -75,13 +76,7 @@ def launch(opts: LaunchOptions) -> dict[str, Any]:
     pins = load_pins(opts.pins)
     fleet, hosts = _fleet(opts)
     lane_name = opts.lane or fleet.fleet.lane
-    if lane_name not in pins.lanes:
-        raise ConfigError(f"{opts.pins}: no lane named {lane_name!r}{did_you_mean(lane_name, pins.lanes)} "
-                          f"(have: {', '.join(sorted(pins.lanes))})")
-    lane = pins.lanes[lane_name]
-    if lane.serve.tensor_parallel != len(fleet.hosts):
-        raise ConfigError(f"fleet {fleet.fleet.name} has {len(fleet.hosts)} hosts but lane {lane_name} has "
-                          f"tensor_parallel = {lane.serve.tensor_parallel}")
+    lane = _lane(opts, pins, fleet, lane_name)
     unresolved: list[str] = []
     lock: Lock | None = None
     if opts.lock.exists():
@@ -91,17 +86,8 @@ def launch(opts: LaunchOptions) -> dict[str, Any]:
     rec = read_record(opts.store, image["input_address"]) if image["state"] == "built" else None
     mount_targets = targets.check(pins, lane_name, rec)  # (ConfigError: a mount that would add a file)
     if lock is not None:
-        for kind, names in pins.closure([lane_name]).items():
-            for n in sorted(names):
-                if n not in getattr(lock, kind, {}):
-                    unresolved.append(f"{kind}.{n}: not in the lock")
-    out_hosts = []
-    for h in hosts:
-        runs = derivation_runs(pins, lock, fleet, h, lane_name, image["ref"], image.get("input_address"))
-        cmd = rank_command(pins, fleet, h, lane_name, image["ref"], derived_paths(runs))
-        out_hosts.append({"host": h.name, "rank": h.rank, "role": h.role, **cmd.to_json(),
-                          "min_available_gib": int(memory_floor(lane, h) or 0) or None,
-                          "derivations": [r.to_json() for r in runs]})
+        unresolved += _not_locked(pins, lock, lane_name)
+    out_hosts = [_host_entry(pins, lock, fleet, h, lane_name, image) for h in hosts]
     shown = {h.name for h in hosts}
     return {
         "fleet": fleet.fleet.name,
@@ -118,6 +104,35 @@ def launch(opts: LaunchOptions) -> dict[str, Any]:
         "unresolved": unresolved,
         "unknown": list(lane.unknown),
     }
+
+
+def _lane(opts: LaunchOptions, pins: Pins, fleet: Fleet, lane_name: str) -> Lane:
+    """The lane the fleet runs (or ``--lane``), with as many ranks as the fleet has hosts."""
+    if lane_name not in pins.lanes:
+        raise ConfigError(f"{opts.pins}: no lane named {lane_name!r}{did_you_mean(lane_name, pins.lanes)} "
+                          f"(have: {', '.join(sorted(pins.lanes))})")
+    lane = pins.lanes[lane_name]
+    if lane.serve.tensor_parallel != len(fleet.hosts):
+        raise ConfigError(f"fleet {fleet.fleet.name} has {len(fleet.hosts)} hosts but lane {lane_name} has "
+                          f"tensor_parallel = {lane.serve.tensor_parallel}")
+    return lane
+
+
+def _not_locked(pins: Pins, lock: Lock, lane_name: str) -> list[str]:
+    """The lane's inputs the lock does not hold, each one line."""
+    return [f"{kind}.{n}: not in the lock" for kind, names in pins.closure([lane_name]).items()
+            for n in sorted(names) if n not in getattr(lock, kind, {})]
+
+
+def _host_entry(pins: Pins, lock: Lock | None, fleet: Fleet, h: Host, lane_name: str,
+                image: dict[str, Any]) -> dict[str, Any]:
+    """What one rank runs: its command, its memory floor and its derivations."""
+    lane = pins.lanes[lane_name]
+    runs = derivation_runs(pins, lock, fleet, h, lane_name, image["ref"], image.get("input_address"))
+    cmd = rank_command(pins, fleet, h, lane_name, image["ref"], derived_paths(runs))
+    return {"host": h.name, "rank": h.rank, "role": h.role, **cmd.to_json(),
+            "min_available_gib": int(memory_floor(lane, h) or 0) or None,
+            "derivations": [r.to_json() for r in runs]}
 
 
 def ready_text(ready: dict[str, Any]) -> str:

@@ -183,36 +183,11 @@ def rank_command(
     where = f"lanes.{lane_name}"
     run = merged_run(lane, host)
     subs = substitutions(fleet, host, lane_name, lane)
-    env: dict[str, str] = {
-        "BUILDER_LANE": lane_name,
-        "BUILDER_FLEET": fleet.fleet.name,
-        "BUILDER_HOST": host.name,
-        "BUILDER_ROLE": host.role,
-        "BUILDER_RANK": str(host.rank),
-        "BUILDER_CONFIG": CONFIG_IN_CONTAINER,
-    }
-    for k, v in run.env.items():
-        if k in OWN_ENV:
-            raise ConfigError(f"{where}.env.{k}: builder sets this per rank; remove it")
-        value = fill(v, subs, f"{where}.env.{k}")
-        if any(c in value for c in "\r\n\x00"):
-            raise ConfigError(f"{where}.env.{k}: the value has a line break")
-        if value != "":  # (an empty value is left out: a host without RDMA gets no NCCL_IB_HCA)
-            env[k] = value
+    env = _rank_env(fleet, host, lane_name, run, subs)
     entry = [fill(a, subs, f"{where}.entrypoint") for a in run.entrypoint] if run.entrypoint else None
     args = [fill(a, subs, f"{where}.args[{i}]") for i, a in enumerate(run.args)]
     cmd = (entry[1:] if entry else []) + args
-    mounts: list[tuple[str, str, bool, str]] = []
-    targets: set[str] = set()
-    for m in run.mounts:
-        if m.target in targets:
-            raise ConfigError(f"{where}: rank {host.rank} mounts two things at {m.target}")
-        targets.add(m.target)
-        if m.kind == "derived":
-            src = (derived or {}).get(m.name) or f"{host.paths.bundles.rstrip('/')}/derived/{m.name}-(unlocked)"
-        else:
-            src = mount_path(pins, lane_name, host, m)
-        mounts.append((src, m.target, m.writable, m.kind))
+    mounts = _rank_mounts(pins, host, lane_name, run, derived)
     opts = container_options(lane, host)
     ready = ready_spec(run.ready, subs, f"{where}: rank {host.rank}.ready")
     if host.rank != 0 and lane.start in ("workers-first", "workers-in-rank-order") and ready["kind"] in (
@@ -235,6 +210,45 @@ def rank_command(
     argv += [image, *cmd]
     return RankCommand(name=name, image=image, entrypoint=entry[:1] if entry else None, args=cmd, env=env,
                        mounts=mounts, options=opts, ready=ready, argv=argv)
+
+
+def _rank_env(fleet: Fleet, host: Host, lane_name: str, run: RankRun, subs: dict[str, str]) -> dict[str, str]:
+    """The rank's environment: what builder sets per rank, then the lane's, filled in."""
+    where = f"lanes.{lane_name}"
+    env: dict[str, str] = {
+        "BUILDER_LANE": lane_name,
+        "BUILDER_FLEET": fleet.fleet.name,
+        "BUILDER_HOST": host.name,
+        "BUILDER_ROLE": host.role,
+        "BUILDER_RANK": str(host.rank),
+        "BUILDER_CONFIG": CONFIG_IN_CONTAINER,
+    }
+    for k, v in run.env.items():
+        if k in OWN_ENV:
+            raise ConfigError(f"{where}.env.{k}: builder sets this per rank; remove it")
+        value = fill(v, subs, f"{where}.env.{k}")
+        if any(c in value for c in "\r\n\x00"):
+            raise ConfigError(f"{where}.env.{k}: the value has a line break")
+        if value != "":  # (an empty value is left out: a host without RDMA gets no NCCL_IB_HCA)
+            env[k] = value
+    return env
+
+
+def _rank_mounts(pins: Pins, host: Host, lane_name: str, run: RankRun,
+                 derived: dict[str, str] | None) -> list[tuple[str, str, bool, str]]:
+    """The rank's mounts (host path, target, writable, kind), one at each target."""
+    mounts: list[tuple[str, str, bool, str]] = []
+    targets: set[str] = set()
+    for m in run.mounts:
+        if m.target in targets:
+            raise ConfigError(f"lanes.{lane_name}: rank {host.rank} mounts two things at {m.target}")
+        targets.add(m.target)
+        if m.kind == "derived":
+            src = (derived or {}).get(m.name) or f"{host.paths.bundles.rstrip('/')}/derived/{m.name}-(unlocked)"
+        else:
+            src = mount_path(pins, lane_name, host, m)
+        mounts.append((src, m.target, m.writable, m.kind))
+    return mounts
 
 
 def container_options(lane: Lane, host: Host) -> list[str]:

@@ -235,16 +235,33 @@ def resolve_git(name: str, spec: Kit, mirror: Path, source: LockedSource, spec_h
     where = f"kits.{name}"
     src = spec.source
     at = f"{src} at {source.commit[:12]}" + (f", {spec.path}/" if spec.path else "")
+    tree = _kit_tree(where, spec, mirror, source, at)
+    (data,) = list(gitsrc.blobs(mirror, [tree[spec.manifest][1]]))
+    manifest, lines = _check_manifest(where, spec, data)
+    _require_in_tree(where, spec, lines, tree, at)
+    listed = {ln.path for ln in lines}
+    extra = sorted(p for p in tree if p not in listed and p != spec.manifest and not _ignored(spec, p))
+    got = _hash_blobs(where, mirror, lines, tree, at)
+    _compare(where, spec, lines, got, extra, at)
+    return _locked(spec, spec_hash, manifest, lines, origin="git", source=src, commit=source.commit)
+
+
+def _kit_tree(where: str, spec: Kit, mirror: Path, source: LockedSource, at: str) -> dict[str, tuple[str, str]]:
+    """The kit's folder in the source's tree at its locked commit: path -> (mode, blob id), its manifest
+    among them."""
     try:
         tree = _tree(mirror, source.commit, spec.path)
     except gitsrc.GitError as e:
         raise ResolveError(f"{where}: cannot read {at}: {e.reason}") from None
     if not tree:
-        raise ResolveError(f"{where}: no folder {spec.path or '/'} in {src} at {source.commit[:12]}")
+        raise ResolveError(f"{where}: no folder {spec.path or '/'} in {spec.source} at {source.commit[:12]}")
     if spec.manifest not in tree:
         raise ResolveError(f"{where}: no {spec.manifest} in {at}")
-    (data,) = list(gitsrc.blobs(mirror, [tree[spec.manifest][1]]))
-    manifest, lines = _check_manifest(where, spec, data)
+    return tree
+
+
+def _require_in_tree(where: str, spec: Kit, lines: list[Line], tree: dict[str, tuple[str, str]], at: str) -> None:
+    """Every file the manifest lists is in the tree; those its own tools make are named as such."""
     absent = [ln for ln in lines if ln.path not in tree]
     if absent:
         made = sorted({ln.origin for ln in absent if ln.origin != "git"})
@@ -253,16 +270,18 @@ def resolve_git(name: str, spec: Kit, mirror: Path, source: LockedSource, spec_h
             f"{where}: {len(absent)} of {len(lines)} files its {spec.manifest} lists are not in {at}: "
             f"{_names([ln.path for ln in absent], 16)}{why}; point `local` at a verified kit folder instead"
         )
-    listed = {ln.path for ln in lines}
-    extra = sorted(p for p in tree if p not in listed and p != spec.manifest and not _ignored(spec, p))
+
+
+def _hash_blobs(where: str, mirror: Path, lines: list[Line], tree: dict[str, tuple[str, str]],
+                at: str) -> dict[str, tuple[str, int]]:
+    """(sha256, size) of each listed file's blob; a link among them is refused."""
     got: dict[str, tuple[str, int]] = {}
     links = [ln.path for ln in lines if tree[ln.path][0] == "120000"]
     if links:
         raise ResolveError(f"{where}: {_names(links)} in {at}: a link, not a file")
     for ln, blob in zip(lines, gitsrc.blobs(mirror, [tree[ln.path][1] for ln in lines]), strict=True):
         got[ln.path] = (hashlib.sha256(blob).hexdigest(), len(blob))
-    _compare(where, spec, lines, got, extra, at)
-    return _locked(spec, spec_hash, manifest, lines, origin="git", source=src, commit=source.commit)
+    return got
 
 
 def export_file(name: str, spec: Kit, source: GitSource, commit: str, rel: str, dest: Path, *, root: Path,

@@ -291,6 +291,22 @@ def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None)
         problems.append(f"{lock_path.name}: seal does not match the content (edited by hand?)")
     elif render_lock(lock) != lock_path.read_bytes():
         problems.append(f"{lock_path.name}: not in the form `builder lock` writes (edited by hand?)")
+    problems += _input_problems(pins, lock, root, names)
+    problems += _image_problems(pins, lock, root, names)
+    for name in sorted(_selected_lanes(pins, names)):
+        ll = lock.lanes.get(name)
+        if ll is None:
+            problems.append(f"lanes.{name}: not in the lock")
+        elif ll.spec_hash != spec_hash(pins.lanes[name]):
+            problems.append(f"lanes.{name}: pins changed since the lock was written")
+    if not names:
+        problems += _whole_lock_problems(pins, lock, root, pins_path)
+    return LockCheck(ok=not problems, problems=problems)
+
+
+def _input_problems(pins: Pins, lock: Lock, root: Path, names: list[str] | None) -> list[str]:
+    """Each selected input missing from the lock, or stale there."""
+    problems: list[str] = []
     selected = pins.closure(names) if names else pins.all_inputs()
     for kind in INPUT_KINDS:
         specs = getattr(pins, kind)
@@ -301,8 +317,13 @@ def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None)
                 problems.append(f"{kind}.{name}: not in the lock")
             else:
                 problems += why_stale(kind, name, entry, specs[name], root, lock.sources)
-    img_names = selected_images(pins, names)
-    for name in sorted(img_names):
+    return problems
+
+
+def _image_problems(pins: Pins, lock: Lock, root: Path, names: list[str] | None) -> list[str]:
+    """Each selected image missing from the lock, pinned otherwise since, or with a recipe file changed."""
+    problems: list[str] = []
+    for name in sorted(selected_images(pins, names)):
         spec = pins.images[name]
         li = lock.images.get(name)
         if li is None:
@@ -317,22 +338,21 @@ def check_lock(pins_path: Path, lock_path: Path, names: list[str] | None = None)
         for rel in sorted(set(current) | set(li.recipe_files)):
             if current.get(rel) != li.recipe_files.get(rel):
                 problems.append(f"images.{name}: recipe file {rel} changed since the lock")
-    for name in sorted(_selected_lanes(pins, names)):
-        ll = lock.lanes.get(name)
-        if ll is None:
-            problems.append(f"lanes.{name}: not in the lock")
-        elif ll.spec_hash != spec_hash(pins.lanes[name]):
-            problems.append(f"lanes.{name}: pins changed since the lock was written")
-    if not names:
-        current_inputs = tracked_inputs(pins, root, pins_path)
-        for rel in sorted(set(current_inputs) | set(lock.inputs)):
-            if current_inputs.get(rel) != lock.inputs.get(rel):
-                problems.append(f"{rel}: changed since the lock was written")
-        for kind in SECTIONS:
-            extra = set(getattr(lock, kind)) - set(getattr(pins, kind))
-            for n in sorted(extra):
-                problems.append(f"{kind}.{n}: in the lock but not in pins")
-    return LockCheck(ok=not problems, problems=problems)
+    return problems
+
+
+def _whole_lock_problems(pins: Pins, lock: Lock, root: Path, pins_path: Path) -> list[str]:
+    """What only a check of everything judges: the tracked input files, and entries no pin names."""
+    problems: list[str] = []
+    current_inputs = tracked_inputs(pins, root, pins_path)
+    for rel in sorted(set(current_inputs) | set(lock.inputs)):
+        if current_inputs.get(rel) != lock.inputs.get(rel):
+            problems.append(f"{rel}: changed since the lock was written")
+    for kind in SECTIONS:
+        extra = set(getattr(lock, kind)) - set(getattr(pins, kind))
+        for n in sorted(extra):
+            problems.append(f"{kind}.{n}: in the lock but not in pins")
+    return problems
 
 
 def selected_images(pins: Pins, names: list[str] | None) -> set[str]:

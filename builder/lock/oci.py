@@ -56,35 +56,12 @@ def resolve_registry(name: str, spec: BaseImage, spec_hash: str) -> LockedBase:
     reg = RegistryClient(ref)
     try:
         doc, media, digest = reg.manifest(ref.reference)
-        platforms: dict[str, str] = {}
-        env: dict[str, list[str]] = {}
         index_digest: str | None = None
         if media in INDEX_TYPES or "manifests" in doc:
             index_digest = digest
-            entries = doc.get("manifests") or []
-            for want in spec.platforms:
-                match = None
-                for m in entries:
-                    p = m.get("platform") or {}
-                    if platform_matches(want, p.get("os", ""), p.get("architecture", ""), p.get("variant")):
-                        match = m
-                        break
-                if match is None:
-                    raise ResolveError(f"{where}: platform {want} is not in the index of {spec.ref}")
-                pdigest = str(match.get("digest"))
-                man, _, got = reg.manifest(pdigest)
-                platforms[want] = got
-                env[want] = _env_of(reg.blob_json(str((man.get("config") or {}).get("digest"))))
+            platforms, env = _from_index(where, spec, reg, doc)
         elif media in MANIFEST_TYPES or "config" in doc:
-            config = reg.blob_json(str((doc.get("config") or {}).get("digest")))
-            os_, arch, var = config.get("os", ""), config.get("architecture", ""), config.get("variant")
-            for want in spec.platforms:
-                if not platform_matches(want, os_, arch, var):
-                    have = "/".join(x for x in (os_, arch, var) if x)
-                    raise ResolveError(f"{where}: platform {want} is not in {spec.ref} (single-platform "
-                                       f"image for {have})")
-                platforms[want] = digest
-                env[want] = _env_of(config)
+            platforms, env = _from_manifest(where, spec, reg, doc, digest)
         else:
             raise ResolveError(f"{where}: {spec.ref}: unsupported manifest type {media or 'unknown'}")
     except urllib.error.HTTPError as e:
@@ -96,6 +73,46 @@ def resolve_registry(name: str, spec: BaseImage, spec_hash: str) -> LockedBase:
 
     return LockedBase(spec_hash=spec_hash, ref=spec.ref, index_digest=index_digest, platforms=platforms,
                       source="registry", config_env=env)
+
+
+def _from_index(where: str, spec: BaseImage, reg: RegistryClient,
+                doc: dict[str, Any]) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Each pinned platform's manifest digest and environment, through the index's entry for it."""
+    platforms: dict[str, str] = {}
+    env: dict[str, list[str]] = {}
+    entries = doc.get("manifests") or []
+    for want in spec.platforms:
+        match = None
+        for m in entries:
+            p = m.get("platform") or {}
+            if platform_matches(want, p.get("os", ""), p.get("architecture", ""), p.get("variant")):
+                match = m
+                break
+        if match is None:
+            raise ResolveError(f"{where}: platform {want} is not in the index of {spec.ref}")
+        pdigest = str(match.get("digest"))
+        man, _, got = reg.manifest(pdigest)
+        platforms[want] = got
+        env[want] = _env_of(reg.blob_json(str((man.get("config") or {}).get("digest"))))
+    return platforms, env
+
+
+def _from_manifest(where: str, spec: BaseImage, reg: RegistryClient, doc: dict[str, Any],
+                   digest: str) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """A single-platform image: its one manifest digest and environment for each pinned platform, which
+    must be its own."""
+    platforms: dict[str, str] = {}
+    env: dict[str, list[str]] = {}
+    config = reg.blob_json(str((doc.get("config") or {}).get("digest")))
+    os_, arch, var = config.get("os", ""), config.get("architecture", ""), config.get("variant")
+    for want in spec.platforms:
+        if not platform_matches(want, os_, arch, var):
+            have = "/".join(x for x in (os_, arch, var) if x)
+            raise ResolveError(f"{where}: platform {want} is not in {spec.ref} (single-platform "
+                               f"image for {have})")
+        platforms[want] = digest
+        env[want] = _env_of(config)
+    return platforms, env
 
 
 def _check_pins(where: str, spec: BaseImage, index_digest: str | None, platforms: dict[str, str]) -> None:

@@ -43,19 +43,23 @@ def resolve_published(name: str, spec: PublishedImage, *, offline: bool, spec_ha
     assert ref.digest is not None  # PublishedImage takes references by digest only
     if offline:
         return _published_local(where, spec, ref, spec_hash)
+    doc, digest, image_id, config = _from_registry(where, spec, ref)
+    os_, arch, var = config.get("os", ""), config.get("architecture", ""), config.get("variant")
+    if not platform_matches(spec.platform, os_, arch, var):
+        have = "/".join(x for x in (os_, arch, var) if x)
+        raise ResolveError(f"{where}: {spec.published} is {have}, not {spec.platform}")
+    return LockedPublishedImage(spec_hash=spec_hash, published=spec.published, manifest_digest=digest,
+                                image_id=image_id, diff_ids=_diff_ids(where, config, len(doc.get("layers") or [])),
+                                platform=spec.platform, source="registry")
+
+
+def _from_registry(where: str, spec: PublishedImage, ref: ImageRef) -> tuple[dict[str, Any], str, str, dict[str, Any]]:
+    """The platform's manifest, its digest, the config digest it names (the ImageID) and that config,
+    from the registry; each failure one ResolveError that names the image."""
+    assert ref.digest is not None
     reg = RegistryClient(ref)
     try:
-        doc, media, digest = reg.manifest(ref.digest)
-        if media in INDEX_TYPES or "manifests" in doc:
-            match = next((m for m in doc.get("manifests") or []
-                          if platform_matches(spec.platform, (m.get("platform") or {}).get("os", ""),
-                                              (m.get("platform") or {}).get("architecture", ""),
-                                              (m.get("platform") or {}).get("variant"))), None)
-            if match is None:
-                raise ResolveError(f"{where}: platform {spec.platform} is not in the index {spec.published}")
-            doc, media, digest = reg.manifest(str(match.get("digest")))
-        if not (media in MANIFEST_TYPES or "config" in doc):
-            raise ResolveError(f"{where}: {spec.published}: unsupported manifest type {media or 'unknown'}")
+        doc, digest = _platform_manifest(where, spec, reg, ref.digest)
         image_id = str((doc.get("config") or {}).get("digest"))
         if not re.fullmatch(r"sha256:[0-9a-f]{64}", image_id):
             raise ResolveError(f"{where}: {spec.published}: the manifest names no config digest")
@@ -68,13 +72,25 @@ def resolve_published(name: str, spec: PublishedImage, *, offline: bool, spec_ha
         raise ResolveError(f"{where}: {spec.published}: {what} at {ref.registry}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         raise ResolveError(f"{where}: cannot reach {ref.registry} for {spec.published}: {network_reason(e)}") from None
-    os_, arch, var = config.get("os", ""), config.get("architecture", ""), config.get("variant")
-    if not platform_matches(spec.platform, os_, arch, var):
-        have = "/".join(x for x in (os_, arch, var) if x)
-        raise ResolveError(f"{where}: {spec.published} is {have}, not {spec.platform}")
-    return LockedPublishedImage(spec_hash=spec_hash, published=spec.published, manifest_digest=digest,
-                                image_id=image_id, diff_ids=_diff_ids(where, config, len(doc.get("layers") or [])),
-                                platform=spec.platform, source="registry")
+    return doc, digest, image_id, config
+
+
+def _platform_manifest(where: str, spec: PublishedImage, reg: RegistryClient,
+                       pinned: str) -> tuple[dict[str, Any], str]:
+    """The image manifest the pinned digest names, through its index's entry for the pin's platform
+    when it names an index; with its digest."""
+    doc, media, digest = reg.manifest(pinned)
+    if media in INDEX_TYPES or "manifests" in doc:
+        match = next((m for m in doc.get("manifests") or []
+                      if platform_matches(spec.platform, (m.get("platform") or {}).get("os", ""),
+                                          (m.get("platform") or {}).get("architecture", ""),
+                                          (m.get("platform") or {}).get("variant"))), None)
+        if match is None:
+            raise ResolveError(f"{where}: platform {spec.platform} is not in the index {spec.published}")
+        doc, media, digest = reg.manifest(str(match.get("digest")))
+    if not (media in MANIFEST_TYPES or "config" in doc):
+        raise ResolveError(f"{where}: {spec.published}: unsupported manifest type {media or 'unknown'}")
+    return doc, digest
 
 
 def _published_local(where: str, spec: PublishedImage, ref: ImageRef, spec_hash: str) -> LockedPublishedImage:

@@ -143,54 +143,17 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
     pins = load_pins(pins_path)
     root = pins_path.resolve().parent
     check_patch_files(pins, root, pins_path)
-    for n in opts.update:
-        if pins.kind_of(n) not in INPUT_KINDS and n not in pins.published():
-            raise ConfigError(f"--update {n}: no input named {n!r} in {pins_path}")
+    _check_update_names(pins, opts, pins_path)
     cache = opts.cache or (root / ".cache" / "builder")
     previous = load_previous(lock_path)
     selected = pins.closure(opts.names) if opts.names else pins.all_inputs()
     report = ResolveReport(lock_path=lock_path, written=False)
-    new: dict[str, dict[str, Any]] = {k: {} for k in INPUT_KINDS}
-    # keep everything of the previous lock that is still pinned the same way
-    if previous is not None:
-        for kind in INPUT_KINDS:
-            specs = getattr(pins, kind)
-            for name, entry in getattr(previous, kind).items():
-                if name in specs and entry.spec_hash == spec_hash(specs[name]):
-                    new[kind][name] = entry
+    new = _still_pinned(pins, previous)
     for kind in INPUT_KINDS:
-        specs = getattr(pins, kind)
         for name in sorted(selected[kind]):
-            prev = new[kind].get(name)
-            prev_any = getattr(previous, kind).get(name) if previous is not None else None
-            # judged by the rule --check applies, against the sources this lock will hold
-            if prev is not None and name not in opts.update and not why_stale(kind, name, prev, specs[name],
-                                                                              root, new["sources"]):
-                report.kept.append(f"{kind}.{name}")
-                continue
-            if kind == "kits" and specs[name].source and f"sources.{specs[name].source}" in report.failed:
-                report.failed[f"{kind}.{name}"] = (f"{kind}.{name}: its source sources.{specs[name].source} "
-                                                   "did not resolve")
-                continue
-            try:
-                entry = _resolve_one(kind, name, specs[name], root, cache, opts, prev_any, pins, new)
-            except ConfigError:
-                raise
-            except BuilderError as e:
-                report.failed[f"{kind}.{name}"] = str(e)  # (the lock is then not written at all)
-                continue
-            old_id = _identity(kind, prev_any)
-            new_id = _identity(kind, entry)
-            if prev_any is not None and old_id != new_id:
-                report.moved.append((f"{kind}.{name}", old_id, new_id))
-            new[kind][name] = entry
-            report.resolved.append(f"{kind}.{name}")
+            _lock_input(kind, name, pins, root, cache, opts, previous, new, report)
     images: dict[str, LockedImage | LockedPublishedImage] = dict(_published(pins, previous, opts, report))
-    for name, img in pins.recipes().items():
-        sde = max([new["sources"][s].commit_time for s in img.sources if s in new["sources"]] or [1])
-        images[name] = LockedImage(spec_hash=spec_hash(img), recipe=img.recipe,
-                                   recipe_files=recipe_files(root, img.recipe), platform=img.platform,
-                                   source_date_epoch=sde)
+    images |= _recipe_images(pins, root, new)
     lanes = {name: LockedLane(spec_hash=spec_hash(lane), image=lane.image, models=list(lane.models))
              for name, lane in pins.lanes.items()}
     inputs = tracked_inputs(pins, root, pins_path)
@@ -200,6 +163,64 @@ def resolve(pins_path: Path, lock_path: Path, opts: ResolveOptions) -> ResolveRe
     if not report.failed:
         report.written = write_lock(lock_path, lock)
     return report
+
+
+def _check_update_names(pins: Pins, opts: ResolveOptions, pins_path: Path) -> None:
+    """Every name of `--update` is an input or a published image of the pins."""
+    for n in opts.update:
+        if pins.kind_of(n) not in INPUT_KINDS and n not in pins.published():
+            raise ConfigError(f"--update {n}: no input named {n!r} in {pins_path}")
+
+
+def _still_pinned(pins: Pins, previous: Lock | None) -> dict[str, dict[str, Any]]:
+    """Everything of the previous lock that is still pinned the same way, by kind."""
+    new: dict[str, dict[str, Any]] = {k: {} for k in INPUT_KINDS}
+    if previous is not None:
+        for kind in INPUT_KINDS:
+            specs = getattr(pins, kind)
+            for name, entry in getattr(previous, kind).items():
+                if name in specs and entry.spec_hash == spec_hash(specs[name]):
+                    new[kind][name] = entry
+    return new
+
+
+def _lock_input(kind: str, name: str, pins: Pins, root: Path, cache: Path, opts: ResolveOptions,
+                previous: Lock | None, new: dict[str, dict[str, Any]], report: ResolveReport) -> None:
+    """One selected input: kept, resolved into ``new``, or named in the report's failures."""
+    spec = getattr(pins, kind)[name]
+    prev = new[kind].get(name)
+    prev_any = getattr(previous, kind).get(name) if previous is not None else None
+    # judged by the rule --check applies, against the sources this lock will hold
+    if prev is not None and name not in opts.update and not why_stale(kind, name, prev, spec, root, new["sources"]):
+        report.kept.append(f"{kind}.{name}")
+        return
+    if kind == "kits" and spec.source and f"sources.{spec.source}" in report.failed:
+        report.failed[f"{kind}.{name}"] = f"{kind}.{name}: its source sources.{spec.source} did not resolve"
+        return
+    try:
+        entry = _resolve_one(kind, name, spec, root, cache, opts, prev_any, pins, new)
+    except ConfigError:
+        raise
+    except BuilderError as e:
+        report.failed[f"{kind}.{name}"] = str(e)  # (the lock is then not written at all)
+        return
+    old_id = _identity(kind, prev_any)
+    new_id = _identity(kind, entry)
+    if prev_any is not None and old_id != new_id:
+        report.moved.append((f"{kind}.{name}", old_id, new_id))
+    new[kind][name] = entry
+    report.resolved.append(f"{kind}.{name}")
+
+
+def _recipe_images(pins: Pins, root: Path, new: dict[str, dict[str, Any]]) -> dict[str, LockedImage]:
+    """The recipes' image entries, each dated by the newest commit of its locked sources."""
+    images: dict[str, LockedImage] = {}
+    for name, img in pins.recipes().items():
+        sde = max([new["sources"][s].commit_time for s in img.sources if s in new["sources"]] or [1])
+        images[name] = LockedImage(spec_hash=spec_hash(img), recipe=img.recipe,
+                                   recipe_files=recipe_files(root, img.recipe), platform=img.platform,
+                                   source_date_epoch=sde)
+    return images
 
 
 def _published(pins: Pins, previous: Lock | None, opts: ResolveOptions,

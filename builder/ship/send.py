@@ -62,7 +62,6 @@ def _receive(
 ) -> ShipResult:
     """Run the receive command with the installer and the bundle streamed to it."""
     res = ShipResult(host=host.name, fleet=manifest["fleet"], bundle_id=manifest["bundle_id"], result="")
-    files = {f["path"]: f for f in manifest["files"]}
     total = sum(f["size"] for f in manifest["files"])
     mbytes = (bdir / MANIFEST).read_bytes()
     sbytes = (bdir / SIGNATURE).read_bytes() if not opts.insecure else b""
@@ -85,26 +84,9 @@ def _receive(
     timer.start()
     assert proc.stdin is not None and proc.stdout is not None
     widen_pipe(proc.stdin.fileno())
-    broken = False
     try:
-        try:
-            proc.stdin.write(script + RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes)
-            proc.stdin.flush()
-            line = proc.stdout.readline()
-            want = json.loads(line).get("want") if line.strip() else None
-            if isinstance(want, list):
-                sent = {p for p, _ in want}
-                res.skipped = sorted(set(files) - sent)
-                if opts.on_plan is not None:
-                    opts.on_plan([(p, files[p]["size"] - int(o)) for p, o in want])
-                for path, offset in want:
-                    entry = files[path]
-                    _stream(proc.stdin.fileno(), bdir, entry, int(offset), opts)
-                    res.sent.append(path)
-                    res.bytes_sent += entry["size"] - int(offset)
-            proc.stdin.close()
-        except (BrokenPipeError, ConnectionResetError, ValueError):
-            broken = True  # the host stopped reading: its error is on its stderr
+        head = script + RECEIVE_MAGIC + f"{len(mbytes)} {len(sbytes)}\n".encode() + mbytes + sbytes
+        broken = not _send(proc, head, bdir, manifest, opts, res)
         with contextlib.suppress(OSError):
             proc.stdin.close()
         tail = proc.stdout.read()
@@ -124,7 +106,39 @@ def _receive(
         raise BuilderError(bad_installer(host, err))
     if broken and rc == 0:
         rc = 1
-    out = installer_answer(remote, rc, tail, err, "receive")
+    _take_answer(res, installer_answer(remote, rc, tail, err, "receive"))
+    return res
+
+
+def _send(proc: subprocess.Popen[bytes], head: bytes, bdir: Path, manifest: dict[str, Any], opts: ShipOptions,
+          res: ShipResult) -> bool:
+    """Write the installer, the manifest and its signature, read which files (from which offset) the host
+    wants, and stream those; False when the host stopped reading (its error is then on its stderr)."""
+    assert proc.stdin is not None and proc.stdout is not None
+    files = {f["path"]: f for f in manifest["files"]}
+    try:
+        proc.stdin.write(head)
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        want = json.loads(line).get("want") if line.strip() else None
+        if isinstance(want, list):
+            sent = {p for p, _ in want}
+            res.skipped = sorted(set(files) - sent)
+            if opts.on_plan is not None:
+                opts.on_plan([(p, files[p]["size"] - int(o)) for p, o in want])
+            for path, offset in want:
+                entry = files[path]
+                _stream(proc.stdin.fileno(), bdir, entry, int(offset), opts)
+                res.sent.append(path)
+                res.bytes_sent += entry["size"] - int(offset)
+        proc.stdin.close()
+    except (BrokenPipeError, ConnectionResetError, ValueError):
+        return False
+    return True
+
+
+def _take_answer(res: ShipResult, out: dict[str, Any]) -> None:
+    """The installer's answer into the result: what it did, what differed, and what it pulled."""
     res.result = str(out.get("result", "installed"))
     res.differed = [str(x) for x in out.get("differed") or []]
     pulled = out.get("pulled")
@@ -132,7 +146,6 @@ def _receive(
         pulled = {}
     res.bytes_pulled = int(pulled.get("bytes") or 0)
     res.pull_seconds = float(pulled.get("seconds") or 0.0)
-    return res
 
 
 def _stream(fd: int, bdir: Path, entry: dict[str, Any], offset: int, opts: ShipOptions) -> None:

@@ -237,60 +237,90 @@ class Store:
            verify: bool = False, dry_run: bool = False) -> GcReport:
         """Remove objects, trees and image records not in the keep sets (and, with ``verify``, those whose
         bytes no longer match their name), plus staging left by killed writers. ``dry_run``: only report."""
-        removed: list[str] = []
-        freed = 0
-        kept = 0
+        report = GcReport(removed=[], kept=0, freed_bytes=0)
         if not self.root.is_dir():
-            return GcReport(removed=removed, kept=kept, freed_bytes=freed)
+            return report
         with self.locked():
             if not dry_run:
                 self.clean_tmp()
-            for folder, keep in ((self.objects, keep_objects), (self.root / "images", keep_images)):
-                if not folder.is_dir():
-                    continue
-                for p in sorted(folder.iterdir()):
-                    key = p.name.removesuffix(".json")
-                    bad = verify and folder == self.objects and sha256_file(p)[0] != key
-                    if key in keep and not bad:
-                        kept += 1
-                        continue
-                    freed += p.stat().st_size
-                    if not dry_run:
-                        p.unlink()
-                    removed.append(f"{folder.name}/{p.name}")
+            for sweep in self._sweeps(keep_objects, keep_trees, keep_images, verify):
+                sweep.run(report, dry_run)
+        return report
+
+    def _sweeps(self, keep_objects: set[str], keep_trees: set[str], keep_images: set[str],
+                verify: bool) -> list[_Sweep]:
+        """Each kind of entry gc collects, in the order it reports them."""
+        images = self.root / "images"
+        return [
+            _Sweep("objects", _listing(self.objects),
+                   lambda p: p.name in keep_objects and not (verify and sha256_file(p)[0] != p.name),
+                   _file_size, _unlink),
+            _Sweep("images", _listing(images), lambda p: p.name.removesuffix(".json") in keep_images,
+                   _file_size, _unlink),
             # what is kept beside an image record goes with it: its provenance folder, its push lock
-            prov = self.root / "provenance"
-            if prov.is_dir():
-                for p in sorted(prov.iterdir()):
-                    if p.name in keep_images:
-                        kept += 1
-                        continue
-                    freed += _size(p)
-                    if not dry_run and p.is_dir() and not p.is_symlink():
-                        _rmtree_ro(p)
-                    elif not dry_run:
-                        p.unlink()
-                    removed.append(f"provenance/{p.name}")
-            locks = self.root / "locks"
-            if locks.is_dir():
-                for p in sorted(locks.glob("push-*.lock")):
-                    if p.name.removeprefix("push-").removesuffix(".lock") in keep_images:
-                        kept += 1
-                        continue
-                    if not dry_run and not _unlink_unheld(p):
-                        kept += 1  # a push of it is under way right now
-                        continue
-                    removed.append(f"locks/{p.name}")
-            if self.trees.is_dir():
-                for p in sorted(self.trees.iterdir()):
-                    if p.name in keep_trees and not (verify and sha256_tree(p) != p.name):
-                        kept += 1
-                        continue
-                    freed += _size(p)
-                    if not dry_run:
-                        _rmtree_ro(p)
-                    removed.append(f"trees/{p.name}")
-        return GcReport(removed=removed, kept=kept, freed_bytes=freed)
+            _Sweep("provenance", _listing(self.root / "provenance"), lambda p: p.name in keep_images,
+                   _size, _remove_any),
+            # (a lock file frees nothing worth counting; one that a push holds right now stays)
+            _Sweep("locks", _listing(self.root / "locks", "push-*.lock"),
+                   lambda p: p.name.removeprefix("push-").removesuffix(".lock") in keep_images,
+                   lambda p: 0, _unlink_unheld),
+            _Sweep("trees", _listing(self.trees),
+                   lambda p: p.name in keep_trees and not (verify and sha256_tree(p) != p.name),
+                   _size, _remove_tree),
+        ]
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """One kind of entry that gc collects: its folder's name in the report, its entries, which of them
+    are kept, the bytes one frees, and its removal (False when the entry must stay after all)."""
+
+    folder: str
+    entries: list[Path]
+    keep: Callable[[Path], bool]
+    size: Callable[[Path], int]
+    remove: Callable[[Path], bool]
+
+    def run(self, report: GcReport, dry_run: bool) -> None:
+        for p in self.entries:
+            if self.keep(p):
+                report.kept += 1
+                continue
+            n = self.size(p)
+            if not dry_run and not self.remove(p):
+                report.kept += 1
+                continue
+            report.freed_bytes += n
+            report.removed.append(f"{self.folder}/{p.name}")
+
+
+def _listing(folder: Path, pattern: str | None = None) -> list[Path]:
+    """A folder's entries (those matching ``pattern``), sorted; none when it is not there."""
+    if not folder.is_dir():
+        return []
+    return sorted(folder.glob(pattern) if pattern else folder.iterdir())
+
+
+def _file_size(p: Path) -> int:
+    return p.stat().st_size
+
+
+def _unlink(p: Path) -> bool:
+    p.unlink()
+    return True
+
+
+def _remove_tree(p: Path) -> bool:
+    _rmtree_ro(p)
+    return True
+
+
+def _remove_any(p: Path) -> bool:
+    if p.is_dir() and not p.is_symlink():
+        _rmtree_ro(p)
+    else:
+        p.unlink()
+    return True
 
 
 def _size(p: Path) -> int:

@@ -44,6 +44,29 @@ def canonical_config(
 ) -> bytes:
     """The canonical config bytes for ``original`` with new ``diff_ids`` (see module doc)."""
     when = rfc3339(int(source_date_epoch))
+    history = _history(original, base_layers, when)
+    non_empty = sum(1 for h in history if not h.get("empty_layer"))
+    if non_empty > len(diff_ids):
+        raise BuilderError(f"image config: history names {non_empty} layers but there are {len(diff_ids)}")
+    for _ in range(len(diff_ids) - non_empty):
+        history.append({"created": when, "created_by": "builder: layer"})
+
+    out: dict[str, Any] = {
+        "architecture": original.get("architecture", "amd64"),
+        "os": original.get("os", "linux"),
+        "config": _run_config(original, labels),
+        "created": when,
+        "history": history,
+        "rootfs": {"type": "layers", "diff_ids": list(diff_ids)},
+    }
+    for key in ("variant", "os.version", "os.features"):
+        if original.get(key):
+            out[key] = original[key]
+    return canonical_json(out)
+
+
+def _run_config(original: Mapping[str, Any], labels: Mapping[str, str] | None) -> dict[str, Any]:
+    """The run config's kept keys that have a value, its labels merged with ``labels``."""
     run_cfg = dict(original.get("config") or {})
     cfg: dict[str, Any] = {}
     for key in KEPT_CONFIG_KEYS:
@@ -54,7 +77,12 @@ def canonical_config(
     merged = {**(run_cfg.get("Labels") or {}), **dict(labels or {})}
     if merged:
         cfg["Labels"] = {str(k): str(v) for k, v in merged.items()}
+    return cfg
 
+
+def _history(original: Mapping[str, Any], base_layers: int, when: str) -> list[dict[str, Any]]:
+    """The base's history as it came (through its ``base_layers`` layers), then each later step dated
+    ``when``, its COPY/ADD source hashes dropped."""
     history: list[dict[str, Any]] = []
     consumed = 0
     for h in original.get("history") or []:
@@ -72,21 +100,4 @@ def canonical_config(
         if h.get("empty_layer"):
             entry["empty_layer"] = True
         history.append(entry)
-    non_empty = sum(1 for h in history if not h.get("empty_layer"))
-    if non_empty > len(diff_ids):
-        raise BuilderError(f"image config: history names {non_empty} layers but there are {len(diff_ids)}")
-    for _ in range(len(diff_ids) - non_empty):
-        history.append({"created": when, "created_by": "builder: layer"})
-
-    out: dict[str, Any] = {
-        "architecture": original.get("architecture", "amd64"),
-        "os": original.get("os", "linux"),
-        "config": cfg,
-        "created": when,
-        "history": history,
-        "rootfs": {"type": "layers", "diff_ids": list(diff_ids)},
-    }
-    for key in ("variant", "os.version", "os.features"):
-        if original.get(key):
-            out[key] = original[key]
-    return canonical_json(out)
+    return history
