@@ -35,7 +35,7 @@ from builder.installer.files import Writeback, write_all
 from builder.installer.manifest import check_manifest, physical_files, release_files
 from builder.installer.record import release_ok
 from builder.installer.verify import verify_bundle
-from tests.lib import bundlelib, rlib
+from tests.lib import bundlelib, factory, rlib
 from tests.lib import bundlelib as bl
 from tests.lib.bundlelib import bundle, install, run_installer
 from tests.lib.hostedit import flip_in_place
@@ -210,6 +210,62 @@ def test_install_rerun_upgrade_rollback(dproj: bl.Project, tmp_path: Path) -> No
     assert (rec["bundle_id"], rec["action"], rec["previous_bundle_id"]) == (id1, "rollback", id2)
     st = json.loads(run_installer("status", "--root", str(root)).stdout)
     assert st["consistent"] and st["current"] == id1 and st["previous"] == id2
+    _rmi(p.image_id)
+
+
+def _new_model_bytes(p: bl.Project, name: str, data: bytes) -> None:
+    """The lane's model file ``name`` changed, locked again: a release whose file takes the same path."""
+    (p.root / "models" / "demo" / name).write_bytes(data)
+    files = {n: (p.root / "models" / "demo" / n).read_bytes() for n in bl.MODEL_FILES}
+    factory.write_lock(p.root, image="tiny", model="demo-model", lane=bl.LANE, files=files, platform="linux/amd64")
+    bl.write_record_for(p.root, p.image_id, p.diff_ids)
+
+
+@pytest.mark.docker
+def test_a_release_whose_model_file_changed_keeps_the_old_one_so_the_release_before_switches_back(
+    dproj: bl.Project, tmp_path: Path
+) -> None:
+    """A model file has one path whatever the release, so v2 (config.json changed) replaces v1's when it
+    installs; v1's file is kept (a hard link in the models folder's .builder-kept, its record entry beside
+    it), and a switch back to v1 puts it back, atomically and vouched for without hashing: the rollback a
+    deploy whose new model answers otherwise needs. Switching forward again finds v2's file kept in turn;
+    a third release lets go of what neither it nor the one before names."""
+    p = dproj
+    root = tmp_path / "host" / "builder"
+    v1 = bundle(p, tmp_path / "v1", with_image=True, with_models=True)
+    id1 = bl.manifest(v1)["bundle_id"]
+    assert install(v1, root, "--trusted-key", str(p.pub), "--host", "spark-b").returncode == 0
+    cfg = next(m["path"] for m in bl.manifest(v1)["models"] if m["path"].endswith("/config.json"))
+    old = hashlib.sha256(Path(cfg).read_bytes()).hexdigest()
+
+    _new_model_bytes(p, "config.json", b'{"hidden": 16}\n')
+    v2 = bundle(p, tmp_path / "v2", with_models=True)
+    id2 = bl.manifest(v2)["bundle_id"]
+    r = install(v2, root)
+    assert r.returncode == 0, r.stderr
+    assert Path(cfg).read_bytes() == b'{"hidden": 16}\n'
+    kept_dir = Path(bl.manifest(v1)["paths"]["models"]) / ".builder-kept"
+    assert (kept_dir / old).read_bytes() == bundlelib.MODEL_FILES["config.json"]
+
+    r = run_installer("switch", "--root", str(root), "--to", id1, "--rollback")
+    assert r.returncode == 0, r.stderr
+    assert Path(cfg).read_bytes() == bundlelib.MODEL_FILES["config.json"]
+    assert os.stat(cfg).st_ino == os.stat(kept_dir / old).st_ino  # the kept file itself: nothing copied
+    st = json.loads(run_installer("status", "--root", str(root)).stdout)
+    assert st["consistent"] and st["current"] == id1, st
+
+    r = run_installer("switch", "--root", str(root), "--to", id2)
+    assert r.returncode == 0, r.stderr
+    assert Path(cfg).read_bytes() == b'{"hidden": 16}\n'
+
+    _new_model_bytes(p, "config.json", b'{"hidden": 32}\n')
+    v3 = bundle(p, tmp_path / "v3", with_models=True)
+    assert install(v3, root).returncode == 0
+    names = set(os.listdir(kept_dir))
+    v2_sha = hashlib.sha256(b'{"hidden": 16}\n').hexdigest()
+    assert names == {v2_sha, f"{v2_sha}.json"}, names  # v1's let go; v2 (the previous release) kept
+    # the model folder holds exactly the model's files: what is kept lives beside it
+    assert ".builder-kept" not in os.listdir(Path(cfg).parent)
     _rmi(p.image_id)
 
 

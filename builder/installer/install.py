@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from builder.core.atomic import clean_stale_tmp, fsync_dir, fsync_file, tmp_name
 from builder.core.digest import in_parallel
 
+from . import kept
 from .blobs import check_room, from_registry, pull_models
 from .engine import check_thin, docker_root, image_present, load_image, pull_image
 from .errors import EXIT_CONFIG, InstallError, say
@@ -98,7 +99,8 @@ def install(
         _check_room(r, manifest, len(mbytes) + len(sbytes), have_layers, vouch, admit.reserve)
         # 4. image, models, release, switch, record
         placing = [m for m in manifest["models"] if model_ok(m, vouch) is not None]
-        _place_image_and_models(bundle_dir, manifest, placing, have_layers, link=remove_source)
+        _place_image_and_models(bundle_dir, manifest, placing, have_layers, link=remove_source,
+                                record=r.read_record())
         stage_release(r, bundle_dir, manifest, mbytes, sbytes)
         res = switch_in(r, manifest, mbytes, admit.stage, current, admit.trusted_key if new_key else None)
         if remove_source:
@@ -151,10 +153,11 @@ def _check_room(r: Root, manifest: dict[str, Any], signed_size: int, have_layers
 
 
 def _place_image_and_models(bundle_dir: str, manifest: dict[str, Any], placing: list[dict[str, Any]],
-                            have_layers: Any, *, link: bool) -> None:
+                            have_layers: Any, *, link: bool, record: dict[str, Any] | None) -> None:
     """Hash the bundle's files that are not streamed, write the model files to place beside their
     places (those the bundle carries; those from the fleet registry pulled), load (or pull) the image,
-    then move the model files into place; a pull, load or image pull that fails leaves no model file
+    then move the model files into place (each file they replace kept for the running release: ``record``,
+    its apply record; builder.installer.kept); a pull, load or image pull that fails leaves no model file
     placed."""
     img = manifest["image"]
     bundled = {f["path"]: f for f in manifest["files"]}
@@ -178,7 +181,7 @@ def _place_image_and_models(bundle_dir: str, manifest: dict[str, Any], placing: 
         _discard(written)
         raise
     for tmp, dest in written:
-        os.replace(tmp, dest)
+        kept.place(manifest, tmp, dest, record)
     for d in sorted({os.path.dirname(dest) for _, dest in written}):
         fsync_dir(d)
 

@@ -20,6 +20,7 @@ from builder.core.atomic import atomic_write, clean_stale_tmp, fsync_dir, fsync_
 from builder.core.digest import READ_SIZE
 from builder.core.fastmode import fast_mode_drift
 
+from . import kept
 from .blobs import check_room, from_registry, pull_models
 from .engine import Load, docker_root, image_present, pull_image
 from .errors import EXIT_CONFIG, InstallError, say
@@ -394,18 +395,20 @@ def _take_stream(inp: Any, todo: list[_Incoming], archive: _Incoming | None, img
     return got, loading
 
 
-def _place_models(placing: list[dict[str, Any]], models: list[_Incoming], pulled: list[tuple[str, str]]) -> None:
-    """Each received model file (and each one pulled from the fleet registry) moved to its path, then each
-    folder they went into fsynced."""
+def _place_models(manifest: dict[str, Any], placing: list[dict[str, Any]], models: list[_Incoming],
+                  pulled: list[tuple[str, str]], record: dict[str, Any] | None) -> None:
+    """Each received model file (and each one pulled from the fleet registry) moved to its path (the file it
+    replaces kept for the running release, whose apply record is ``record``: builder.installer.kept), then
+    each folder they went into fsynced."""
     carried = [m for m in placing if not from_registry(m)]
     for i, m in enumerate(carried):
         w = models[i]  # (zip's strict= is newer than python 3.8)
         say("placing model file %s" % m["path"])
         os.chmod(w.dest, 0o644)
-        os.replace(w.dest, m["path"])
+        kept.place(manifest, w.dest, m["path"], record)
     for tmp, dest in pulled:
         say("placing model file %s" % dest)
-        os.replace(tmp, dest)
+        kept.place(manifest, tmp, dest, record)
     for d in sorted({os.path.dirname(m["path"]) for m in placing}):
         fsync_dir(d)
 
@@ -454,7 +457,7 @@ def receive(
             loading.finish()
         elif survey.have_layers is None:
             pull_image(manifest)
-        _place_models(survey.placing, models, pulled.files)
+        _place_models(manifest, survey.placing, models, pulled.files, r.read_record())
         if not survey.release_there:
             stage_release(r, inc_dir, {**manifest, "files": [
                 {k: v for k, v in f.items() if k != "parts"} for f in manifest["files"]]}, mbytes, sbytes,

@@ -10,6 +10,7 @@ from typing import Any
 
 from builder.core.atomic import atomic_write, fsync_dir, replace_folder, tmp_name
 
+from . import kept
 from .engine import image_present
 from .errors import EXIT_CONFIG, InstallError, say
 from .files import read_limited
@@ -116,9 +117,13 @@ def _ready(r: Root, bid: str, what: str) -> tuple[dict[str, Any], bytes]:
         raise InstallError(
             "image %s on this host has DiffIDs other than the manifest's" % manifest["image"]["image_id"]
         )
-    vouch = [r.read_record(), r.read_record(r.staged_record)]
+    record = r.read_record()
+    vouch = [record, r.read_record(r.staged_record)]
     for m in manifest["models"]:
-        why = model_ok(m, vouch)
+        # another release's file at its path (one path per model file, whatever the release): the kept
+        # copy goes back, vouched for by its own entry (nothing hashed); else the file there is checked
+        back = kept.restore(manifest, m, record) if kept.replaced(m, record) else None
+        why = model_ok(m, {"models": [back]} if back is not None else vouch)
         if why is not None:
             raise InstallError("release %s needs model file %s: %s" % (bid[:16], m["path"], why))
     return manifest, mbytes
@@ -162,8 +167,20 @@ def switch(
         r.set_link("current", bid)
         write_record(r, manifest, mbytes, "rollback" if rollback else "install", previous)
         r.clear_staged(bid)
+        _prune_kept(r, manifest, previous)
         say("switched to release %s (from %s)" % (bid[:16], (current or "none")[:16]))
         return {"result": "switched", "bundle_id": bid, "previous_bundle_id": previous, "release": r.release(bid)}
+
+
+def _prune_kept(r: Root, manifest: dict[str, Any], previous: str | None) -> None:
+    """Keep the replaced model files only the current and previous releases name (builder.installer.kept)."""
+    manifests = [manifest]
+    if previous is not None and os.path.isdir(r.release(previous)):
+        try:
+            manifests.append(_release_manifest(r, previous)[0])
+        except InstallError:
+            pass  # (a previous release that cannot be read cannot be switched back to either)
+    kept.prune(manifests)
 
 
 #: the serving records a host keeps (the newest); older ones are removed when one is written
@@ -233,6 +250,7 @@ def switch_in(r: Root, manifest: dict[str, Any], mbytes: bytes, stage: bool, cur
     r.set_link("current", bid)
     write_record(r, manifest, mbytes, "install", previous if previous != bid else None)
     r.clear_staged(bid)
+    _prune_kept(r, manifest, previous if previous != bid else None)
     say(
         "installed bundle %s (host %s, lane %s, rank %d); previous: %s"
         % (bid[:16], manifest["host"], manifest["lane"], manifest["rank"], (previous or "none")[:16])
