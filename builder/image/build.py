@@ -10,6 +10,7 @@ labelled with its inputs -> record (ImageID, DiffIDs) written beside the address
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -35,9 +36,6 @@ from builder.lock import gitsrc
 from builder.lock.lockfile import Lock
 from builder.lock.plainfiles import scrub_url
 from builder.store.content import Store, pip_cache_dir
-
-# builder.foundation.dockerio loads the Docker SDK as it is imported, so it is imported inside the functions that
-# talk to the engine: `builder image --plan` and `builder why` start without it.
 
 LABEL_PREFIX = "io.builder."
 
@@ -389,6 +387,17 @@ def _arch(platform: str) -> str:
     return platform.split("/")[1] if "/" in platform else platform
 
 
+def _shared_steps(ctx: Path) -> str:
+    """What two builds must have alike to share an intermediate image: the recipe's first two
+    instructions (the base, and the first step that makes one), as a short hash."""
+    try:
+        text = (ctx / "Dockerfile").read_text(encoding="utf-8", errors="replace").replace("\\\n", " ")
+    except OSError:
+        text = ""  # (the build names the missing file; every such build takes the one turn)
+    steps = [" ".join(ln.split()) for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return hashlib.sha256("\n".join(steps[:2]).encode()).hexdigest()[:16]
+
+
 def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, labels: dict[str, str], *,
                 offline: bool, engine: str, on_log: Callable[[str], None], nocache: bool = False,
                 tag: str | None = None) -> ImageRecord:
@@ -402,9 +411,10 @@ def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, label
                                      on_log=on_log)
         # One build at a time on this machine: the engine's build cache is shared, and a build removes the
         # intermediate images it made, which a concurrent build of a recipe with the same first steps may be
-        # using as its cache ("No such image" at its next step). The raw build's own tag: each build
+        # using as its cache ("No such image" at its next step): builds that may share one (the same first
+        # two instructions) take turns, others run at once. The raw build's own tag: each build
         # removes only its own name for the image it got (docker deletes the image with the last).
-        with file_lock(Path(tempfile.gettempdir()) / "builder-image-build.lock"):
+        with file_lock(Path(tempfile.gettempdir()) / f"builder-image-build-{_shared_steps(ctx)}.lock"):
             raw_tag = f"builder-raw/{p.name}:{os.getpid()}-{secrets.token_hex(4)}"
             raw_id = dockerbuild.build(ctx, buildargs=buildargs, network="none", tag=raw_tag,
                                     platform=None if _arch(engine) == _arch(p.platform) else p.platform,
