@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from builder.audit.concerns import Cmd, Concern
+from builder.foundation.ssh import tied
 from builder.hostscripts import BATCH, BURN, DERIVE, FILES, GPUPROCS, MEMORY, dumps, fits, parse_batch, split_args
 from builder.launch import LABEL_BUNDLE, lane_filters
 
@@ -438,4 +439,5 @@ def own_gpu_pids(host: Any, expect: dict[str, Any], pids: list[int]) -> tuple[se
 def burn_facts(host: Any, request: dict[str, Any]) -> dict[str, Any]:
     """builder.hostscripts.burnload on the host: run the load, sample the GPUs (not prefetched: it takes
     the load's seconds, and runs after the checks that tell whether the GPU is free)."""
-    return dict(json_output(host.run("python3 -I -S -c %s %s", BURN, dumps(request))))
+    # tied: a load whose ssh channel closed (the audit ended, however) is ended on the host, not left on the GPU
+    return dict(json_output(host.run(tied(f"python3 -I -S -c {shlex.quote(BURN)} {shlex.quote(dumps(request))}"))))

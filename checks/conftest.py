@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -177,6 +180,22 @@ class _DriftReports:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_DriftReports(), "builder-drift-reports")
+    parent = os.environ.get(PARENT_ENV)
+    if parent and parent.isdigit():
+        threading.Thread(target=_end_with, args=(int(parent),), daemon=True, name="end-with-audit").start()
+
+
+#: the pid of the `builder audit` (or deploy) that runs this host's checks (builder.audit.runner)
+PARENT_ENV = "BUILDER_AUDIT_PARENT"
+
+
+def _end_with(parent: int) -> None:
+    """End this pytest and every ssh command it runs (its process group: the audit starts it in a session of
+    its own) once the audit that started it is gone, a SIGKILL included: each command's ssh channel then
+    closes, and on the host a tied step (checklib's burn) ends with it."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -719,7 +719,9 @@ def test_refused_on_a_latched_gpu_naming_the_host_and_the_fix(j: Journey) -> Non
 def _builder_steps(j: Journey, h: fleetlib.Host) -> list[str]:
     """builder's steps running on the host: its host scripts (`python3 -I -S`), the audit's pytest, the
     burn's load (the fake GPU's), the watchdog that ties a step to its ssh channel."""
-    procs = j.fleet.exec(h, "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f 2>/dev/null; echo; done",
+    # each process on one line: pid, parent, group and session (its stat's fields 1, 4-6), then its command
+    procs = j.fleet.exec(h, "for d in /proc/[0-9]*; do s=$(cut -d' ' -f1,4,5,6 $d/stat 2>/dev/null) && "
+                            "echo \"$s $(tr '\\0\\n' '  ' < $d/cmdline 2>/dev/null | cut -c1-200)\"; done",
                          check=False).stdout.splitlines()
     return [p for p in procs if any(m in p for m in ("-I -S", "pytest", "--fake-burn", "select,signal"))]
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -142,6 +145,34 @@ def test_sampler_kills_a_hung_load(tmp_path: Path) -> None:
     assert facts["timed_out"] and facts["rc"] is None and facts["seconds"] < 5
     missing = hburn.run({"command": [str(tmp_path / "nope")], "timeout": 5, "query": ["true"]})
     assert missing["rc"] == 127
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_signal_ends_the_load_it_runs_in_a_session_of_its_own(tmp_path: Path, sig: signal.Signals) -> None:
+    """The burn's step ended on the host (its ssh channel gone: the watchdog TERMs the step's group, which
+    the load, in a session of its own, is not in): burnload ends the load before it exits, 128 + 15; killed
+    before it could (the watchdog's KILL on a starved host), the load dies with it (its parent-death signal)."""
+    started = tmp_path / "load.pid"
+    load = [sys.executable, "-c", f"import os, time; open({str(started)!r}, 'w').write(str(os.getpid())); "
+                                  "time.sleep(300)"]
+    req = json.dumps({"command": load, "timeout": 600, "interval": 0.2, "query": ["true"]})
+    proc = subprocess.Popen([sys.executable, hburn.__file__, req], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while not (started.exists() and started.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    pid = int(started.read_text())
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 128 + signal.SIGTERM and "ended by signal 15" in err, err
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        for _ in range(100):  # (killed and reaped by burnload before it exits)
+            os.kill(pid, 0)
+            time.sleep(0.05)
 
 
 def test_gpuprocs_reads_the_builder_variables() -> None:

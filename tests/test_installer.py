@@ -247,9 +247,13 @@ def test_a_release_whose_model_file_changed_keeps_the_old_one_so_the_release_bef
     kept_dir = Path(bl.manifest(v1)["paths"]["models"]) / ".builder-kept"
     assert (kept_dir / old).read_bytes() == bundlelib.MODEL_FILES["config.json"]
 
+    # as a deploy's rollback does it: stage the old release (checked: its file goes back), then switch
+    r = run_installer("stage", "--root", str(root), "--release", id1)
+    assert r.returncode == 0, r.stderr
     r = run_installer("switch", "--root", str(root), "--to", id1, "--rollback")
     assert r.returncode == 0, r.stderr
     assert Path(cfg).read_bytes() == bundlelib.MODEL_FILES["config.json"]
+    assert sorted(os.listdir(Path(cfg).parent)) == sorted(Path(m["path"]).name for m in bl.manifest(v1)["models"])
     assert os.stat(cfg).st_ino == os.stat(kept_dir / old).st_ino  # the kept file itself: nothing copied
     st = json.loads(run_installer("status", "--root", str(root)).stdout)
     assert st["consistent"] and st["current"] == id1, st

@@ -105,6 +105,8 @@ def pytest_env() -> dict[str, str]:
     # only testinfra's plugin (-p): the others installed here (hypothesis's among them) would each
     # be imported by every host's pytest
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    # checks/conftest.py ends the host's pytest, and the ssh commands it runs, once this process is gone
+    env["BUILDER_AUDIT_PARENT"] = str(os.getpid())
     return env
 
 
@@ -118,11 +120,18 @@ def run_pytest(args: list[str], log_path: Path, cwd: Path, timeout: float) -> in
     try:
         return p.wait(timeout)
     except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(p.pid, signal.SIGKILL)
-        p.kill()
-        p.wait()
+        _end_group(p)
         return None
+    except BaseException:  # (Ctrl-C, SIGTERM: the checks and their steps on the host end with the audit)
+        _end_group(p)
+        raise
+
+
+def _end_group(p: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
+    p.kill()
+    p.wait()
 
 
 def read_results(path: Path) -> tuple[str | None, list[CheckOutcome], list[str]]:

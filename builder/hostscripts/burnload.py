@@ -82,29 +82,26 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.monotonic()
         try:
-            # a session of its own: a timed-out load is killed with everything it started
-            p = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+            # a session of its own: a timed-out load is killed with everything it started; and it gets
+            # SIGKILL should this script die first (a KILL that came before its handler could run)
+            p = subprocess.Popen([sys.executable, "-c", _WITH_PARENT, str(os.getpid()), *command], stdout=out,
+                                 stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
         except OSError as e:
             return {"rc": 127, "timed_out": False, "seconds": 0.0, "stdout": "",
                     "stderr": f"{command[0]}: {e.strerror}", "samples": samples, "fields": fields,
                     "cleanup": cleaned}
         timed_out = False
-        while True:
-            nxt = time.monotonic() + interval
-            if p.poll() is not None:
-                break
-            if time.monotonic() - t0 > timeout:
-                timed_out = True
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-                p.wait()
-                if cleanup:
-                    cleaned.append(clean(cleanup, "after timeout"))
-                break
-            samples.append(sample(query, time.monotonic() - t0))
-            time.sleep(max(0.0, nxt - time.monotonic()))
+        try:
+            timed_out = _watch(p, t0, timeout, interval, query, samples)
+        except Ended:
+            # the step ended (its ssh channel gone: the host's watchdog TERMs its group, KILL 3 s later);
+            # the load runs in a session of its own, so it is ended here, then the profile's cleanup
+            _kill(p)
+            if cleanup:
+                clean(cleanup, "after a signal")
+            raise
+        if timed_out and cleanup:
+            cleaned.append(clean(cleanup, "after timeout"))
         seconds = time.monotonic() - t0
         out.seek(0)
         err.seek(0)
@@ -120,8 +117,61 @@ def run(req: dict[str, Any]) -> dict[str, Any]:
         }
 
 
+#: set the parent-death signal (SIGKILL), check the parent still lives, become the load (the signal
+#: survives exec; a missing program exits 127 as a shell's would)
+_WITH_PARENT = (
+    "import os,sys\n"
+    "try:\n import ctypes;ctypes.CDLL(None).prctl(1,9,0,0,0)\n"
+    "except Exception:pass\n"
+    "if os.getppid()!=int(sys.argv[1]):os._exit(137)\n"
+    "try:\n os.execvp(sys.argv[2],sys.argv[2:])\n"
+    "except OSError as e:\n sys.stderr.write('%s: %s' % (sys.argv[2], e.strerror));os._exit(127)\n"
+)
+
+
+def _watch(p: subprocess.Popen[bytes], t0: float, timeout: float, interval: float, query: list[str],
+           samples: list[dict[str, Any]]) -> bool:
+    """Sample the GPUs every `interval` while the load runs; True when it ran past `timeout` (then killed)."""
+    while True:
+        nxt = time.monotonic() + interval
+        if p.poll() is not None:
+            return False
+        if time.monotonic() - t0 > timeout:
+            _kill(p)
+            return True
+        samples.append(sample(query, time.monotonic() - t0))
+        time.sleep(max(0.0, nxt - time.monotonic()))
+
+
+def _kill(p: subprocess.Popen[bytes]) -> None:
+    """The load and everything it started (its session)."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    p.wait()
+
+
+class Ended(BaseException):
+    """SIGTERM or SIGHUP while the load runs (a BaseException: no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _end(signum: int, _frame: object) -> None:
+    raise Ended(signum)
+
+
 def main(argv: list[str]) -> int:
-    print(json.dumps(run(json.loads(argv[1]))))
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, _end)
+    try:
+        print(json.dumps(run(json.loads(argv[1]))))
+    except Ended as e:
+        sys.stderr.write(f"burnload: ended by signal {e.signum}\n")
+        return 128 + e.signum
     return 0
 
 

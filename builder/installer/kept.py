@@ -80,6 +80,10 @@ def keep(manifest: dict[str, Any], path: str, record: dict[str, Any] | None) -> 
 
 def place(manifest: dict[str, Any], tmp: str, path: str, record: dict[str, Any] | None) -> None:
     """Move a model file's new bytes (``tmp``) to ``path``, the file there kept first."""
+    with contextlib.suppress(OSError):
+        if os.path.samefile(tmp, path):  # (rename(2) between two names of one file does nothing)
+            os.unlink(tmp)
+            return
     keep(manifest, path, record)
     os.replace(tmp, path)
 
@@ -100,6 +104,9 @@ def restore(manifest: dict[str, Any], m: dict[str, Any], record: dict[str, Any] 
     if not isinstance(e, dict) or fast_mode_drift(e, m["sha256"], m["size"], st.st_size, st.st_mtime_ns,
                                                   st.st_ino) is not None:
         return None
+    with contextlib.suppress(OSError):
+        if os.path.samefile(src, m["path"]):  # put back already (a stage, then its switch)
+            return {**e, "path": m["path"]}
     os.makedirs(os.path.dirname(m["path"]), exist_ok=True)
     tmp = tmp_name(m["path"], "restore")
     os.link(src, tmp)
