@@ -29,7 +29,7 @@ import docker
 import pytest
 import ziglang
 
-from builder.foundation import dockerio
+from builder.foundation import dockerbuild, dockerio
 from builder.image import build as core
 from builder.image.imagerecord import tag_for
 from builder.image.plan import make_plan
@@ -430,7 +430,7 @@ def test_recipe_that_needs_the_network_fails(tmp_path: Path, probe: Path, built:
         shutil.copy2(root / "images" / "netprobe" / "probe.conf", ctx / "probe.conf")
         (ctx / "Dockerfile").write_text('FROM scratch\nCOPY probe probe.conf /\nENTRYPOINT ["/probe"]\n')
         check_tag = tags.watch(f"builder-test-netprobe:{uuid.uuid4().hex[:12]}")
-        dockerio.build(ctx, tag=check_tag, cleanup=True)
+        dockerbuild.build(ctx, tag=check_tag, cleanup=True)
         for _ in range(50):
             reached = dockerlib.run(check_tag, [], network="bridge")
             if reached.exit_code == 0:

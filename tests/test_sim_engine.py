@@ -30,7 +30,7 @@ import pytest
 import ziglang
 
 from builder import hostscripts as hs
-from builder.foundation import dockerio
+from builder.foundation import dockerbuild, dockerio
 from builder.inputs.pins import load_pins
 from tests.lib import clirun, dockerlib
 
@@ -1017,7 +1017,7 @@ def sim_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, s
     shutil.rmtree(ctx / "src" / ".git")
     tag = f"builder-test-sim-{uuid.uuid4().hex[:10]}:one"
     try:
-        dockerio.build(ctx, buildargs={"ENGINE_COMMIT": commit}, tag=tag, nocache=True, cleanup=True)
+        dockerbuild.build(ctx, buildargs={"ENGINE_COMMIT": commit}, tag=tag, nocache=True, cleanup=True)
         yield tag, commit
     finally:
         dockerio.remove(tag, force=True)
