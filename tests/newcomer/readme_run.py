@@ -23,7 +23,7 @@ would have typed them). Everything after runs as ``newcomer``, a fresh ``docker 
 README's "log in again": the docker group then counts). The prose's ``sudo tests/fleet/build-testhost.sh``
 runs as root the same way before the tour (it finds the test host image on the shared engine and exits).
 
-Command 2 (``python3 -m pytest -n 3 --dist loadfile``, the whole suite) is left out: it collects the test that
+Command 2 (``python3 -m pytest -n 4 --dist loadfile``, the whole suite) is left out: it collects the test that
 runs this module, so inside it would start this run again; CI runs it (``.ci/run``).
 
 What the container is given, the machine's part of "a Docker Engine that your user may use" and of the
@@ -70,7 +70,7 @@ CLONE = f"{HOME}/builder"
 SETUP_SECTION = "## Set-up and the two commands"
 TOUR_MARK = "**Without Sparks**"
 #: the README's test command: it collects this run's own test, so it is not run inside (docstring)
-SUITE_COMMAND = "python3 -m pytest -n 3 --dist loadfile"
+SUITE_COMMAND = "python3 -m pytest -n 4 --dist loadfile"
 LABEL = "builder-test.newcomer=1"
 
 
