@@ -152,6 +152,8 @@ def _kill(p: subprocess.Popen[bytes]) -> None:
     p.wait()
 
 
+# (derive.py and burnload.py each carry this: a host script is sent as one source text, importing
+# nothing but the standard library)
 class Ended(BaseException):
     """SIGTERM or SIGHUP while the load runs (a BaseException: no `except Exception` swallows it)."""
 

@@ -299,6 +299,8 @@ def check(plan: dict[str, Any], full: bool) -> dict[str, Any]:
     return {d["name"]: check_one(d, rank, world, full) for d in plan["derivations"]}
 
 
+# (derive.py and burnload.py each carry this: a host script is sent as one source text, importing
+# nothing but the standard library)
 class Ended(BaseException):
     """SIGTERM or SIGHUP while a derivation is made (a BaseException: no `except Exception` swallows it)."""
 
