@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -88,6 +89,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # not to: the order below (the longest tiers first) is what keeps the slowest file off the end
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
+    # A shell's background job (`.ci/run &`, nohup) starts with SIGINT ignored, and Python keeps it so: Ctrl-C
+    # would then never reach the code under test, and a test of what an interrupt leaves behind would wait
+    # for one forever. Every test process (and so every process it starts) takes SIGINT as Ctrl-C sends it.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -279,8 +279,16 @@ def test_an_interrupted_or_failed_build_leaves_no_image_or_container(tmp_path: P
             assert main is not None
             threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT)).start()
 
-    with pytest.raises(BuilderError if interrupt == "a failing step" else KeyboardInterrupt):
-        dockerbuild.build(ctx, nocache=True, on_log=on_log)
+    # a bound on a hang, not a speed test: an interrupt that never arrives leaves /pause running for ever,
+    # so after 5 minutes its container is killed, and the build's failure fails the test
+    bound = threading.Timer(300, lambda: [subprocess.run(["docker", "kill", c], capture_output=True)
+                                          for c in _made_by(marker)[1]])
+    bound.start()
+    try:
+        with pytest.raises(BuilderError if interrupt == "a failing step" else KeyboardInterrupt):
+            dockerbuild.build(ctx, nocache=True, on_log=on_log)
+    finally:
+        bound.cancel()
     assert sum(1 for ln in seen if re.match(r"^ ---> [0-9a-f]{12}$", ln)) >= 3, seen  # LABEL, COPY, COPY
     # (each of those steps committed an image the build must remove)
     time.sleep(1)  # (anything the engine still committed would show by now)

@@ -157,6 +157,30 @@ def test_sign_verify_round_trip(keys: tuple[Path, Path, sign.PublicKey], payload
     assert sign.sign(payload.read_bytes(), sec, comment) == text  # Ed25519 is deterministic
 
 
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memory files are Linux's")
+def test_the_openssl_check_writes_no_file(keys: tuple[Path, Path, sign.PublicKey], payload: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """openssl reads the key, message and signature from memory files: a verifier killed mid-check (SIGKILL
+    runs no clean-up) leaves nothing in the temporary folder. (The openssl on PATH here notes what the
+    temporary folder holds while it runs, then runs the real one.)"""
+    sec, pub, _ = keys
+    text = sign.sign(payload, sec, "c")
+    tmp, bin_ = tmp_path / "tmp", tmp_path / "bin"
+    tmp.mkdir()
+    bin_.mkdir()
+    seen = tmp_path / "seen"
+    real = shutil.which("openssl")
+    assert real is not None
+    (bin_ / "openssl").write_text(f'#!/bin/sh\nfind {tmp} -mindepth 1 >> {seen}\nexec {real} "$@"\n')
+    (bin_ / "openssl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))
+    assert sign.verify_with_openssl(payload, text, pub.read_text()) == "c"
+    with pytest.raises(VerifyError):
+        sign.verify_with_openssl(payload.read_bytes() + b"x", text, pub.read_text())
+    assert seen.read_text() == ""
+
+
 @pytest.mark.parametrize("verifier", [sign.verify, sign.verify_with_openssl])
 def test_tampering_is_refused(
     keys: tuple[Path, Path, sign.PublicKey], payload: Path, tmp_path: Path, verifier: object

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 UNTRUSTED_PREFIX = b"untrusted comment: "
@@ -197,6 +199,35 @@ def ed25519_public_pem(key: bytes) -> bytes:
     return b"-----BEGIN PUBLIC KEY-----\n" + body + b"\n-----END PUBLIC KEY-----\n"
 
 
+@contextlib.contextmanager
+def _files(blobs: dict[str, bytes]) -> Iterator[dict[str, str]]:
+    """Paths openssl reads ``blobs`` from: anonymous memory files (``/dev/fd/N``) where the system has them,
+    so that a verifier killed mid-check leaves nothing on disk; else files in a temporary folder. (openssl
+    takes an Ed25519 message only from a file whose size it can read: not from a pipe or stdin.)"""
+    if hasattr(os, "memfd_create") and os.path.isdir("/dev/fd"):
+        fds: dict[str, int] = {}
+        try:
+            for name, blob in blobs.items():
+                fds[name] = fd = os.memfd_create(f"minisign-{name}")
+                _write_all(fd, blob)
+            yield {name: f"/dev/fd/{fd}" for name, fd in fds.items()}
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return
+    with tempfile.TemporaryDirectory(prefix="minisign-verify.") as tmp:
+        for name, blob in blobs.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(blob)
+        yield {name: os.path.join(tmp, name) for name in blobs}
+
+
+def _write_all(fd: int, blob: bytes) -> None:
+    view = memoryview(blob)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def openssl_ed25519_verify(
     key: bytes, message: bytes, signature: bytes, *, openssl: str = "openssl", timeout: float = 120.0
 ) -> bool:
@@ -206,14 +237,13 @@ def openssl_ed25519_verify(
         raise MinisignError(f"{openssl}: not found on PATH (signature checks need OpenSSL 3.0 or newer)")
     if len(signature) != 64:
         return False
-    with tempfile.TemporaryDirectory(prefix="minisign-verify.") as tmp:
-        pem, msg, sig = (os.path.join(tmp, n) for n in ("pub.pem", "msg", "sig"))
-        for path, blob in ((pem, ed25519_public_pem(key)), (msg, message), (sig, signature)):
-            with open(path, "wb") as f:
-                f.write(blob)
-        argv = [exe, "pkeyutl", "-verify", "-pubin", "-inkey", pem, "-rawin", "-in", msg, "-sigfile", sig]
+    blobs = {"pub.pem": ed25519_public_pem(key), "msg": message, "sig": signature}
+    with _files(blobs) as paths:
+        argv = [exe, "pkeyutl", "-verify", "-pubin", "-inkey", paths["pub.pem"], "-rawin", "-in", paths["msg"],
+                "-sigfile", paths["sig"]]
+        fds = tuple(int(v.rsplit("/", 1)[1]) for v in paths.values() if v.startswith("/dev/fd/"))
         try:
-            p = subprocess.run(argv, capture_output=True, timeout=timeout, check=False)
+            p = subprocess.run(argv, capture_output=True, timeout=timeout, check=False, pass_fds=fds)
         except subprocess.TimeoutExpired:
             raise MinisignError(f"{openssl} pkeyutl: no answer within {timeout:g} s") from None
         except OSError as e:
