@@ -200,17 +200,18 @@ def ed25519_public_pem(key: bytes) -> bytes:
 
 
 @contextlib.contextmanager
-def _files(blobs: dict[str, bytes]) -> Iterator[dict[str, str]]:
-    """Paths openssl reads ``blobs`` from: anonymous memory files (``/dev/fd/N``) where the system has them,
-    so that a verifier killed mid-check leaves nothing on disk; else files in a temporary folder. (openssl
-    takes an Ed25519 message only from a file whose size it can read: not from a pipe or stdin.)"""
+def _files(blobs: dict[str, bytes]) -> Iterator[tuple[dict[str, str], tuple[int, ...]]]:
+    """Paths openssl reads ``blobs`` from, and the descriptors it must inherit for them: anonymous memory
+    files (``/dev/fd/N``) where the system has them, so that a verifier killed mid-check leaves nothing on
+    disk; else files in a temporary folder. (openssl takes an Ed25519 message only from a file whose size
+    it can read: not from a pipe or stdin.)"""
     if hasattr(os, "memfd_create") and os.path.isdir("/dev/fd"):
         fds: dict[str, int] = {}
         try:
             for name, blob in blobs.items():
                 fds[name] = fd = os.memfd_create(f"minisign-{name}")
                 _write_all(fd, blob)
-            yield {name: f"/dev/fd/{fd}" for name, fd in fds.items()}
+            yield {name: f"/dev/fd/{fd}" for name, fd in fds.items()}, tuple(fds.values())
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -219,7 +220,7 @@ def _files(blobs: dict[str, bytes]) -> Iterator[dict[str, str]]:
         for name, blob in blobs.items():
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(blob)
-        yield {name: os.path.join(tmp, name) for name in blobs}
+        yield {name: os.path.join(tmp, name) for name in blobs}, ()
 
 
 def _write_all(fd: int, blob: bytes) -> None:
@@ -238,10 +239,9 @@ def openssl_ed25519_verify(
     if len(signature) != 64:
         return False
     blobs = {"pub.pem": ed25519_public_pem(key), "msg": message, "sig": signature}
-    with _files(blobs) as paths:
+    with _files(blobs) as (paths, fds):
         argv = [exe, "pkeyutl", "-verify", "-pubin", "-inkey", paths["pub.pem"], "-rawin", "-in", paths["msg"],
                 "-sigfile", paths["sig"]]
-        fds = tuple(int(v.rsplit("/", 1)[1]) for v in paths.values() if v.startswith("/dev/fd/"))
         try:
             p = subprocess.run(argv, capture_output=True, timeout=timeout, check=False, pass_fds=fds)
         except subprocess.TimeoutExpired:
