@@ -13,8 +13,10 @@ The ziglang wheel comes from a wheelhouse: $BUILDER_WHEELHOUSE or <project>/.cac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -234,6 +236,39 @@ def test_second_run_is_a_noop(built: Built) -> None:
     assert "up to date" in r.err and "Step " not in r.err
 
 
+def _steps_then(log: str) -> list[tuple[str, str]]:
+    """Each build step of a progress log with the line that followed it."""
+    lines = [ln.strip() for ln in log.splitlines()]
+    return [(ln, nxt) for ln, nxt in zip(lines, lines[1:], strict=False) if ln.startswith("Step ")]
+
+
+@pytest.mark.docker
+def test_a_build_from_another_store_reuses_the_engines_build_cache(tmp_path: Path, wheelhouse: Path,
+                                                                   tags: Tags) -> None:
+    """The engine keeps a build's stages: the same steps built again from a new store compile nothing,
+    and give the same image. (A version of the engine no other build has: its compile is not cached.)"""
+    root, _, env = fresh(tmp_path, wheelhouse)
+    version = f"0.1.0-{uuid.uuid4().hex[:8]}"
+    factory.edit_pins(root, lambda d: d["images"]["demo"]["build_args"].update(ENGINE_VERSION=version))
+    relock = builder(root, "lock", "--offline", "demo", env=env)
+    assert relock.rc == 0, relock.err
+    tags.watch(tag_for("demo", plan_of(root)["input_address"]))
+    runs = [builder(root, "image", "demo", "--json", store=tmp_path / f"store-{i}", env=env) for i in (1, 2)]
+    made = re.findall(r"^\s*---> ([0-9a-f]{12})\s*$", runs[0].err, flags=re.M)
+    try:
+        assert [r.rc for r in runs] == [0, 0], runs[0].err + runs[1].err
+        assert [r.json()["built"] for r in runs] == [True, True]
+        assert runs[0].json()["image_id"] == runs[1].json()["image_id"]
+        compiles = [[nxt for s, nxt in _steps_then(r.err) if 'RUN ["/zig/zig", "run"' in s] for r in runs]
+        assert compiles[0] and "---> Using cache" not in compiles[0], runs[0].err
+        assert compiles[1] == ["---> Using cache"] * len(compiles[0]), runs[1].err
+    finally:  # this version's cache, which nobody else builds: each image it made, not their parents
+        api = docker.from_env().api
+        for image in reversed(made):
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                api.remove_image(image, noprune=True)
+
+
 @pytest.mark.docker
 def test_image_answers_version_with_the_pinned_commit(built: Built) -> None:
     commit = load_lock(built.root / "pins.lock").sources["demo-engine"].commit
@@ -249,8 +284,12 @@ def test_check_reproducible(built: Built) -> None:
     d = r.json()
     assert d["reproducible"] is True and d["image_id"] == built.rec["image_id"]
     assert "Step " in r.err  # it really rebuilt
+    assert "Using cache" not in r.err
     assert "reproducible: a rebuild from nothing gave the same ImageID" in r.err
     assert dockerio.image_id(f"builder-check/demo:{built.plan['input_address'][:32]}") is None
+    # the rebuild leaves no cache of its own: every image it made is gone
+    made = re.findall(r"^\s*---> ([0-9a-f]{12})\s*$", r.err, flags=re.M)
+    assert made and [i for i in made if dockerio.image_inspect(i) is not None] == []
     assert dockerio.image_id(built.rec["tag"]) == built.rec["image_id"]
 
 

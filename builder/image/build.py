@@ -409,16 +409,19 @@ def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, label
         ctx.mkdir()
         buildargs = assemble_context(pins, lock, p, root, store, ctx, offline=offline, build_platform=engine,
                                      on_log=on_log)
-        # One build at a time on this machine: the engine's build cache is shared, and a build removes the
-        # intermediate images it made, which a concurrent build of a recipe with the same first steps may be
-        # using as its cache ("No such image" at its next step): builds that may share one (the same first
-        # two instructions) take turns, others run at once. The raw build's own tag: each build
-        # removes only its own name for the image it got (docker deletes the image with the last).
+        # The engine keeps a build's stages as its build cache, as `docker build` does: the next build of the
+        # same steps (a relock that moved only a later input, another store on this engine) reuses them
+        # instead of compiling again. A build from nothing (nocache) removes the intermediate images it
+        # made: the cache already holds their like. A failed or interrupted build removes what it made,
+        # which a concurrent build of a recipe with the same first steps may be using as its cache ("No
+        # such image" at its next step): builds that may share one (the same first two instructions) take
+        # turns, others run at once. The raw build's own tag: each build removes only its own name for
+        # the image it got (docker deletes the image with the last).
         with file_lock(Path(tempfile.gettempdir()) / f"builder-image-build-{_shared_steps(ctx)}.lock"):
             raw_tag = f"builder-raw/{p.name}:{os.getpid()}-{secrets.token_hex(4)}"
             raw_id = dockerbuild.build(ctx, buildargs=buildargs, network="none", tag=raw_tag,
                                     platform=None if _arch(engine) == _arch(p.platform) else p.platform,
-                                    nocache=nocache, cleanup=True, on_log=on_log)
+                                    nocache=nocache, cleanup=nocache, on_log=on_log)
             try:
                 base_layers = 0
                 if p.closure["base"]:
