@@ -324,14 +324,17 @@ class DemoImage:
         self.log: list[str] = []
 
     def build(self, *, raw_tag: str, norm_tag: str, workdir: Path) -> tuple[str, layers.SpooledImage]:
-        raw = dockerbuild.build(
-            self.ctx,
-            buildargs={"ENGINE_COMMIT": self.commit, "ENGINE_VERSION": "0.1.0"},
-            tag=f"{self.repo}:{raw_tag}",
-            nocache=True,
-            cleanup=True,
-            on_log=self.log.append,
-        )
+        # in its turn with `builder image`'s builds of the same recipe: they take the engine's newest
+        # image for a step as its cache, and this build removes what it made
+        with dockerbuild.turn(self.ctx):
+            raw = dockerbuild.build(
+                self.ctx,
+                buildargs={"ENGINE_COMMIT": self.commit, "ENGINE_VERSION": "0.1.0"},
+                tag=f"{self.repo}:{raw_tag}",
+                nocache=True,
+                cleanup=True,
+                on_log=self.log.append,
+            )
         record = layers.normalize_and_load(
             f"{self.repo}:{raw_tag}",
             source_date_epoch=self.epoch,
@@ -340,6 +343,11 @@ class DemoImage:
             workdir=workdir,
         )
         return raw, record
+
+    def remove(self, *tags: str) -> None:
+        with dockerbuild.turn(self.ctx):
+            for t in tags:
+                dockerio.remove(f"{self.repo}:{t}", force=True)
 
 
 @pytest.fixture(scope="module")
@@ -351,8 +359,7 @@ def demo_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DemoI
         _, record = image.build(raw_tag="raw1", norm_tag="one", workdir=base / "w1")
         yield image, record
     finally:
-        for t in ("raw1", "one", "raw2", "two"):
-            dockerio.remove(f"{image.repo}:{t}", force=True)
+        image.remove("raw1", "one", "raw2", "two")
 
 
 @pytest.mark.docker
@@ -404,7 +411,7 @@ def test_demo_image_rebuilds_to_the_same_id(
 ) -> None:
     image, first = demo_image
     # From nothing: the first build's intermediates are gone (cleanup) and nothing is cached.
-    dockerio.remove(f"{image.repo}:raw1", force=True)
+    image.remove("raw1")
     raw, second = image.build(raw_tag="raw2", norm_tag="two", workdir=tmp_path / "w2")
     assert second.image_id == first.image_id
     assert second.diff_ids == first.diff_ids

@@ -246,10 +246,15 @@ def _steps_then(log: str) -> list[tuple[str, str]]:
 def test_a_build_from_another_store_reuses_the_engines_build_cache(tmp_path: Path, wheelhouse: Path,
                                                                    tags: Tags) -> None:
     """The engine keeps a build's stages: the same steps built again from a new store compile nothing,
-    and give the same image. (A version of the engine no other build has: its compile is not cached.)"""
+    and give the same image. The recipe is made this test's own from its second step (a label), so that
+    no other build's cache can answer the first build, nor stand beside it as a second match for the
+    same step (the engine then picks either, and the steps after follow the one it picked)."""
     root, _, env = fresh(tmp_path, wheelhouse)
-    version = f"0.1.0-{uuid.uuid4().hex[:8]}"
-    factory.edit_pins(root, lambda d: d["images"]["demo"]["build_args"].update(ENGINE_VERSION=version))
+    recipe = root / "images" / "demo" / "Dockerfile"
+    text = recipe.read_text()
+    nonce = f"LABEL io.builder.test-nonce={uuid.uuid4().hex}\n"
+    recipe.write_text(text.replace("FROM scratch AS build\n", "FROM scratch AS build\n" + nonce, 1))
+    assert nonce in recipe.read_text()
     relock = builder(root, "lock", "--offline", "demo", env=env)
     assert relock.rc == 0, relock.err
     tags.watch(tag_for("demo", plan_of(root)["input_address"]))
@@ -262,7 +267,7 @@ def test_a_build_from_another_store_reuses_the_engines_build_cache(tmp_path: Pat
         compiles = [[nxt for s, nxt in _steps_then(r.err) if 'RUN ["/zig/zig", "run"' in s] for r in runs]
         assert compiles[0] and "---> Using cache" not in compiles[0], runs[0].err
         assert compiles[1] == ["---> Using cache"] * len(compiles[0]), runs[1].err
-    finally:  # this version's cache, which nobody else builds: each image it made, not their parents
+    finally:  # this recipe's cache, which nobody else builds: each image it made, not their parents
         api = docker.from_env().api
         for image in reversed(made):
             with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):

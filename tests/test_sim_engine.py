@@ -1017,10 +1017,13 @@ def sim_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, s
     shutil.rmtree(ctx / "src" / ".git")
     tag = f"builder-test-sim-{uuid.uuid4().hex[:10]}:one"
     try:
-        dockerbuild.build(ctx, buildargs={"ENGINE_COMMIT": commit}, tag=tag, nocache=True, cleanup=True)
+        # in its turn with `builder image sim`'s builds: this one removes what it made (tests/test_demo_engine.py)
+        with dockerbuild.turn(ctx):
+            dockerbuild.build(ctx, buildargs={"ENGINE_COMMIT": commit}, tag=tag, nocache=True, cleanup=True)
         yield tag, commit
     finally:
-        dockerio.remove(tag, force=True)
+        with dockerbuild.turn(ctx):
+            dockerio.remove(tag, force=True)
 
 
 @pytest.mark.docker

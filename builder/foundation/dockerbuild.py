@@ -9,15 +9,18 @@ exceptions come from dockerio, which alone imports ``docker``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from builder.errors import BuilderError
+from builder.foundation.canon import file_lock
 from builder.foundation.dockerio import DockerException, RequestException, _call, client
 
 _SHORT_ID = re.compile(r"^ ---> ([0-9a-f]{12,64})\s*$")
@@ -130,6 +133,24 @@ def build(
     if image_id is None:
         raise BuilderError(f"docker build of {ctx}: the engine reported no image ID")
     return image_id
+
+
+@contextlib.contextmanager
+def turn(context_dir: str | os.PathLike[str], dockerfile: str = "Dockerfile") -> Iterator[None]:
+    """Held around a build and its clean-up: builds on this machine that may share an intermediate image
+    take turns; others run at once. Two builds share one where their recipes' first two instructions
+    (the base, and the first step that makes an image) are alike. The engine's cache answers a step with
+    the newest image made by it, so a build that removes what it made (a failed, interrupted or
+    from-nothing build) would otherwise take an image from under a concurrent build that was answered
+    with it ("No such image" at its next step), or leave the images that build put on it behind."""
+    try:
+        text = (Path(context_dir) / dockerfile).read_text(encoding="utf-8", errors="replace").replace("\\\n", " ")
+    except OSError:
+        text = ""  # (the build names the missing file; every such build takes the one turn)
+    steps = [" ".join(ln.split()) for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    shared = hashlib.sha256("\n".join(steps[:2]).encode()).hexdigest()[:16]
+    with file_lock(Path(tempfile.gettempdir()) / f"builder-image-build-{shared}.lock"):
+        yield
 
 
 #: seconds an abandoned build's stream is read for the IDs of what it made, at most

@@ -10,7 +10,6 @@ labelled with its inputs -> record (ImageID, DiffIDs) written beside the address
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -26,7 +25,6 @@ from typing import Any
 from builder import ASSEMBLY_FORMAT, __version__
 from builder.errors import BuilderError, ConfigError, VerifyError
 from builder.foundation import dockerbuild, dockerio
-from builder.foundation.canon import file_lock
 from builder.image import layers, provenance, wheels
 from builder.image import mounttargets as targets
 from builder.image.imagerecord import ImageRecord, read_record, tag_for, write_record
@@ -387,17 +385,6 @@ def _arch(platform: str) -> str:
     return platform.split("/")[1] if "/" in platform else platform
 
 
-def _shared_steps(ctx: Path) -> str:
-    """What two builds must have alike to share an intermediate image: the recipe's first two
-    instructions (the base, and the first step that makes one), as a short hash."""
-    try:
-        text = (ctx / "Dockerfile").read_text(encoding="utf-8", errors="replace").replace("\\\n", " ")
-    except OSError:
-        text = ""  # (the build names the missing file; every such build takes the one turn)
-    steps = [" ".join(ln.split()) for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
-    return hashlib.sha256("\n".join(steps[:2]).encode()).hexdigest()[:16]
-
-
 def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, labels: dict[str, str], *,
                 offline: bool, engine: str, on_log: Callable[[str], None], nocache: bool = False,
                 tag: str | None = None) -> ImageRecord:
@@ -412,12 +399,10 @@ def _build_once(pins: Pins, lock: Lock, p: Plan, root: Path, store: Store, label
         # The engine keeps a build's stages as its build cache, as `docker build` does: the next build of the
         # same steps (a relock that moved only a later input, another store on this engine) reuses them
         # instead of compiling again. A build from nothing (nocache) removes the intermediate images it
-        # made: the cache already holds their like. A failed or interrupted build removes what it made,
-        # which a concurrent build of a recipe with the same first steps may be using as its cache ("No
-        # such image" at its next step): builds that may share one (the same first two instructions) take
-        # turns, others run at once. The raw build's own tag: each build removes only its own name for
-        # the image it got (docker deletes the image with the last).
-        with file_lock(Path(tempfile.gettempdir()) / f"builder-image-build-{_shared_steps(ctx)}.lock"):
+        # made: the cache already holds their like. Builds that may share an intermediate image take turns
+        # (dockerbuild.turn). The raw build's own tag: each build removes only its own name for the image
+        # it got (docker deletes the image with the last).
+        with dockerbuild.turn(ctx):
             raw_tag = f"builder-raw/{p.name}:{os.getpid()}-{secrets.token_hex(4)}"
             raw_id = dockerbuild.build(ctx, buildargs=buildargs, network="none", tag=raw_tag,
                                     platform=None if _arch(engine) == _arch(p.platform) else p.platform,
