@@ -247,8 +247,8 @@ def test_a_build_from_another_store_reuses_the_engines_build_cache(tmp_path: Pat
                                                                    tags: Tags) -> None:
     """The engine keeps a build's stages: the same steps built again from a new store compile nothing,
     and give the same image. The recipe is made this test's own from its second step (a label), so that
-    no other build's cache can answer the first build, nor stand beside it as a second match for the
-    same step (the engine then picks either, and the steps after follow the one it picked)."""
+    no other build's cache can answer the first build, nor stand beside it as a newer match for the
+    same step (the engine answers with the newest, and the steps after follow it)."""
     root, _, env = fresh(tmp_path, wheelhouse)
     recipe = root / "images" / "demo" / "Dockerfile"
     text = recipe.read_text()
