@@ -802,10 +802,14 @@ def test_two_deploys_never_interleave(j: Journey, bystanders: None) -> None:
     _new_release(j)
     bg = dl.Background(j, "deploy", "--fleet", j.name, "--json", *_args(j))
     bg.wait_line(r"staged|making its bundle")
-    for cmd in (["deploy", "--fleet", j.name, *_args(j)], ["stop", "--fleet", j.name, "--stop-timeout", "2"],
-                ["start", "--fleet", j.name]):
-        p = j.builder(*cmd, check=False)
-        assert p.returncode == 1 and "another command holds" in p.stderr and "builder deploy" in p.stderr, p.stderr
+    bg.pause()  # (the deploy holds the fleet's lock until it ends: paused, it ends after the three tries)
+    try:
+        for cmd in (["deploy", "--fleet", j.name, *_args(j)], ["stop", "--fleet", j.name, "--stop-timeout", "2"],
+                    ["start", "--fleet", j.name]):
+            p = j.builder(*cmd, check=False)
+            assert p.returncode == 1 and "another command holds" in p.stderr and "builder deploy" in p.stderr, p.stderr
+    finally:
+        bg.resume()
     rc, rep = bg.wait()
     assert rc == 0 and rep["result"] == "deployed", bg.stderr[-3000:]
     dl.assert_on(j, dl.bundle_ids(j))

@@ -3,6 +3,7 @@ network, no pulls)."""
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
@@ -86,6 +87,71 @@ def test_a_missing_paramiko_is_named() -> None:
 def test_build_refuses_missing_dockerfile(tmp_path: Path) -> None:
     with pytest.raises(BuilderError, match="no such Dockerfile"):
         dockerbuild.build(tmp_path)
+
+
+_HOLD = """
+import sys
+from builder.foundation import dockerbuild
+with dockerbuild.turn(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+def _waiting_on_a_lock(pid: int) -> bool:
+    """Whether ``pid`` waits for a flock another process holds (the kernel's /proc/locks lists each
+    waiter as "-> FLOCK ... PID ...")."""
+    return any(f[1:3] == ["->", "FLOCK"] and f[5] == str(pid)
+               for f in map(str.split, Path("/proc/locks").read_text().splitlines()))
+
+
+def test_builds_of_one_recipe_take_turns_whatever_their_tmpdir(tmp_path: Path) -> None:
+    """The turn's lock is the machine's: a build run with another TMPDIR (a CI job's, a test's) waits for
+    it as well, and has it once the first lets go."""
+    ctx = _context(tmp_path, f"FROM scratch\nLABEL nonce={uuid.uuid4().hex}\n", {})
+    procs = []
+    for name in ("first", "second"):
+        (tmp_path / name).mkdir()
+        env = {**os.environ, "TMPDIR": str(tmp_path / name)}
+        procs.append(subprocess.Popen([sys.executable, "-c", _HOLD, str(ctx)], env=env,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    first, second = procs
+    try:
+        holder, waiter = (first, second) if first.stdout.readline() == "held\n" else (second, first)  # type: ignore[union-attr]
+        deadline = time.monotonic() + 60
+        while not _waiting_on_a_lock(waiter.pid):
+            assert waiter.poll() is None and time.monotonic() < deadline, "the second build did not wait its turn"
+            time.sleep(0.05)
+        holder.communicate("", timeout=60)
+        out, _ = waiter.communicate("", timeout=60)
+        assert out == "held\n" and waiter.returncode == 0 and holder.returncode == 0
+    finally:
+        for pr in procs:
+            pr.kill()
+            pr.wait()
+
+
+def test_a_lock_file_this_user_may_not_write_is_a_lock_still(tmp_path: Path) -> None:
+    """Another user's lock file in a shared folder (the turns' folder): opened for reading, it is locked
+    all the same (flock asks for no write access). Root, which may write anything, runs the holder
+    without CAP_DAC_OVERRIDE, so that the file's mode binds it as it binds any user."""
+    path = tmp_path / "other.lock"
+    path.touch()
+    path.chmod(0o444)
+    drop = ["setpriv", "--bounding-set=-dac_override", "--inh-caps=-dac_override"] if os.geteuid() == 0 else []
+    code = ("import sys\nfrom builder.foundation.canon import file_lock\n"
+            "with file_lock(sys.argv[1]):\n    print('held', flush=True)\n    sys.stdin.read()\n")
+    holder = subprocess.Popen([*drop, sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n", holder.communicate()[1]  # type: ignore[union-attr]
+        with open(path) as f, pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        holder.communicate("", timeout=60)
+        assert holder.returncode == 0
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.fixture

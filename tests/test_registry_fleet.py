@@ -381,8 +381,11 @@ def test_a_deploy_through_the_registry_killed_at_any_moment_converges_on_rerun(t
                 running = proc.poll() is None
                 proc.send_signal(signal.SIGTERM)
                 rc = proc.wait(timeout=120)
-                assert rc in ((128 + signal.SIGTERM,) if running else (0, 128 + signal.SIGTERM)), (at, rc)
-                hits.append(running)
+                # -SIGTERM: it came while Python was still importing builder, before the handler was set (a
+                # loaded machine makes that last seconds): the default action ends it, nothing begun
+                ended = (128 + signal.SIGTERM, -signal.SIGTERM)
+                assert rc in (ended if running else (0, *ended)), (at, rc)
+                hits.append(rc == 128 + signal.SIGTERM)
                 what = f"SIGTERM at {at:.1f} s (exit {rc})"
             else:
                 hits.append(rlib.killpg(proc))

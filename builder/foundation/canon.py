@@ -143,7 +143,12 @@ def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:
+            # another user's lock in a shared folder (flock needs no write access); a sticky folder
+            # refuses O_CREAT on it even where its mode allows writing (fs.protected_regular)
+            fd = os.open(p, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             held = os.fstat(fd)

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -149,8 +148,22 @@ def turn(context_dir: str | os.PathLike[str], dockerfile: str = "Dockerfile") ->
         text = ""  # (the build names the missing file; every such build takes the one turn)
     steps = [" ".join(ln.split()) for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     shared = hashlib.sha256("\n".join(steps[:2]).encode()).hexdigest()[:16]
-    with file_lock(Path(tempfile.gettempdir()) / f"builder-image-build-{shared}.lock"):
+    with file_lock(turn_dir() / f"{shared}.lock"):
         yield
+
+
+#: the turns' locks: one folder for every builder on this machine, whatever its TMPDIR (a CI job, a test
+#: or a user may set their own), as the engine they build on is the machine's; open to every user, as /tmp is
+TURN_DIR = Path("/tmp/builder-image-build")
+
+
+def turn_dir() -> Path:
+    try:
+        TURN_DIR.mkdir(mode=0o700)
+    except FileExistsError:
+        return TURN_DIR
+    os.chmod(TURN_DIR, 0o1777)  # (mkdir's mode is cut by the umask)
+    return TURN_DIR
 
 
 #: seconds an abandoned build's stream is read for the IDs of what it made, at most

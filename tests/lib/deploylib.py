@@ -123,6 +123,14 @@ class Background:
                     raise AssertionError(f"no line {pattern!r} within {timeout} s: " + "\n".join(self.lines[-30:]))
                 self.cond.wait(min(left, 1.0))
 
+    def pause(self) -> None:
+        """SIGSTOP the command and everything in its process group: it holds what it holds, and does
+        nothing more, however long the caller takes (a loaded machine makes the caller slow)."""
+        os.killpg(self.p.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.p.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL the command and everything in its process group."""
         try:

@@ -58,6 +58,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from builder.foundation import dockerbuild
 from tests.lib import fleetlib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -263,8 +264,11 @@ def start(image: str, clone: Path) -> Run:
     # the capabilities the engine gives (what the test hosts get): fleetlib derives its hosts' set from
     # its own process's bounding set, so the runner's must be the engine's, not a default container's
     caps = ["--cap-add", "ALL", *[a for c in fleetlib._cap_drops() for a in ("--cap-drop", c)]]
+    # and the folder of the engine's build turns (dockerbuild.TURN_DIR): the README's builds take their
+    # turns with this machine's others, on the same engine
+    turns = dockerbuild.turn_dir()
     docker("run", "-d", "--name", name, "--label", LABEL, "--network", "host", *caps,
-           "-v", f"{sock}:/var/run/docker.sock", image)
+           "-v", f"{sock}:/var/run/docker.sock", "-v", f"{turns}:{turns}", image)
     run = Run(name, env)
 
     def root(cmd: str) -> None:
