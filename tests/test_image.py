@@ -298,6 +298,17 @@ def test_check_reproducible(built: Built) -> None:
     assert dockerio.image_id(built.rec["tag"]) == built.rec["image_id"]
 
 
+@pytest.mark.docker
+def test_no_cache_builds_every_step_and_leaves_no_build_cache(built: Built) -> None:
+    r = builder(built.root, "image", "demo", "--force", "--no-cache", "--json", store=built.store, env=built.env)
+    assert r.rc == 0, r.err
+    assert r.json()["built"] is True and r.json()["image_id"] == built.rec["image_id"]
+    assert "Step " in r.err and "Using cache" not in r.err
+    made = re.findall(r"^\s*---> ([0-9a-f]{12})\s*$", r.err, flags=re.M)
+    assert made and [i for i in made if dockerio.image_inspect(i) is not None] == []
+    assert dockerio.image_id(built.rec["tag"]) == built.rec["image_id"]
+
+
 # --------------------------------------------------------------------------- bad input (Docker)
 
 

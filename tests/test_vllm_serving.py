@@ -151,7 +151,11 @@ def _image(j: Journey, cost: dict[str, float]) -> None:
     once), its record and provenance then copied into this run's store, which deploys from it."""
     cache = vllmlane.store_dir()
     t = time.monotonic()
-    p = j.builder("image", vllmlane.IMAGE, "--offline", "--json", env={"BUILDER_STORE": str(cache)}, timeout=3600)
+    # --no-cache: the image is kept across runs by its input address, so its stages would never answer a
+    # build again, and they are the largest thing a run leaves: the install stage holds the wheels and the
+    # venv, 10 GB
+    p = j.builder("image", vllmlane.IMAGE, "--offline", "--no-cache", "--json", env={"BUILDER_STORE": str(cache)},
+                  timeout=3600)
     cost["image_s"] = time.monotonic() - t
     rec = json.loads(p.stdout)
     address = rec["input_address"]

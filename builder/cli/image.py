@@ -26,12 +26,14 @@ from builder.lock.lockfile import load_lock
 @click.option("--check-reproducible", is_flag=True, help="Rebuild from nothing and compare ImageIDs.")
 @click.option("--offline", is_flag=True, help="Use the store and local files only.")
 @click.option("--force", is_flag=True, help="Build even when the tagged image is up to date.")
+@click.option("--no-cache", "nocache", is_flag=True,
+              help="Build every step again and leave no build cache (a host short of disk).")
 @click.option("--emulate", is_flag=True, help="Allow building another platform than the engine's (QEMU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result record as JSON on stdout.")
 @click.option("--push", "push_to", metavar="URL", help="Then push it to this registry by digest (builder push).")
 @click.option("--ca", "ca", type=click.Path(dir_okay=False), help="CA file of the --push registry's TLS.")
-def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, force: bool, emulate: bool,
-          as_json: bool, push_to: str | None, ca: str | None) -> int:
+def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, force: bool, nocache: bool,
+          emulate: bool, as_json: bool, push_to: str | None, ca: str | None) -> int:
     """Build the locked closure of image NAME into a content-addressed, reproducible image."""
     c = get_ctx()
     target = None
@@ -49,8 +51,8 @@ def image(name: str, plan_only: bool, check_reproducible: bool, offline: bool, f
     if check_reproducible:
         res = core.check_reproducible(c.pins, c.lock, c.store, name, offline=offline, on_log=log)
     else:
-        res = core.build(c.pins, c.lock, c.store, name, offline=offline, force=force, allow_emulation=emulate,
-                         on_log=log)
+        res = core.build(c.pins, c.lock, c.store, name, offline=offline, force=force, nocache=nocache,
+                         allow_emulation=emulate, on_log=log)
     rec = res.record
     if as_json:
         d = rec.model_dump(mode="json")

@@ -294,8 +294,10 @@ def extract_wheel_folder(wheel: Path, prefix: str, dest: Path, skip: list[str] |
 
 
 def build(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offline: bool = False,
-          force: bool = False, allow_emulation: bool = False,
+          force: bool = False, nocache: bool = False, allow_emulation: bool = False,
           on_log: Callable[[str], None] = lambda s: None) -> ImageResult:
+    """Build the image unless up to date (``force``: build all the same). ``nocache``: every step is built
+    again and the build leaves no intermediate image (a stage's cache can be as large as the image)."""
     pins, lock, root = load_inputs(pins_path, lock_path, name)
     p = make_plan(pins, lock, name, root)
     if p.published is not None:
@@ -314,7 +316,7 @@ def build(pins_path: Path, lock_path: Path, store_root: Path, name: str, *, offl
                 write_record(store_root, listed)
             return ImageResult(record=listed, built=False)
     rec = _build_once(pins, lock, p, root, Store(store_root), labels, offline=offline, engine=engine,
-                      on_log=on_log)
+                      on_log=on_log, nocache=nocache)
     old = read_record(store_root, p.address)
     if old is not None and old.image_id == rec.image_id:
         rec = rec.model_copy(update={"pushed": old.pushed})  # the same image is still in those registries
