@@ -109,15 +109,19 @@ def test_builds_of_one_recipe_take_turns_whatever_their_tmpdir(tmp_path: Path) -
     """The turn's lock is the machine's: a build run with another TMPDIR (a CI job's, a test's) waits for
     it as well, and has it once the first lets go."""
     ctx = _context(tmp_path, f"FROM scratch\nLABEL nonce={uuid.uuid4().hex}\n", {})
-    procs = []
-    for name in ("first", "second"):
+    procs: list[subprocess.Popen[str]] = []
+
+    def hold(name: str) -> subprocess.Popen[str]:
         (tmp_path / name).mkdir()
-        env = {**os.environ, "TMPDIR": str(tmp_path / name)}
-        procs.append(subprocess.Popen([sys.executable, "-c", _HOLD, str(ctx)], env=env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
-    first, second = procs
+        procs.append(subprocess.Popen([sys.executable, "-c", _HOLD, str(ctx)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True,
+                                      env={**os.environ, "TMPDIR": str(tmp_path / name)}))
+        return procs[-1]
+
     try:
-        holder, waiter = (first, second) if first.stdout.readline() == "held\n" else (second, first)  # type: ignore[union-attr]
+        holder = hold("first")
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        waiter = hold("second")
         deadline = time.monotonic() + 60
         while not _waiting_on_a_lock(waiter.pid):
             assert waiter.poll() is None and time.monotonic() < deadline, "the second build did not wait its turn"
