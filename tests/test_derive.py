@@ -267,7 +267,7 @@ def test_the_old_folder_is_put_back_when_the_new_one_cannot_go_in(tmp_path: Path
 
 #: a stand-in for the docker CLI with the one behaviour that matters here: `docker run` starts the
 #: container as a process of its own (it outlives a killed client, as a real container does) and waits
-#: for it; `docker rm -f NAME` ends it. Every call is logged.
+#: for it; `docker rm -f -v NAME` ends it. Every call is logged.
 FAKE_DOCKER = """#!/usr/bin/env python3
 import os, signal, subprocess, sys
 state = os.environ["FAKE_DOCKER_STATE"]
@@ -279,14 +279,14 @@ if args[:1] == ["run"]:
     c = subprocess.Popen(["sleep", "300"], start_new_session=True)
     open(os.path.join(state, name), "w").write(str(c.pid))
     sys.exit(c.wait())
-if args[:2] == ["rm", "-f"]:
+if args[:3] == ["rm", "-f", "-v"]:
     try:
-        pid = int(open(os.path.join(state, args[2])).read())
+        pid = int(open(os.path.join(state, args[3])).read())
     except FileNotFoundError:
-        sys.exit("Error: No such container: " + args[2])
+        sys.exit("Error: No such container: " + args[3])
     os.kill(pid, signal.SIGKILL)
-    os.unlink(os.path.join(state, args[2]))
-    print(args[2])
+    os.unlink(os.path.join(state, args[3]))
+    print(args[3])
 """
 
 

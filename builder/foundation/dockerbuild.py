@@ -181,7 +181,7 @@ def _abandon(api: Any, stream: Any, response: Any, emit: Callable[[str], None], 
     def stop_containers() -> None:
         for cid in containers:
             with contextlib.suppress(DockerException, RequestException):
-                api.remove_container(cid, force=True)
+                api.remove_container(cid, force=True, v=True)
 
     def items() -> Iterator[dict[str, Any]]:
         if stream is not None and getattr(stream, "gi_frame", None) is not None:

@@ -329,6 +329,6 @@ def path_kinds(image: str, paths: Sequence[str]) -> dict[str, str]:
                 out[p] = "dir" if mode & (1 << 31) else "link" if mode & (1 << 27) else "file"
             return out
         finally:
-            api.remove_container(cid, force=True)
+            api.remove_container(cid, force=True, v=True)  # (v: an image's VOLUME made one for it)
 
     return dict(_call(f"docker container create {image} (to stat paths)", do))

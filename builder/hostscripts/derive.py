@@ -8,7 +8,7 @@ writes into. Ships in every bundle as ``derive.py``:
   record (what `check` finds: without ``full``, by the size, mtime and inode recorded when each file
   was hashed; with ``full``, by hashing every file, as ``builder deploy --repair`` asks), is made: its
   command runs in the lane's image (network off) into a temp folder beside it, its container under a fixed
-  name (the plan's ``--name``, else one per derivation and rank) removed (``docker rm -f``) before the run
+  name (the plan's ``--name``, else one per derivation and rank) removed (``docker rm -f -v``) before the run
   and when the run passes its timeout (which ends the docker client only); every file it wrote is
   hashed into the record ``.builder-derived.json`` with its size, mtime and inode; the folder takes its
   address's place whole (a folder already there is renamed aside first and removed after; put back if
@@ -216,22 +216,23 @@ def container_name(argv: list[str], derivation: str, rank: int) -> str:
     return name
 
 
-#: seconds for `docker rm -f` of a container left running
+#: seconds for `docker rm -f -v` of a container left running
 REMOVE_TIMEOUT = 120.0
 
 
 def remove_container(name: str) -> str:
-    """`docker rm -f NAME` (none there is fine): "" when it is gone, else why it may not be."""
+    """`docker rm -f -v NAME` (none there is fine; -v: with the volumes an image's VOLUME made for it): ""
+    when it is gone, else why it may not be."""
     try:
-        p = subprocess.run(["docker", "rm", "-f", name], capture_output=True, text=True, errors="replace",
+        p = subprocess.run(["docker", "rm", "-f", "-v", name], capture_output=True, text=True, errors="replace",
                            timeout=REMOVE_TIMEOUT, stdin=subprocess.DEVNULL, check=False)
     except subprocess.TimeoutExpired:
-        return f"not removed: `docker rm -f {name}` had no end within {REMOVE_TIMEOUT:g} s"
+        return f"not removed: `docker rm -f -v {name}` had no end within {REMOVE_TIMEOUT:g} s"
     except OSError as e:
         return f"not removed: docker: {e.strerror}"
     said = (p.stdout + p.stderr).strip()
     if p.returncode != 0 and "No such container" not in said:
-        return f"not removed: `docker rm -f {name}`: {said[-300:] or f'exit {p.returncode}'}"
+        return f"not removed: `docker rm -f -v {name}`: {said[-300:] or f'exit {p.returncode}'}"
     return ""
 
 

@@ -48,7 +48,7 @@ for dir in "${MAKE[@]}"; do
     mkdir -p "$dir" || die "cannot make $dir"
 done
 if docker container inspect "$NAME" >/dev/null 2>&1; then
-    docker rm "$NAME" >/dev/null || die "cannot remove the stopped container $NAME"
+    docker rm -v "$NAME" >/dev/null || die "cannot remove the stopped container $NAME"
 fi
 "${RUN[@]//"$BUNDLE_ID_TOKEN"/$bundle_id}" >/dev/null || die "docker run failed"
 echo "start.sh: started $NAME (bundle ${bundle_id:0:16}, rank $RANK of $WORLD_SIZE); waiting until it is ready" >&2

@@ -52,7 +52,7 @@ def run(
             err = api.logs(cid, stdout=False, stderr=True).decode("utf-8", "replace")
             return RunResult(int(status.get("StatusCode", -1)), out, err)
         finally:
-            api.remove_container(cid, force=True)
+            api.remove_container(cid, force=True, v=True)
 
     result: RunResult = _call(f"docker run {image}", do)
     return result
@@ -91,7 +91,7 @@ def start(
         try:
             api.start(cid)
         except BaseException:
-            api.remove_container(cid, force=True)
+            api.remove_container(cid, force=True, v=True)
             raise
         return cid
 
@@ -122,7 +122,7 @@ def stop(container: str) -> None:
 
     def do() -> None:
         with contextlib.suppress(NotFound):
-            client().api.remove_container(container, force=True)
+            client().api.remove_container(container, force=True, v=True)
 
     _call(f"docker rm -f {container[:12]}", do)
 

@@ -150,7 +150,7 @@ def tiny_image(
         try:
             docker("cp", f"{cid}:/bin/busybox", str(ctx / "busybox"))
         finally:
-            docker("rm", "-f", cid, check=False)
+            docker("rm", "-f", "-v", cid, check=False)  # (-v: the image's VOLUME made one)
         lines = ["FROM scratch", "COPY busybox /bin/busybox"]
         for i, (dest, data) in enumerate(sorted((files or {}).items())):
             (ctx / f"f{i}").write_bytes(data)
