@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,10 +144,18 @@ def _remote_installer(fleet: Any, h: Any, *args: str) -> subprocess.CompletedPro
     return fleet.ssh(h, " ".join(shlex.quote(a) for a in ["python3", prog, *args]), timeout=120)
 
 
+@pytest.fixture
+def fleet2_project(fleet2: Any, tmp_path: Path) -> Iterator[bl.Project]:
+    """The project on ``fleet2``; its image (unique to the fleet) leaves this machine's engine after."""
+    p = fleet_project(tmp_path, fleet2)
+    yield p
+    subprocess.run(["docker", "image", "rm", "-f", p.image_id], capture_output=True)
+
+
 @pytest.mark.fleet
-def test_ship_install_start_rollback_on_the_fleet(fleet2: Any, tmp_path: Path) -> None:
+def test_ship_install_start_rollback_on_the_fleet(fleet2: Any, fleet2_project: bl.Project, tmp_path: Path) -> None:
     fleet = fleet2
-    p = fleet_project(tmp_path, fleet)
+    p = fleet2_project
     head, worker = fleet.hosts
     r = p.cli(
         "bundle",
