@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,12 +132,13 @@ def test_two_installs_never_interleave(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def dproj(tmp_path: Path, request: pytest.FixtureRequest) -> bl.Project:
+def dproj(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[bl.Project]:
+    """The project with its tiny image; the image (an install may have loaded it again) leaves the engine after."""
     if not shutil.which("docker"):
         pytest.skip("no docker CLI")
-    return bl.make_project(
-        tmp_path, hosts=local_hosts(tmp_path), docker_image=True, marker=request.node.nodeid
-    )
+    p = bl.make_project(tmp_path, hosts=local_hosts(tmp_path), docker_image=True, marker=request.node.nodeid)
+    yield p
+    _rmi(p.image_id)
 
 
 def _rmi(image_id: str) -> None:
