@@ -131,16 +131,24 @@ import os, sys, time
 from pathlib import Path
 from builder.deploy.fleetlock import fleet_lock
 from builder.errors import BuilderError
-store, tag, t0, rounds = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+store, tag, other, t0, rounds = Path(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5])
+def tried(i, who):
+    return store / f"tried-{i}-{who}"
 for i in range(rounds):
     while time.time() < t0 + i * 0.4:
         pass
     try:
         with fleet_lock(store, f"f{i}", tag):
             print(i, "held", flush=True)
-            time.sleep(0.2)
+            tried(i, tag).touch()
+            # the holder lets go only once the other has tried this round's lock: however late the
+            # machine's load lets the other start, it finds the lock held
+            deadline = time.monotonic() + 120
+            while not tried(i, other).exists() and time.monotonic() < deadline:
+                time.sleep(0.005)
     except BuilderError as e:
         print(i, "refused", e, flush=True)
+        tried(i, tag).touch()
 """
 
 
@@ -148,20 +156,21 @@ def test_two_commands_started_at_once_the_refused_one_names_the_holder(tmp_path:
     """Two real processes take one fleet's lock at the same moment, round after round: one holds it, and
     the other's refusal names the holder's command and pid every time, however close together they came."""
     rounds, t0 = 25, time.time() + 2.0
-    procs = {tag: subprocess.Popen([sys.executable, "-c", LOCK_RACER, str(tmp_path), tag, str(t0), str(rounds)],
+    pair = {"deploy": "stop", "stop": "deploy"}
+    procs = {tag: subprocess.Popen([sys.executable, "-c", LOCK_RACER, str(tmp_path), tag, other, str(t0), str(rounds)],
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clirun.environment())
-             for tag in ("deploy", "stop")}
+             for tag, other in pair.items()}
     said = {}
     for tag, p in procs.items():
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
         said[tag] = dict(line.split(" ", 1) for line in out.splitlines())
     pids = {tag: p.pid for tag, p in procs.items()}
     for i in map(str, range(rounds)):
         outcome = {tag: said[tag][i] for tag in procs}
         held = [tag for tag, o in outcome.items() if o == "held"]
-        assert len(held) == 1, outcome  # (both start at the slot's start; the holder keeps it 0.2 s)
-        other = "stop" if held == ["deploy"] else "deploy"
+        assert len(held) == 1, outcome  # (both start at the slot's start; the holder waits for the other's try)
+        other = pair[held[0]]
         assert outcome[other].startswith("refused "), outcome
         assert f"(`builder {held[0]}`, pid {pids[held[0]]}, since " in outcome[other], outcome
 
