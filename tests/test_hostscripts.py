@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import http.server
+import itertools
 import json
 import os
 import subprocess
@@ -463,3 +464,50 @@ def test_a_rank_that_runs_but_is_not_ready_is_waiting_for_a_peer_only_where_its_
     monkeypatch.setattr(lane, "logs", lambda name: "")
     out = lane.wait({"container": "c", "ready": ready, "timeout": 0.5})
     assert out["ok"] is False and out["state"] == "running" and out["why"] == f"container c {said}"
+
+
+class _Clock:
+    """lane's time: monotonic reads it, sleep moves it (a wait of minutes runs at once)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.now += seconds
+
+
+def test_a_rank_that_loads_for_minutes_is_asked_ever_less_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that loads for 5 minutes: its state is asked about every 2 s once it has run a while
+    (not three times a second), a quick rank is seen within 0.3 s, and the bound still holds."""
+    clock, asked = _Clock(), []
+    monkeypatch.setattr(lane, "time", clock)
+    monkeypatch.setattr(lane, "logs", lambda name: "")
+
+    def state(name: str) -> tuple[str, None]:
+        asked.append(clock.now)
+        return "running", None
+
+    monkeypatch.setattr(lane, "container_state", state)
+    monkeypatch.setattr(lane, "answers", lambda ports, addrs: clock.now >= 1300.0)
+    out = lane.wait({"container": "c", "ready": {"kind": "port", "port": 1}, "timeout": 900})
+    assert out["ok"] is True and 1300.0 <= clock.now <= 1300.0 + lane.LAST_POLL
+    gaps = [b - a for a, b in itertools.pairwise(asked)]
+    assert gaps[0] == pytest.approx(lane.FIRST_POLL) and max(gaps) == pytest.approx(lane.LAST_POLL)
+    assert len(asked) < 300 / lane.LAST_POLL + 10  # (every 0.3 s: 1000 asks)
+
+    clock.now, asked[:] = 1000.0, []
+    monkeypatch.setattr(lane, "answers", lambda ports, addrs: False)
+    out = lane.wait({"container": "c", "ready": {"kind": "port", "port": 1}, "timeout": 60})
+    assert out["ok"] is False and "did not answer within 60 s" in out["why"] and clock.now == pytest.approx(1060.0)
+
+
+def test_a_rank_ready_when_running_is_ready_the_moment_it_has_settled(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(lane, "time", clock)
+    monkeypatch.setattr(lane, "container_state", lambda name: ("running", None))
+    out = lane.wait({"container": "c", "ready": {"kind": "running"}, "timeout": 60})
+    assert out["ok"] is True and out["seconds"] == pytest.approx(lane.SETTLE_SECONDS)

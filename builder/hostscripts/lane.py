@@ -207,6 +207,10 @@ def log_matches(name: str, pattern: str) -> bool:
 
 #: a rank whose readiness is its container running must have run this long without exiting
 SETTLE_SECONDS = 3.0
+#: a rank's readiness is asked first after FIRST_POLL seconds, then each time 1.5 times later, at most every
+#: LAST_POLL seconds: a quick rank is seen at once, and an engine that loads for minutes is not asked
+#: (a `docker inspect`, and its log or health) three times a second all that while
+FIRST_POLL, LAST_POLL = 0.3, 2.0
 
 
 def ready_now(name: str, ready: dict[str, Any], running_since: float) -> bool:
@@ -239,6 +243,7 @@ def wait(req: dict[str, Any]) -> dict[str, Any]:
     name = req["container"]
     ready = req["ready"]
     since: float | None = None
+    pause = FIRST_POLL
     while True:
         st, code = container_state(name)
         if st in ("exited", "dead", "missing"):
@@ -252,7 +257,7 @@ def wait(req: dict[str, Any]) -> dict[str, Any]:
                 return {"ok": True, "seconds": round(time.monotonic() - start, 3)}
         else:
             since = None
-        if time.monotonic() > deadline:
+        if time.monotonic() >= deadline:
             if st == "running":  # up, but not ready; a worker started before its head (``peer``) waits for it
                 peer = ": waiting for a peer" if ready.get("peer") else ""
                 return {"ok": False, "state": "running", "why": f"container {name} runs but is not ready "
@@ -260,7 +265,11 @@ def wait(req: dict[str, Any]) -> dict[str, Any]:
                         "log": logs(name)}
             return {"ok": False, "state": st, "why": f"{describe(ready)} did not answer within "
                     f"{float(req['timeout']):g} s (container {st})", "log": logs(name)}
-        time.sleep(0.3)
+        nap = min(pause, deadline - time.monotonic())
+        if since is not None and ready["kind"] == "running":  # (ready the moment it has settled)
+            nap = min(nap, since + SETTLE_SECONDS - time.monotonic())
+        time.sleep(max(0.0, nap))
+        pause = min(pause * 1.5, LAST_POLL)
 
 
 def bundle_id(manifest: str) -> str:
