@@ -207,9 +207,9 @@ def log_matches(name: str, pattern: str) -> bool:
 
 #: a rank whose readiness is its container running must have run this long without exiting
 SETTLE_SECONDS = 3.0
-#: a rank's readiness is asked first after FIRST_POLL seconds, then each time 1.5 times later, at most every
-#: LAST_POLL seconds: a quick rank is seen at once, and an engine that loads for minutes is not asked
-#: (a `docker inspect`, and its log or health) three times a second all that while
+#: a rank's readiness is asked at once, again after FIRST_POLL seconds, then each time 1.5 times later, at
+#: most every LAST_POLL seconds: a quick rank is seen at once, and an engine that loads for minutes is not
+#: asked (a `docker inspect`, and its log or health) three times a second all that while
 FIRST_POLL, LAST_POLL = 0.3, 2.0
 
 
