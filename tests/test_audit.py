@@ -14,8 +14,10 @@ from typing import Any
 
 import pytest
 
-from builder import audit as core
 from builder.audit import runner
+from builder.audit.findings import AuditReport, CheckOutcome, HostResult, burn_rows, junit_xml, matrix_rows
+from builder.audit.run import run_audit
+from builder.audit.selection import AuditOptions
 from builder.lock.lockfile import load_lock
 from tests.lib import auditlib, clirun, factory
 
@@ -174,46 +176,46 @@ def test_hosts_json_and_ansible_inventories(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ reports
 
 
-def _report() -> core.AuditReport:
-    a = core.HostResult(
+def _report() -> AuditReport:
+    a = HostResult(
         "a",
         "f",
         "drift",
         checks=[
-            core.CheckOutcome("gpu::name", "gpu", "fail", "GPU 0 name: expected 'X', found 'Y'"),
-            core.CheckOutcome("memory::available", "memory", "pass"),
-            core.CheckOutcome("fabric::mtu", "fabric", "skip", "no /dev/infiniband"),
+            CheckOutcome("gpu::name", "gpu", "fail", "GPU 0 name: expected 'X', found 'Y'"),
+            CheckOutcome("memory::available", "memory", "pass"),
+            CheckOutcome("fabric::mtu", "fabric", "skip", "no /dev/infiniband"),
         ],
     )
-    b = core.HostResult("b", "f", "unreachable", "Connection refused")
-    return core.AuditReport([a, b], "fast", "preflight", ["gpu", "memory", "fabric"], 1.0)
+    b = HostResult("b", "f", "unreachable", "Connection refused")
+    return AuditReport([a, b], "fast", "preflight", ["gpu", "memory", "fabric"], 1.0)
 
 
 def test_burn_figures_and_the_fleets_median() -> None:
     """Each host's burn figures in the JSON and the burn table; a host under 85% of the fleet's median
     TFLOPS is flagged, and a hardware finding fails as `unhealthy` (JUnit type too)."""
-    def host(name: str, tflops: float, verdict: str = "pass") -> core.HostResult:
+    def host(name: str, tflops: float, verdict: str = "pass") -> HostResult:
         data = {"burn": {"tflops": tflops, "clock_mhz": 2171, "power_w": 86.0, "temperature_c": 60, "verdict": verdict}}
         status = "fail" if verdict != "pass" else "pass"
         if verdict != "pass":
             data["kind"] = "hardware"
-        return core.HostResult(name, "f", "unhealthy" if verdict != "pass" else "pass",
-                               checks=[core.CheckOutcome("burn::gpu", "burn", status, "m", data)])
-    rep = core.AuditReport([host("s1", 82.0), host("s2", 80.5), host("s3", 31.2, "latched"), host("s4", 84.0)],
+        return HostResult(name, "f", "unhealthy" if verdict != "pass" else "pass",
+                               checks=[CheckOutcome("burn::gpu", "burn", status, "m", data)])
+    rep = AuditReport([host("s1", 82.0), host("s2", 80.5), host("s3", 31.2, "latched"), host("s4", 84.0)],
                            "fast", "preflight", ["burn"])
     j = rep.to_json()
     assert j["exit"] == 1 and list(j["burn"]["outliers"]) == ["s3"]
     assert j["hosts"]["s1"]["checks"]["burn::gpu"]["facts"]["burn"]["tflops"] == 82.0
-    cols, rows = core.burn_rows(rep)
+    cols, rows = burn_rows(rep)
     assert cols[1] == "TFLOPS" and rows[2] == ["s3", "31.2", "2171", "86", "60", "latched", "SLOW"]
-    assert b'type="unhealthy"' in core.junit_xml(rep)
-    assert core.AuditReport([core.HostResult("a", "f", "pass")], "fast", "preflight", []).to_json().get("burn") is None
+    assert b'type="unhealthy"' in junit_xml(rep)
+    assert AuditReport([HostResult("a", "f", "pass")], "fast", "preflight", []).to_json().get("burn") is None
 
 
 def test_matrix_json_junit_exit() -> None:
     rep = _report()
     assert rep.exit_code == 3
-    cols, rows = core.matrix_rows(rep)
+    cols, rows = matrix_rows(rep)
     assert cols == ["check", "a", "b"]
     assert rows == [
         ["gpu::name", "FAIL", "unreachable"],
@@ -223,7 +225,7 @@ def test_matrix_json_junit_exit() -> None:
     j = rep.to_json()
     assert j["hosts"]["a"]["message"] == "gpu::name: GPU 0 name: expected 'X', found 'Y'"
     assert j["hosts"]["b"]["status"] == "unreachable" and j["exit"] == 3
-    root = ET.fromstring(core.junit_xml(rep))
+    root = ET.fromstring(junit_xml(rep))
     suites = {s.get("name"): s for s in root}
     assert suites["a"].get("failures") == "1" and suites["a"].get("skipped") == "1"
     assert suites["b"].get("errors") == "1"
@@ -584,7 +586,7 @@ def test_checks_on_testinfras_own_host_fixture_get_each_hosts_own_host(tmp_path:
     assert got == ["docker://spark-a", "local"]
 
 
-def two_local_hosts(tmp_path: Path, checks: dict[str, str]) -> core.AuditOptions:
+def two_local_hosts(tmp_path: Path, checks: dict[str, str]) -> AuditOptions:
     """A fleet `l` of two hosts on this machine, audited with a copy of the real checks/ (its
     conftest and checklib) whose modules are `checks` (name -> source; "" for the real module)."""
     paths = auditlib.make_project(tmp_path / "proj")
@@ -596,7 +598,7 @@ def two_local_hosts(tmp_path: Path, checks: dict[str, str]) -> core.AuditOptions
     for name in ("conftest.py", "checklib.py", "pytest.ini", *checks):
         src = checks.get(name) or (ROOT / "checks" / name).read_text()
         (d / name).write_text(src)
-    return core.AuditOptions(
+    return AuditOptions(
         root=paths["pins"].parent, pins=paths["pins"], lock=paths["lock"], store=paths["store"], fleet="l",
         only=[n[5:-3] for n in checks], checks_dir=d, workdir=tmp_path / "work",
     )
@@ -605,7 +607,7 @@ def two_local_hosts(tmp_path: Path, checks: dict[str, str]) -> core.AuditOptions
 def test_a_check_module_that_does_not_import_is_reported_by_every_host(tmp_path: Path) -> None:
     """Each host is `error` (exit 1), its message naming the module and the error."""
     opts = two_local_hosts(tmp_path, {"test_memory.py": "", "test_storage.py": "import no_such_module_here\n"})
-    report = core.run_audit(opts)
+    report = run_audit(opts)
     assert report.exit_code == 1
     assert [h.name for h in report.hosts] == ["me", "me2"]
     for h in report.hosts:
@@ -618,7 +620,7 @@ def test_a_check_module_that_does_not_import_is_reported_by_every_host(tmp_path:
 
 def test_a_module_that_fails_at_import_time_or_does_not_parse_is_error(tmp_path: Path) -> None:
     opts = two_local_hosts(tmp_path, {"test_memory.py": "x = undefined_name\n", "test_storage.py": "def f(:\n"})
-    report = core.run_audit(opts)
+    report = run_audit(opts)
     assert report.exit_code == 1
     for h in report.hosts:
         assert h.status == "error"
@@ -630,7 +632,7 @@ def test_a_selected_module_with_no_checks_is_error_not_pass(tmp_path: Path, empt
     """A selection (--only) that runs no check of a concern, or a checks folder with no checks at
     all: `error`, never a host that "passes" with nothing checked."""
     mods = {n: ("import os\n" if n in empty else "") for n in ("test_memory.py", "test_storage.py")}
-    report = core.run_audit(two_local_hosts(tmp_path, mods))
+    report = run_audit(two_local_hosts(tmp_path, mods))
     assert report.exit_code == 1
     code = 5 if len(empty) == 2 else 0  # (5: pytest collected nothing)
     for h in report.hosts:
@@ -640,17 +642,17 @@ def test_a_selected_module_with_no_checks_is_error_not_pass(tmp_path: Path, empt
 
 def test_stale_results_of_a_kept_workdir_do_not_stand_for_this_run(tmp_path: Path) -> None:
     opts = two_local_hosts(tmp_path, {"test_memory.py": ""})
-    assert core.run_audit(opts).exit_code == 0
+    assert run_audit(opts).exit_code == 0
     assert opts.checks_dir is not None
     (opts.checks_dir / "conftest.py").write_text("raise RuntimeError('conftest broken')\n")
-    report = core.run_audit(opts)
+    report = run_audit(opts)
     assert report.exit_code == 1
     for h in report.hosts:
         assert h.status == "error" and h.message.startswith("the checks did not report (pytest exit 4)"), h.message
 
 
 def test_results_problem_from_the_exit_status_alone(tmp_path: Path) -> None:
-    ok = [core.CheckOutcome("memory::available", "memory", "pass")]
+    ok = [CheckOutcome("memory::available", "memory", "pass")]
     assert runner.results_problem(0, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log") == ""
     assert runner.results_problem(1, ok, [], ["memory"], tmp_path / "checks", tmp_path / "log") == ""
     (tmp_path / "log").write_text("x\nINTERNALERROR> boom\n")
@@ -690,8 +692,8 @@ def test_the_hosts_of_a_loaded_fleet_are_taken_from_it(tmp_path: Path) -> None:
     loaded = Loaded(path, load_fleet(path))
     path.unlink()  # (not read again)
 
-    def opts(**kw: Any) -> core.AuditOptions:
-        return core.AuditOptions(root=tmp_path, pins=tmp_path / "pins.toml", lock=tmp_path / "pins.lock",
+    def opts(**kw: Any) -> AuditOptions:
+        return AuditOptions(root=tmp_path, pins=tmp_path / "pins.toml", lock=tmp_path / "pins.lock",
                                  store=tmp_path / "s", loaded=loaded, **kw)
 
     assert [t.name for t in audit_targets(opts(fleet="f"))] == ["a", "b"]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from builder.audit import AuditOptions
 from builder.audit.concerns import Concern, declared, read_declaration
+from builder.audit.selection import AuditOptions
 from builder.errors import ConfigError
 from tests.lib import prefetchplans
 from tests.lib.checkmods import CHECKS, check_module

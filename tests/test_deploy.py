@@ -31,7 +31,8 @@ from typing import Any, get_args
 
 import pytest
 
-from builder.audit import AuditOptions, run_audit
+from builder.audit.run import run_audit
+from builder.audit.selection import AuditOptions
 from builder.bundle import launch_manifest, load_bundle_inputs, rank_launch
 from builder.deploy import journal as J
 from builder.deploy.bundles import FleetBundle, current_bundle, ensure_bundles, why_stale
@@ -98,7 +99,7 @@ def test_the_burn_window_runs_only_where_the_gate_could_not_burn(monkeypatch: py
     the GPU get it between stop and start (`--only burn`); a failing GPU raises, naming it."""
     from types import SimpleNamespace
 
-    from builder.audit import AuditReport, CheckOutcome, HostResult
+    from builder.audit.findings import AuditReport, CheckOutcome, HostResult
     from builder.deploy import switch
     from builder.deploy.switch import burn_window
 
@@ -1090,7 +1091,7 @@ def test_a_repair_with_nothing_to_do_says_so_or_keeps_the_reason_of_an_earlier_d
     and its journal is cleared. The real deploy, bundles, journal, record comparison and no-op; FAKE
     (test only: no host here) are only the steps that run on the hosts: what each host answers, the
     staging over ssh, the derivations and the fleet audit, each as it goes on a fleet that is whole."""
-    from builder.audit import AuditReport, HostResult
+    from builder.audit.findings import AuditReport, HostResult
     from builder.deploy import dryrun, rollout
     from builder.deploy.hoststate import Container
     from builder.installer.record import write_record

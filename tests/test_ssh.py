@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import testinfra
 
-from builder.audit import AuditOptions
 from builder.audit import runner as audit_runner
+from builder.audit.selection import AuditOptions
 from builder.errors import ConfigError
 from builder.foundation import ssh
 from builder.inputs.hosts import FleetHost, fleet_hosts, load_fleet

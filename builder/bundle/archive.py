@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import IO
 
 from builder.errors import ConfigError, VerifyError
-from builder.foundation import dockerio
 from builder.foundation.canon import ChunkReader
 from builder.foundation.hashing import READ_SIZE
 from builder.image import layers
@@ -24,7 +23,9 @@ def image_archive(
     builder.image.layers re-exports the saved image canonically (sorted entries, fixed mtime, the config and
     layers untouched, every DiffID checked; spooled through ``work``).
     """
-    # Imported here for start-up time: builder.foundation.dockerio loads the Docker SDK, which only --with-image needs.
+    # Imported here for start-up time: builder.foundation.dockerio loads the Docker SDK, which only --with-image
+    # needs; deploy, status, start and stop import this module without it.
+    from builder.foundation import dockerio
 
     if not dockerio.image_exists(image_id):
         raise ConfigError(

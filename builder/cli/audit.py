@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from builder import audit as core
 from builder import output
 from builder.audit.concerns import declared
 from builder.audit.exits import describe_cause
-from builder.audit.selection import PACKAGE_CHECKS, audit_targets
+from builder.audit.findings import AuditReport, HostResult, burn_rows, matrix_rows, problem_rows, write_junit
+from builder.audit.run import run_audit
+from builder.audit.selection import PACKAGE_CHECKS, AuditOptions, audit_targets, parse_only
 from builder.cli import get_ctx
 from builder.cli.options import (
     checks_option,
@@ -27,7 +28,6 @@ from builder.cli.options import (
 from builder.errors import BuilderError, named
 
 if TYPE_CHECKING:
-    from builder.audit import AuditOptions
     from builder.inputs.hosts import FleetHost
 
 
@@ -81,7 +81,7 @@ def audit(
     Exit 0 all pass, 1 drift, 2 usage or configuration error (no host contacted), 3 a host unreachable.
     """
     c = get_ctx()
-    opts = core.AuditOptions(
+    opts = AuditOptions(
         root=c.root,
         pins=c.pins,
         lock=c.lock,
@@ -91,7 +91,7 @@ def audit(
         fleet=fleet,
         mode=mode,
         phase=phase,
-        only=core.parse_only(only),
+        only=parse_only(only),
         backend=backend,
         inventory=inventory,
         checks_dir=checks_dir,
@@ -109,21 +109,21 @@ def audit(
         if full:
             tasks = {t.name: bar.add_task(f"audit {t.name} (full)", total=1) for t in _targets(opts)}
 
-        def on_host(h: core.HostResult) -> None:
+        def on_host(h: HostResult) -> None:
             output.status(f"{h.name}: {h.status} ({h.seconds:.1f} s)")
             if h.name in tasks:
                 bar.update(tasks[h.name], description=f"audit {h.name}: {h.status}", advance=1)
 
-        report = core.run_audit(opts, on_host=on_host)
+        report = run_audit(opts, on_host=on_host)
     _print(report, as_json)
     if junit is not None:
-        core.write_junit(report, junit)
+        write_junit(report, junit)
     n_bad = sum(1 for h in report.hosts if h.status != "pass")
     output.status(f"{len(report.hosts)} host(s), {n_bad} not passing, {report.seconds:.1f} s")
     return report.exit_code
 
 
-def _print(report: core.AuditReport, as_json: bool) -> None:
+def _print(report: AuditReport, as_json: bool) -> None:
     """The report: the matrix, the burn and every reason a host did not pass as tables on stdout (or
     the JSON, and the reasons on stderr for the person watching); what it means on stderr."""
     if as_json:
@@ -132,10 +132,10 @@ def _print(report: core.AuditReport, as_json: bool) -> None:
             for p in h.problems():
                 output.status(named(h.name, p["message"], h.status + (f": {p['check']}" if p["check"] else "")))
     else:
-        output.table(f"audit ({report.mode}, {report.phase})", *core.matrix_rows(report))
+        output.table(f"audit ({report.mode}, {report.phase})", *matrix_rows(report))
         if report.burn():
-            output.table("burn", *core.burn_rows(report))
-        cols, rows = core.problem_rows(report)
+            output.table("burn", *burn_rows(report))
+        cols, rows = problem_rows(report)
         if rows:  # every reason, not only the first: the matrix says which check, this says why
             output.table("not passing", cols, rows)
     if report.burn():

@@ -1,12 +1,13 @@
 """A fleet command's audits: `builder audit --fleet F --phase PHASE` over the command's connections, on
-the fleet file, pins and lock the command loaded (builder.audit.Loaded), and the words for what failed."""
+the fleet file, pins and lock the command loaded (builder.audit.selection.Loaded), and the words for what failed."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from builder.audit import AuditOptions, Loaded, run_audit
+from builder.audit.run import run_audit
+from builder.audit.selection import AuditOptions, Loaded
 from builder.deploy.fleetwork import Fleetwork
 from builder.errors import named
 

@@ -6,7 +6,7 @@ The request (argv[1], JSON) names what to do:
   the installer's links (``current``, ``previous``, ``staged``: the layout install.pyz keeps, see
   builder/installer/__init__.py), the releases present, the apply record's bundle, lock and image, this
   lane's containers of this rank (by the labels start.sh gives them, so nothing else is looked at:
-  ``filters``, docker's --filter arguments, builder.launch.rank.lane_filters)
+  ``filters``, docker's --filter arguments, builder.core.labels.lane_filters)
   and, with a ``health_port``, whether ``/health`` answers on 127.0.0.1;
 * ``{"do": "wait", "container", "ready", "timeout"}``: wait until this rank meets its readiness
   (``ready``, as builder.launch.rank renders it: its health path, a port, a log line, or running), or

@@ -15,7 +15,6 @@ from posixpath import dirname
 from typing import Any
 
 from builder.errors import ConfigError
-from builder.foundation import dockerio
 from builder.image.imagerecord import ImageRecord
 from builder.inputs.pins import Pins
 
@@ -35,6 +34,10 @@ def replaced(pins: Pins, image: str) -> list[str]:
 def record_paths(pins: Pins, rec: ImageRecord) -> ImageRecord:
     """The record with ``paths``: each replaced path's kind in the image, and for a missing one its
     parents up to the nearest that exists."""
+    # Imported here for start-up time: builder.foundation.dockerio loads the Docker SDK, which only an image
+    # build needs of this module; every command that renders a launch imports it for `check`.
+    from builder.foundation import dockerio
+
     wanted = replaced(pins, rec.name)
     if not wanted:
         return rec

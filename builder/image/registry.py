@@ -29,7 +29,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from builder.errors import ConfigError, VerifyError
-from builder.foundation import dockerio
 from builder.foundation.canon import canonical_json, file_lock
 from builder.foundation.distribution import ImageRef, RegistryClient, sha256_of
 from builder.image import layers
@@ -219,6 +218,10 @@ def _send_from_engine(store: Path, rec: ImageRecord, client: RegistryClient, mis
                       progress: PushProgress | None = None) -> tuple[bytes, int, int, dict[str, Any]]:
     """The image's bytes from the engine (spooled: the config and its layers), the missing blobs sent.
     Returns (manifest, blobs sent, bytes handed to the connection for them, the record's size fields)."""
+    # Imported here for start-up time: builder.foundation.dockerio loads the Docker SDK, which only a push
+    # from the engine needs; every deploy imports this module for a fleet's registry.
+    from builder.foundation import dockerio
+
     if not dockerio.image_exists(rec.image_id):
         raise ConfigError(f"images.{rec.name}: image {rec.image_id[:19]} is not in the Docker Engine "
                           f"(run `builder image {rec.name}`)")

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from builder import hostscripts
+from builder.core.labels import LABEL_BUNDLE, LABEL_FLEET, LABEL_HOST, LABEL_LANE, LABEL_RANK, lane_filters
 from builder.foundation.canon import pretty_json
 from builder.inputs.hosts import Fleet, Host
 from builder.inputs.lanes import Lane
@@ -39,15 +40,9 @@ from builder.launch.derivplan import derivation_runs, derived_paths, render_plan
 from builder.launch.rank import (
     BUNDLE_ID,
     CONFIG_IN_CONTAINER,
-    LABEL_BUNDLE,
-    LABEL_FLEET,
-    LABEL_HOST,
-    LABEL_LANE,
-    LABEL_RANK,
     RankCommand,
     container_name,
     host_address,
-    lane_filters,
     rank_command,
 )
 from builder.lock.lockfile import Lock

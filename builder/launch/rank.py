@@ -13,27 +13,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from builder.core.labels import LABEL_BUNDLE, LABEL_FLEET, LABEL_HOST, LABEL_LANE, LABEL_RANK
 from builder.errors import ConfigError
 from builder.inputs.hosts import Fleet, Host
 from builder.inputs.lanes import PLACEHOLDERS, Lane, Mount, Ready, Run
 from builder.inputs.pins import Pins
 from builder.store.placement import mount_path
-
-LABEL_LANE = "io.builder.lane"
-LABEL_RANK = "io.builder.rank"
-LABEL_BUNDLE = "io.builder.bundle-id"
-LABEL_FLEET = "io.builder.fleet"
-LABEL_HOST = "io.builder.host"
-
-
-def lane_filters(lane: str, rank: int | None = None) -> list[str]:
-    """docker's ``--filter`` arguments (``docker ps``) that select the containers start.sh made for this
-    lane, and of this rank when given: by the labels it gives them, so nothing else on a host is looked
-    at or stopped (start.sh and stop.sh spell the same filter in shell, from the same label names)."""
-    out = ["--filter", f"label={LABEL_LANE}={lane}"]
-    if rank is not None:
-        out += ["--filter", f"label={LABEL_RANK}={rank}"]
-    return out
 
 CONFIG_IN_CONTAINER = "/etc/builder/config.json"
 #: start.sh puts the installed bundle's id here (the bundle's manifest covers start.sh itself)

@@ -24,13 +24,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from builder.errors import ConfigError
 from builder.foundation.canon import attrs
-from builder.inputs.hosts import Host, Paths
-from builder.inputs.pins import Pins
-from builder.lock.lockfile import Lock, spec_hash
+
+# Only types from the inputs and the lock at import: each host's audit pytest imports this module for
+# `rank_tag`, and the pydantic models behind these names are most of what that process would load.
+if TYPE_CHECKING:
+    from builder.inputs.hosts import Host, Paths
+    from builder.inputs.pins import Pins
+    from builder.lock.lockfile import Lock
 
 RANK_TAG_RE = re.compile(r"(?:^|[^a-z0-9])r(?:ank)?(\d{1,3})of(\d{1,3})(?![0-9])", re.IGNORECASE)
 
@@ -143,6 +147,8 @@ E = TypeVar("E", bound=_Entry)
 
 def _locked(kind: str, name: str, entry: E | None, spec: Any, lane_name: str) -> E:
     """The lock's entry for the pin ``kind.name``; ConfigError when it is missing or the pin changed since."""
+    from builder.lock.lockfile import spec_hash  # (here, not at import: see the imports above)
+
     if entry is None:
         raise ConfigError(f"{kind}.{name}: not in the lock (run `builder lock {lane_name}`)")
     if entry.spec_hash != spec_hash(spec):

@@ -8,7 +8,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from builder.errors import BuilderError
-from builder.foundation import dockerio
 from builder.foundation.canon import run_folder
 from builder.image.layers.read import normalize_image, read_image
 from builder.image.layers.spooled import SpooledImage
@@ -31,6 +30,8 @@ def normalize_and_load(
 
     Raises BuilderError if the engine reports a different image ID than the one computed.
     """
+    from builder.foundation import dockerio
+
     with _workdir(workdir) as work:
         record = normalize_image(
             dockerio.save(ref),
@@ -54,6 +55,8 @@ def save_archive(
     workdir: str | os.PathLike[str] | None = None,
 ) -> tuple[SpooledImage, str]:
     """A deterministic ``docker save``: (record, archive sha256 hex) for an image in the engine."""
+    from builder.foundation import dockerio
+
     with _workdir(workdir) as work:
         record = read_image(dockerio.save(ref), work)
         digest = write_archive(record, dest, repo_tags=repo_tags, mtime=mtime)
