@@ -12,20 +12,14 @@ import re
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    ProgressColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Column, Table
-from rich.text import Text
+# rich is imported where it draws: colour, a table or bars. Most runs (a script's, --json's, a pipe's)
+# print plain lines only, and rich's import is most of what a command's start-up would otherwise cost
+# before its stage's own.
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Column
 
 _console: Console | None = None
 
@@ -36,6 +30,8 @@ def color_enabled() -> bool:
 
 def console() -> Console:
     """The stderr console (created on first use)."""
+    from rich.console import Console
+
     global _console
     if _console is None:
         _console = Console(
@@ -102,6 +98,9 @@ def data_json(obj: Any) -> None:
 
 def table(title: str | None, columns: list[str], rows: list[list[str]]) -> None:
     """A table of data, on stdout (a command given --json prints its JSON instead)."""
+    from rich.console import Console
+    from rich.table import Table
+
     t = Table(title=title, show_lines=False)
     for c in columns:
         t.add_column(c, overflow="fold")
@@ -184,6 +183,17 @@ ITEMS_COLUMNS = (7,)
 def _columns(unit: str, width: int) -> tuple[Any, ...]:
     """rich columns that keep one bar on one line of a terminal ``width`` columns wide (at 80: a label
     of 30 columns, a bar of 14, then bytes, rate and time left)."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        ProgressColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.table import Column
+    from rich.text import Text
+
     class Label(ProgressColumn):
         def __init__(self, cols: int) -> None:
             super().__init__(table_column=Column(width=cols, no_wrap=True, overflow="crop"))
@@ -237,6 +247,8 @@ class _Deferred:
                 self._rich.stop()
 
     def _start(self) -> None:
+        from rich.progress import Progress
+
         with self._lock:
             if self._closed:
                 return
