@@ -32,9 +32,10 @@ def test_a_hosts_check_process_loads_no_model_and_no_docker_sdk() -> None:
     assert loaded_after(code, ROOT / "checks") == set()
 
 
-def test_the_fleet_commands_load_no_docker_sdk() -> None:
+def test_the_fleet_commands_load_no_docker_sdk_and_no_rich() -> None:
     # deploy, status, start and stop talk to hosts over ssh; only an image build or push, or a bundle
-    # --with-image, talks to the local engine, and imports the SDK where it does
+    # --with-image, talks to the local engine, and imports the SDK where it does. rich is imported where
+    # it draws (colour, a table, bars on a terminal).
     for module in ("builder.cli.deploy", "builder.cli.audit", "builder.cli.ship", "builder.cli.bundle"):
         got = loaded_after(f"import {module}", ROOT)
-        assert not got & {"docker", "requests", "huggingface_hub"}, (module, got)
+        assert not got & {"docker", "requests", "huggingface_hub", "rich"}, (module, got)
