@@ -94,6 +94,22 @@ def pytest_configure(config: pytest.Config) -> None:
     # for one forever. Every test process (and so every process it starts) takes SIGINT as Ctrl-C sends it.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        compile_sources()
+
+
+def compile_sources() -> None:
+    """Byte-compile builder, its checks and the tests' helpers once, before any test runs.
+
+    Where PYTHONDONTWRITEBYTECODE is set (CI's machines set it), Python caches no module it compiles:
+    every `builder` the tests run, and every host's pytest of every audit, would compile builder's modules
+    from source again, about 1 G of a deploy's 2.3 G instructions at start-up (docs/testing.md). Compiled
+    here, each process reads the bytecode; an up-to-date file is skipped, and nothing is written while
+    tests run (in the controller, before xdist starts its workers)."""
+    import compileall
+
+    for folder in ("builder", "checks", "tests"):
+        compileall.compile_dir(ROOT / folder, quiet=1, workers=1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
