@@ -16,8 +16,7 @@ import pytest
 
 from builder.audit.concerns import Cmd, Concern
 from builder.core.labels import LABEL_BUNDLE, lane_filters
-from builder.foundation.ssh import tied
-from builder.hostscripts import BATCH, BURN, DERIVE, FILES, GPUPROCS, MEMORY, dumps, fits, parse_batch, split_args
+from builder.hostscripts import BATCH, BURN, DERIVE, FILES, GPUPROCS, MEMORY, dumps, fits, parse_batch, split_args, tied
 
 APPLIED_CACHE: dict[str, tuple[dict[str, Any] | None, str]] = {}
 #: results of the commands the prefetch ran, by command line (see prefetch)

@@ -46,7 +46,8 @@ from builder.deploy.rollout import record_drift
 from builder.deploy.status import FleetStatus, HostStatus
 from builder.errors import BuilderError, ConfigError
 from builder.foundation import sign
-from builder.foundation.ssh import tied, with_parent
+from builder.foundation.ssh import with_parent
+from builder.hostscripts import tied
 from builder.inputs.hosts import find_fleet
 from builder.lock.lockfile import load_lock
 from tests.lib import auditlib, clirun, factory, fleetlib
@@ -230,7 +231,7 @@ def test_status_counts_an_unfinished_deploy_as_not_deployed() -> None:
 
 
 def test_a_step_ends_with_its_command(tmp_path: Path) -> None:
-    """builder.foundation.ssh.tied + with_parent: a command killed alone (SIGKILL) ends its steps' children;
+    """builder.hostscripts.tied + with_parent: a command killed alone (SIGKILL) ends its steps' children;
     a step whose command runs on ends normally, its output and exit status passed through."""
     mark = tmp_path / "mark"
     ok = subprocess.run(["sh", "-c", tied("echo out; echo err >&2; exit 3")], capture_output=True, text=True)
@@ -241,7 +242,7 @@ def test_a_step_ends_with_its_command(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):  # (a missing program is the caller's to report, as without it)
         subprocess.run(with_parent([str(tmp_path / "no-such-program")]))
     code = (
-        "import subprocess, sys; from builder.foundation.ssh import tied, with_parent\n"
+        "import subprocess, sys; from builder.foundation.ssh import with_parent; from builder.hostscripts import tied\n"
         f"subprocess.run(with_parent(['sh', '-c', tied('sleep 2; touch {mark}')]), capture_output=True)\n"
     )
     p = subprocess.Popen([sys.executable, "-c", code])
@@ -976,7 +977,7 @@ def test_a_deploy_killed_alone_while_starting_changes_nothing_after_and_status_s
     j: Journey, bystanders: None
 ) -> None:
     """Points 1 and 4: the deploy process alone SIGKILLed while the head's start.sh runs; its ssh
-    children end with it (parent-death signal) and so does the step on the host (builder.foundation.ssh.tied):
+    children end with it (parent-death signal) and so does the step on the host (builder.hostscripts.tied):
     nothing on a host changes afterwards. Status then exits 1 naming the phase and the resuming command."""
     _good(j)
     _new_release(j)

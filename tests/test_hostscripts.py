@@ -511,3 +511,36 @@ def test_a_rank_ready_when_running_is_ready_the_moment_it_has_settled(monkeypatc
     monkeypatch.setattr(lane, "container_state", lambda name: ("running", None))
     out = lane.wait({"container": "c", "ready": {"kind": "running"}, "timeout": 60})
     assert out["ok"] is True and out["seconds"] == pytest.approx(lane.SETTLE_SECONDS)
+
+
+# ----------------------------------------------------------------------------- watchdog (every remote step)
+
+
+def _tied(step: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["sh", "-c", hs.tied(step)], capture_output=True, text=True, timeout=60)
+
+
+def test_a_tied_step_passes_its_output_and_status_through_and_a_signal_as_128_plus_n() -> None:
+    r = _tied("echo out; echo err >&2; exit 3")
+    assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")
+    assert _tied("kill -TERM $$").returncode == 128 + 15
+    assert _tied("kill -KILL $$").returncode == 128 + 9
+
+
+def test_a_tied_step_runs_in_a_session_of_its_own_with_the_signals_python_ignores_restored() -> None:
+    # (Python ignores SIGPIPE and SIGXFSZ; a step that inherited that would not die of a closed pipe)
+    r = _tied("grep '^SigIgn' /proc/self/status")
+    ignored = int(next(ln for ln in r.stdout.splitlines() if ln.startswith("SigIgn")).split()[1], 16)
+    assert r.returncode == 0, r.stderr
+    assert not ignored & (1 << (13 - 1)), f"SIGPIPE ignored in the step: {ignored:#x}"
+    assert not ignored & (1 << (25 - 1)), f"SIGXFSZ ignored in the step: {ignored:#x}"
+    sid = _tied("cut -d' ' -f6 /proc/$$/stat; echo $$").stdout.split()
+    assert sid[0] == sid[1], f"the step's shell leads a session of its own: sid {sid[0]}, pid {sid[1]}"
+
+
+def test_the_watchdog_starts_without_subprocess_or_site() -> None:
+    tree = ast.parse(hs.WATCHDOG)
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in (n.names if isinstance(n, ast.Import) else [ast.alias(n.module or "")])}
+    assert imported <= {"__future__", "os", "select", "signal", "sys", "time", "typing", "ctypes"}, imported
+    assert hs.tied("true").startswith("exec python3 -I -S -c ")

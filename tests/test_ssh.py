@@ -17,6 +17,7 @@ from builder.audit import runner as audit_runner
 from builder.audit.selection import AuditOptions
 from builder.errors import ConfigError
 from builder.foundation import ssh
+from builder.hostscripts import tied
 from builder.inputs.hosts import FleetHost, fleet_hosts, load_fleet
 from builder.ship import Remote
 from tests.lib import auditlib
@@ -123,7 +124,7 @@ def test_ship_ssh_argv_ends_options_with_dashdash_and_shares_one_connection(tmp_
     for h, (_, tail) in zip(fleet.hosts, TARGETS, strict=True):
         with Remote(fleet_file, fleet, h) as remote:
             first, second = remote.argv("true"), remote.argv("cat > x")
-            _ends_with_dashdash(first, tail, [ssh.tied("true")])  # (each step ends with its ssh session)
+            _ends_with_dashdash(first, tail, [tied("true")])  # (each step ends with its ssh session)
             paths = {a for argv in (first, second) for a in argv if a.startswith("ControlPath=")}
             assert len(paths) == 1 and "ControlMaster=auto" in first
             folder = Path(paths.pop().split("=", 1)[1]).parent

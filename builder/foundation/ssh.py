@@ -23,7 +23,6 @@ import hashlib
 import ipaddress
 import os
 import re
-import shlex
 import shutil
 import stat
 import subprocess
@@ -238,39 +237,10 @@ class ControlSockets:
 # A command's steps on a host must not outlive it (a `builder deploy` killed alone, SIGKILL, its process
 # group left alone). Two halves: here, every child that runs a remote step gets the parent-death signal
 # (`with_parent`: SIGKILL once the thread that started it is gone); on the host, the step runs under
-# `tied`: a watchdog that ends the step's process group once its stdout or stderr has no reader left
-# (the ssh channel closed: its client died; sshd signals a command only when it has a pty, and ssh -tt is
-# not wanted here). What a step already did stays done (a `docker run` that returned started its
-# container); what it had not begun never begins.
-
-#: the host side of `tied`: clear the parent-death signal; run argv[1] with sh in a session of its own;
-#: poll fds 1 and 2 (events 0: only POLLERR/POLLHUP, the reader gone) and the child (a pidfd, else every
-#: 50 ms); reader gone: TERM the step's group, KILL it 3 s later, exit 255. Else the step's exit status.
-_WATCHDOG = (
-    "import os,select,signal,subprocess,sys,time\n"
-    "try:\n import ctypes;ctypes.CDLL(None).prctl(1,0,0,0,0)\n"  # (a local step: this one must outlive the
-    "except Exception:pass\n"  # command, to end the step; the parent-death signal survives exec)
-    "p=subprocess.Popen(['sh','-c',sys.argv[1]],start_new_session=True)\n"
-    "po=select.poll();po.register(1,0);po.register(2,0);t=50\n"
-    "try:\n po.register(os.pidfd_open(p.pid),select.POLLIN);t=None\n"
-    "except Exception:pass\n"
-    "while p.poll() is None:\n"
-    " if [f for f,_ in po.poll(t) if f in(1,2)]:\n"
-    "  for s,w in((signal.SIGTERM,3),(signal.SIGKILL,0)):\n"
-    "   try:os.killpg(p.pid,s)\n"
-    "   except OSError:pass\n"
-    "   d=time.time()+w\n"
-    "   while w and p.poll() is None and time.time()<d:time.sleep(0.05)\n"
-    "  sys.exit(255)\n"
-    "sys.exit(p.returncode if p.returncode>=0 else 128-p.returncode)\n"
-)
-
-
-def tied(command: str) -> str:
-    """`command` (a shell command line for a host) run so that it ends once nobody reads its output: its
-    ssh channel closed (see above). The host needs python3 (as the installer and the lane's steps do)."""
-    return f"exec python3 -c {shlex.quote(_WATCHDOG)} {shlex.quote(command)}"
-
+# `tied` (builder.hostscripts.tied, builder/hostscripts/watchdog.py): a watchdog that ends the step's
+# process group once its stdout or stderr has no reader left (the ssh channel closed: its client died;
+# sshd signals a command only when it has a pty, and ssh -tt is not wanted here). What a step already did
+# stays done (a `docker run` that returned started its container); what it had not begun never begins.
 
 #: the local half: set the parent-death signal, check the parent did not die before it was set, then
 #: become the command (the signal survives exec). A small program of its own rather than a preexec_fn:

@@ -16,6 +16,7 @@ tests import and call them directly too.
 * ``gpuprocs``: the lane each GPU compute process belongs to, from its environment;
 * ``matmul``: the burn's default load, a timed matrix product (needs torch: it runs in the lane's image);
 * ``derive``: a rank's derivations, each made in the lane's image where its address does not hold it;
+* ``watchdog``: one step of a command, ended once nobody reads its output (``tied``: every remote step);
 * ``lane``: the lane's releases and containers on the host, and the wait for its rank to answer
   (builder.deploy.hoststate; sent over stdin as ``python3 - REQUEST``).
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import base64
 import ipaddress
 import json
+import shlex
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -53,6 +55,13 @@ DERIVE = source("derive")
 BURN = source("burnload")
 GPUPROCS = source("gpuprocs")
 MATMUL = source("matmul")
+WATCHDOG = source("watchdog")
+
+
+def tied(command: str) -> str:
+    """`command` (a shell command line for a host) run so that it ends once nobody reads its output: its
+    ssh channel closed (watchdog.py). The host needs python3 (as the installer and the lane's steps do)."""
+    return f"exec python3 -I -S -c {shlex.quote(WATCHDOG)} {shlex.quote(command)}"
 
 # ----------------------------------------------------------------------------- the batch
 

@@ -11,7 +11,8 @@ from typing import IO, Any
 
 from builder.errors import BuilderError, ConfigError, UnreachableError
 from builder.foundation.answer import Answer
-from builder.foundation.ssh import Connection, ControlSockets, tied, with_parent
+from builder.foundation.ssh import Connection, ControlSockets, with_parent
+from builder.hostscripts import tied
 from builder.inputs.hosts import Fleet, Host, ssh_config_file
 from builder.installer.errors import EXIT_CONFIG
 from builder.store.placement import kept_installer
@@ -72,7 +73,7 @@ class Remote:
 
     def argv(self, command: str) -> list[str]:
         """The argv of one step on the host: run through `with_parent`, it ends with this process, and the
-        step on the host ends with it (builder.foundation.ssh.tied)."""
+        step on the host ends with it (builder.hostscripts.tied)."""
         command = tied(command)
         if self.kind == "local":
             return ["sh", "-c", command]
