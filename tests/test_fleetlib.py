@@ -5,6 +5,7 @@ stopped sshd refuses, loss and delay reach ssh): the faults the product's fleet 
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import urllib.error
 import urllib.request
@@ -199,3 +200,37 @@ def test_teardown_removes_everything(tmp_path: Path) -> None:
     fl.teardown()  # idempotent
     assert fleetlib.docker("inspect", cid, check=False).returncode != 0
     assert fleetlib.docker("network", "inspect", network, check=False).returncode != 0
+
+
+@pytest.mark.docker
+@pytest.mark.fleet
+def test_a_kept_store_outlives_its_host_with_what_clear_engine_kept(
+    tmp_path: Path, tiny_tar: tuple[str, Path]
+) -> None:
+    """A host's engine store on a named volume (docker_stores): clear_engine leaves the kept image and
+    no container, stop_engine ends the engine, and the next host on that volume finds exactly that."""
+    image_id, tarball = tiny_tar
+    volume = f"builder-test-store-{secrets.token_hex(4)}"
+    try:
+        fl = fleetlib.start_fleet(1, tmp_path / "first", docker_stores=[volume])
+        try:
+            fl.docker_load(0, tarball)
+            fl.exec(0, "docker run --name made builder-test-tiny:1 true && docker commit made other:1 >/dev/null")
+            fl.exec(0, "docker run -d --name web --network host builder-test-tiny:1 httpd -f -p 8081 -h /www")
+            assert len(fl.images(0)) == 2
+            fl.clear_engine(0, keep=[image_id])
+            assert fl.images(0) == {image_id}
+            assert fl.exec(0, "docker ps -aq").stdout.split() == []
+            fl.stop_engine(0)
+            assert fl.exec(0, "pgrep -x dockerd", check=False).returncode == 1
+        finally:
+            fl.teardown()
+        assert fleetlib.docker("volume", "inspect", volume, check=False).returncode == 0
+        fl = fleetlib.start_fleet(1, tmp_path / "second", docker_stores=[volume])
+        try:
+            assert fl.images(0) == {image_id}
+            assert fl.exec(0, "docker ps -aq").stdout.split() == []
+        finally:
+            fl.teardown()
+    finally:
+        fleetlib.docker("volume", "rm", "-f", volume, check=False)

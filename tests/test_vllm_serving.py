@@ -146,9 +146,10 @@ def _registry(workdir: Path, gateway: str) -> registrylib.Registry:
     return registrylib.start_registry(workdir, ip=gateway, tls=True)
 
 
-def _image(j: Journey, cost: dict[str, float]) -> None:
+def _image(j: Journey, cost: dict[str, float]) -> str:
     """`builder image` into the store kept across runs (built once per input address, then up to date at
-    once), its record and provenance then copied into this run's store, which deploys from it."""
+    once), its record and provenance then copied into this run's store, which deploys from it; the
+    image's ID."""
     cache = vllmlane.store_dir()
     t = time.monotonic()
     # --no-cache: the image is kept across runs by its input address, so its stages would never answer a
@@ -167,11 +168,14 @@ def _image(j: Journey, cost: dict[str, float]) -> None:
     say(f"builder image {vllmlane.IMAGE}: {cost['image_s']:.0f} s ({'built' if 'Step ' in p.stderr else 'up to date'}),"
         f" {cost['image_bytes'] / 1e9:.2f} GB in {len(rec['diff_ids'])} layers "
         f"({', '.join(f'{s / 1e9:.2f}' for s in rec['layer_sizes'])} GB)")
+    return str(rec["image_id"])
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """Two test hosts running the vllm-cpu lane, deployed once by `builder deploy` through the CLI."""
+    """Two test hosts running the vllm-cpu lane, deployed once by `builder deploy` through the CLI. The
+    hosts' image stores are the ones kept across runs (vllmlane.host_stores) when this run holds them:
+    cleared of everything but the lane's image before the deploy, of every container after."""
     _require()
     t0 = time.monotonic()
     cost: dict[str, float] = {}
@@ -183,45 +187,68 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     env = journeylib.builder_env(work)
     env["BUILDER_WHEELHOUSE"] = str(vllmconf.wheel_dir())
     keys = work / "keys"
-    fleet = fleetlib.start_fleet(2, work / "fleet")
-    try:
-        gateway = str(next(ipaddress.ip_network(fleet.subnet).hosts()))
-        with _registry(work / "registry", gateway) as reg:
-            assert reg.ca is not None
+    with vllmlane.host_stores(2) as stores:
+        fleet = fleetlib.start_fleet(2, work / "fleet", docker_stores=stores)
+        try:
+            yield from _serve(fleet, stores, root, env, keys, work, cost, t0)
+        finally:
+            fleetlib.close_kept_connections(work / "ssh")
+            if stores is not None:
+                _leave_stores(fleet)
+            fleet.teardown()
+
+
+def _serve(fleet: fleetlib.Fleet, stores: list[str] | None, root: Path, env: dict[str, str], keys: Path,
+           work: Path, cost: dict[str, float], t0: float) -> Iterator[Served]:
+    gateway = str(next(ipaddress.ip_network(fleet.subnet).hosts()))
+    with _registry(work / "registry", gateway) as reg:
+        assert reg.ca is not None
+        for h in fleet.hosts:
+            journeylib.prepare_host(fleet, h)
+            fleet.exec(h, f"mkdir -p /etc/docker/certs.d/{reg.addr}")
+            fleetlib.docker("cp", str(reg.ca), f"{h.container_name}:/etc/docker/certs.d/{reg.addr}/ca.crt")
+        shutil.copyfile(reg.ca, root / "hosts" / f"{FLEET}-ca.crt")
+        (root / "hosts" / f"{FLEET}.toml").write_text(journeylib.fleet_toml(
+            FLEET, LANE, fleet, keys, registry=reg.url, registry_ca=f"{FLEET}-ca.crt"))
+        j = Journey(root=root, fleet=fleet, name=FLEET, env=env, keys=keys)
+        t = time.monotonic()
+        j.builder("lock", "--offline", LANE, timeout=900)
+        cost["lock_s"] = time.monotonic() - t
+        j.builder("fetch", LANE, "--offline")
+        image_id = _image(j, cost)
+        if stores is not None:  # a kept store: what an earlier run left, the lane's image aside
             for h in fleet.hosts:
-                journeylib.prepare_host(fleet, h)
-                fleet.exec(h, f"mkdir -p /etc/docker/certs.d/{reg.addr}")
-                fleetlib.docker("cp", str(reg.ca), f"{h.container_name}:/etc/docker/certs.d/{reg.addr}/ca.crt")
-            shutil.copyfile(reg.ca, root / "hosts" / f"{FLEET}-ca.crt")
-            (root / "hosts" / f"{FLEET}.toml").write_text(journeylib.fleet_toml(
-                FLEET, LANE, fleet, keys, registry=reg.url, registry_ca=f"{FLEET}-ca.crt"))
-            j = Journey(root=root, fleet=fleet, name=FLEET, env=env, keys=keys)
-            t = time.monotonic()
-            j.builder("lock", "--offline", LANE, timeout=900)
-            cost["lock_s"] = time.monotonic() - t
-            j.builder("fetch", LANE, "--offline")
-            _image(j, cost)
-            j.builder("keygen", "--out", str(keys))
-            served = Served(j=j, reg=reg, head=fleet.hosts[0], api=f"http://{fleet.hosts[0].ip}:{vllmlane.SERVE['port']}",
-                            report={}, cost=cost)
-            mark = len(reg.requests())
-            t = time.monotonic()
-            rc, served.report = served.deploy()
-            cost["deploy_s"] = time.monotonic() - t
-            rep = served.report
-            assert rc == 0 and rep["result"] == "deployed", f"{rep.get('reason')}\n{j.last_stderr[-4000:]}"
-            cost["pulled_bytes"] = float(reg.blob_bytes_served(mark))
-            cost["pushed_blobs"] = float(reg.blob_puts(mark))
-            cost["setup_s"] = time.monotonic() - t0
-            say(f"lock {cost['lock_s']:.0f} s; first deploy {cost['deploy_s']:.0f} s: the hosts pulled "
-                f"{cost['pulled_bytes'] / 1e9:.2f} GB from the fleet registry, the push sent "
-                f"{cost['pushed_blobs']:.0f} blob(s); set-up in all {cost['setup_s']:.0f} s")
-            for line in served.timeline:
-                say(f"  {line[:200]}")
-            yield served
-    finally:
-        fleetlib.close_kept_connections(work / "ssh")
-        fleet.teardown()
+                fleet.clear_engine(h, keep=[image_id])
+            cost["kept_images"] = float(sum(image_id in fleet.images(h) for h in fleet.hosts))
+        j.builder("keygen", "--out", str(keys))
+        served = Served(j=j, reg=reg, head=fleet.hosts[0], api=f"http://{fleet.hosts[0].ip}:{vllmlane.SERVE['port']}",
+                        report={}, cost=cost)
+        mark = len(reg.requests())
+        t = time.monotonic()
+        rc, served.report = served.deploy()
+        cost["deploy_s"] = time.monotonic() - t
+        rep = served.report
+        assert rc == 0 and rep["result"] == "deployed", f"{rep.get('reason')}\n{j.last_stderr[-4000:]}"
+        cost["pulled_bytes"] = float(reg.blob_bytes_served(mark))
+        cost["pushed_blobs"] = float(reg.blob_puts(mark))
+        cost["setup_s"] = time.monotonic() - t0
+        kept = f" ({cost['kept_images']:.0f} of 2 held it from the last run)" if stores is not None else ""
+        say(f"lock {cost['lock_s']:.0f} s; first deploy {cost['deploy_s']:.0f} s: the hosts pulled "
+            f"{cost['pulled_bytes'] / 1e9:.2f} GB from the fleet registry{kept}, the push sent "
+            f"{cost['pushed_blobs']:.0f} blob(s); set-up in all {cost['setup_s']:.0f} s")
+        for line in served.timeline:
+            say(f"  {line[:200]}")
+        yield served
+
+
+def _leave_stores(fleet: fleetlib.Fleet) -> None:
+    """Each host's kept store left for the next run: its containers removed, its engine stopped."""
+    for h in fleet.hosts:
+        try:
+            fleet.clear_engine(h, keep=None)
+            fleet.stop_engine(h)
+        except (fleetlib.FleetError, subprocess.SubprocessError) as e:
+            say(f"{h.name}: its kept store was not left clean ({e}); the next run clears it")
 
 
 def test_vllm_serves_the_tiny_model_through_its_openai_server(served: Served) -> None:

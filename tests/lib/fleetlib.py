@@ -40,7 +40,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -398,6 +398,23 @@ class Fleet:
             raise FleetError(f"{h.name}: docker load {tarball}: {proc.stderr.strip()[-300:]}")
         return proc.stdout.strip()
 
+    def clear_engine(self, ref: HostRef, keep: Collection[str] | None = ()) -> None:
+        """Remove every container of the host's own engine, and every image but the IDs in ``keep``
+        (None: every image stays). A kept store (docker_stores) then holds what the next fleet needs
+        and nothing of this one's."""
+        self.exec(ref, 'ids=$(docker ps -aq) && { [ -z "$ids" ] || docker rm -f -v $ids >/dev/null; }', timeout=300)
+        if keep is None:
+            return
+        drop = sorted(self.images(ref) - set(keep))
+        if drop:
+            self.exec(ref, ["docker", "rmi", "-f", *drop], timeout=300)
+
+    def stop_engine(self, ref: HostRef, timeout: float = 60) -> None:
+        """Stop the host's own engine (SIGTERM, as a host shutting down does) and wait until it has
+        ended: a kept store is then left as the engine writes it on a clean stop."""
+        self.exec(ref, f"pkill -TERM -x dockerd; timeout {timeout:g} sh -c 'while pgrep -x dockerd >/dev/null; "
+                       "do sleep 0.2; done'", timeout=timeout + 30)
+
     def images(self, ref: HostRef) -> set[str]:
         """ImageIDs (sha256:...) in the host's own image store."""
         out = self.exec(ref, ["docker", "images", "-q", "--no-trunc"]).stdout
@@ -600,16 +617,21 @@ def start_fleet(
     timeout: float = 60,
     owner: str | None = None,
     labels: dict[str, str] | None = None,
+    docker_stores: Sequence[str] | None = None,
 ) -> Fleet:
     """Start n test hosts in parallel and return the running Fleet (use it as a context manager, or call
     teardown()). ``workdir`` receives id_ed25519(.pub), known_hosts and ssh_config. ``dockerd=False``
     skips each host's own Docker Engine (faster, ~70 MiB less per host). ``owner`` replaces the
     ``builder-test.owner`` label (HOST:PID of this process, which :func:`reap_stale` removes once the
     process is gone): a fleet meant to outlive this process names an owner that is not a HOST:PID.
-    ``labels`` are more labels for its containers and network. On any failure everything started is
-    removed before FleetError is raised."""
+    ``labels`` are more labels for its containers and network. ``docker_stores`` names a Docker volume
+    per host for its engine's store (/var/lib/docker), which outlives the fleet (the default: an
+    anonymous volume, removed with the host). On any failure everything started is removed before
+    FleetError is raised."""
     if n < 1:
         raise FleetError(f"n={n}: a fleet needs at least one host")
+    if docker_stores is not None and len(docker_stores) != n:
+        raise FleetError(f"docker_stores: {len(docker_stores)} volumes for {n} hosts")
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     tag = image or ensure_testhost_image(build=build)
@@ -679,8 +701,11 @@ def start_fleet(
         addrs = list(itertools.islice(ipaddress.ip_network(fleet.subnet).hosts(), 1, n + 1))
         ip_of = {name: str(addr) for name, addr in zip(host_names, addrs, strict=True)}
 
+        store_of = dict(zip(host_names, docker_stores, strict=True)) if docker_stores is not None else {}
+
         def run(name: str) -> str:
             left = list(drops)
+            store = ["-v", f"{store_of[name]}:/var/lib/docker"] if name in store_of else []
             while True:
                 caps = ["--cap-add", "ALL", *[a for c in left for a in ("--cap-drop", c)]]
                 proc = docker(
@@ -699,6 +724,7 @@ def start_fleet(
                     f"builder-test.host={name}",
                     *caps,
                     *sec,
+                    *store,
                     "-e",
                     f"TESTHOST_AUTHORIZED_KEY={pubkey}",
                     "-e",

@@ -25,7 +25,11 @@ wheel folder, tests/lib/vllmconf.py):
   the image record and its provenance by input address; the image itself stays in this machine's Docker
   Engine, tagged by its input address, so `builder image vllm-cpu` is up to date at once;
 - ``registry/``: the storage of the fleet registry the tests start (blobs by digest): `builder push`
-  finds every layer there and sends none.
+  finds every layer there and sends none;
+- the two test hosts' image stores: Docker volumes (``host_stores``, one per host, for its engine's
+  /var/lib/docker) that hold the image after a run, so the next run's hosts pull nothing either. A run
+  takes them under a lock and clears them first (every container, every image but the one it deploys);
+  a second run beside it gets fresh stores and pulls the image.
 Each run's own state (its project copy, fleet, bundles, keys, and the store it deploys from: the image
 record copied in from store/, the deploy journal, the serving records) stays in the test's temporary
 folder.
@@ -33,6 +37,7 @@ folder.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -40,11 +45,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.lib import factory, vllmconf
+from tests.lib import factory, fleetlib, vllmconf
 
 REPO = Path(__file__).resolve().parents[2]
 LANE = IMAGE = "vllm-cpu"
@@ -95,6 +100,32 @@ def store_dir() -> Path:
 def registry_storage() -> Path:
     """The fleet registry's storage these tests share across runs (blobs by digest)."""
     return cache_root() / "registry"
+
+
+#: the name of each kept host store starts so; the test host image's key and the host's number follow
+STORE_PREFIX = "builder-test-vllm-store-"
+
+
+@contextlib.contextmanager
+def host_stores(n: int) -> Iterator[list[str] | None]:
+    """The names of the ``n`` kept host stores (Docker volumes), held under a lock of this machine for
+    the duration; None when another run holds them (its fleet then starts with fresh stores). The
+    stores of another test host image are removed: its engine's store need not suit this one."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".host-stores.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield None
+            return
+        key = fleetlib.testhost_tag().rsplit(":", 1)[1]
+        names = [f"{STORE_PREFIX}{key}-{i}" for i in range(1, n + 1)]
+        listed = fleetlib.docker("volume", "ls", "-q", "--filter", f"name={STORE_PREFIX}").stdout.split()
+        stale = [v for v in listed if v.startswith(STORE_PREFIX) and not v.startswith(f"{STORE_PREFIX}{key}-")]
+        if stale:
+            fleetlib.docker("volume", "rm", "-f", *stale, check=False, timeout=600)
+        yield names
 
 
 def lane(head_extra: Sequence[str] = ()) -> dict[str, Any]:
