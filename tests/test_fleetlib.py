@@ -234,3 +234,30 @@ def test_a_kept_store_outlives_its_host_with_what_clear_engine_kept(
             fl.teardown()
     finally:
         fleetlib.docker("volume", "rm", "-f", volume, check=False)
+
+
+@pytest.mark.docker
+@pytest.mark.fleet
+def test_a_kept_store_whose_engine_cannot_start_is_made_again(tmp_path: Path) -> None:
+    """A kept store left broken (its engine's containers folder a file: dockerd ends at start) fails the
+    first start at once, naming the engine's end; start_on_stores then makes the store again, says so,
+    and the host's engine serves."""
+    volume = f"builder-test-store-{secrets.token_hex(4)}"
+    try:
+        fl = fleetlib.start_fleet(1, tmp_path / "first", docker_stores=[volume])
+        try:
+            fl.stop_engine(0)
+            fl.exec(0, "rm -rf /var/lib/docker/containers && echo broken > /var/lib/docker/containers")
+        finally:
+            fl.teardown()
+        with pytest.raises(fleetlib.FleetError, match="inner dockerd ended"):
+            fleetlib.start_fleet(1, tmp_path / "broken", docker_stores=[volume])
+        said: list[str] = []
+        fl = fleetlib.start_on_stores(1, tmp_path / "second", [volume], on_remade=said.append)
+        try:
+            assert fl.exec(0, "docker info --format '{{.Containers}}'").stdout.strip() == "0"
+            assert len(said) == 1 and "made again" in said[0] and "inner dockerd ended" in said[0], said
+        finally:
+            fl.teardown()
+    finally:
+        fleetlib.docker("volume", "rm", "-f", volume, check=False)

@@ -188,7 +188,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     env["BUILDER_WHEELHOUSE"] = str(vllmconf.wheel_dir())
     keys = work / "keys"
     with vllmlane.host_stores(2) as stores:
-        fleet = fleetlib.start_fleet(2, work / "fleet", docker_stores=stores)
+        fleet = fleetlib.start_on_stores(2, work / "fleet", stores, on_remade=say)
         try:
             yield from _serve(fleet, stores, root, env, keys, work, cost, t0)
         finally:

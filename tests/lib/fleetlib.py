@@ -40,7 +40,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -381,12 +381,18 @@ class Fleet:
     def wait_docker(self, ref: HostRef, timeout: float = 60) -> None:
         h = self.host(ref)
         deadline = time.monotonic() + timeout
+        # (a dockerd that has written to its log and is no longer running has ended, and no wait brings
+        # it up; an empty log: not yet started)
+        probe = ("docker version -f '{{.Server.Version}}' >/dev/null 2>&1 || "
+                 "{ pgrep -x dockerd >/dev/null || ! [ -s /var/log/dockerd.log ] || exit 3; exit 1; }")
         while True:
-            if self.exec(h, ["docker", "version", "-f", "{{.Server.Version}}"], check=False).returncode == 0:
+            rc = self.exec(h, probe, check=False).returncode
+            if rc == 0:
                 return
-            if time.monotonic() > deadline:
+            if rc == 3 or time.monotonic() > deadline:
                 log = self.exec(h, "tail -n 5 /var/log/dockerd.log", check=False).stdout.strip()
-                raise FleetError(f"{h.name}: inner dockerd not ready after {timeout}s: {log[-300:]}")
+                why = "ended" if rc == 3 else f"not ready after {timeout}s"
+                raise FleetError(f"{h.name}: inner dockerd {why}: {log[-300:]}")
             time.sleep(0.2)
 
     def docker_load(self, ref: HostRef, tarball: Path) -> str:
@@ -770,6 +776,30 @@ def start_fleet(
         fleet.teardown()
         raise
     return fleet
+
+
+def start_on_stores(n: int, workdir: Path | str, stores: Sequence[str] | None,
+                    on_remade: Callable[[str], None] | None = None) -> Fleet:
+    """start_fleet with each host's engine store on the kept volume of ``stores`` (None: fresh ones),
+    every container in them removed. A store whose engine does not start, or whose containers cannot be
+    removed (a run killed half-way through a pull, say), is removed and made again, ``on_remade`` told
+    why: one bad run must not fail every run after it."""
+    if stores is None:
+        return start_fleet(n, workdir)
+    try:
+        fleet = start_fleet(n, workdir, docker_stores=stores)
+        try:
+            for h in fleet.hosts:
+                fleet.clear_engine(h, keep=None)
+        except FleetError:
+            fleet.teardown()
+            raise
+        return fleet
+    except FleetError as e:
+        if on_remade is not None:
+            on_remade(f"the kept engine stores are made again: {e}")
+        docker("volume", "rm", "-f", *stores, check=False, timeout=600)
+        return start_fleet(n, workdir, docker_stores=stores)
 
 
 def _ssh_block(h: Host, fleet: Fleet, control: bool = True) -> str:
