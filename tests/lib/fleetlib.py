@@ -159,7 +159,17 @@ def tiny_image(
             lines.append(f"LABEL {key}={shlex.quote(value)}")
         lines.append('ENTRYPOINT ["/bin/busybox"]')
         (ctx / "Dockerfile").write_text("\n".join(lines) + "\n")
-        docker("build", "-q", "-t", tag, str(ctx), timeout=300)
+        # The engine's classic builder answers a step from its cache with an untagged image that other
+        # tiny images share as their parent; a test removing its own tiny image removes that parent too
+        # once it has no other child, and a build that took it from the cache then fails ("unknown
+        # parent image ID"). Built again, the step finds no such image in the cache and makes its own.
+        for attempt in range(3):
+            proc = docker("build", "-q", "-t", tag, str(ctx), timeout=300, check=False)
+            if proc.returncode == 0:
+                break
+            last = proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+            if attempt == 2 or not re.search(r"unknown parent image ID|No such image", proc.stderr):
+                raise FleetError(f"docker build {tag}: {last[0]}")
     return docker("image", "inspect", "-f", "{{.Id}}", tag).stdout.strip()
 
 
